@@ -1,0 +1,3 @@
+"""mlxdist: expert-parallel Mixture-of-Experts inference on MLX over MPI."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,69 @@
+"""Control messages: what rank 0 tells the other ranks to do.
+
+A command is plain JSON with a protocol version, broadcast from rank 0 with
+``bcast_bytes``; nothing on the wire is ever unpickled. A rank that receives
+something it cannot parse, a newer protocol, or an unknown op raises
+``ProtocolError``, and the job stops cleanly.
+"""
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, Optional
+
+from .mpi import World, bcast_bytes
+
+PROTOCOL_VERSION = 1
+
+LOAD = "load"
+GENERATE = "generate"
+SHUTDOWN = "shutdown"
+OPS = (LOAD, GENERATE, SHUTDOWN)
+
+
+class ProtocolError(RuntimeError):
+    pass
+
+
+@dataclass
+class Command:
+    """One control message: ``op`` and its arguments.
+
+    LOAD: model, dispatch, placement (a placement JSON object or None),
+    rank0_experts. GENERATE: prompt (token ids), sampling parameters.
+    SHUTDOWN: exit_code, error (a one-line message or None).
+    """
+
+    op: str
+    args: Dict[str, Any] = field(default_factory=dict)
+    version: int = PROTOCOL_VERSION
+
+
+def encode(command: Command) -> bytes:
+    return json.dumps(asdict(command), separators=(",", ":")).encode()
+
+
+def decode(data: bytes) -> Command:
+    try:
+        obj = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ProtocolError(f"control message is not JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise ProtocolError("control message is not a JSON object")
+    version = obj.get("version")
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(
+            f"control protocol version {version!r}, this rank speaks "
+            f"{PROTOCOL_VERSION} (mixed mlxdist versions?)"
+        )
+    op = obj.get("op")
+    if op not in OPS:
+        raise ProtocolError(f"unknown command {op!r}")
+    args = obj.get("args", {})
+    if not isinstance(args, dict):
+        raise ProtocolError(f"arguments of {op!r} are not a JSON object")
+    return Command(op, args, version)
+
+
+def broadcast(world: World, command: Optional[Command] = None) -> Command:
+    """Rank 0 passes ``command``; every rank returns the decoded command."""
+    return decode(bcast_bytes(world, encode(command) if world.is_root else None))

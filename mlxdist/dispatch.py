@@ -1,0 +1,255 @@
+"""Moving (row, expert) slots to the ranks that own the experts, and back.
+
+Notation: T tokens (rows) in the layer's input, K experts per token, D model
+width, S = T * K slots, E experts in the layer.
+
+    DistributedSwitch(x [.., D], inds [.., K])
+      batch, handle = dispatcher.dispatch(shard, x, inds)   # who computes what
+      y_local       = experts(batch.x, batch.inds)          # this rank's experts
+      y             = dispatcher.combine(y_local, handle)   # [.., K, D], every slot
+
+Two transports, one interface, chosen by name in ``make_dispatcher``:
+
+- ``collective``: every rank holds the whole input. Each rank runs its experts
+  on every slot (slots of experts it does not own are pointed at an expert it
+  does own, so shapes never depend on the routing), zeroes the slots it does
+  not own, and one ``all_sum`` per layer adds the disjoint slots. x + 0 == x,
+  so the result is bit-identical to one process, and the graph stays lazy.
+- ``p2p``: only rank 0 runs the dense model. It reads the routing back to the
+  host, posts a non-blocking send of each owner's (row, expert) batch, runs
+  its own experts meanwhile, then puts each returned slot back in place.
+  Workers hold experts and nothing else (``serve_experts``).
+
+With one rank both are identities: the expert module sees the input as is.
+"""
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+import mlx.core as mx
+import numpy as np
+
+from .mpi import World
+
+TAG_EXPERTS = 17
+TAG_RESULT = 18
+OP_EXPERTS = 1
+OP_DONE = 2
+_HEADER = 5  # int32: op, layer, dtype code, count, D
+
+_WIRE_DTYPES = [mx.float32, mx.float16, mx.bfloat16]
+_NP_DTYPES = {mx.float32: np.float32, mx.float16: np.float16, mx.bfloat16: np.uint16}
+
+
+def to_numpy(a: mx.array) -> np.ndarray:
+    """The array's bits as numpy (bfloat16 travels as uint16)."""
+    return np.asarray(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a)
+
+
+def from_numpy(a: np.ndarray, dtype: mx.Dtype) -> mx.array:
+    out = mx.array(a)
+    return out.view(dtype) if dtype == mx.bfloat16 else out
+
+
+@dataclass(frozen=True)
+class ExpertShard:
+    """One MoE layer as one rank sees it."""
+
+    layer: int
+    owner: np.ndarray  # [E] rank owning each expert
+    local_index: np.ndarray  # [E] position of each expert in its owner's stack
+    rank: int
+
+    @property
+    def owned(self) -> List[int]:
+        return np.flatnonzero(self.owner == self.rank).tolist()
+
+    @classmethod
+    def build(cls, layer: int, owners: List[int], rank: int) -> "ExpertShard":
+        owner = np.asarray(owners, dtype=np.int32)
+        local_index = np.zeros(len(owners), dtype=np.int32)
+        for r in np.unique(owner):
+            held = np.flatnonzero(owner == r)
+            local_index[held] = np.arange(held.size, dtype=np.int32)
+        return cls(layer, owner, local_index, rank)
+
+
+@dataclass
+class ExpertBatch:
+    x: mx.array  # [.., D]
+    inds: mx.array  # [.., k] local expert ids
+
+
+@dataclass
+class ExchangeStats:
+    """Counters a dispatcher keeps: what moved, and how long rank 0 waited."""
+
+    layers: int = 0
+    slots_local: int = 0
+    slots_remote: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    wait_seconds: float = 0.0
+
+    def as_dict(self) -> Dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass(frozen=True)
+class CollectiveHandle:
+    owned: mx.array  # [.., K] bool, slots this rank computed
+    out_shape: Tuple[int, ...]  # [.., K, D]
+    dtype: mx.Dtype
+
+
+class CollectiveDispatcher:
+    name = "collective"
+
+    def __init__(self, world: World):
+        self.world = world
+        self.stats = ExchangeStats()
+        self._tables: Dict[int, Tuple[mx.array, mx.array]] = {}
+
+    def _table(self, shard: ExpertShard) -> Tuple[mx.array, mx.array]:
+        if shard.layer not in self._tables:
+            owned = shard.owner == shard.rank
+            # Slots of experts held elsewhere are pointed at local expert 0:
+            # computed, then zeroed, so shapes never depend on the routing.
+            self._tables[shard.layer] = (
+                mx.array(np.where(owned, shard.local_index, 0)),
+                mx.array(owned),
+            )
+        return self._tables[shard.layer]
+
+    def dispatch(self, shard: ExpertShard, x: mx.array, inds: mx.array):
+        if self.world.size == 1:
+            return ExpertBatch(x, inds), None
+        local_index, owned = self._table(shard)
+        handle = CollectiveHandle(owned[inds], inds.shape + x.shape[-1:], x.dtype)
+        return ExpertBatch(x, local_index[inds]), handle
+
+    def combine(self, y: Optional[mx.array], handle: Optional[CollectiveHandle]):
+        if handle is None:
+            return y
+        if y is None:  # this rank owns no expert of the layer
+            y = mx.zeros(handle.out_shape, dtype=handle.dtype)
+        else:
+            y = mx.where(handle.owned[..., None], y, mx.array(0, dtype=y.dtype))
+        self.stats.layers += 1
+        self.stats.bytes_sent += y.nbytes
+        return mx.distributed.all_sum(y, group=self.world.group)
+
+    def finish(self) -> None:
+        pass
+
+
+@dataclass
+class P2PHandle:
+    out_shape: Tuple[int, ...]  # [.., K, D]
+    dtype: mx.Dtype
+    mine: np.ndarray  # [s0] slots rank 0 computes
+    pending: List[Tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
+    requests: List[Any] = field(default_factory=list)
+
+
+def _pack(op: int, layer: int, dtype: mx.Dtype, idx: np.ndarray, x: np.ndarray) -> np.ndarray:
+    count, d = x.shape if x.ndim == 2 else (0, 0)
+    header = np.array([op, layer, _WIRE_DTYPES.index(dtype), count, d], dtype=np.int32)
+    return np.concatenate(
+        [header.view(np.uint8), idx.astype(np.int32).view(np.uint8), x.reshape(-1).view(np.uint8)]
+    )
+
+
+class P2PDispatcher:
+    name = "p2p"
+
+    def __init__(self, world: World):
+        self.world = world
+        self.stats = ExchangeStats()
+
+    def dispatch(self, shard: ExpertShard, x: mx.array, inds: mx.array):
+        if self.world.size == 1:
+            return ExpertBatch(x, inds), None
+        D, K = x.shape[-1], inds.shape[-1]
+        mx.eval(x, inds)
+        xs = x.reshape(-1, D)  # [.., D] -> [T, D]
+        flat = np.asarray(inds).reshape(-1)  # [.., K] -> [S]
+        owner = shard.owner[flat]  # [S]
+        local = shard.local_index[flat]  # [S]
+        x_np = to_numpy(xs)  # [T, D]
+        handle = P2PHandle(inds.shape + (D,), x.dtype, np.flatnonzero(owner == 0))
+        comm = self.world.comm
+        for rank in range(1, self.world.size):
+            slots = np.flatnonzero(owner == rank)
+            if slots.size == 0:
+                continue
+            msg = _pack(OP_EXPERTS, shard.layer, x.dtype, local[slots], x_np[slots // K])
+            handle.requests.append(comm.Isend(msg, dest=rank, tag=TAG_EXPERTS))
+            out = np.empty((slots.size, D), dtype=x_np.dtype)
+            handle.requests.append(comm.Irecv(out, source=rank, tag=TAG_RESULT))
+            handle.pending.append((slots, out))
+            self.stats.bytes_sent += msg.nbytes
+            self.stats.bytes_received += out.nbytes
+        self.stats.layers += 1
+        self.stats.slots_local += handle.mine.size
+        self.stats.slots_remote += flat.size - handle.mine.size
+        if handle.mine.size == 0:
+            return None, handle
+        rows = mx.array(handle.mine // K)
+        batch = ExpertBatch(xs[rows], mx.array(local[handle.mine])[:, None])  # [s0, D], [s0, 1]
+        return batch, handle
+
+    def combine(self, y: Optional[mx.array], handle: Optional[P2PHandle]):
+        if handle is None:
+            return y
+        D = handle.out_shape[-1]
+        out = np.empty((int(np.prod(handle.out_shape[:-1])), D), dtype=_NP_DTYPES[handle.dtype])
+        if y is not None:
+            out[handle.mine] = to_numpy(y.reshape(-1, D))  # [s0, 1, D] -> [s0, D]
+        tic = time.perf_counter()
+        from mpi4py import MPI
+
+        MPI.Request.Waitall(handle.requests)
+        self.stats.wait_seconds += time.perf_counter() - tic
+        for slots, result in handle.pending:
+            out[slots] = result
+        return from_numpy(out, handle.dtype).reshape(handle.out_shape)  # [S, D] -> [.., K, D]
+
+    def finish(self) -> None:
+        """Release the workers from ``serve_experts`` (end of a generation)."""
+        for rank in range(1, self.world.size):
+            msg = _pack(OP_DONE, -1, mx.float32, np.zeros(0, np.int32), np.zeros((0, 0), np.float32))
+            self.world.comm.Send(msg, dest=rank, tag=TAG_EXPERTS)
+
+
+def serve_experts(world: World, experts: Dict[int, Any]) -> int:
+    """A p2p worker's loop: run the owned experts on each batch rank 0 sends
+    until it says DONE. Returns the number of batches served."""
+    from mpi4py import MPI
+
+    comm, status, served = world.comm, MPI.Status(), 0
+    while True:
+        comm.Probe(source=0, tag=TAG_EXPERTS, status=status)
+        msg = np.empty(status.Get_count(MPI.BYTE), dtype=np.uint8)
+        comm.Recv(msg, source=0, tag=TAG_EXPERTS)
+        op, layer, code, count, D = map(int, msg[: 4 * _HEADER].view(np.int32))
+        if op == OP_DONE:
+            return served
+        dtype = _WIRE_DTYPES[code]
+        idx_end = 4 * _HEADER + 4 * count
+        idx = mx.array(msg[4 * _HEADER : idx_end].view(np.int32))[:, None]  # [s, 1]
+        x = from_numpy(msg[idx_end:].view(_NP_DTYPES[dtype]).reshape(count, D), dtype)
+        y = experts[layer](x, idx)  # [s, 1, D]
+        comm.Send(to_numpy(y.reshape(count, D)), dest=0, tag=TAG_RESULT)
+        served += 1
+
+
+DISPATCHERS = {"collective": CollectiveDispatcher, "p2p": P2PDispatcher}
+
+
+def make_dispatcher(name: str, world: World):
+    """The one place a transport is chosen by name."""
+    if name not in DISPATCHERS:
+        raise ValueError(f"unknown dispatch mode {name!r} (choose {', '.join(DISPATCHERS)})")
+    return DISPATCHERS[name](world)

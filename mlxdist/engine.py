@@ -1,0 +1,190 @@
+"""What one rank holds after LOAD, and how it takes part in a generation.
+
+Loading: mlx-lm builds the model lazily; each MoE layer's expert module is
+replaced by a ``DistributedSwitch`` holding this rank's experts; then only
+what this rank runs is evaluated (read from disk). Generation reuses
+mlx-lm's ``stream_generate`` (prefill in chunks, KV caches, samplers,
+detokenizers) on every rank that runs the dense model.
+"""
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+from mlx_lm.generate import GenerationResponse, stream_generate
+from mlx_lm.sample_utils import make_sampler
+from mlx_lm.utils import load_model, load_tokenizer
+
+from .dispatch import ExpertShard, make_dispatcher, serve_experts
+from .loader import LoadError, find_switch_sites, nbytes, read_safetensors_index, slice_experts
+from .moe import DistributedSwitch
+from .mpi import World
+from .placement import Placement, resolve_placement
+
+
+class UserError(Exception):
+    """A problem with the user's input: reported in one line, no traceback."""
+
+
+def resolve_model_path(model: str) -> Path:
+    """A local folder, or a hub id fetched into the hub cache."""
+    path = Path(model).expanduser()
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise UserError(f"{path} has no config.json: not an mlx-lm model folder")
+        return path
+    if model.startswith((".", "/", "~")) or model.count("/") != 1:
+        raise UserError(f"model path {model} does not exist")
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(
+            snapshot_download(
+                model,
+                allow_patterns=["*.json", "model*.safetensors", "*.py", "tokenizer.model", "*.tiktoken", "*.txt", "*.jinja"],
+            )
+        )
+    except Exception as e:
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise UserError(f"cannot fetch {model!r} from the Hugging Face hub: {reason}") from None
+
+
+@dataclass
+class SamplingParams:
+    """What GENERATE carries besides the prompt; validated on rank 0."""
+
+    max_tokens: int = 64
+    temp: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: Optional[int] = None
+    prefill_step_size: int = 2048
+
+    def validate(self) -> None:
+        if not self.max_tokens >= 1:
+            raise UserError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if not self.temp >= 0:
+            raise UserError(f"temperature must be >= 0, got {self.temp}")
+        if not 0 < self.top_p <= 1:
+            raise UserError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not self.top_k >= 0:
+            raise UserError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise UserError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not self.prefill_step_size >= 1:
+            raise UserError(f"prefill_step_size must be >= 1, got {self.prefill_step_size}")
+
+    def sampler(self):
+        return make_sampler(self.temp, top_p=self.top_p, min_p=self.min_p, top_k=self.top_k)
+
+
+@dataclass
+class Engine:
+    """A loaded model on one rank.
+
+    ``model`` is None on p2p workers, which hold ``experts`` only.
+    """
+
+    world: World
+    dispatch: str
+    placement: Placement
+    config: Dict[str, Any]
+    model: Optional[nn.Module]
+    tokenizer: Any
+    experts: Dict[int, nn.Module]
+    dispatcher: Any
+    memory: Dict[str, int] = field(default_factory=dict)
+
+    @property
+    def runs_dense(self) -> bool:
+        return self.model is not None
+
+    @property
+    def context_length(self) -> Optional[int]:
+        cfg = self.config.get("text_config", self.config)
+        return cfg.get("max_position_embeddings")
+
+    def generate(self, prompt: List[int], params: SamplingParams) -> Iterator[GenerationResponse]:
+        """mlx-lm's ``stream_generate`` through the distributed experts.
+
+        Called on every rank that runs the dense model (all ranks in the
+        collective mode, rank 0 in p2p): each takes identical decisions
+        because each sees identical logits and the same seed.
+        """
+        mx.random.seed(params.seed if params.seed is not None else 0)
+        try:
+            yield from stream_generate(
+                self.model,
+                self.tokenizer,
+                mx.array(prompt),
+                max_tokens=params.max_tokens,
+                sampler=params.sampler(),
+                prefill_step_size=params.prefill_step_size,
+            )
+        finally:
+            self.dispatcher.finish()
+
+    def serve(self) -> None:
+        """A p2p worker's part in one generation."""
+        serve_experts(self.world, self.experts)
+
+
+def load_engine(
+    world: World,
+    model: str,
+    dispatch: str = "collective",
+    placement: Optional[dict] = None,
+    rank0_experts: bool = True,
+) -> Engine:
+    """Build this rank's part of the model (see the module's docstring)."""
+    path = resolve_model_path(model)
+    try:
+        lazy_model, config = load_model(path, lazy=True)
+    except (ValueError, FileNotFoundError, OSError) as e:
+        raise UserError(f"cannot load {path}: {str(e).splitlines()[0]}") from None
+    sites = find_switch_sites(lazy_model)
+    if not sites:
+        raise UserError(
+            f"{path} ({config.get('model_type')}) has no MoE layers with "
+            f"SwitchGLU/SwitchMLP experts: nothing to distribute"
+        )
+    experts_per_layer = {s.layer: s.num_experts for s in sites}
+    plan = resolve_placement(placement, experts_per_layer, world.size, rank0_experts)
+    dispatcher = make_dispatcher(dispatch, world)
+    runs_dense = dispatch == "collective" or world.is_root
+
+    index = read_safetensors_index(path)
+    experts = {}
+    for site in sites:
+        shard = ExpertShard.build(site.layer, plan.layers[site.layer], world.rank)
+        owned = shard.owned
+        local = slice_experts(site, owned, index) if owned else None
+        if local is not None:
+            mx.eval(local.parameters())
+            experts[site.layer] = local
+        setattr(site.parent, site.attr, DistributedSwitch(shard, local, dispatcher))
+
+    expert_bytes = sum(nbytes(e.parameters()) for e in experts.values())
+    tokenizer = None
+    if runs_dense:
+        mx.eval(lazy_model.parameters())
+        tokenizer = load_tokenizer(path)
+        dense_bytes = nbytes(lazy_model.parameters()) - expert_bytes
+    else:
+        lazy_model, dense_bytes = None, 0
+    return Engine(
+        world,
+        dispatch,
+        plan,
+        config,
+        lazy_model,
+        tokenizer,
+        experts,
+        dispatcher,
+        memory={"expert_bytes": expert_bytes, "dense_bytes": dense_bytes},
+    )

