@@ -99,6 +99,7 @@ class Engine:
     experts: Dict[int, nn.Module]
     dispatcher: Any
     memory: Dict[str, int] = field(default_factory=dict)
+    memory_by_rank: List[Dict[str, int]] = field(default_factory=list)
 
     @property
     def runs_dense(self) -> bool:

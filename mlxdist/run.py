@@ -8,10 +8,10 @@ every rank; an unexpected error aborts the whole MPI job.
 
 import argparse
 import json
+import os
 import random
 import sys
-import time
-from typing import List, Optional
+from typing import Iterator, List, Optional
 
 import mlx.core as mx
 
@@ -59,15 +59,23 @@ def _load(world: World, command: Command) -> Optional[Engine]:
         error = str(e).splitlines()[0] if str(e) else type(e).__name__
     except Exception as e:  # a corrupt file fails deep inside mlx / tokenizers
         error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-    errors = allgather_json(world, error)
-    failed = [(r, e) for r, e in enumerate(errors) if e]
-    if failed:
+    reports = allgather_json(world, {"error": error, "memory": engine.memory if engine else None})
+    errors = [r["error"] for r in reports]
+    if any(errors):
         if world.is_root:
-            rank, message = failed[0]
-            where = f" (rank {rank})" if world.size > 1 else ""
-            _fail(f"{message}{where}")
+            _fail(_describe_errors(errors))
         return None
+    engine.memory_by_rank = [r["memory"] for r in reports]
     return engine
+
+
+def _describe_errors(errors: List[Optional[str]]) -> str:
+    """One line: the first error, naming the ranks that hit it where not all did."""
+    first = next(e for e in errors if e)
+    ranks = [r for r, e in enumerate(errors) if e == first]
+    if len(ranks) == len(errors):
+        return first
+    return f"{first} (rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))})"
 
 
 def _generate(world: World, engine: Engine, command: Command) -> Optional[dict]:
@@ -102,6 +110,9 @@ def _generate(world: World, engine: Engine, command: Command) -> Optional[dict]:
         "generation_tps": last.generation_tps if last else 0.0,
         "finish_reason": last.finish_reason if last else None,
         "peak_memory_gb": [p / 1e9 for p in peaks],
+        "weights_gb": [
+            {k.replace("_bytes", ""): v / 1e9 for k, v in m.items()} for m in engine.memory_by_rank
+        ],
         "dispatch": engine.dispatch,
         "num_ranks": world.size,
         "_logprobs": logprobs,
@@ -121,12 +132,23 @@ def serve(world: World) -> int:
             _generate(world, engine, command)
 
 
-def _prompts(args) -> List[Optional[str]]:
+def _stdin():
+    """Rank 0's standard input: the FIFO ``launch/mpirun`` hands it, where
+    set, since Open MPI 5 forwards stdin lines to rank 0 but never their EOF
+    (with plain mpirun, end the input with a line reading /exit)."""
+    path = os.environ.get("MLXDIST_STDIN")
+    return open(path) if path else sys.stdin
+
+
+def _prompts(args) -> Iterator[str]:
+    """--prompt, or one prompt per line of stdin until EOF or /exit."""
     if args.prompt is not None:
         yield args.prompt
         return
-    for line in sys.stdin:
+    for line in _stdin():
         line = line.rstrip("\n")
+        if line.strip() == "/exit":
+            return
         if line.strip():
             yield line
 
@@ -156,6 +178,13 @@ def command_loop(world: World, args) -> int:
         commands.broadcast(world, Command(commands.SHUTDOWN, {"exit_code": code}))
         return code
 
+    seed = args.seed if args.seed is not None else random.randrange(2**31)
+    params = SamplingParams(args.max_tokens, args.temp, args.top_p, args.top_k, args.min_p, seed, args.prefill_step_size)
+    try:
+        params.validate()
+    except UserError as e:
+        _fail(str(e))
+        return shutdown(1)
     placement = None
     if args.placement:
         try:
@@ -178,12 +207,9 @@ def command_loop(world: World, args) -> int:
     if args.save_placement:
         engine.placement.save(args.save_placement)
 
-    seed = args.seed if args.seed is not None else random.randrange(2**31)
-    params = SamplingParams(args.max_tokens, args.temp, args.top_p, args.top_k, args.min_p, seed, args.prefill_step_size)
     all_logprobs = []
     for text in _prompts(args):
         try:
-            params.validate()
             prompt = _encode_prompt(engine, text, args.chat)
             limit = engine.context_length
             if limit is not None and len(prompt) + params.max_tokens > limit:

@@ -5,6 +5,8 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
+import threading
 from pathlib import Path
 
 import pytest
@@ -32,17 +34,31 @@ def mpirun_env() -> dict:
 def launch(np_: int, args, timeout: float = 120, input: str = None, module: str = "mlxdist.run"):
     """Run ``python -m module args`` on ``np_`` ranks (no mpirun for np_ = 0)."""
     cmd = [sys.executable, "-m", module, *map(str, args)]
+    env = mpirun_env()
     if np_ > 0:
-        cmd = [MPIRUN, "-np", str(np_), "--oversubscribe", "--bind-to", "none", *cmd]
-    return subprocess.run(
-        cmd,
-        input=input,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=mpirun_env(),
-        cwd=ROOT,
-    )
+        cmd = [MPIRUN, "-np", str(np_), "--oversubscribe", "--bind-to", "none", "--stdin", "none", *cmd]
+    if input is None or np_ == 0:
+        return subprocess.run(
+            cmd, input=input, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT
+        )
+    # Open MPI 5 never forwards stdin's EOF: hand rank 0 a FIFO, as launch/mpirun does.
+    with tempfile.TemporaryDirectory() as tmp:
+        fifo = os.path.join(tmp, "stdin")
+        os.mkfifo(fifo)
+        env["MLXDIST_STDIN"] = fifo
+
+        def feed():
+            with open(fifo, "w") as f:
+                f.write(input)
+
+        feeder = threading.Thread(target=feed, daemon=True)
+        feeder.start()
+        try:
+            return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+        finally:
+            if feeder.is_alive():  # rank 0 never opened it: unblock the writer
+                with open(fifo, "r"):
+                    pass
 
 
 def last_json(stdout: str) -> dict:
@@ -60,7 +76,7 @@ def checkpoint(tmp_path_factory):
     from mlxdist.synth import write_checkpoint
 
     def get(preset: str, bits=None, **kw) -> Path:
-        key = (preset, bits, tuple(sorted(kw.items())))
+        key = (preset, bits, json.dumps(kw, sort_keys=True))
         if key not in _CHECKPOINTS:
             path = tmp_path_factory.mktemp(f"{preset}-{bits or 'f32'}")
             _CHECKPOINTS[key] = write_checkpoint(path, preset, quantize_bits=bits, **kw)

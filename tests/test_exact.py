@@ -3,6 +3,8 @@ and logit for logit, for every architecture, dispatch mode, quantization and
 world size. mlxdist runs for real under mpirun; the reference is mlx-lm's own
 stream_generate in this process."""
 
+import json
+
 import numpy as np
 import pytest
 
@@ -69,3 +71,13 @@ def test_runs_without_mpirun(checkpoint, tmp_path):
     proc = launch(0, ["--model", path, "--prompt", PROMPT, "--max-tokens", MAX_TOKENS, "--json"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert last_json(proc.stdout)["tokens"] == reference(path)[0]
+
+
+def test_prompts_from_stdin_keep_the_model_loaded(checkpoint):
+    path = checkpoint("qwen3_moe")
+    proc = launch(2, ["--model", path, "--max-tokens", MAX_TOKENS, "--json"], input=f"{PROMPT}\n\n{PROMPT}\n")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = [l for l in proc.stdout.splitlines() if l.startswith("{")]
+    assert len(results) == 2
+    for line in results:
+        assert json.loads(line)["tokens"] == reference(path)[0]

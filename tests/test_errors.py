@@ -1,0 +1,82 @@
+"""Bad input: one clear line on rank 0, every rank exits non-zero, no hang
+and no traceback. Each case runs for real under mpirun with a timeout."""
+
+import json
+
+import pytest
+
+from conftest import launch
+
+NP = 2
+
+
+def run_bad(args, nranks=NP, timeout=90):
+    proc = launch(nranks, args, timeout=timeout)
+    assert proc.returncode != 0, proc.stdout
+    assert "Traceback" not in proc.stderr, proc.stderr
+    errors = [l for l in proc.stderr.splitlines() if l.startswith("mlxdist: error:")]
+    assert len(errors) == 1, proc.stderr
+    return errors[0]
+
+
+def test_missing_model_path():
+    assert "does not exist" in run_bad(["--model", "/no/such/model", "--prompt", "hi"])
+
+
+def test_hub_id_that_cannot_be_fetched():
+    line = run_bad(["--model", "no-such-org/no-such-model", "--prompt", "hi"])
+    assert "cannot fetch 'no-such-org/no-such-model'" in line
+
+
+def test_dense_model_is_refused(checkpoint):
+    line = run_bad(["--model", checkpoint("dense"), "--prompt", "hi"])
+    assert "no MoE layers" in line
+
+
+def test_malformed_placement(checkpoint, tmp_path):
+    bad = tmp_path / "p.json"
+    bad.write_text("{oops")
+    line = run_bad(["--model", checkpoint("qwen3_moe"), "--prompt", "hi", "--placement", bad])
+    assert "not JSON" in line
+
+
+def test_placement_for_other_world_size(checkpoint, tmp_path):
+    path = checkpoint("qwen3_moe")
+    saved = tmp_path / "p.json"
+    proc = launch(3, ["--model", path, "--prompt", "hi", "--max-tokens", 2, "--save-placement", saved])
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(saved.read_text())["num_ranks"] == 3
+    line = run_bad(["--model", path, "--prompt", "hi", "--placement", saved])
+    assert "placement is for 3 ranks, the job has 2" in line
+
+
+def test_placement_with_missing_expert_owner(checkpoint, tmp_path):
+    path = checkpoint("qwen3_moe")
+    saved = tmp_path / "p.json"
+    assert launch(NP, ["--model", path, "--prompt", "hi", "--max-tokens", 2, "--save-placement", saved]).returncode == 0
+    placement = json.loads(saved.read_text())
+    first = next(iter(placement["layers"]))
+    placement["layers"][first][0] = 7
+    saved.write_text(json.dumps(placement))
+    assert "owner rank 7 does not exist" in run_bad(["--model", path, "--prompt", "hi", "--placement", saved])
+
+
+def test_prompt_longer_than_context(checkpoint):
+    path = checkpoint("qwen3_moe")
+    limit = json.loads((path / "config.json").read_text())["max_position_embeddings"]
+    line = run_bad(["--model", path, "--prompt", "word " * (limit + 10)])
+    assert "exceeds the model's context" in line
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--temp", "-0.5"], "temperature must be >= 0"),
+        (["--top-p", "0"], "top_p must be in (0, 1]"),
+        (["--top-p", "1.5"], "top_p must be in (0, 1]"),
+        (["--max-tokens", "0"], "max_tokens must be at least 1"),
+    ],
+)
+def test_invalid_sampling_parameters(checkpoint, flags, message):
+    line = run_bad(["--model", checkpoint("qwen3_moe"), "--prompt", "hi", *flags])
+    assert message in line

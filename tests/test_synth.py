@@ -1,0 +1,200 @@
+"""mlxdist.synth writes checkpoints that plain mlx-lm loads and runs."""
+
+import json
+import sys
+
+import mlx.core as mx
+import pytest
+from mlx.utils import tree_flatten
+
+from mlxdist import synth
+
+TEST_PRESETS = ["tiny", "qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss", "qwen2_moe", "olmoe", "dense"]
+MOE_PRESETS = [p for p in TEST_PRESETS if p != "dense"]
+
+
+def load_weights(path):
+    weights = {}
+    for f in sorted(path.glob("model*.safetensors")):
+        weights.update(mx.load(str(f)))
+    return weights
+
+
+def generate(path, max_tokens=8):
+    import mlx_lm
+
+    model, tokenizer = mlx_lm.load(str(path))
+    text = mlx_lm.generate(model, tokenizer, prompt="hello world", max_tokens=max_tokens)
+    return model, tokenizer, text
+
+
+def test_tokenizer(tmp_path):
+    from mlx_lm.utils import load_tokenizer
+
+    synth.write_tokenizer(tmp_path)
+    first = (tmp_path / "tokenizer.json").read_bytes()
+    synth.write_tokenizer(tmp_path)
+    assert (tmp_path / "tokenizer.json").read_bytes() == first
+
+    tok = load_tokenizer(tmp_path)
+    assert len(tok._tokenizer) == synth.TOKENIZER_VOCAB
+    assert tok.eos_token == "<|im_end|>" and tok.eos_token_id == synth.EOS_ID
+    assert tok.bos_token is None
+    text = "hello world, the experts are working!"
+    assert tok.decode(tok.encode(text)) == text
+    ids = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True)
+    assert tok.decode(ids) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_padded_tokenizer(tmp_path):
+    from mlx_lm.utils import load_tokenizer
+
+    synth.write_tokenizer(tmp_path / "plain")
+    synth.write_tokenizer(tmp_path / "padded", vocab_size=600)
+    plain = load_tokenizer(tmp_path / "plain")
+    padded = load_tokenizer(tmp_path / "padded")
+    assert len(padded._tokenizer) == 600
+    assert padded.decode([599]) == "<|reserved_599|>"
+    assert padded.encode("hello world") == plain.encode("hello world")
+
+
+@pytest.mark.parametrize("preset", list(synth.PRESETS))
+def test_preset_configs(preset):
+    from mlx_lm.utils import _get_classes
+
+    config = synth.PRESETS[preset]
+    assert "model_type" in config and "quantization" not in config
+    assert config["vocab_size"] >= synth.TOKENIZER_VOCAB
+    assert config["eos_token_id"] == synth.EOS_ID
+    _, args_class = _get_classes(config)
+    args_class.from_dict(config)
+
+
+@pytest.mark.parametrize("preset", TEST_PRESETS)
+def test_float32_checkpoint(tmp_path, preset):
+    path = synth.write_checkpoint(tmp_path, preset)
+    assert path == tmp_path
+    for name in ["config.json", "model.safetensors", "model.safetensors.index.json",
+                 "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"]:
+        assert (path / name).exists(), name
+    weights = load_weights(path)
+    assert all(v.dtype == mx.float32 for v in weights.values())
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == set(weights)
+
+    model, tokenizer, text = generate(path)
+    assert len(text) > 0
+    config = json.loads((path / "config.json").read_text())
+    assert config["eos_token_id"] == tokenizer.eos_token_id
+    assert config["vocab_size"] >= len(tokenizer._tokenizer)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "deepseek_v3", "gpt_oss", "mixtral"])
+def test_quantized_checkpoint(tmp_path, preset):
+    from mlx_lm.models.switch_layers import QuantizedSwitchLinear
+
+    path = synth.write_checkpoint(tmp_path, preset, quantize_bits=4)
+    config = json.loads((path / "config.json").read_text())
+    assert config["quantization"]["bits"] == 4
+    weights = load_weights(path)
+    assert {v.dtype for v in weights.values()} == {mx.float32, mx.uint32}
+
+    model, _, text = generate(path)
+    assert len(text) > 0
+    switch = [m for _, m in model.named_modules() if isinstance(m, QuantizedSwitchLinear)]
+    assert switch and all(m.bits == 4 for m in switch)
+
+
+@pytest.mark.parametrize(
+    "preset, key, experts",
+    [
+        ("qwen3_moe", "model.layers.0.mlp.switch_mlp.gate_proj.weight", 12),
+        ("mixtral", "model.layers.0.block_sparse_moe.switch_mlp.gate_proj.weight", 12),
+        ("deepseek_v3", "model.layers.1.mlp.switch_mlp.gate_proj.weight", 12),
+        ("gpt_oss", "model.layers.0.mlp.experts.gate_proj.weight", 12),
+    ],
+)
+def test_stacked_expert_layout(tmp_path, preset, key, experts):
+    weights = load_weights(synth.write_checkpoint(tmp_path, preset))
+    config = synth.PRESETS[preset]
+    hidden = config["hidden_size"]
+    assert weights[key].ndim == 3
+    assert weights[key].shape[0] == experts and weights[key].shape[2] == hidden
+    assert not any(".experts.0." in k for k in weights)
+    if preset == "gpt_oss":
+        assert weights[key.replace(".weight", ".bias")].shape[0] == experts
+    if preset == "deepseek_v3":
+        assert "model.layers.0.mlp.gate_proj.weight" in weights
+        assert "model.layers.1.mlp.shared_experts.gate_proj.weight" in weights
+        assert "model.layers.1.mlp.gate.e_score_correction_bias" in weights
+
+
+def test_weights_are_randomized(tmp_path):
+    weights = load_weights(synth.write_checkpoint(tmp_path, "gpt_oss"))
+    for name, v in weights.items():
+        assert mx.std(v).item() > 1e-3, name
+    norm = weights["model.layers.0.input_layernorm.weight"]
+    assert abs(mx.mean(norm).item() - 1.0) < 0.1
+
+
+def test_deterministic_and_seeded(tmp_path):
+    a = load_weights(synth.write_checkpoint(tmp_path / "a", "tiny", seed=3))
+    b = load_weights(synth.write_checkpoint(tmp_path / "b", "tiny", seed=3))
+    c = load_weights(synth.write_checkpoint(tmp_path / "c", "tiny", seed=4))
+    assert all(mx.array_equal(a[k], b[k]).item() for k in a)
+    key = "model.layers.0.mlp.gate.weight"
+    assert not mx.array_equal(a[key], c[key]).item()
+
+
+def test_routing_varies(tmp_path, monkeypatch):
+    from mlx_lm.models import switch_layers
+
+    chosen = []
+    call = switch_layers.SwitchGLU.__call__
+
+    def record(self, x, indices):
+        chosen.append(indices)
+        return call(self, x, indices)
+
+    monkeypatch.setattr(switch_layers.SwitchGLU, "__call__", record)
+    _, tokenizer, text = generate(synth.write_checkpoint(tmp_path, "tiny"), max_tokens=16)
+    assert len(set(tokenizer.encode(text))) > 4
+    first_layer = chosen[0::2]
+    experts = {e for inds in first_layer for e in inds.reshape(-1).tolist()}
+    sets = {tuple(sorted(inds.reshape(-1).tolist())) for inds in first_layer[1:]}
+    assert len(experts) >= 8
+    assert len(sets) >= 6
+
+
+def test_overrides_and_shards(tmp_path):
+    path = synth.write_checkpoint(
+        tmp_path, "gpt_oss", overrides={"num_hidden_layers": 3}, max_shard_mb=1
+    )
+    config = json.loads((path / "config.json").read_text())
+    assert config["num_hidden_layers"] == 3 and len(config["layer_types"]) == 3
+    shards = sorted(p.name for p in path.glob("model*.safetensors"))
+    assert len(shards) > 1 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    assert not (path / "model.safetensors").exists()
+    generate(path)
+
+
+def test_default_checkpoint(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLXDIST_CACHE", str(tmp_path))
+    first = synth.default_checkpoint()
+    assert first.parent == tmp_path
+    assert json.loads((first / "config.json").read_text())["model_type"] == "qwen3_moe"
+    stamp = (first / "model.safetensors").stat().st_mtime_ns
+    assert synth.default_checkpoint() == first
+    assert (first / "model.safetensors").stat().st_mtime_ns == stamp
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]
+    generate(first)
+
+
+def test_cli(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "cli"
+    argv = ["synth", str(out), "--preset", "mixtral", "--bits", "4", "--layers", "1", "--seed", "2"]
+    monkeypatch.setattr(sys, "argv", argv)
+    synth.main()
+    assert "mixtral" in capsys.readouterr().out
+    config = json.loads((out / "config.json").read_text())
+    assert config["num_hidden_layers"] == 1 and config["quantization"]["bits"] == 4

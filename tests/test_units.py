@@ -1,0 +1,135 @@
+"""Unit tests: placement, control messages, the exchange's split/assemble
+helpers, and reading expert rows straight from safetensors files."""
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlxdist import commands
+from mlxdist.commands import Command, ProtocolError
+from mlxdist.dispatch import ExpertShard, _pack, from_numpy, to_numpy
+from mlxdist.loader import read_rows, read_safetensors_index, LoadError
+from mlxdist.mpi import find_libmpi
+from mlxdist.placement import Placement, PlacementError, resolve_placement
+
+
+def test_even_placement_spreads_contiguous_blocks():
+    p = Placement.even({0: 12, 2: 12}, 4)
+    assert p.layers[0] == [0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3]
+    assert p.experts_of(2, 1) == [3, 4, 5]
+    p.validate({0: 12, 2: 12}, 4)
+
+
+def test_even_placement_uneven_and_without_rank0():
+    p = Placement.even({0: 10}, 3)
+    assert sorted(p.layers[0].count(r) for r in range(3)) == [3, 3, 4]
+    q = Placement.even({0: 12}, 4, rank0_experts=False)
+    assert 0 not in q.layers[0] and set(q.layers[0]) == {1, 2, 3}
+    q.validate({0: 12}, 4)
+
+
+@pytest.mark.parametrize(
+    "layers,ranks,message",
+    [
+        ({0: [0, 1, 5, 1]}, 2, "does not exist"),
+        ({0: [0, 1, 1]}, 2, "lists 3 experts"),
+        ({1: [0, 1, 0, 1]}, 2, "do not match"),
+        ({0: [0, 0, 0, 0]}, 2, "own no expert"),
+        ({0: [0, 1, 0, 1]}, 3, "placement is for 2 ranks"),
+    ],
+)
+def test_placement_validation_errors(layers, ranks, message):
+    p = Placement(2, layers)
+    with pytest.raises(PlacementError, match=message):
+        p.validate({0: 4}, ranks)
+
+
+def test_more_ranks_than_experts_is_refused():
+    with pytest.raises(PlacementError, match="only 4"):
+        resolve_placement(None, {0: 4}, 6)
+
+
+def test_placement_json_round_trip(tmp_path):
+    p = Placement.even({0: 8, 1: 8}, 2)
+    path = tmp_path / "p.json"
+    p.save(path)
+    assert json.loads(path.read_text())["version"] == 1
+    assert Placement.load(path) == p
+
+
+@pytest.mark.parametrize(
+    "text,message",
+    [("{not json", "not JSON"), ('{"version": 9}', "version"), ('{"version": 1}', "malformed"), ("[1]", "object")],
+)
+def test_malformed_placement_files(tmp_path, text, message):
+    path = tmp_path / "p.json"
+    path.write_text(text)
+    with pytest.raises(PlacementError, match=message):
+        Placement.load(path)
+
+
+def test_command_round_trip():
+    c = Command(commands.GENERATE, {"prompt": [1, 2, 3], "sampling": {"temp": 0.5}})
+    assert commands.decode(commands.encode(c)) == c
+
+
+@pytest.mark.parametrize(
+    "data,message",
+    [
+        (b"\x80\x04pickle", "not JSON"),
+        (b'{"op": "load", "version": 99}', "version 99"),
+        (b'{"op": "explode", "version": 1}', "unknown command"),
+        (b'{"op": "load", "version": 1, "args": [1]}', "not a JSON object"),
+    ],
+)
+def test_bad_commands_are_refused(data, message):
+    with pytest.raises(ProtocolError, match=message):
+        commands.decode(data)
+
+
+def test_shard_local_index_is_position_in_owner_stack():
+    shard = ExpertShard.build(3, [0, 1, 1, 0, 2, 1], rank=1)
+    assert shard.owned == [1, 2, 5]
+    assert shard.local_index.tolist() == [0, 0, 1, 1, 0, 2]
+
+
+def test_pack_layout():
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    msg = _pack(1, 7, mx.float32, np.array([4, 2]), x)
+    assert msg[:20].view(np.int32).tolist() == [1, 7, 0, 2, 3]
+    assert msg[20:28].view(np.int32).tolist() == [4, 2]
+    assert np.array_equal(msg[28:].view(np.float32).reshape(2, 3), x)
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+def test_numpy_round_trip_keeps_bits(dtype):
+    a = (mx.random.normal((5, 7)) * 3).astype(dtype)
+    b = from_numpy(to_numpy(a).copy(), dtype)
+    assert b.dtype == dtype
+    assert mx.array_equal(a.view(mx.uint16 if dtype != mx.float32 else mx.uint32),
+                          b.view(mx.uint16 if dtype != mx.float32 else mx.uint32))
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.uint32])
+def test_read_rows_matches_slicing(tmp_path, dtype):
+    w = (mx.random.normal((6, 4, 8)) * 100).astype(dtype)
+    mx.save_safetensors(str(tmp_path / "model.safetensors"), {"a.weight": w, "b": mx.ones((3,))})
+    index = read_safetensors_index(tmp_path)
+    rows = read_rows(index["a.weight"], [4, 1, 5])
+    assert rows.dtype == dtype
+    assert mx.array_equal(rows, w[mx.array([4, 1, 5])])
+
+
+def test_truncated_safetensors_is_detected(tmp_path):
+    mx.save_safetensors(str(tmp_path / "model.safetensors"), {"a": mx.ones((64, 64))})
+    data = (tmp_path / "model.safetensors").read_bytes()
+    (tmp_path / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(LoadError, match="truncated"):
+        read_safetensors_index(tmp_path)
+
+
+def test_finds_real_libmpi():
+    lib = find_libmpi()
+    assert lib is not None and "libmpi" in lib
