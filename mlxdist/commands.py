@@ -16,8 +16,9 @@ PROTOCOL_VERSION = 1
 
 LOAD = "load"
 GENERATE = "generate"
+STATS = "stats"
 SHUTDOWN = "shutdown"
-OPS = (LOAD, GENERATE, SHUTDOWN)
+OPS = (LOAD, GENERATE, STATS, SHUTDOWN)
 
 
 class ProtocolError(RuntimeError):
@@ -29,8 +30,8 @@ class Command:
     """One control message: ``op`` and its arguments.
 
     LOAD: model, dispatch, placement (a placement JSON object or None),
-    rank0_experts. GENERATE: prompt (token ids), sampling parameters.
-    SHUTDOWN: exit_code, error (a one-line message or None).
+    rank0_experts. GENERATE: prompts (lists of token ids), sampling
+    parameters. STATS: reset. SHUTDOWN: exit_code.
     """
 
     op: str

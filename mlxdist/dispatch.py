@@ -91,16 +91,35 @@ class ExchangeStats:
     bytes_sent: int = 0
     bytes_received: int = 0
     wait_seconds: float = 0.0
+    compute_seconds: float = 0.0
+    expert_load: Dict[int, Any] = field(default_factory=dict)  # layer -> [E] routed slots
+
+    def count(self, layer: int, inds, num_experts: int) -> Any:
+        """Add this call's routed slots per expert; returns the running total
+        (an MLX array in the lazy path, so it is evaluated with the step)."""
+        total = self.expert_load.get(layer)
+        if isinstance(inds, np.ndarray):
+            counts = np.bincount(inds, minlength=num_experts)
+        else:
+            counts = mx.zeros((num_experts,), dtype=mx.int32).at[inds.reshape(-1)].add(1)
+        self.expert_load[layer] = counts if total is None else total + counts
+        return self.expert_load[layer]
 
     def as_dict(self) -> Dict[str, Any]:
-        return dict(self.__dict__)
+        out = dict(self.__dict__)
+        out["expert_load"] = {str(l): np.asarray(c).tolist() for l, c in self.expert_load.items()}
+        return out
+
+    def reset(self) -> None:
+        self.__init__()
 
 
 @dataclass(frozen=True)
 class CollectiveHandle:
-    owned: mx.array  # [.., K] bool, slots this rank computed
+    owned: Optional[mx.array]  # [.., K] bool, slots this rank computed; None with one rank
     out_shape: Tuple[int, ...]  # [.., K, D]
     dtype: mx.Dtype
+    load: mx.array  # [E] running count of routed slots per expert
 
 
 class CollectiveDispatcher:
@@ -123,22 +142,24 @@ class CollectiveDispatcher:
         return self._tables[shard.layer]
 
     def dispatch(self, shard: ExpertShard, x: mx.array, inds: mx.array):
+        load = self.stats.count(shard.layer, inds, shard.owner.size)
+        self.stats.layers += 1
         if self.world.size == 1:
-            return ExpertBatch(x, inds), None
+            return ExpertBatch(x, inds), CollectiveHandle(None, (), x.dtype, load)
         local_index, owned = self._table(shard)
-        handle = CollectiveHandle(owned[inds], inds.shape + x.shape[-1:], x.dtype)
+        handle = CollectiveHandle(owned[inds], inds.shape + x.shape[-1:], x.dtype, load)
         return ExpertBatch(x, local_index[inds]), handle
 
-    def combine(self, y: Optional[mx.array], handle: Optional[CollectiveHandle]):
-        if handle is None:
-            return y
-        if y is None:  # this rank owns no expert of the layer
-            y = mx.zeros(handle.out_shape, dtype=handle.dtype)
-        else:
-            y = mx.where(handle.owned[..., None], y, mx.array(0, dtype=y.dtype))
-        self.stats.layers += 1
-        self.stats.bytes_sent += y.nbytes
-        return mx.distributed.all_sum(y, group=self.world.group)
+    def combine(self, y: Optional[mx.array], handle: CollectiveHandle):
+        if handle.owned is not None:
+            if y is None:  # this rank owns no expert of the layer
+                y = mx.zeros(handle.out_shape, dtype=handle.dtype)
+            else:
+                y = mx.where(handle.owned[..., None], y, mx.array(0, dtype=y.dtype))
+            self.stats.bytes_sent += y.nbytes
+            y = mx.distributed.all_sum(y, group=self.world.group)
+        # Evaluating y now also evaluates the load counters (no growing graph).
+        return mx.depends(y, handle.load)
 
     def finish(self) -> None:
         pass
@@ -170,11 +191,14 @@ class P2PDispatcher:
 
     def dispatch(self, shard: ExpertShard, x: mx.array, inds: mx.array):
         if self.world.size == 1:
+            self.stats.layers += 1
+            self.stats.count(shard.layer, inds, shard.owner.size)
             return ExpertBatch(x, inds), None
         D, K = x.shape[-1], inds.shape[-1]
         mx.eval(x, inds)
         xs = x.reshape(-1, D)  # [.., D] -> [T, D]
         flat = np.asarray(inds).reshape(-1)  # [.., K] -> [S]
+        self.stats.count(shard.layer, flat, shard.owner.size)
         owner = shard.owner[flat]  # [S]
         local = shard.local_index[flat]  # [S]
         x_np = to_numpy(xs)  # [T, D]
@@ -206,7 +230,9 @@ class P2PDispatcher:
         D = handle.out_shape[-1]
         out = np.empty((int(np.prod(handle.out_shape[:-1])), D), dtype=_NP_DTYPES[handle.dtype])
         if y is not None:
+            tic = time.perf_counter()
             out[handle.mine] = to_numpy(y.reshape(-1, D))  # [s0, 1, D] -> [s0, D]
+            self.stats.compute_seconds += time.perf_counter() - tic
         tic = time.perf_counter()
         from mpi4py import MPI
 
@@ -223,26 +249,36 @@ class P2PDispatcher:
             self.world.comm.Send(msg, dest=rank, tag=TAG_EXPERTS)
 
 
-def serve_experts(world: World, experts: Dict[int, Any]) -> int:
+def serve_experts(
+    world: World, experts: Dict[int, Any], shards: Dict[int, ExpertShard], stats: ExchangeStats
+) -> None:
     """A p2p worker's loop: run the owned experts on each batch rank 0 sends
-    until it says DONE. Returns the number of batches served."""
+    until it says DONE."""
     from mpi4py import MPI
 
-    comm, status, served = world.comm, MPI.Status(), 0
+    comm, status = world.comm, MPI.Status()
     while True:
         comm.Probe(source=0, tag=TAG_EXPERTS, status=status)
         msg = np.empty(status.Get_count(MPI.BYTE), dtype=np.uint8)
         comm.Recv(msg, source=0, tag=TAG_EXPERTS)
         op, layer, code, count, D = map(int, msg[: 4 * _HEADER].view(np.int32))
         if op == OP_DONE:
-            return served
+            return
         dtype = _WIRE_DTYPES[code]
         idx_end = 4 * _HEADER + 4 * count
-        idx = mx.array(msg[4 * _HEADER : idx_end].view(np.int32))[:, None]  # [s, 1]
+        local = msg[4 * _HEADER : idx_end].view(np.int32)
         x = from_numpy(msg[idx_end:].view(_NP_DTYPES[dtype]).reshape(count, D), dtype)
-        y = experts[layer](x, idx)  # [s, 1, D]
-        comm.Send(to_numpy(y.reshape(count, D)), dest=0, tag=TAG_RESULT)
-        served += 1
+        tic = time.perf_counter()
+        y = experts[layer](x, mx.array(local)[:, None])  # [s, D], [s, 1] -> [s, 1, D]
+        out = to_numpy(y.reshape(count, D))
+        stats.compute_seconds += time.perf_counter() - tic
+        comm.Send(out, dest=0, tag=TAG_RESULT)
+        stats.layers += 1
+        stats.slots_local += count
+        stats.bytes_received += msg.nbytes
+        stats.bytes_sent += out.nbytes
+        shard = shards[layer]
+        stats.count(layer, np.asarray(shard.owned)[local], shard.owner.size)
 
 
 DISPATCHERS = {"collective": CollectiveDispatcher, "p2p": P2PDispatcher}

@@ -15,7 +15,7 @@ from typing import Any, Dict, Iterator, List, Optional
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
-from mlx_lm.generate import GenerationResponse, stream_generate
+from mlx_lm.generate import BatchResponse, GenerationResponse, batch_generate, stream_generate
 from mlx_lm.sample_utils import make_sampler
 from mlx_lm.utils import load_model, load_tokenizer
 
@@ -97,6 +97,7 @@ class Engine:
     model: Optional[nn.Module]
     tokenizer: Any
     experts: Dict[int, nn.Module]
+    shards: Dict[int, ExpertShard]
     dispatcher: Any
     memory: Dict[str, int] = field(default_factory=dict)
     memory_by_rank: List[Dict[str, int]] = field(default_factory=list)
@@ -130,9 +131,28 @@ class Engine:
         finally:
             self.dispatcher.finish()
 
+    def generate_batch(self, prompts: List[List[int]], params: SamplingParams) -> BatchResponse:
+        """mlx-lm's ``batch_generate`` (left-padded batches, finished
+        sequences leave the batch) through the distributed experts."""
+        mx.random.seed(params.seed if params.seed is not None else 0)
+        try:
+            return batch_generate(
+                self.model,
+                self.tokenizer,
+                prompts,
+                max_tokens=params.max_tokens,
+                sampler=params.sampler(),
+                prefill_step_size=params.prefill_step_size,
+                completion_batch_size=max(len(prompts), 1),
+                prefill_batch_size=max(len(prompts), 1),
+                return_token_ids=True,
+            )
+        finally:
+            self.dispatcher.finish()
+
     def serve(self) -> None:
         """A p2p worker's part in one generation."""
-        serve_experts(self.world, self.experts)
+        serve_experts(self.world, self.experts, self.shards, self.dispatcher.stats)
 
 
 def load_engine(
@@ -160,9 +180,10 @@ def load_engine(
     runs_dense = dispatch == "collective" or world.is_root
 
     index = read_safetensors_index(path)
-    experts = {}
+    experts, shards = {}, {}
     for site in sites:
         shard = ExpertShard.build(site.layer, plan.layers[site.layer], world.rank)
+        shards[site.layer] = shard
         owned = shard.owned
         local = slice_experts(site, owned, index) if owned else None
         if local is not None:
@@ -186,6 +207,7 @@ def load_engine(
         lazy_model,
         tokenizer,
         experts,
+        shards,
         dispatcher,
         memory={"expert_bytes": expert_bytes, "dense_bytes": dense_bytes},
     )

@@ -150,6 +150,19 @@ def abort(world: Optional[World], code: int = 1) -> None:
     os._exit(code)
 
 
+def run_or_abort(world: World, fn, *args):
+    """``fn(*args)``; an exception it lets out ends the whole job with one
+    line naming this rank, never a rank left waiting in a collective."""
+    try:
+        return fn(*args)
+    except KeyboardInterrupt:
+        abort(world, 130)
+    except Exception as e:
+        text = str(e).splitlines()[0] if str(e) else ""
+        print(f"mlxdist: error: rank {world.rank}: {type(e).__name__}: {text}", file=sys.stderr, flush=True)
+        abort(world, 1)
+
+
 def _mpi():
     from mpi4py import MPI
 

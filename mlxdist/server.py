@@ -1,0 +1,124 @@
+"""What every rank does with each command. Rank 0 calls these through
+``Cluster`` right after broadcasting the command; the other ranks call them
+from ``serve`` in the same order, so every collective lines up.
+"""
+
+import gc
+from typing import Any, Dict, Iterator, List, Optional
+
+import mlx.core as mx
+
+from . import commands
+from .commands import Command
+from .engine import Engine, SamplingParams, UserError, load_engine
+from .mpi import World, allgather_json
+from .placement import PlacementError
+
+
+class LoadError(UserError):
+    """LOAD failed on at least one rank; the message names the ranks."""
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).splitlines()[0] if str(e) else ""
+    if isinstance(e, (UserError, PlacementError)):
+        return text
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def describe_errors(errors: List[Optional[str]]) -> str:
+    """One line: the first error, naming the ranks that hit it where not all did."""
+    first = next(e for e in errors if e)
+    ranks = [r for r, e in enumerate(errors) if e == first]
+    if len(ranks) == len(errors):
+        return first
+    return f"{first} (rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))})"
+
+
+class Server:
+    """One rank's state: the world and the loaded engine, if any."""
+
+    def __init__(self, world: World):
+        self.world = world
+        self.engine: Optional[Engine] = None
+
+    def load(self, args: Dict[str, Any]) -> Engine:
+        """LOAD on every rank; raises ``LoadError`` on every rank if any failed."""
+        self.unload()
+        engine, error = None, None
+        try:
+            engine = load_engine(
+                self.world,
+                args["model"],
+                args.get("dispatch", "collective"),
+                args.get("placement"),
+                args.get("rank0_experts", True),
+            )
+        except Exception as e:  # a corrupt file fails deep inside mlx or tokenizers
+            error = _one_line(e)
+        reports = allgather_json(self.world, {"error": error, "memory": engine.memory if engine else None})
+        errors = [r["error"] for r in reports]
+        if any(errors):
+            raise LoadError(describe_errors(errors))
+        engine.memory_by_rank = [r["memory"] for r in reports]
+        self.engine = engine
+        return engine
+
+    def unload(self) -> None:
+        """Drop the loaded model and give its memory back."""
+        self.engine = None
+        gc.collect()
+        mx.clear_cache()
+
+    def generate(self, args: Dict[str, Any]) -> Iterator[Any]:
+        """GENERATE on every rank. Yields mlx-lm's responses on ranks that run
+        the dense model; p2p workers serve experts and yield nothing."""
+        engine = self.engine
+        params = SamplingParams(**args["sampling"])
+        mx.reset_peak_memory()
+        if not engine.runs_dense:
+            engine.serve()
+        elif len(args["prompts"]) == 1:
+            yield from engine.generate(args["prompts"][0], params)
+        else:
+            yield engine.generate_batch(args["prompts"], params)
+
+    def peaks(self) -> List[float]:
+        return allgather_json(self.world, mx.get_peak_memory())
+
+    def stats(self, args: Dict[str, Any]) -> List[Dict[str, Any]]:
+        """STATS on every rank: each rank's counters, gathered everywhere."""
+        engine = self.engine
+        mine: Dict[str, Any] = {
+            "rank": self.world.rank,
+            "active_memory_gb": mx.get_active_memory() / 1e9,
+            "peak_memory_gb": mx.get_peak_memory() / 1e9,
+        }
+        if engine is not None:
+            mine.update(engine.dispatcher.stats.as_dict())
+            mine["weights_gb"] = {k.replace("_bytes", ""): v / 1e9 for k, v in engine.memory.items()}
+            mine["experts_held"] = {str(l): s.owned for l, s in engine.shards.items()}
+            if args.get("reset"):
+                engine.dispatcher.stats.reset()
+        return allgather_json(self.world, mine)
+
+    def serve(self) -> int:
+        """Ranks other than 0: follow rank 0's commands until SHUTDOWN."""
+        while True:
+            command = commands.broadcast(self.world)
+            if command.op == commands.SHUTDOWN:
+                return int(command.args.get("exit_code", 0))
+            self.handle(command)
+
+    def handle(self, command: Command) -> None:
+        if command.op == commands.LOAD:
+            try:
+                self.load(command.args)
+            except LoadError:
+                pass  # rank 0 reports it
+        elif command.op == commands.GENERATE:
+            for _ in self.generate(command.args):
+                pass
+            self.peaks()
+        elif command.op == commands.STATS:
+            self.stats(command.args)
