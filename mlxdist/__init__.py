@@ -1,3 +1,27 @@
-"""mlxdist: expert-parallel Mixture-of-Experts inference on MLX over MPI."""
+"""mlxdist: expert-parallel Mixture-of-Experts inference on MLX over MPI.
+
+    import mlxdist
+    with mlxdist.init() as cluster:
+        cluster.load("mlx-community/Qwen3-30B-A3B-4bit")
+        print(cluster.generate("Hello", max_tokens=32).text)
+"""
 
 __version__ = "0.1.0"
+__all__ = ["init", "Cluster", "Result", "Piece", "Placement", "UserError"]
+
+
+def __getattr__(name):
+    # Lazy, so that `import mlxdist` stays cheap for tools that need none of it.
+    if name in ("init", "Cluster", "Result", "Piece"):
+        from . import api
+
+        return getattr(api, name)
+    if name == "Placement":
+        from .placement import Placement
+
+        return Placement
+    if name == "UserError":
+        from .engine import UserError
+
+        return UserError
+    raise AttributeError(f"module 'mlxdist' has no attribute {name!r}")

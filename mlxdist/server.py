@@ -96,6 +96,13 @@ class Server:
         }
         if engine is not None:
             mine.update(engine.dispatcher.stats.as_dict())
+            if engine.dispatch == "collective":  # every rank sees every slot: count its own
+                held = {str(l): s.owned for l, s in engine.shards.items()}
+                total = sum(sum(c) for c in mine["expert_load"].values())
+                mine["slots_local"] = sum(
+                    sum(c[e] for e in held[l]) for l, c in mine["expert_load"].items()
+                )
+                mine["slots_remote"] = total - mine["slots_local"]
             mine["weights_gb"] = {k.replace("_bytes", ""): v / 1e9 for k, v in engine.memory.items()}
             mine["experts_held"] = {str(l): s.owned for l, s in engine.shards.items()}
             if args.get("reset"):

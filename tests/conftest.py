@@ -32,8 +32,9 @@ def mpirun_env() -> dict:
 
 
 def launch(np_: int, args, timeout: float = 120, input: str = None, module: str = "mlxdist.run"):
-    """Run ``python -m module args`` on ``np_`` ranks (no mpirun for np_ = 0)."""
-    cmd = [sys.executable, "-m", module, *map(str, args)]
+    """Run ``python -m module args`` (a script where module is None) on
+    ``np_`` ranks (no mpirun for np_ = 0)."""
+    cmd = [sys.executable, *(["-m", module] if module else []), *map(str, args)]
     env = mpirun_env()
     if np_ > 0:
         cmd = [MPIRUN, "-np", str(np_), "--oversubscribe", "--bind-to", "none", "--stdin", "none", *cmd]
@@ -83,3 +84,23 @@ def checkpoint(tmp_path_factory):
         return _CHECKPOINTS[key]
 
     return get
+
+
+def kill_session(sid: int) -> None:
+    """SIGKILL every process of a session: mpirun puts each rank in its own
+    process group, so killing the launcher's group would leave ranks running."""
+    import signal
+
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == sid:  # field 6 of /proc/PID/stat: the session id
+            try:
+                os.kill(int(entry), signal.SIGKILL)
+            except ProcessLookupError:
+                pass

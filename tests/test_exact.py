@@ -1,6 +1,7 @@
 """Distributed greedy generation equals single-process mlx-lm, token for token
 and logit for logit, for every architecture, dispatch mode, quantization and
-world size. mlxdist runs for real under mpirun; the reference is mlx-lm's own
+world size. mlxdist runs for real under mpirun (one launch per mode and
+world size loads every checkpoint in turn); the reference is mlx-lm's own
 stream_generate in this process."""
 
 import json
@@ -8,13 +9,16 @@ import json
 import numpy as np
 import pytest
 
-from conftest import last_json, launch
+from conftest import ROOT, last_json, launch
 
 PROMPT = "The quick brown fox jumps over the lazy dog because"
 MAX_TOKENS = 10
 ARCHS = ["qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss"]
+CHECKPOINTS = [(a, b) for a in ARCHS for b in (None, 4)]
+WORLDS = [("collective", 1), *[(d, n) for d in ("collective", "p2p") for n in (2, 3, 4)]]
 
 _REFERENCE = {}
+_RUNS = {}
 
 
 def reference(path):
@@ -27,46 +31,64 @@ def reference(path):
         model, tokenizer = load(str(path))
         prompt = tokenizer.encode(PROMPT)
         steps = list(stream_generate(model, tokenizer, mx.array(prompt), max_tokens=MAX_TOKENS))
-        _REFERENCE[path] = (
-            [s.token for s in steps],
-            np.stack([np.array(s.logprobs) for s in steps]),
-        )
+        _REFERENCE[path] = ([s.token for s in steps], np.stack([np.array(s.logprobs) for s in steps]))
     return _REFERENCE[path]
 
 
-def run_distributed(path, nranks, dispatch, tmp_path):
-    out = tmp_path / "logprobs.npy"
-    proc = launch(
-        nranks,
-        ["--model", path, "--prompt", PROMPT, "--max-tokens", MAX_TOKENS, "--json",
-         "--dispatch", dispatch, "--logprobs-out", out],
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return last_json(proc.stdout), np.load(out)
+@pytest.fixture(scope="module")
+def distributed(checkpoint, tmp_path_factory):
+    """(dispatch, nranks) -> {path: (tokens, logprobs, num_ranks)}, one launch each."""
+
+    def get(dispatch, nranks):
+        if (dispatch, nranks) not in _RUNS:
+            paths = [str(checkpoint(a, b)) for a, b in CHECKPOINTS]
+            out = tmp_path_factory.mktemp(f"{dispatch}-{nranks}")
+            proc = launch(
+                nranks,
+                [ROOT / "tests/scripts/generate_each.py", out, dispatch, PROMPT, MAX_TOKENS, *paths],
+                module=None,
+                timeout=300,
+            )
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            summary = json.loads((out / "summary.json").read_text())
+            _RUNS[dispatch, nranks] = {
+                p: (s["tokens"], np.load(out / f"{s['index']}.npy"), s["num_ranks"]) for p, s in summary.items()
+            }
+        return _RUNS[dispatch, nranks]
+
+    return get
 
 
-CASES = [(a, b, "collective", 1) for a in ARCHS for b in (None, 4)] + [
-    (a, b, d, n)
-    for a in ARCHS
-    for b in (None, 4)
-    for d in ("collective", "p2p")
-    for n in (2, 3, 4)
-]
-
-
-@pytest.mark.parametrize("arch,bits,dispatch,nranks", CASES)
-def test_matches_mlx_lm(checkpoint, tmp_path, arch, bits, dispatch, nranks):
+@pytest.mark.parametrize("dispatch,nranks", WORLDS)
+@pytest.mark.parametrize("arch,bits", CHECKPOINTS)
+def test_matches_mlx_lm(checkpoint, distributed, arch, bits, dispatch, nranks):
     path = checkpoint(arch, bits)
     ref_tokens, ref_logprobs = reference(path)
-    result, logprobs = run_distributed(path, nranks, dispatch, tmp_path)
-    assert result["tokens"] == ref_tokens
-    assert result["num_ranks"] == nranks
-    assert len(result["peak_memory_gb"]) == nranks
+    tokens, logprobs, num_ranks = distributed(dispatch, nranks)[str(path)]
+    assert num_ranks == nranks
+    assert tokens == ref_tokens
     assert logprobs.shape == ref_logprobs.shape
     assert np.max(np.abs(logprobs - ref_logprobs)) == 0.0
 
 
-def test_runs_without_mpirun(checkpoint, tmp_path):
+@pytest.mark.parametrize("dispatch", ["collective", "p2p"])
+def test_command_line_matches_mlx_lm(checkpoint, tmp_path, dispatch):
+    path = checkpoint("deepseek_v3", 4)
+    out = tmp_path / "logprobs.npy"
+    proc = launch(
+        3,
+        ["--model", path, "--prompt", PROMPT, "--max-tokens", MAX_TOKENS, "--json",
+         "--dispatch", dispatch, "--logprobs-out", out],
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = last_json(proc.stdout)
+    ref_tokens, ref_logprobs = reference(path)
+    assert result["tokens"] == ref_tokens
+    assert result["num_ranks"] == 3 and len(result["peak_memory_gb"]) == 3
+    assert np.max(np.abs(np.load(out) - ref_logprobs)) == 0.0
+
+
+def test_runs_without_mpirun(checkpoint):
     path = checkpoint("qwen3_moe")
     proc = launch(0, ["--model", path, "--prompt", PROMPT, "--max-tokens", MAX_TOKENS, "--json"])
     assert proc.returncode == 0, proc.stderr[-3000:]
