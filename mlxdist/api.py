@@ -22,6 +22,7 @@ from .engine import Engine, SamplingParams, UserError
 from .mpi import World, init_world, run_or_abort
 from .placement import Placement
 from .server import LoadError, Server
+from .watchdog import ACTIVITY, DEFAULT_TIMEOUT, start_watchdog
 
 Messages = List[Dict[str, str]]
 
@@ -64,6 +65,7 @@ class Cluster:
         """Tell every other rank to exit (with ``exit_code``)."""
         if not self._closed:
             self._closed = True
+            ACTIVITY.beat("exiting")
             self._broadcast(Command(commands.SHUTDOWN, {"exit_code": exit_code}))
 
     def _broadcast(self, command: Command) -> Command:
@@ -207,10 +209,14 @@ class Cluster:
         return self.server.stats(self._broadcast(Command(commands.STATS, {"reset": reset})).args)
 
 
-def init() -> Cluster:
+def init(timeout: float = DEFAULT_TIMEOUT) -> Cluster:
     """Join the job. On rank 0, returns the ``Cluster`` handle; on every
-    other rank, serves rank 0's commands and exits the process at shutdown."""
+    other rank, serves rank 0's commands and exits the process at shutdown.
+
+    ``timeout``: seconds a generation may make no progress (a rank hung)
+    before the job is ended with a report of who was waiting on whom."""
     world = init_world()
+    start_watchdog(world, timeout)
     if world.is_root:
         return Cluster(world)
     code = run_or_abort(world, Server(world).serve)

@@ -66,5 +66,8 @@ def decode(data: bytes) -> Command:
 
 
 def broadcast(world: World, command: Optional[Command] = None) -> Command:
-    """Rank 0 passes ``command``; every rank returns the decoded command."""
+    """Rank 0 passes ``command``; every rank returns the decoded command.
+    Rank 0 refuses an unknown command before it reaches anyone."""
+    if world.is_root and command.op not in OPS:
+        raise ProtocolError(f"unknown command {command.op!r}")
     return decode(bcast_bytes(world, encode(command) if world.is_root else None))

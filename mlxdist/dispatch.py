@@ -31,12 +31,13 @@ import mlx.core as mx
 import numpy as np
 
 from .mpi import World
+from .watchdog import ACTIVITY, inject
 
 TAG_EXPERTS = 17
 TAG_RESULT = 18
 OP_EXPERTS = 1
 OP_DONE = 2
-_HEADER = 5  # int32: op, layer, dtype code, count, D
+_HEADER = 6  # int32: op, layer, dtype code, count, D, step
 
 _WIRE_DTYPES = [mx.float32, mx.float16, mx.bfloat16]
 _NP_DTYPES = {mx.float32: np.float32, mx.float16: np.float16, mx.bfloat16: np.uint16}
@@ -161,6 +162,10 @@ class CollectiveDispatcher:
         # Evaluating y now also evaluates the load counters (no growing graph).
         return mx.depends(y, handle.load)
 
+    def after_combine(self, layer: int):
+        # The graph is only built here; it runs (and may block in all_sum) later.
+        return ("exchange", None)
+
     def finish(self) -> None:
         pass
 
@@ -172,11 +177,12 @@ class P2PHandle:
     mine: np.ndarray  # [s0] slots rank 0 computes
     pending: List[Tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
     requests: List[Any] = field(default_factory=list)
+    peers: List[int] = field(default_factory=list)  # ranks whose replies are awaited
 
 
-def _pack(op: int, layer: int, dtype: mx.Dtype, idx: np.ndarray, x: np.ndarray) -> np.ndarray:
+def _pack(op: int, layer: int, dtype: mx.Dtype, idx: np.ndarray, x: np.ndarray, step: int = 0) -> np.ndarray:
     count, d = x.shape if x.ndim == 2 else (0, 0)
-    header = np.array([op, layer, _WIRE_DTYPES.index(dtype), count, d], dtype=np.int32)
+    header = np.array([op, layer, _WIRE_DTYPES.index(dtype), count, d, step], dtype=np.int32)
     return np.concatenate(
         [header.view(np.uint8), idx.astype(np.int32).view(np.uint8), x.reshape(-1).view(np.uint8)]
     )
@@ -208,11 +214,12 @@ class P2PDispatcher:
             slots = np.flatnonzero(owner == rank)
             if slots.size == 0:
                 continue
-            msg = _pack(OP_EXPERTS, shard.layer, x.dtype, local[slots], x_np[slots // K])
+            msg = _pack(OP_EXPERTS, shard.layer, x.dtype, local[slots], x_np[slots // K], ACTIVITY.step)
             handle.requests.append(comm.Isend(msg, dest=rank, tag=TAG_EXPERTS))
             out = np.empty((slots.size, D), dtype=x_np.dtype)
             handle.requests.append(comm.Irecv(out, source=rank, tag=TAG_RESULT))
             handle.pending.append((slots, out))
+            handle.peers.append(rank)
             self.stats.bytes_sent += msg.nbytes
             self.stats.bytes_received += out.nbytes
         self.stats.layers += 1
@@ -236,11 +243,22 @@ class P2PDispatcher:
         tic = time.perf_counter()
         from mpi4py import MPI
 
-        MPI.Request.Waitall(handle.requests)
+        # Wait for replies as they come, so a stall names the ranks still owing one.
+        owing = {i: rank for i, rank in enumerate(handle.peers)}
+        requests = handle.requests
+        while owing:
+            ACTIVITY.beat("exchange", ACTIVITY.layer, sorted(owing.values()))
+            for i in MPI.Request.Waitsome(requests) or []:
+                if i % 2 == 1:  # [send, recv] per peer
+                    owing.pop(i // 2, None)
+        MPI.Request.Waitall(requests)
         self.stats.wait_seconds += time.perf_counter() - tic
         for slots, result in handle.pending:
             out[slots] = result
         return from_numpy(out, handle.dtype).reshape(handle.out_shape)  # [S, D] -> [.., K, D]
+
+    def after_combine(self, layer: int):
+        return ("dense", layer)
 
     def finish(self) -> None:
         """Release the workers from ``serve_experts`` (end of a generation)."""
@@ -258,12 +276,16 @@ def serve_experts(
 
     comm, status = world.comm, MPI.Status()
     while True:
+        ACTIVITY.beat("serving")
         comm.Probe(source=0, tag=TAG_EXPERTS, status=status)
         msg = np.empty(status.Get_count(MPI.BYTE), dtype=np.uint8)
         comm.Recv(msg, source=0, tag=TAG_EXPERTS)
-        op, layer, code, count, D = map(int, msg[: 4 * _HEADER].view(np.int32))
+        op, layer, code, count, D, step = map(int, msg[: 4 * _HEADER].view(np.int32))
         if op == OP_DONE:
             return
+        ACTIVITY.step = step
+        ACTIVITY.beat("experts", layer)
+        inject(layer, step)
         dtype = _WIRE_DTYPES[code]
         idx_end = 4 * _HEADER + 4 * count
         local = msg[4 * _HEADER : idx_end].view(np.int32)

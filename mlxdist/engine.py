@@ -7,7 +7,8 @@ mlx-lm's ``stream_generate`` (prefill in chunks, KV caches, samplers,
 detokenizers) on every rank that runs the dense model.
 """
 
-import os
+import hashlib
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional
@@ -19,6 +20,8 @@ from mlx_lm.generate import BatchResponse, GenerationResponse, batch_generate, s
 from mlx_lm.sample_utils import make_sampler
 from mlx_lm.utils import load_model, load_tokenizer
 
+from . import __version__
+from .commands import PROTOCOL_VERSION
 from .dispatch import ExpertShard, make_dispatcher, serve_experts
 from .loader import LoadError, find_switch_sites, nbytes, read_safetensors_index, slice_experts
 from .moe import DistributedSwitch
@@ -101,6 +104,7 @@ class Engine:
     dispatcher: Any
     memory: Dict[str, int] = field(default_factory=dict)
     memory_by_rank: List[Dict[str, int]] = field(default_factory=list)
+    fingerprint: Dict[str, Any] = field(default_factory=dict)
 
     @property
     def runs_dense(self) -> bool:
@@ -164,9 +168,11 @@ def load_engine(
 ) -> Engine:
     """Build this rank's part of the model (see the module's docstring)."""
     path = resolve_model_path(model)
+    _check_config(path)
+    index = read_safetensors_index(path)
     try:
         lazy_model, config = load_model(path, lazy=True)
-    except (ValueError, FileNotFoundError, OSError) as e:
+    except (ValueError, FileNotFoundError, OSError, KeyError, TypeError) as e:
         raise UserError(f"cannot load {path}: {str(e).splitlines()[0]}") from None
     sites = find_switch_sites(lazy_model)
     if not sites:
@@ -179,7 +185,6 @@ def load_engine(
     dispatcher = make_dispatcher(dispatch, world)
     runs_dense = dispatch == "collective" or world.is_root
 
-    index = read_safetensors_index(path)
     experts, shards = {}, {}
     for site in sites:
         shard = ExpertShard.build(site.layer, plan.layers[site.layer], world.rank)
@@ -189,16 +194,28 @@ def load_engine(
         if local is not None:
             mx.eval(local.parameters())
             experts[site.layer] = local
-        setattr(site.parent, site.attr, DistributedSwitch(shard, local, dispatcher))
+        first = site is sites[0]
+        setattr(site.parent, site.attr, DistributedSwitch(shard, local, dispatcher, first))
 
     expert_bytes = sum(nbytes(e.parameters()) for e in experts.values())
     tokenizer = None
     if runs_dense:
         mx.eval(lazy_model.parameters())
-        tokenizer = load_tokenizer(path)
+        try:
+            tokenizer = load_tokenizer(path)
+        except Exception as e:
+            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise UserError(f"cannot load the tokenizer in {path} (tokenizer.json): {reason}") from None
         dense_bytes = nbytes(lazy_model.parameters()) - expert_bytes
     else:
         lazy_model, dense_bytes = None, 0
+    fingerprint = {
+        "mlxdist": __version__,
+        "protocol": PROTOCOL_VERSION,
+        "config": _digest((path / "config.json").read_bytes()),
+        "weights": _digest(json.dumps(sorted((k, e.dtype, e.shape) for k, e in index.items())).encode()),
+        "placement": _digest(json.dumps(plan.to_json(), sort_keys=True).encode()),
+    }
     return Engine(
         world,
         dispatch,
@@ -210,4 +227,16 @@ def load_engine(
         shards,
         dispatcher,
         memory={"expert_bytes": expert_bytes, "dense_bytes": dense_bytes},
+        fingerprint=fingerprint,
     )
+
+
+def _check_config(path: Path) -> None:
+    try:
+        json.loads((path / "config.json").read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"{path / 'config.json'} is not valid JSON ({e})") from None
+
+
+def _digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()[:16]

@@ -7,6 +7,7 @@ without mpirun (or with -np 1) gets a one-rank world with no MPI at all and
 every collective below becomes an identity.
 """
 
+import atexit
 import glob
 import json
 import os
@@ -103,6 +104,9 @@ def init_world() -> World:
     if comm.Get_size() != group.size() or comm.Get_rank() != group.rank():
         raise RuntimeError("MLX and mpi4py disagree about the MPI world")
     _WORLD = World(group.rank(), group.size(), group, comm)
+    # Left to itself, MPI is not finalized at exit once any daemon thread
+    # (the watchdog's) is alive, and mpirun then reports an improper exit.
+    atexit.register(lambda: MPI.Is_finalized() or MPI.Finalize())
     return _WORLD
 
 

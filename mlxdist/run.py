@@ -17,6 +17,7 @@ from .engine import UserError
 from .mpi import init_world, run_or_abort
 from .placement import PlacementError
 from .server import Server
+from .watchdog import DEFAULT_TIMEOUT, start_watchdog
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,6 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-rank0-experts", action="store_true", help="rank 0 holds no experts")
     p.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT,
+                   help="seconds without progress before a generation is declared hung (default %(default)s)")
     p.add_argument("--logprobs-out", help="save each step's log-probabilities (.npy) for checks")
     return p
 
@@ -160,6 +163,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     except RuntimeError as e:
         fail(str(e))
         return 1
+    start_watchdog(world, args.timeout)
     if not world.is_root:
         return run_or_abort(world, Server(world).serve)
     cluster = Cluster(world)

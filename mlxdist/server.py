@@ -4,6 +4,7 @@ from ``serve`` in the same order, so every collective lines up.
 """
 
 import gc
+import os
 from typing import Any, Dict, Iterator, List, Optional
 
 import mlx.core as mx
@@ -12,7 +13,9 @@ from . import commands
 from .commands import Command
 from .engine import Engine, SamplingParams, UserError, load_engine
 from .mpi import World, allgather_json
+from .loader import LoadError as CheckpointError
 from .placement import PlacementError
+from .watchdog import ACTIVITY
 
 
 class LoadError(UserError):
@@ -21,7 +24,7 @@ class LoadError(UserError):
 
 def _one_line(e: BaseException) -> str:
     text = str(e).splitlines()[0] if str(e) else ""
-    if isinstance(e, (UserError, PlacementError)):
+    if isinstance(e, (UserError, PlacementError, CheckpointError)):
         return text
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
@@ -33,6 +36,40 @@ def describe_errors(errors: List[Optional[str]]) -> str:
     if len(ranks) == len(errors):
         return first
     return f"{first} (rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))})"
+
+
+_FINGERPRINT_NAMES = {
+    "mlxdist": "mlxdist version",
+    "protocol": "control protocol",
+    "config": "checkpoint config.json",
+    "weights": "checkpoint weight index",
+    "placement": "placement",
+}
+
+
+def describe_mismatch(fingerprints: List[Dict[str, Any]]) -> Optional[str]:
+    """None if every rank loaded the same thing; else one line naming the
+    ranks that differ from rank 0 and in what."""
+    ref = fingerprints[0]
+    differ = {r: [k for k in ref if f.get(k) != ref[k]] for r, f in enumerate(fingerprints)}
+    differ = {r: keys for r, keys in differ.items() if keys}
+    if not differ:
+        return None
+    parts = [
+        f"rank {r} ({', '.join(_FINGERPRINT_NAMES[k] for k in keys)})" for r, keys in sorted(differ.items())
+    ]
+    return "ranks loaded different things than rank 0: " + "; ".join(parts)
+
+
+def _resident_bytes() -> int:
+    """This process's resident set size now (not its peak)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:  # macOS: no /proc; the peak is the best we have
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
 
 class Server:
@@ -56,10 +93,17 @@ class Server:
             )
         except Exception as e:  # a corrupt file fails deep inside mlx or tokenizers
             error = _one_line(e)
-        reports = allgather_json(self.world, {"error": error, "memory": engine.memory if engine else None})
+        reports = allgather_json(
+            self.world,
+            {"error": error, "memory": engine and engine.memory, "fingerprint": engine and engine.fingerprint},
+        )
         errors = [r["error"] for r in reports]
         if any(errors):
             raise LoadError(describe_errors(errors))
+        mismatch = describe_mismatch([r["fingerprint"] for r in reports])
+        if mismatch:
+            self.engine = None
+            raise LoadError(mismatch)
         engine.memory_by_rank = [r["memory"] for r in reports]
         self.engine = engine
         return engine
@@ -76,12 +120,18 @@ class Server:
         engine = self.engine
         params = SamplingParams(**args["sampling"])
         mx.reset_peak_memory()
-        if not engine.runs_dense:
-            engine.serve()
-        elif len(args["prompts"]) == 1:
-            yield from engine.generate(args["prompts"][0], params)
-        else:
-            yield engine.generate_batch(args["prompts"], params)
+        ACTIVITY.step, ACTIVITY.armed = 0, True
+        ACTIVITY.beat("dense")
+        try:
+            if not engine.runs_dense:
+                engine.serve()
+            elif len(args["prompts"]) == 1:
+                yield from engine.generate(args["prompts"][0], params)
+            else:
+                yield engine.generate_batch(args["prompts"], params)
+        finally:
+            ACTIVITY.armed = False
+            ACTIVITY.beat("idle")
 
     def peaks(self) -> List[float]:
         return allgather_json(self.world, mx.get_peak_memory())
@@ -93,6 +143,7 @@ class Server:
             "rank": self.world.rank,
             "active_memory_gb": mx.get_active_memory() / 1e9,
             "peak_memory_gb": mx.get_peak_memory() / 1e9,
+            "rss_gb": _resident_bytes() / 1e9,
         }
         if engine is not None:
             mine.update(engine.dispatcher.stats.as_dict())
@@ -114,6 +165,7 @@ class Server:
         while True:
             command = commands.broadcast(self.world)
             if command.op == commands.SHUTDOWN:
+                ACTIVITY.beat("exiting")
                 return int(command.args.get("exit_code", 0))
             self.handle(command)
 

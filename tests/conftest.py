@@ -31,11 +31,11 @@ def mpirun_env() -> dict:
     return env
 
 
-def launch(np_: int, args, timeout: float = 120, input: str = None, module: str = "mlxdist.run"):
+def launch(np_: int, args, timeout: float = 120, input: str = None, module: str = "mlxdist.run", env: dict = None):
     """Run ``python -m module args`` (a script where module is None) on
     ``np_`` ranks (no mpirun for np_ = 0)."""
     cmd = [sys.executable, *(["-m", module] if module else []), *map(str, args)]
-    env = mpirun_env()
+    env = {**mpirun_env(), **(env or {})}
     if np_ > 0:
         cmd = [MPIRUN, "-np", str(np_), "--oversubscribe", "--bind-to", "none", "--stdin", "none", *cmd]
     if input is None or np_ == 0:

@@ -51,6 +51,7 @@ def test_failed_calls_leave_the_cluster_usable(tour):
         "temperature must be >= 0, got -1.0",
         "top_p must be in (0, 1], got 2.0",
         out["errors"][2],
+        "unknown command 'explode'",
     ]
     assert "exceeds the model's context" in out["errors"][2]
     assert out["after_errors"] == out["generate"]["tokens"]

@@ -97,10 +97,10 @@ def test_shard_local_index_is_position_in_owner_stack():
 
 def test_pack_layout():
     x = np.arange(6, dtype=np.float32).reshape(2, 3)
-    msg = _pack(1, 7, mx.float32, np.array([4, 2]), x)
-    assert msg[:20].view(np.int32).tolist() == [1, 7, 0, 2, 3]
-    assert msg[20:28].view(np.int32).tolist() == [4, 2]
-    assert np.array_equal(msg[28:].view(np.float32).reshape(2, 3), x)
+    msg = _pack(1, 7, mx.float32, np.array([4, 2]), x, step=5)
+    assert msg[:24].view(np.int32).tolist() == [1, 7, 0, 2, 3, 5]
+    assert msg[24:32].view(np.int32).tolist() == [4, 2]
+    assert np.array_equal(msg[32:].view(np.float32).reshape(2, 3), x)
 
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])

@@ -8,6 +8,7 @@ import sys
 
 import mlxdist
 from mlxdist import UserError
+from mlxdist.commands import Command, ProtocolError
 
 ckpt_a, ckpt_b = sys.argv[1:3]
 PROMPTS = ["The quick brown fox", "Experts are routed by a gate", "Hello"]
@@ -32,6 +33,10 @@ with mlxdist.init() as cluster:
         except UserError as e:
             errors.append(str(e))
     out["errors"] = errors
+    try:
+        cluster._broadcast(Command("explode", {}))
+    except ProtocolError as e:
+        errors.append(str(e))
     out["after_errors"] = cluster.generate(PROMPTS[0], max_tokens=8).tokens
     out["stats"] = cluster.stats(reset=True)
     out["memory_a"] = [s["active_memory_gb"] for s in cluster.stats()]

@@ -1,0 +1,152 @@
+"""No hangs: every rank knows what it is doing, and says so when it stops.
+
+``ACTIVITY`` is this rank's current phase, MoE layer and forward step,
+updated on the hot path with a few attribute stores. Two daemon threads read
+it:
+
+- the launcher thread: when a peer dies, mpirun sends the survivors SIGTERM.
+  The main thread may be blocked inside MPI, where no Python handler runs, so
+  the signal is read from a wakeup fd by this thread, which prints what this
+  rank was waiting for (and which local peer is gone) and exits;
+- the deadline thread: when a generation makes no progress for ``timeout``
+  seconds (a rank hung), it prints the same report and exits non-zero, which
+  makes mpirun stop the whole job.
+
+``MLXDIST_FAULT`` injects a fault for tests, e.g. ``kill:rank=1,layer=2,step=3``
+or ``sleep:rank=1,layer=2,step=3,seconds=60``: at that rank's expert step.
+"""
+
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import List, Optional, Tuple
+
+from .mpi import World, allgather_json
+
+DEFAULT_TIMEOUT = 120.0
+
+
+@dataclass
+class Activity:
+    phase: str = "idle"  # idle | dense | experts | exchange | serving
+    layer: Optional[int] = None
+    step: int = 0
+    waiting_on: List[int] = field(default_factory=list)
+    since: float = field(default_factory=time.monotonic)
+    armed: bool = False  # a generation is running: the deadline applies
+
+    def beat(self, phase: str, layer: Optional[int] = None, waiting_on: Optional[List[int]] = None) -> None:
+        self.phase, self.layer = phase, layer
+        self.waiting_on = waiting_on or []
+        self.since = time.monotonic()
+
+    def describe(self) -> str:
+        where = f"step {self.step}" if self.layer is None else f"layer {self.layer} of step {self.step}"
+        what = {
+            "exchange": "waiting in the expert exchange",
+            "experts": "computing its experts",
+            "dense": "running the dense layers",
+            "serving": "waiting for rank 0",
+        }.get(self.phase, self.phase)
+        return f"{what} during {where}"
+
+
+ACTIVITY = Activity()
+
+
+class Fault:
+    """The test-only fault of ``MLXDIST_FAULT``, if it names this rank."""
+
+    def __init__(self, spec: str, rank: int):
+        action, _, params = spec.partition(":")
+        values = dict(p.split("=", 1) for p in params.split(",") if p)
+        self.action = action
+        self.armed = int(values.get("rank", -1)) == rank
+        self.layer = int(values.get("layer", -1))
+        self.step = int(values.get("step", 0))
+        self.seconds = float(values.get("seconds", 3600))
+
+    def maybe_fire(self, layer: int, step: int) -> None:
+        if not self.armed or layer != self.layer or step != self.step:
+            return
+        self.armed = False
+        if self.action == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif self.action == "sleep":
+            time.sleep(self.seconds)
+
+
+_FAULT: Optional[Fault] = None
+
+
+def inject(layer: int, step: int) -> None:
+    """Fire the injected fault if this is its rank, layer and step."""
+    if _FAULT is not None:
+        _FAULT.maybe_fire(layer, step)
+
+
+class Watchdog:
+    def __init__(self, world: World, timeout: float):
+        self.world = world
+        self.timeout = timeout
+        self.peers: List[Tuple[str, int]] = [tuple(p) for p in allgather_json(world, [socket.gethostname(), os.getpid()])]
+
+    def start(self) -> None:
+        if self.world.size == 1:
+            return
+        read_fd, write_fd = os.pipe()
+        os.set_blocking(write_fd, False)
+        signal.set_wakeup_fd(write_fd)
+        signal.signal(signal.SIGTERM, lambda *_: None)
+        threading.Thread(target=self._on_signal, args=(read_fd,), daemon=True).start()
+        threading.Thread(target=self._deadline, daemon=True).start()
+
+    def gone(self) -> List[int]:
+        """Ranks on this host whose process no longer exists."""
+        here = socket.gethostname()
+        dead = []
+        for rank, (host, pid) in enumerate(self.peers):
+            if rank == self.world.rank or host != here:
+                continue
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                dead.append(rank)
+        return dead
+
+    def report(self, headline: str) -> None:
+        a = ACTIVITY
+        gone = self.gone()
+        waiting = f" on rank{'s' if len(a.waiting_on) > 1 else ''} {', '.join(map(str, a.waiting_on))}" if a.waiting_on else ""
+        line = f"mlxdist: error: rank {self.world.rank}: {headline} while {a.describe()}{waiting}"
+        if gone:
+            line += f"; rank{'s' if len(gone) > 1 else ''} {', '.join(map(str, gone))} stopped (process gone)"
+        print(line, file=sys.stderr, flush=True)
+
+    def _on_signal(self, read_fd: int) -> None:
+        os.read(read_fd, 1)
+        if ACTIVITY.phase != "exiting":  # a clean shutdown raced the launcher: nothing to report
+            self.report("the job was stopped")
+        os._exit(1)
+
+    def _deadline(self) -> None:
+        while True:
+            time.sleep(min(0.5, self.timeout / 4))
+            a = ACTIVITY
+            if a.armed and a.phase != "serving" and time.monotonic() - a.since > self.timeout:
+                self.report(f"no progress for {self.timeout:g} s")
+                os._exit(1)
+
+
+def start_watchdog(world: World, timeout: float) -> Watchdog:
+    """Install the fault (if any), the deadline and the launcher-signal report."""
+    global _FAULT
+    spec = os.environ.get("MLXDIST_FAULT")
+    _FAULT = Fault(spec, world.rank) if spec else None
+    dog = Watchdog(world, timeout)
+    dog.start()
+    return dog

@@ -1,0 +1,130 @@
+"""Reliability under real mpirun: a rank that dies or hangs ends the job
+within seconds with a report of who stopped and during what; ranks that
+loaded different things are refused at LOAD; corrupt files give one line
+naming the file; a long run stays exact and flat in memory."""
+
+import json
+import os
+import shutil
+import sys
+import time
+
+import pytest
+
+from conftest import MPIRUN, ROOT, last_json, launch, mpirun_env
+
+import subprocess
+
+
+def run_with_fault(path, fault, dispatch, timeout_flag=None, nranks=3):
+    env_fault = {"MLXDIST_FAULT": fault}
+    args = ["--model", path, "--prompt", "a fault is coming", "-m", 12, "--dispatch", dispatch]
+    if timeout_flag:
+        args += ["--timeout", timeout_flag]
+    tic = time.time()
+    proc = launch(nranks, args, timeout=90, env=env_fault)
+    return proc, time.time() - tic
+
+
+@pytest.mark.parametrize("dispatch", ["p2p", "collective"])
+@pytest.mark.parametrize("victim", [1, 0])
+def test_a_rank_dies(checkpoint, dispatch, victim):
+    path = checkpoint("qwen3_moe")
+    proc, elapsed = run_with_fault(path, f"kill:rank={victim},layer=1,step=3", dispatch)
+    assert proc.returncode != 0
+    assert elapsed < 30
+    reports = [l for l in proc.stderr.splitlines() if l.startswith("mlxdist: error: rank")]
+    assert reports, proc.stderr
+    assert all(f"rank {victim} stopped (process gone)" in l for l in reports), reports
+    assert all("step 3" in l for l in reports), reports
+    survivor = 0 if victim != 0 else 1
+    assert any(l.startswith(f"mlxdist: error: rank {survivor}:") for l in reports)
+
+
+@pytest.mark.parametrize("dispatch", ["p2p", "collective"])
+def test_a_rank_hangs(checkpoint, dispatch):
+    path = checkpoint("qwen3_moe")
+    proc, elapsed = run_with_fault(path, "sleep:rank=2,layer=1,step=3,seconds=600", dispatch, "3")
+    assert proc.returncode != 0
+    assert elapsed < 30
+    reports = [l for l in proc.stderr.splitlines() if l.startswith("mlxdist: error: rank")]
+    assert any(
+        l.startswith("mlxdist: error: rank 2: no progress for 3 s while computing its experts during layer 1 of step 3")
+        for l in reports
+    ), proc.stderr
+    if dispatch == "p2p":  # rank 0 knows exactly whose reply it is missing
+        assert any("rank 0: no progress for 3 s while waiting in the expert exchange during layer 1 of step 3 on rank 2" in l
+                   for l in reports), reports
+
+
+def _mpmd(contexts, timeout=90):
+    """mpirun with one app context per (wdir, argv) pair, one rank each."""
+    cmd = [MPIRUN, "--oversubscribe", "--bind-to", "none", "--stdin", "none"]
+    for i, (wdir, argv) in enumerate(contexts):
+        if i:
+            cmd.append(":")
+        cmd += ["-np", "1", "--wdir", str(wdir), sys.executable, *map(str, argv)]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=mpirun_env())
+
+
+def _one_error(proc) -> str:
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr, proc.stderr
+    errors = [l for l in proc.stderr.splitlines() if l.startswith("mlxdist: error:")]
+    assert len(errors) == 1, proc.stderr
+    return errors[0]
+
+
+def test_ranks_with_different_checkpoints_are_refused(checkpoint, tmp_path):
+    for sub, (arch, bits) in {"a": ("qwen3_moe", None), "b": ("qwen3_moe", 4)}.items():
+        (tmp_path / sub).mkdir()
+        shutil.copytree(checkpoint(arch, bits), tmp_path / sub / "model")
+    argv = ["-m", "mlxdist.run", "--model", "model", "--prompt", "hi"]
+    proc = _mpmd([(tmp_path / "a", argv), (tmp_path / "b", argv), (tmp_path / "a", argv)])
+    line = _one_error(proc)
+    assert "rank 1 (checkpoint config.json, checkpoint weight index)" in line
+    assert "rank 2" not in line
+
+
+def test_ranks_with_different_mlxdist_versions_are_refused(checkpoint):
+    args = ["--model", checkpoint("qwen3_moe"), "--prompt", "hi"]
+    patched = ["-c", "import sys, mlxdist; mlxdist.__version__ = '0.0.0-other'; "
+               "from mlxdist.run import main; sys.exit(main())"]
+    proc = _mpmd([(ROOT, ["-m", "mlxdist.run", *args]), (ROOT, [*patched, *args])])
+    assert "rank 1 (mlxdist version)" in _one_error(proc)
+
+
+def _corrupt_copy(checkpoint, tmp_path, name, corrupt):
+    path = tmp_path / "model"
+    shutil.copytree(checkpoint("qwen3_moe"), path)
+    corrupt(path / name)
+    return path
+
+
+@pytest.mark.parametrize(
+    "name,corrupt,message",
+    [
+        ("model.safetensors", lambda f: f.write_bytes(f.read_bytes()[: f.stat().st_size // 2]), "model.safetensors is truncated"),
+        ("config.json", lambda f: f.write_text("{ not json"), "config.json is not valid JSON"),
+        ("tokenizer.json", lambda f: f.write_text('{"version": "1.0", "model": 42}'), "tokenizer"),
+    ],
+)
+def test_corrupt_files_name_the_file(checkpoint, tmp_path, name, corrupt, message):
+    path = _corrupt_copy(checkpoint, tmp_path, name, corrupt)
+    line = _one_error(launch(2, ["--model", path, "--prompt", "hi"], timeout=90))
+    assert message in line and str(path) in line
+
+
+def test_soak_is_exact_and_flat(checkpoint):
+    from test_api import mlx_lm_alone
+
+    path = checkpoint("qwen3_moe")
+    proc = launch(2, [ROOT / "tests/scripts/soak.py", path, 200], module=None, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = last_json(proc.stdout)
+    assert len(out["calls"]) == 200
+    longest = {i: mlx_lm_alone(path, p, max_tokens=16) for i, p in enumerate(out["prompts"])}
+    for prompt, max_tokens, tokens in out["calls"]:
+        assert tokens == longest[prompt][:max_tokens]
+    for after_10, after_all in zip(out["rss_after_10"], out["rss_after_all"]):
+        assert after_all <= 1.05 * after_10
