@@ -240,12 +240,14 @@ def write_checkpoint(
     seed: int = 0,
     overrides: Optional[Dict[str, Any]] = None,
     max_shard_mb: Optional[int] = None,
+    dtype: str = "float32",
 ) -> Path:
     """Write a random-weight checkpoint of ``preset`` in mlx-lm layout.
 
     The model is built with mlx-lm's own classes, every parameter is drawn
     again from ``seed``, and the result is optionally quantized with
-    ``mlx_lm.utils.quantize_model``. Unquantized tensors are float32. Weights
+    ``mlx_lm.utils.quantize_model``. Unquantized tensors are ``dtype``
+    (float32, which MLX's CPU ``gather_mm`` needs; bfloat16 as real models). Weights
     are split into shards of at most ``max_shard_mb`` megabytes when given.
 
     Returns:
@@ -271,7 +273,7 @@ def write_checkpoint(
         params["lm_head.weight"] = _output_head(
             params["lm_head.weight"], params.get("model.embed_tokens.weight"), keep_rows
         )
-    params = [(k, v.astype(mx.float32)) for k, v in params.items()]
+    params = [(k, v.astype(getattr(mx, dtype))) for k, v in params.items()]
     model.update(tree_unflatten(params))
     del params
     if quantize_bits is not None:
@@ -362,6 +364,7 @@ def main():
     parser.add_argument("--layers", type=int, default=None, help="Number of layers.")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-shard-mb", type=int, default=None)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     args = parser.parse_args()
 
     overrides = {}
@@ -375,6 +378,7 @@ def main():
         seed=args.seed,
         overrides=overrides,
         max_shard_mb=args.max_shard_mb,
+        dtype=args.dtype,
     )
     size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
     print(f"Wrote {args.preset} to {path} ({size / 2**20:.1f} MiB of weights)")
