@@ -9,5 +9,5 @@ if [ ! -x "$root/.venv/bin/python" ]; then
   "$python" -m venv "$root/.venv"
 fi
 "$root/.venv/bin/python" -m pip install -q --upgrade pip
-"$root/.venv/bin/python" -m pip install -q -e "$root[test${EXTRAS:+,$EXTRAS}]"
+"$root/.venv/bin/python" -m pip install -q -e "$root[test,bench${EXTRAS:+,$EXTRAS}]"
 echo "mlxdist installed in $root/.venv"

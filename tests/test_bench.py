@@ -1,0 +1,79 @@
+"""The benchmark harness at tiny sizes: it runs, its JSON has the fields, and
+the comparison's ratios come from the numbers of the same run."""
+
+import json
+import math
+
+import pytest
+
+from conftest import ROOT, last_json, launch
+
+SMALL = ["-p", "16", "-g", "4", "-b", "1,2", "-n", "1", "--warmup-tokens", "2"]
+ROW_FIELDS = [
+    "prompt_tps", "generation_tps", "peak_memory_gb", "layer_ms", "profiled_layer_ms", "expert_ms",
+    "exchange_ms", "rest_ms", "floor_us", "exchange_over_floor", "balance", "balance_worst",
+]
+
+
+@pytest.fixture(scope="module")
+def model(checkpoint):
+    return checkpoint("qwen3_moe")  # float32: mlx-lm can shard it for tensor parallelism
+
+
+def test_bench_json_two_ranks(model):
+    r = launch(2, ["--model", model, *SMALL, "--json"], module="mlxdist.bench")
+    assert r.returncode == 0, r.stderr
+    report = last_json(r.stdout)
+    assert report["ranks"] == 2 and report["versions"]["mlx"]
+    rows = report["results"]
+    assert [(x["dispatch"], x["batch"]) for x in rows] == [
+        ("collective", 1), ("collective", 2), ("p2p", 1), ("p2p", 2)
+    ]
+    for row in rows:
+        for key in ROW_FIELDS:
+            assert row[key] is not None, key
+        assert row["generation_tps"] > 0 and row["prompt_tps"] > 0
+        assert len(row["peak_memory_gb"]) == 2 and min(row["peak_memory_gb"]) > 0
+        assert row["floor_us"] > 0 and row["exchange_ms"] > 0
+        assert math.isclose(row["exchange_over_floor"], row["exchange_ms"] * 1e3 / row["floor_us"])
+        assert math.isclose(row["rest_ms"], row["profiled_layer_ms"] - row["expert_ms"] - row["exchange_ms"])
+        assert 1.0 <= row["balance"] <= row["balance_worst"] <= 2.0
+
+
+def test_bench_table_one_process(model):
+    r = launch(0, ["--model", model, *SMALL, "--dispatch", "collective"], module="mlxdist.bench")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[1].startswith("dispatch") and "gen t/s" in lines[1]
+    assert [l.split()[:2] for l in lines[2:4]] == [["collective", "1"], ["collective", "2"]]
+
+
+def test_bench_rejects_unknown_dispatch(model):
+    r = launch(0, ["--model", model, "--dispatch", "nccl"], module="mlxdist.bench")
+    assert r.returncode != 0 and "unknown dispatch mode" in r.stderr
+
+
+def test_compare_ratios_from_same_run(model, tmp_path):
+    args = ["--model", model, *SMALL, "--ranks", "2", "--dispatch", "collective", "--out", tmp_path]
+    r = launch(0, args, module="mlxdist.bench_compare", timeout=240)
+    assert r.returncode == 0, r.stdout + r.stderr
+    result = json.loads((tmp_path / "results.json").read_text())
+    assert not result["errors"] and not result["unsupported"]
+    rows = {(x["contender"], x["ranks"], x["batch"]): x for x in result["results"]}
+    assert set(rows) == {
+        (c, n, b) for c, n in [("mlx-lm single", 1), ("mlxdist collective", 2), ("mlx-lm tensor", 2),
+                               ("mlx-lm pipeline", 2)] for b in (1, 2)
+    }
+    for (contender, n, b), row in rows.items():
+        single = rows[("mlx-lm single", 1, b)]["generation_tps"]
+        assert math.isclose(row["vs_single"], row["generation_tps"] / single)
+        if n == 2:
+            assert math.isclose(row["vs_tensor"], row["generation_tps"] / rows[("mlx-lm tensor", 2, b)]["generation_tps"])
+            assert math.isclose(row["vs_pipeline"], row["generation_tps"] / rows[("mlx-lm pipeline", 2, b)]["generation_tps"])
+    table = (tmp_path / "results.md").read_text()
+    assert "| 2 | mlxdist collective | 1 |" in table and "exchange ≤ 1.5× floor" in table
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return
+    assert (tmp_path / "generation_tps.png").stat().st_size > 0
