@@ -15,7 +15,14 @@ PROMPT = "The quick brown fox jumps over the lazy dog because"
 MAX_TOKENS = 10
 ARCHS = ["qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss"]
 CHECKPOINTS = [(a, b) for a in ARCHS for b in (None, 4)]
-WORLDS = [("collective", 1), *[(d, n) for d in ("collective", "p2p") for n in (2, 3, 4)]]
+# "collective" runs compact on the CPU; "collective-masked" forces the static,
+# masked layout that GPUs use (MLXDIST_COMPACT=0).
+WORLDS = [
+    ("collective", 1),
+    *[(d, n) for d in ("collective", "p2p") for n in (2, 3, 4)],
+    ("collective-masked", 2),
+    ("collective-masked", 3),
+]
 
 _REFERENCE = {}
 _RUNS = {}
@@ -43,11 +50,13 @@ def distributed(checkpoint, tmp_path_factory):
         if (dispatch, nranks) not in _RUNS:
             paths = [str(checkpoint(a, b)) for a, b in CHECKPOINTS]
             out = tmp_path_factory.mktemp(f"{dispatch}-{nranks}")
+            mode, _, layout = dispatch.partition("-")
             proc = launch(
                 nranks,
-                [ROOT / "tests/scripts/generate_each.py", out, dispatch, PROMPT, MAX_TOKENS, *paths],
+                [ROOT / "tests/scripts/generate_each.py", out, mode, PROMPT, MAX_TOKENS, *paths],
                 module=None,
                 timeout=300,
+                env={"MLXDIST_COMPACT": "0" if layout == "masked" else "1"},
             )
             assert proc.returncode == 0, proc.stderr[-3000:]
             summary = json.loads((out / "summary.json").read_text())
