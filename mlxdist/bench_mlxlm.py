@@ -13,6 +13,7 @@ mlx-lm's reason instead of numbers.
 """
 
 import json
+import os
 import sys
 from typing import Any, Dict, List, Optional
 
@@ -23,16 +24,34 @@ from .bench import median_row, parse_args as _bench_args, random_prompts, text_c
 MODES = ("single", "tensor", "pipeline")
 
 
+def _backend() -> str:
+    """MLX's backend for tensor/pipeline runs: ``MLXDIST_BACKEND`` (``mpi``,
+    the default, or ``nccl`` on CUDA), as for mlxdist itself."""
+    backend = os.environ.get("MLXDIST_BACKEND", "mpi")
+    if backend not in ("mpi", "nccl"):
+        raise SystemExit(f"MLXDIST_BACKEND must be mpi or nccl, not {backend!r}")
+    return backend
+
+
 def _group(mode: str) -> Optional[mx.distributed.Group]:
     if mode == "single":
         return None
-    import os
+    if _backend() == "nccl":
+        # MLX's NCCL backend alone, as mlx_lm.benchmark with MLX_RANK etc. set;
+        # the rank comes from mpirun's environment (one GPU per rank is the
+        # launcher's business: CUDA_VISIBLE_DEVICES).
+        for var, ompi in (("MLX_RANK", "OMPI_COMM_WORLD_RANK"), ("MLX_WORLD_SIZE", "OMPI_COMM_WORLD_SIZE")):
+            if ompi in os.environ:
+                os.environ.setdefault(var, os.environ[ompi])
+        os.environ.setdefault("NCCL_HOST_IP", "127.0.0.1")
+        os.environ.setdefault("NCCL_PORT", "29517")
+        group = mx.distributed.init(backend="nccl", strict=True)
+    else:
+        from .mpi import find_libmpi
 
-    from .mpi import find_libmpi
-
-    # MLX's MPI backend alone, as mlx_lm.benchmark under mpirun (no mpi4py).
-    os.environ.setdefault("MLX_MPI_LIBNAME", find_libmpi() or "libmpi.so.40")
-    group = mx.distributed.init(backend="mpi", strict=True)
+        # MLX's MPI backend alone, as mlx_lm.benchmark under mpirun (no mpi4py).
+        os.environ.setdefault("MLX_MPI_LIBNAME", find_libmpi() or "libmpi.so.40")
+        group = mx.distributed.init(backend="mpi", strict=True)
     if group.size() == 1:
         raise ValueError(f"--mode {mode} needs mpirun with at least 2 ranks")
     return group
@@ -138,7 +157,7 @@ def main(argv=None) -> None:
 
         args.model = str(default_checkpoint())
     report = run(args)
-    rank = mx.distributed.init(backend="mpi").rank() if mode != "single" else 0
+    rank = mx.distributed.init(backend=_backend()).rank() if mode != "single" else 0
     if rank == 0:
         if args.json:
             print(json.dumps(report), flush=True)

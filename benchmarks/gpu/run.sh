@@ -1,0 +1,107 @@
+#!/usr/bin/env bash
+# Decode/prefill tok/s of mlx-lm (one GPU), mlx-lm tensor parallel (two GPUs,
+# NCCL) and mlxdist collective + p2p (two GPUs; MLX arrays on NCCL, control
+# plane and p2p exchange on mpi4py) on one synthetic checkpoint, one launch per
+# contender (warm-up, then the median of -n trials inside it).
+#
+#   benchmarks/gpu/run.sh                # on the GPU machine, from the repo root
+#   GPU=0 PRESET=tiny BITS= DTYPE=float32 LAYERS=2 BENCH_ARGS="-p 8 -g 4 -b 1,2 -n 1 --warmup-tokens 2" \
+#     MPIRUN=.venv/bin/mpirun PY=.venv/bin/python benchmarks/gpu/run.sh   # logic check on a CPU
+#
+# Environment (defaults for 2 x H200): OUT (results: run.log, reports.jsonl,
+# results.json, results.md), MODEL (/tmp/q30, written by mlxdist.synth unless
+# MODEL/.complete exists), PRESET, BITS, DTYPE, LAYERS, BENCH_ARGS, CONTENDERS
+# ("single tensor mlxdist"), ROUND (a tag stored with each report), DEADLINE
+# (seconds this script may run; launches are cut to fit), MPIRUN, PY, GPU.
+set -u
+root="$(cd "$(dirname "$0")/../.." && pwd)"
+cd "$root"
+start=$(date +%s)
+OUT="${OUT:-/tmp/mlxdist-gpu-out}"; mkdir -p "$OUT"
+MODEL="${MODEL:-/tmp/q30}"
+PRESET="${PRESET:-qwen3-30b-a3b}"; BITS="${BITS-4}"; DTYPE="${DTYPE:-bfloat16}"; LAYERS="${LAYERS:-48}"
+BENCH_ARGS="${BENCH_ARGS:--p 128 -g 64 -b 1,8,32 -n 3 --warmup-tokens 16}"
+CONTENDERS="${CONTENDERS:-single tensor mlxdist}"
+ROUND="${ROUND:-r1}"
+DEADLINE="${DEADLINE:-570}"
+MPIRUN="${MPIRUN:-/usr/bin/mpirun}"
+PY="${PY:-python3}"
+GPU="${GPU:-1}"
+log="$OUT/run.log"
+reports="$OUT/reports.jsonl"
+
+export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+# NVLink multicast stays off (the machine's rule), also in processes we start.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export NCCL_HOST_IP=127.0.0.1
+# The masked, static-shape collective layout (the GPU default) whatever the tree says.
+export MLXDIST_COMPACT=0
+if [ "$GPU" = 1 ]; then
+  BACKEND=nccl
+  MPIFLAGS=(--allow-run-as-root --bind-to none -np 2)
+else
+  BACKEND=mpi
+  MPIFLAGS=(--oversubscribe --bind-to none -np 2)
+fi
+
+say() { echo "[$(( $(date +%s) - start ))s] $*" | tee -a "$log"; }
+left() { echo $(( DEADLINE - ($(date +%s) - start) )); }
+
+say "mlxdist GPU bench: round $ROUND, contenders '$CONTENDERS', model $MODEL, args $BENCH_ARGS, backend $BACKEND"
+{ date -u; uname -a; nproc; command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  nvidia-smi topo -m 2>/dev/null; "$MPIRUN" --version 2>&1 | head -1
+  "$PY" -c 'import json, mlxdist.bench as b; print(json.dumps(b.versions()))'
+  "$PY" -c 'import mlx.core as mx; print("mlx device", mx.default_device())'
+  sha256sum mlxdist/*.py; } >> "$log" 2>&1
+
+if [ ! -e "$MODEL/.complete" ]; then
+  say "writing checkpoint: $PRESET, ${BITS:-no} bits, $DTYPE, $LAYERS layers"
+  t0=$(date +%s)
+  timeout "$(( $(left) - 30 ))" "$PY" -m mlxdist.synth "$MODEL" --preset "$PRESET" ${BITS:+--bits $BITS} \
+      --dtype "$DTYPE" --layers "$LAYERS" >> "$log" 2>&1 || { say "synth FAILED (rc $?)"; exit 1; }
+  touch "$MODEL/.complete"
+  say "checkpoint written in $(( $(date +%s) - t0 )) s: $(du -sh "$MODEL" | cut -f1)"
+fi
+
+port=$(( 29600 + RANDOM % 200 ))
+launch() {  # name ranks cmd...: one contender, its JSON report appended to reports.jsonl
+  local name=$1 ranks=$2; shift 2
+  local budget=$(( $(left) - 15 ))
+  if [ "$budget" -lt 60 ]; then say "$name: SKIPPED (only $budget s left)"; return; fi
+  port=$(( port + 1 ))
+  say "$name: $*  (limit ${budget}s, NCCL_PORT $port)"
+  local t0=$(date +%s) so="$OUT/.stdout"
+  NCCL_PORT=$port timeout -k 10 "$budget" "$@" > "$so" 2>> "$log" < /dev/null
+  local rc=$?
+  "$PY" - "$name" "$ranks" "$rc" "$(( $(date +%s) - t0 ))" "$ROUND" "$*" "$so" >> "$reports" <<'PYEOF'
+import json, os, sys, time
+name, ranks, rc, wall, round_, cmd, so = sys.argv[1:]
+lines = [l for l in open(so).read().splitlines() if l.startswith("{")]
+rec = {"name": name, "ranks": int(ranks), "rc": int(rc), "wall_s": int(wall), "round": round_, "command": cmd,
+       "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() - int(wall))),
+       "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "cpus": os.cpu_count()}
+if lines:
+    rec["report"] = json.loads(lines[-1])
+print(json.dumps(rec))
+PYEOF
+  cat "$so" >> "$log"; rm -f "$so"
+  say "$name: rc $rc in $(( $(date +%s) - t0 )) s"
+}
+
+common=(--model "$MODEL" $BENCH_ARGS --json)
+for c in $CONTENDERS; do
+  case $c in
+    single) launch "mlx-lm single" 1 env CUDA_VISIBLE_DEVICES=0 "$PY" -m mlxdist.bench_mlxlm --mode single "${common[@]}" ;;
+    tensor) launch "mlx-lm tensor" 2 env MLXDIST_BACKEND=$BACKEND "$MPIRUN" "${MPIFLAGS[@]}" \
+              benchmarks/gpu/rank.sh "$PY" -m mlxdist.bench_mlxlm --mode tensor "${common[@]}" ;;
+    pipeline) launch "mlx-lm pipeline" 2 env MLXDIST_BACKEND=$BACKEND "$MPIRUN" "${MPIFLAGS[@]}" \
+              benchmarks/gpu/rank.sh "$PY" -m mlxdist.bench_mlxlm --mode pipeline "${common[@]}" ;;
+    mlxdist) launch "mlxdist" 2 env MLXDIST_BACKEND=$BACKEND "$MPIRUN" "${MPIFLAGS[@]}" \
+              benchmarks/gpu/rank.sh "$PY" -m mlxdist.bench --dispatch collective,p2p "${common[@]}" ;;
+    *) say "unknown contender $c" ;;
+  esac
+done
+
+"$PY" benchmarks/gpu/collect.py --out "$OUT" "$reports" >> "$log" 2>&1 && cat "$OUT/summary.txt"
+say "done"
