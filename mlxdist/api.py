@@ -18,6 +18,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
 
 from . import commands
 from .commands import Command
+from .dispatch import DISPATCHERS
 from .engine import Engine, SamplingParams, UserError
 from .mpi import World, init_world, run_or_abort
 from .placement import Placement
@@ -84,8 +85,8 @@ class Cluster:
 
         ``placement``: a JSON file, a placement object or dict, or None for
         the even policy. Raises ``UserError``/``LoadError`` with one line."""
-        if dispatch not in ("collective", "p2p"):
-            raise UserError(f"unknown dispatch mode {dispatch!r} (choose collective or p2p)")
+        if dispatch not in DISPATCHERS:
+            raise UserError(f"unknown dispatch mode {dispatch!r} (choose {', '.join(DISPATCHERS)})")
         if isinstance(placement, str):
             placement = Placement.load(placement)
         if isinstance(placement, Placement):

@@ -22,7 +22,12 @@ Two transports, one interface, chosen by name in ``make_dispatcher``:
   its own experts meanwhile, then puts each returned slot back in place.
   Workers hold experts and nothing else (``serve_experts``).
 
-With one rank both are identities: the expert module sees the input as is.
+``collective-tp`` is ``collective`` without its all_sum, for a model whose
+attention and dense layers mlx-lm's ``shard()`` split over the ranks: the
+MoE block's own tensor-parallel all_sum then adds the partial slots (and the
+shared experts). Faster where attention dominates; not bit-exact.
+
+With one rank every mode is an identity: the expert module sees the input as is.
 """
 
 import os
@@ -130,9 +135,12 @@ class CollectiveHandle:
 class CollectiveDispatcher:
     name = "collective"
 
-    def __init__(self, world: World, compact: bool = False):
+    def __init__(self, world: World, compact: bool = False, reduce: bool = True):
         self.world = world
         self.compact = compact
+        # reduce=False: return this rank's partial slots; the model's own
+        # tensor-parallel MoE block sums them (with its shared experts) itself.
+        self.reduce = reduce
         self.stats = ExchangeStats()
         self._tables: Dict[int, Tuple[mx.array, mx.array]] = {}
 
@@ -184,7 +192,7 @@ class CollectiveDispatcher:
                 y = mx.zeros(handle.out_shape, dtype=handle.dtype)
             else:
                 y = mx.where(handle.owned[..., None], y, mx.array(0, dtype=y.dtype))
-        if handle.out_shape:
+        if handle.out_shape and self.reduce:
             self.stats.bytes_sent += y.nbytes
             y = mx.distributed.all_sum(y, group=self.world.group)
         # Evaluating y now also evaluates the load counters (no growing graph).
@@ -331,7 +339,7 @@ def serve_experts(
         stats.count(layer, np.asarray(shard.owned)[local], shard.owner.size)
 
 
-DISPATCHERS = {"collective": CollectiveDispatcher, "p2p": P2PDispatcher}
+DISPATCHERS = {"collective": CollectiveDispatcher, "p2p": P2PDispatcher, "collective-tp": CollectiveDispatcher}
 
 
 def compact_by_default() -> bool:
@@ -349,4 +357,6 @@ def make_dispatcher(name: str, world: World):
         raise ValueError(f"unknown dispatch mode {name!r} (choose {', '.join(DISPATCHERS)})")
     if name == "collective":
         return CollectiveDispatcher(world, compact=compact_by_default())
+    if name == "collective-tp":
+        return CollectiveDispatcher(world, compact=compact_by_default(), reduce=world.size == 1)
     return DISPATCHERS[name](world)

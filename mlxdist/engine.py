@@ -183,7 +183,9 @@ def load_engine(
     experts_per_layer = {s.layer: s.num_experts for s in sites}
     plan = resolve_placement(placement, experts_per_layer, world.size, rank0_experts)
     dispatcher = make_dispatcher(dispatch, world)
-    runs_dense = dispatch == "collective" or world.is_root
+    runs_dense = dispatch != "p2p" or world.is_root
+    if dispatch == "collective-tp" and world.size > 1:
+        _shard_dense(lazy_model, sites, world, config)
 
     experts, shards = {}, {}
     for site in sites:
@@ -229,6 +231,27 @@ def load_engine(
         memory={"expert_bytes": expert_bytes, "dense_bytes": dense_bytes},
         fingerprint=fingerprint,
     )
+
+
+def _shard_dense(model: nn.Module, sites, world: World, config: Dict[str, Any]) -> None:
+    """mlx-lm's own tensor parallelism for everything but the routed experts:
+    ``shard()`` splits attention, dense and shared-expert layers (and makes
+    each MoE block sum its output over the ranks); the routed experts keep
+    their full, unsharded parameters for expert parallelism."""
+    if not hasattr(model, "shard"):
+        raise UserError(
+            f"{config.get('model_type')} has no tensor-parallel shard() in mlx-lm: "
+            f"use --dispatch collective or p2p"
+        )
+    cfg = config.get("text_config", config)
+    for key in ("num_attention_heads", "num_key_value_heads"):
+        heads = cfg.get(key)
+        if heads is not None and heads % world.size:
+            raise UserError(f"{key} = {heads} does not split over {world.size} ranks")
+    full = [site.module.parameters() for site in sites]
+    model.shard(world.group)
+    for site, params in zip(sites, full):
+        site.module.update(params)
 
 
 def _check_config(path: Path) -> None:

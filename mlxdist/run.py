@@ -34,7 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-p", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--prefill-step-size", type=int, default=2048)
-    p.add_argument("--dispatch", choices=["collective", "p2p"], default="collective")
+    p.add_argument("--dispatch", choices=["collective", "p2p", "collective-tp"], default="collective",
+                   help="collective-tp: attention and dense layers tensor parallel (mlx-lm's shard()); not bit-exact")
     p.add_argument("--placement", help="placement JSON file (default: experts spread evenly)")
     p.add_argument("--save-placement", help="write the placement used to this JSON file")
     p.add_argument("--no-rank0-experts", action="store_true", help="rank 0 holds no experts")

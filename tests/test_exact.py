@@ -112,3 +112,23 @@ def test_prompts_from_stdin_keep_the_model_loaded(checkpoint):
     assert len(results) == 2
     for line in results:
         assert json.loads(line)["tokens"] == reference(path)[0]
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3", "gpt_oss"])
+def test_collective_tp_is_close_to_mlx_lm(checkpoint, tmp_path, arch):
+    """Attention and dense layers tensor parallel: not bit-exact (the sums run
+    in another order), but the same tokens and logits within float noise."""
+    path = checkpoint(arch)
+    out = tmp_path / "logprobs.npy"
+    proc = launch(2, ["--model", path, "--prompt", PROMPT, "--max-tokens", MAX_TOKENS, "--json",
+                      "--dispatch", "collective-tp", "--logprobs-out", out])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ref_tokens, ref_logprobs = reference(path)
+    assert last_json(proc.stdout)["tokens"] == ref_tokens
+    assert np.max(np.abs(np.load(out) - ref_logprobs)) < 1e-3
+
+
+def test_collective_tp_needs_mlx_lm_shard(checkpoint):
+    proc = launch(2, ["--model", checkpoint("mixtral"), "--prompt", PROMPT, "--dispatch", "collective-tp"])
+    assert proc.returncode != 0
+    assert "mixtral has no tensor-parallel shard() in mlx-lm" in proc.stderr
