@@ -10,7 +10,7 @@ TARGET_TP_BATCH = 1.1  # np>1, batch >= 8
 TARGET_FLOOR = 1.5  # per-layer exchange <= 1.5 x the transport floor
 
 _COLORS = {"mlx-lm single": "tab:blue", "mlx-lm tensor": "tab:orange", "mlx-lm pipeline": "tab:purple",
-           "mlxdist collective": "tab:green", "mlxdist p2p": "tab:red"}
+           "mlxdist collective": "tab:green", "mlxdist p2p": "tab:red", "mlxdist collective-tp": "tab:olive"}
 
 
 def _f(value: Optional[float], spec: str = ".2f") -> str:
