@@ -23,7 +23,7 @@ from mlx_lm.utils import load_model, load_tokenizer
 from . import __version__
 from .commands import PROTOCOL_VERSION
 from .dispatch import ExpertShard, make_dispatcher, serve_experts
-from .loader import LoadError, find_switch_sites, nbytes, read_safetensors_index, slice_experts
+from .loader import find_switch_sites, nbytes, read_safetensors_index, slice_experts
 from .moe import DistributedSwitch
 from .mpi import World
 from .placement import Placement, resolve_placement

@@ -34,7 +34,7 @@ _DTYPES = {
 }
 
 
-class LoadError(RuntimeError):
+class CheckpointError(RuntimeError):
     pass
 
 
@@ -55,14 +55,14 @@ def read_safetensors_index(model_path: Path) -> Dict[str, TensorEntry]:
                 (n,) = struct.unpack("<Q", f.read(8))
                 header = json.loads(f.read(n))
         except (OSError, struct.error, json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise LoadError(f"{file} is not a valid safetensors file ({e})") from None
+            raise CheckpointError(f"{file} is not a valid safetensors file ({e})") from None
         size = file.stat().st_size
         for name, info in header.items():
             if name == "__metadata__":
                 continue
             start, end = info["data_offsets"]
             if 8 + n + end > size:
-                raise LoadError(f"{file} is truncated (tensor {name} ends past the file)")
+                raise CheckpointError(f"{file} is truncated (tensor {name} ends past the file)")
             entries[name] = TensorEntry(file, info["dtype"], tuple(info["shape"]), 8 + n + start)
     return entries
 
@@ -70,7 +70,7 @@ def read_safetensors_index(model_path: Path) -> Dict[str, TensorEntry]:
 def read_rows(entry: TensorEntry, rows: List[int]) -> mx.array:
     """``tensor[rows]`` read from disk without reading the other rows."""
     if entry.dtype not in _DTYPES:
-        raise LoadError(f"unsupported safetensors dtype {entry.dtype}")
+        raise CheckpointError(f"unsupported safetensors dtype {entry.dtype}")
     np_dtype, mx_dtype = _DTYPES[entry.dtype]
     row_shape = entry.shape[1:]
     row_items = int(np.prod(row_shape)) if row_shape else 1
@@ -114,7 +114,7 @@ def find_switch_sites(model: nn.Module) -> List[SwitchSite]:
             continue
         match = _LAYER_RE.search(path)
         if match is None:
-            raise LoadError(f"expert module {path} is not inside a numbered layer")
+            raise CheckpointError(f"expert module {path} is not inside a numbered layer")
         parent_path, attr = path.rsplit(".", 1)
         parent = dict(model.named_modules())[parent_path]
         sites.append(SwitchSite(int(match.group(1)), path, parent, attr, module))

@@ -13,7 +13,7 @@ import sys
 from typing import Iterator, List, Optional
 
 from .api import Cluster
-from .engine import UserError
+from .engine import SamplingParams, UserError
 from .mpi import init_world, run_or_abort
 from .placement import PlacementError
 from .server import Server
@@ -127,8 +127,6 @@ def _run_prompt(cluster: Cluster, args, text: str, logprobs: List) -> None:
 def command_loop(cluster: Cluster, args) -> int:
     """Rank 0: LOAD, then GENERATE each prompt (or the job file)."""
     try:
-        from .engine import SamplingParams
-
         SamplingParams(**{**sampling_args(args), "seed": 0}).validate()
         cluster.load(args.model, args.dispatch, args.placement, not args.no_rank0_experts)
     except (UserError, PlacementError) as e:

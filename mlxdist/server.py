@@ -13,7 +13,7 @@ from . import commands
 from .commands import Command
 from .engine import Engine, SamplingParams, UserError, load_engine
 from .mpi import World, allgather_json
-from .loader import LoadError as CheckpointError
+from .loader import CheckpointError
 from .placement import PlacementError
 from .watchdog import ACTIVITY
 

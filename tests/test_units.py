@@ -10,7 +10,7 @@ import pytest
 from mlxdist import commands
 from mlxdist.commands import Command, ProtocolError
 from mlxdist.dispatch import ExpertShard, _pack, from_numpy, to_numpy
-from mlxdist.loader import read_rows, read_safetensors_index, LoadError
+from mlxdist.loader import CheckpointError, read_rows, read_safetensors_index
 from mlxdist.mpi import find_libmpi
 from mlxdist.placement import Placement, PlacementError, resolve_placement
 
@@ -126,7 +126,7 @@ def test_truncated_safetensors_is_detected(tmp_path):
     mx.save_safetensors(str(tmp_path / "model.safetensors"), {"a": mx.ones((64, 64))})
     data = (tmp_path / "model.safetensors").read_bytes()
     (tmp_path / "model.safetensors").write_bytes(data[: len(data) // 2])
-    with pytest.raises(LoadError, match="truncated"):
+    with pytest.raises(CheckpointError, match="truncated"):
         read_safetensors_index(tmp_path)
 
 
