@@ -57,6 +57,31 @@ def _group(mode: str) -> Optional[mx.distributed.Group]:
     return group
 
 
+def _sharded_load_on_device(path: str, pipe, tensor, return_config: bool = True):
+    """``mlx_lm.utils.sharded_load`` for a local folder, with its closing
+    barrier on the default stream: mlx-lm 0.32.2 runs that ``all_sum`` on
+    ``mx.cpu``, which MLX's NCCL backend refuses ("There is no Stream(gpu, 1)
+    in current thread"). Same steps otherwise: lazy load, ``shard`` or
+    ``pipeline``, evaluate the rank's weights."""
+    from pathlib import Path
+
+    from mlx_lm.utils import load_model, load_tokenizer
+
+    model, config = load_model(Path(path), lazy=True, strict=False)
+    if tensor is not None and not hasattr(model, "shard"):
+        raise ValueError("The model does not support tensor parallelism but a tensor_group was provided")
+    if pipe is not None and not (hasattr(model, "model") and hasattr(model.model, "pipeline")):
+        raise ValueError("The model does not support pipelining but a pipeline_group was provided")
+    tokenizer = load_tokenizer(Path(path), {"trust_remote_code": True}, eos_token_ids=config.get("eos_token_id", None))
+    if tensor is not None:
+        model.shard(tensor)
+    if pipe is not None:
+        model.model.pipeline(pipe)
+    mx.eval(model.parameters())
+    mx.eval(mx.distributed.all_sum(mx.array(1.0), group=tensor if tensor is not None else pipe))
+    return model, tokenizer, config
+
+
 def load(model: str, mode: str):
     """(model, tokenizer, config, group) for ``mode``; raises ValueError where
     mlx-lm cannot shard this architecture that way."""
@@ -71,7 +96,8 @@ def load(model: str, mode: str):
         m, tok, config = mlx_load(str(path), return_config=True)
     else:
         pipe, tensor = (group, None) if mode == "pipeline" else (None, group)
-        m, tok, config = sharded_load(str(path), pipe, tensor, return_config=True)
+        load_fn = _sharded_load_on_device if _backend() == "nccl" else sharded_load
+        m, tok, config = load_fn(str(path), pipe, tensor, return_config=True)
     tok._eos_token_ids = set()  # never stop early, as mlx_lm.benchmark
     return m, tok, config, group
 
