@@ -101,14 +101,17 @@ def expert_balance(stats: List[Dict[str, Any]]) -> Dict[str, float]:
     return {"balance": sum(ratios) / len(ratios), "balance_worst": max(ratios)}
 
 
-def breakdown(profile: Dict[str, Any], run: Dict[str, Any], layers: int, batch: int) -> Dict[str, Any]:
-    """Per decode-step MoE layer, in milliseconds: the timed pass's layer
-    time, and the profiled pass's split into expert, exchange and the rest."""
+def breakdown(
+    profile: Dict[str, Any], timed: Dict[str, Any], profiled: Dict[str, Any], layers: int, batch: int
+) -> Dict[str, Any]:
+    """Per decode-step MoE layer, in milliseconds: the timed trials' layer
+    time, and the profiled pass's time and its split into expert, exchange
+    and the rest."""
     calls = profile["calls"]
-    timed_ms = 1e3 * batch / run["generation_tps"] / layers
+    timed_ms = 1e3 * batch / timed["generation_tps"] / layers
     out = {"layer_ms": timed_ms, "profiled_layer_ms": None, "expert_ms": None, "exchange_ms": None, "rest_ms": None}
     if calls:
-        decode_s = run["generation_tokens"] / run["generation_tps"]
+        decode_s = profiled["generation_tokens"] / profiled["generation_tps"]
         total = 1e3 * decode_s / calls
         expert = 1e3 * profile["expert_seconds"] / calls
         exchange = 1e3 * profile["exchange_seconds"] / calls
@@ -131,7 +134,7 @@ def bench_case(cluster, mode: str, prompts: List[List[int]], args) -> Dict[str, 
     bench_probe.probe(cluster, "profile", on=True)
     profiled = _generate(cluster, prompts, args.generation_tokens)
     profile = bench_probe.probe(cluster, "profile", on=False)[0]
-    row.update(breakdown(profile, profiled, layers, len(prompts)))
+    row.update(breakdown(profile, row, profiled, layers, len(prompts)))
 
     floor_args = {
         "mode": mode,

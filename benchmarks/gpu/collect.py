@@ -1,6 +1,6 @@
 """Tables from ``benchmarks/gpu/run.sh`` reports (one or more reports.jsonl).
 
-    python benchmarks/gpu/collect.py --out DIR reports.jsonl [more.jsonl ...] [--plot]
+    python benchmarks/gpu/collect.py --out DIR reports.jsonl [more.jsonl ...] [--plot] [--ok-only]
 
 Writes DIR/results.json and DIR/results.md in ``benchmarks/compare``'s format
 (the median over rounds of each contender's per-launch medians; ratios to
@@ -40,6 +40,11 @@ def result_of(records):
         first = first or report
         trials += _rows(report, rec["name"], rec["ranks"])
     rows = aggregate(trials)
+    for r in rows:
+        # The timed trials' decode time per MoE layer (mlxdist.bench before
+        # this fix reported the profiled pass's here; profiled_layer_ms has that).
+        if r.get("moe_layers") and r.get("generation_tps"):
+            r["layer_ms"] = 1e3 * r["batch"] / r["generation_tps"] / r["moe_layers"]
     add_ratios(rows)
     rows.sort(key=lambda r: (r["ranks"], r["contender"], r["batch"]))
     first = first or {}
@@ -84,10 +89,14 @@ def main(argv=None):
     parser.add_argument("reports", nargs="+")
     parser.add_argument("--out", required=True)
     parser.add_argument("--plot", action="store_true")
+    parser.add_argument("--ok-only", action="store_true", help="Leave out launches that failed (keep them in the logs).")
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    result = result_of(load(args.reports))
+    records = load(args.reports)
+    if args.ok_only:
+        records = [r for r in records if r["rc"] == 0 and r.get("report")]
+    result = result_of(records)
     (out / "results.json").write_text(json.dumps(result, indent=1))
     (out / "results.md").write_text(markdown(result))
     (out / "summary.txt").write_text(summary(result))

@@ -8,10 +8,19 @@
 #   GPU=0 PRESET=tiny BITS= DTYPE=float32 LAYERS=2 BENCH_ARGS="-p 8 -g 4 -b 1,2 -n 1 --warmup-tokens 2" \
 #     MPIRUN=.venv/bin/mpirun PY=.venv/bin/python benchmarks/gpu/run.sh   # logic check on a CPU
 #
+# On the GPU machine (no registry, no MLX): MLX's CUDA wheel and mlx-lm go in
+# with pip --target, and libmlx.so's RPATH ($ORIGIN/../../nvidia/...) must
+# find the image's CUDA libraries, hence the link:
+#   python3 -m pip install -q --no-index --no-deps --target /tmp/site mlx-*.whl mlx_cuda_13-*.whl mlx_lm-*.whl
+#   ln -sfn "$(python3 -c 'import nvidia; print(list(nvidia.__path__)[0])')" /tmp/site/nvidia
+#   export PYTHONPATH=/tmp/site:$PWD; benchmarks/gpu/run.sh
+# Results of 2 x H200: benchmarks/gpu/h200x2/ and benchmarks/RESULTS.md.
+#
 # Environment (defaults for 2 x H200): OUT (results: run.log, reports.jsonl,
 # results.json, results.md), MODEL (/tmp/q30, written by mlxdist.synth unless
 # MODEL/.complete exists), PRESET, BITS, DTYPE, LAYERS, BENCH_ARGS, CONTENDERS
-# ("single tensor mlxdist"), ROUND (a tag stored with each report), DEADLINE
+# ("single tensor mlxdist"; also "pipeline"), DISPATCH (mlxdist's modes,
+# "collective,p2p"), ROUND (a tag stored with each report), DEADLINE
 # (seconds this script may run; launches are cut to fit), MPIRUN, PY, GPU.
 set -u
 root="$(cd "$(dirname "$0")/../.." && pwd)"
@@ -25,7 +34,7 @@ CONTENDERS="${CONTENDERS:-single tensor mlxdist}"
 ROUND="${ROUND:-r1}"
 DEADLINE="${DEADLINE:-570}"
 MPIRUN="${MPIRUN:-/usr/bin/mpirun}"
-PY="${PY:-python3}"
+PY="${PY:-$(command -v python3)}"  # absolute: under mpirun, PATH may lead elsewhere
 GPU="${GPU:-1}"
 log="$OUT/run.log"
 reports="$OUT/reports.jsonl"
@@ -98,7 +107,7 @@ for c in $CONTENDERS; do
     pipeline) launch "mlx-lm pipeline" 2 env MLXDIST_BACKEND=$BACKEND "$MPIRUN" "${MPIFLAGS[@]}" \
               benchmarks/gpu/rank.sh "$PY" -m mlxdist.bench_mlxlm --mode pipeline "${common[@]}" ;;
     mlxdist) launch "mlxdist" 2 env MLXDIST_BACKEND=$BACKEND "$MPIRUN" "${MPIFLAGS[@]}" \
-              benchmarks/gpu/rank.sh "$PY" -m mlxdist.bench --dispatch collective,p2p "${common[@]}" ;;
+              benchmarks/gpu/rank.sh "$PY" -m mlxdist.bench --dispatch ${DISPATCH:-collective,p2p} "${common[@]}" ;;
     *) say "unknown contender $c" ;;
   esac
 done
