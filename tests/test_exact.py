@@ -132,3 +132,17 @@ def test_collective_tp_needs_mlx_lm_shard(checkpoint):
     proc = launch(2, ["--model", checkpoint("mixtral"), "--prompt", PROMPT, "--dispatch", "collective-tp"])
     assert proc.returncode != 0
     assert "mixtral has no tensor-parallel shard() in mlx-lm" in proc.stderr
+
+
+def test_sampling_with_a_seed_is_the_same_on_every_world_size(checkpoint):
+    """temp > 0: every rank that samples draws the same token (same logits,
+    same seed), so the result does not depend on N or the mode."""
+    path = checkpoint("qwen3_moe", 4)
+    args = ["--model", path, "--prompt", PROMPT, "--max-tokens", 16, "--json", "--temp", 0.9, "--top-p", 0.95, "--seed", 7]
+    results = []
+    for nranks, dispatch in [(0, "collective"), (2, "collective"), (3, "p2p")]:
+        proc = launch(nranks, [*args, "--dispatch", dispatch])
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        results.append(last_json(proc.stdout)["tokens"])
+    assert results[0] == results[1] == results[2]
+    assert results[0][:MAX_TOKENS] != reference(path)[0]  # it really sampled
