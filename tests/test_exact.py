@@ -146,3 +146,17 @@ def test_sampling_with_a_seed_is_the_same_on_every_world_size(checkpoint):
         results.append(last_json(proc.stdout)["tokens"])
     assert results[0] == results[1] == results[2]
     assert results[0][:MAX_TOKENS] != reference(path)[0]  # it really sampled
+
+
+@pytest.mark.skipif(not (ROOT / ".venv/bin/python").exists(), reason="launch/mpirun uses the project's .venv")
+def test_launch_mpirun_wrapper_passes_stdin_and_exit_status(checkpoint):
+    import subprocess
+
+    path = checkpoint("qwen3_moe")
+    wrapper = [str(ROOT / "launch/mpirun"), "-np", "2", "python", "-m", "mlxdist.run", "--model", str(path), "-m", "4"]
+    ok = subprocess.run([*wrapper, "--json"], input="one\ntwo\n", capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert len([l for l in ok.stdout.splitlines() if l.startswith("{")]) == 2
+    bad = subprocess.run([*wrapper, "--prompt", "x", "--temp", "-1"], stdin=subprocess.DEVNULL,
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "temperature must be >= 0" in bad.stderr
