@@ -15,13 +15,13 @@ PROMPT = "The quick brown fox jumps over the lazy dog because"
 MAX_TOKENS = 10
 ARCHS = ["qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss"]
 CHECKPOINTS = [(a, b) for a in ARCHS for b in (None, 4)]
-# "collective" runs compact on the CPU; "collective-masked" forces the static,
-# masked layout that GPUs use (MLXDIST_COMPACT=0).
+# "collective" is the default, masked layout; "collective-compact" computes
+# owned slots only (MLXDIST_COMPACT=1).
 WORLDS = [
     ("collective", 1),
     *[(d, n) for d in ("collective", "p2p") for n in (2, 3, 4)],
-    ("collective-masked", 2),
-    ("collective-masked", 3),
+    ("collective-compact", 2),
+    ("collective-compact", 3),
 ]
 
 _REFERENCE = {}
@@ -56,7 +56,7 @@ def distributed(checkpoint, tmp_path_factory):
                 [ROOT / "tests/scripts/generate_each.py", out, mode, PROMPT, MAX_TOKENS, *paths],
                 module=None,
                 timeout=300,
-                env={"MLXDIST_COMPACT": "0" if layout == "masked" else "1"},
+                env={"MLXDIST_COMPACT": "1" if layout == "compact" else "0"},
             )
             assert proc.returncode == 0, proc.stderr[-3000:]
             summary = json.loads((out / "summary.json").read_text())
