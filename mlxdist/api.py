@@ -25,6 +25,8 @@ from .placement import Placement
 from .server import LoadError, Server
 from .watchdog import ACTIVITY, DEFAULT_TIMEOUT, start_watchdog
 
+__all__ = ["Cluster", "LoadError", "Piece", "Result", "UserError", "init"]
+
 Messages = List[Dict[str, str]]
 
 

@@ -70,10 +70,11 @@ class ExpertShard:
     owner: np.ndarray  # [E] rank owning each expert
     local_index: np.ndarray  # [E] position of each expert in its owner's stack
     rank: int
+    owned_ids: np.ndarray  # [e] global ids of this rank's experts, in stack order
 
     @property
     def owned(self) -> List[int]:
-        return np.flatnonzero(self.owner == self.rank).tolist()
+        return self.owned_ids.tolist()
 
     @classmethod
     def build(cls, layer: int, owners: List[int], rank: int) -> "ExpertShard":
@@ -82,7 +83,7 @@ class ExpertShard:
         for r in np.unique(owner):
             held = np.flatnonzero(owner == r)
             local_index[held] = np.arange(held.size, dtype=np.int32)
-        return cls(layer, owner, local_index, rank)
+        return cls(layer, owner, local_index, rank, np.flatnonzero(owner == rank))
 
 
 @dataclass
@@ -337,7 +338,7 @@ def serve_experts(
         stats.bytes_received += msg.nbytes
         stats.bytes_sent += out.nbytes
         shard = shards[layer]
-        stats.count(layer, np.asarray(shard.owned)[local], shard.owner.size)
+        stats.count(layer, shard.owned_ids[local], shard.owner.size)
 
 
 DISPATCHERS = {"collective": CollectiveDispatcher, "p2p": P2PDispatcher, "collective-tp": CollectiveDispatcher}

@@ -15,7 +15,6 @@ from typing import Any, Dict, Iterator, List, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
 from mlx_lm.generate import BatchResponse, GenerationResponse, batch_generate, stream_generate
 from mlx_lm.sample_utils import make_sampler
 from mlx_lm.utils import load_model, load_tokenizer

@@ -12,7 +12,7 @@ import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn

@@ -147,15 +147,15 @@ class Server:
         }
         if engine is not None:
             mine.update(engine.dispatcher.stats.as_dict())
-            if engine.dispatch == "collective":  # every rank sees every slot: count its own
-                held = {str(l): s.owned for l, s in engine.shards.items()}
+            held = {str(l): s.owned for l, s in engine.shards.items()}
+            if engine.dispatch != "p2p":  # every rank sees every slot: count its own
                 total = sum(sum(c) for c in mine["expert_load"].values())
                 mine["slots_local"] = sum(
                     sum(c[e] for e in held[l]) for l, c in mine["expert_load"].items()
                 )
                 mine["slots_remote"] = total - mine["slots_local"]
             mine["weights_gb"] = {k.replace("_bytes", ""): v / 1e9 for k, v in engine.memory.items()}
-            mine["experts_held"] = {str(l): s.owned for l, s in engine.shards.items()}
+            mine["experts_held"] = held
             if args.get("reset"):
                 engine.dispatcher.stats.reset()
         return allgather_json(self.world, mine)
