@@ -21,7 +21,7 @@ def __getattr__(name):
 
         return Placement
     if name == "UserError":
-        from .engine import UserError
+        from .errors import UserError
 
         return UserError
     raise AttributeError(f"module 'mlxdist' has no attribute {name!r}")

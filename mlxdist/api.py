@@ -13,16 +13,16 @@ the cluster usable.
 
 import random
 import sys
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
 
 from . import commands
 from .commands import Command
-from .dispatch import DISPATCHERS
-from .engine import Engine, SamplingParams, UserError
+from .engine import Engine, GenerationParams, LoadOptions
+from .errors import UserError
+from .executor import PROBES, CommandExecutor, LoadError
 from .mpi import World, init_world, run_or_abort
 from .placement import Placement
-from .server import LoadError, Server
 from .watchdog import ACTIVITY, DEFAULT_TIMEOUT, start_watchdog
 
 __all__ = ["Cluster", "LoadError", "Piece", "Result", "UserError", "init"]
@@ -54,7 +54,7 @@ class Cluster:
 
     def __init__(self, world: World):
         self.world = world
-        self.server = Server(world)
+        self.executor = CommandExecutor(world)
         self._closed = False
 
     # -- lifecycle -------------------------------------------------------
@@ -81,14 +81,17 @@ class Cluster:
         dispatch: str = "collective",
         placement: Union[None, str, dict, Placement] = None,
         rank0_experts: bool = True,
+        layout: str = "masked",
+        stats: bool = False,
     ) -> "Cluster":
         """Load ``model`` (a folder or hub id; None: the built-in random MoE)
         on every rank, releasing any model loaded before.
 
-        ``placement``: a JSON file, a placement object or dict, or None for
-        the even policy. Raises ``UserError``/``LoadError`` with one line."""
-        if dispatch not in DISPATCHERS:
-            raise UserError(f"unknown dispatch mode {dispatch!r} (choose {', '.join(DISPATCHERS)})")
+        ``dispatch``: collective, p2p or collective-tp. ``placement``: a JSON
+        file, a placement object or dict, or None for the even policy.
+        ``layout``: the collective modes' masked or compact slots.
+        ``stats``: count routed slots per expert (a cost on every MoE layer).
+        Raises ``UserError``/``LoadError`` with one line."""
         if isinstance(placement, str):
             placement = Placement.load(placement)
         if isinstance(placement, Placement):
@@ -97,15 +100,17 @@ class Cluster:
             from .synth import default_checkpoint
 
             model = str(default_checkpoint())
-        args = {"model": str(model), "dispatch": dispatch, "placement": placement, "rank0_experts": rank0_experts}
-        self.server.load(self._broadcast(Command(commands.LOAD, args)).args)
+        options = LoadOptions(str(model), dispatch, layout, placement, rank0_experts, stats)
+        options.validate()
+        self.executor.load(self._broadcast(Command(commands.LOAD, asdict(options))).args)
         return self
 
     @property
     def engine(self) -> Engine:
-        if self.server.engine is None:
+        """Rank 0's loaded engine (model, tokenizer, placement, dispatcher)."""
+        if self.executor.engine is None:
             raise UserError("no model is loaded: call load() first")
-        return self.server.engine
+        return self.executor.engine
 
     def encode(self, prompt: Optional[str] = None, messages: Optional[Messages] = None) -> List[int]:
         """Token ids of a prompt, or of chat ``messages`` through the
@@ -121,8 +126,15 @@ class Cluster:
             raise UserError(f"prompt must be a string, got {type(prompt).__name__}")
         return list(tokenizer.encode(prompt))
 
-    def _request(self, prompts: Sequence[List[int]], sampling: Dict[str, Any]) -> Command:
-        params = SamplingParams(**sampling)
+    def request(self, prompts: Sequence[List[int]], **sampling) -> Command:
+        """A checked GENERATE command for these token-id prompts (not sent
+        yet: ``stream`` or ``run_batch`` runs it). ``sampling``: the fields of
+        ``GenerationParams``. Raises ``UserError`` for bad parameters, an
+        empty prompt or one past the model's context."""
+        try:
+            params = GenerationParams(**sampling)
+        except TypeError as e:
+            raise UserError(str(e).replace("__init__() ", "")) from None
         if params.seed is None:
             params.seed = random.randrange(2**31)
         params.validate()
@@ -135,7 +147,7 @@ class Cluster:
                     f"prompt of {len(ids)} tokens plus {params.max_tokens} new tokens "
                     f"exceeds the model's context of {limit}"
                 )
-        args = {"prompts": [list(map(int, p)) for p in prompts], "sampling": params.__dict__}
+        args = {"prompts": [list(map(int, p)) for p in prompts], "sampling": asdict(params)}
         return Command(commands.GENERATE, args)
 
     def stream_generate(
@@ -144,13 +156,17 @@ class Cluster:
         """Generate from one prompt, yielding each new piece of text.
 
         ``sampling``: max_tokens, temp, top_p, top_k, min_p, seed,
-        prefill_step_size. Stopping early is safe: the remaining steps run
-        (and are dropped) so every rank stays in step."""
-        request = self._request([self.encode(prompt, messages)], sampling)
-        yield from self._stream(request, {})
+        prefill_step_size, max_kv_size. Stopping early is safe: the
+        remaining steps run (and are dropped) so every rank stays in step."""
+        request = self.request([self.encode(prompt, messages)], **sampling)
+        yield from self.stream(request)
 
-    def _stream(self, request: Command, stats: Dict[str, Any]) -> Iterator[Piece]:
-        responses = self.server.generate(self._broadcast(request).args)
+    def stream(self, request: Command, stats: Optional[Dict[str, Any]] = None) -> Iterator[Piece]:
+        """Run a one-prompt ``request`` on every rank, yielding each piece.
+        ``stats`` (a dict) receives mlx-lm's counters, the peak memory of
+        every rank and the exchange counters once the stream ends."""
+        stats = {} if stats is None else stats
+        responses = self.executor.generate(self._broadcast(request).args)
         try:
             for response in responses:
                 stats.update(
@@ -164,16 +180,16 @@ class Cluster:
         finally:
             for _ in responses:  # the caller stopped early: finish in step
                 pass
-            stats["peak_memory_gb"] = [p / 1e9 for p in self.server.peaks()]
+            stats["peak_memory_gb"] = [p / 1e9 for p in self.executor.peaks()]
             stats["exchange"] = self.engine.dispatcher.stats.as_dict()
 
     def generate(
         self, prompt: Optional[str] = None, *, messages: Optional[Messages] = None, **sampling
     ) -> Result:
         """Generate from one prompt (or chat ``messages``); see ``stream_generate``."""
-        request = self._request([self.encode(prompt, messages)], sampling)
+        request = self.request([self.encode(prompt, messages)], **sampling)
         stats: Dict[str, Any] = {}
-        pieces = list(self._stream(request, stats))
+        pieces = list(self.stream(request, stats))
         text = "".join(p.text for p in pieces)
         return Result(text, [p.token for p in pieces], stats)
 
@@ -189,9 +205,13 @@ class Cluster:
         if len(ids) == 1:
             return [self.generate(prompts[0] if isinstance(prompts[0], str) else None,
                                   messages=prompts[0] if isinstance(prompts[0], list) else None, **sampling)]
-        request = self._request(ids, sampling)
-        (response,) = list(self.server.generate(self._broadcast(request).args))
-        peaks = self.server.peaks()
+        return self.run_batch(self.request(ids, **sampling))
+
+    def run_batch(self, request: Command) -> List[Result]:
+        """Run a request of several prompts as one batch on every rank."""
+        ids = request.args["prompts"]
+        (response,) = list(self.executor.generate(self._broadcast(request).args))
+        peaks = self.executor.peaks()
         s = response.stats
         stats = {
             "batch_prompt_tokens": s.prompt_tokens,
@@ -206,22 +226,35 @@ class Cluster:
             for text, tokens, prompt in zip(response.texts, response.token_ids, ids)
         ]
 
-    def stats(self, reset: bool = False) -> List[Dict[str, Any]]:
+    def stats(self, reset: bool = False, collect: Optional[bool] = None) -> List[Dict[str, Any]]:
         """Per rank: slots computed, time in expert compute and waiting on the
-        exchange (p2p), bytes moved, per-expert load counts, memory."""
-        return self.server.stats(self._broadcast(Command(commands.STATS, {"reset": reset})).args)
+        exchange (p2p), bytes moved, memory, and per-expert load counts
+        (counted only while switched on: ``load(stats=True)`` or
+        ``collect=True`` here; ``collect=False`` stops counting)."""
+        args = {"reset": reset, "collect": collect}
+        return self.executor.stats(self._broadcast(Command(commands.STATS, args)).args)
+
+    def probe(self, name: str, **args) -> List[Any]:
+        """Run the probe registered as ``name`` (``executor.register_probe``)
+        on every rank at once; returns each rank's answer."""
+        if name not in PROBES:
+            raise UserError(f"no probe named {name!r} is registered")
+        command = self._broadcast(Command(commands.PROBE, {"name": name, "args": args}))
+        return self.executor.probe(command.args)
 
 
-def init(timeout: float = DEFAULT_TIMEOUT) -> Cluster:
+def init(timeout: float = DEFAULT_TIMEOUT, backend: Optional[str] = None) -> Cluster:
     """Join the job. On rank 0, returns the ``Cluster`` handle; on every
     other rank, serves rank 0's commands and exits the process at shutdown.
 
     ``timeout``: seconds a generation may make no progress (a rank hung)
-    before the job is ended with a report of who was waiting on whom."""
-    world = init_world()
+    before the job is ended with a report of who was waiting on whom.
+    ``backend``: MLX's transport for arrays, "mpi" or "nccl" (default: nccl
+    where MLX runs on CUDA, else mpi)."""
+    world = init_world(backend)
     start_watchdog(world, timeout)
     if world.is_root:
         return Cluster(world)
-    code = run_or_abort(world, Server(world).serve)
+    code = run_or_abort(world, CommandExecutor(world).serve)
     sys.stdout.flush()
     sys.exit(code)

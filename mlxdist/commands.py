@@ -12,26 +12,28 @@ from typing import Any, Dict, Optional
 
 from .mpi import World, bcast_bytes
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 LOAD = "load"
 GENERATE = "generate"
 STATS = "stats"
+PROBE = "probe"
 SHUTDOWN = "shutdown"
-OPS = (LOAD, GENERATE, STATS, SHUTDOWN)
+OPS = (LOAD, GENERATE, STATS, PROBE, SHUTDOWN)
 
 
 class ProtocolError(RuntimeError):
-    pass
+    """A control message this rank cannot act on."""
 
 
 @dataclass
 class Command:
     """One control message: ``op`` and its arguments.
 
-    LOAD: model, dispatch, placement (a placement JSON object or None),
-    rank0_experts. GENERATE: prompts (lists of token ids), sampling
-    parameters. STATS: reset. SHUTDOWN: exit_code.
+    LOAD: the fields of ``engine.LoadOptions``. GENERATE: prompts (lists of
+    token ids) and ``engine.GenerationParams``. STATS: reset, collect.
+    PROBE: name and args of a registered probe (``executor.register_probe``).
+    SHUTDOWN: exit_code.
     """
 
     op: str
@@ -40,10 +42,12 @@ class Command:
 
 
 def encode(command: Command) -> bytes:
+    """The wire form: compact JSON."""
     return json.dumps(asdict(command), separators=(",", ":")).encode()
 
 
 def decode(data: bytes) -> Command:
+    """Parse and check one control message; raises ``ProtocolError``."""
     try:
         obj = json.loads(data)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:

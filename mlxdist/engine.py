@@ -3,69 +3,68 @@
 Loading: mlx-lm builds the model lazily; each MoE layer's expert module is
 replaced by a ``DistributedSwitch`` holding this rank's experts; then only
 what this rank runs is evaluated (read from disk). Generation reuses
-mlx-lm's ``stream_generate`` (prefill in chunks, KV caches, samplers,
-detokenizers) on every rank that runs the dense model.
+mlx-lm's ``stream_generate`` / ``batch_generate`` (prefill in chunks, KV
+caches, samplers, detokenizers) on every rank that runs the dense model.
 """
 
 import hashlib
 import json
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, Iterator, List, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.generate import BatchResponse, GenerationResponse, batch_generate, stream_generate
+from mlx_lm.generate import (
+    DEFAULT_MAX_TOKENS, BatchResponse, GenerationResponse, batch_generate, generation_stream, stream_generate,
+)
 from mlx_lm.sample_utils import make_sampler
 from mlx_lm.utils import load_model, load_tokenizer
 
 from . import __version__
 from .commands import PROTOCOL_VERSION
-from .dispatch import ExpertShard, make_dispatcher, serve_experts
-from .loader import find_switch_sites, nbytes, read_safetensors_index, slice_experts
-from .moe import DistributedSwitch
+from .dispatch import DISPATCH_MODES, LAYOUTS, Dispatcher, LayerOwnership, make_dispatcher
+from .errors import UserError
+from .loader import (
+    check_config, find_switch_sites, nbytes, read_safetensors_index, resolve_model_path, slice_experts,
+)
+from .moe import DistributedSwitch, Observer
 from .mpi import World
 from .placement import Placement, resolve_placement
+from .watchdog import configured_fault
 
-
-class UserError(Exception):
-    """A problem with the user's input: reported in one line, no traceback."""
-
-
-def resolve_model_path(model: str) -> Path:
-    """A local folder, or a hub id fetched into the hub cache."""
-    path = Path(model).expanduser()
-    if path.exists():
-        if not (path / "config.json").is_file():
-            raise UserError(f"{path} has no config.json: not an mlx-lm model folder")
-        return path
-    if model.startswith((".", "/", "~")) or model.count("/") != 1:
-        raise UserError(f"model path {model} does not exist")
-    try:
-        from huggingface_hub import snapshot_download
-
-        return Path(
-            snapshot_download(
-                model,
-                allow_patterns=["*.json", "model*.safetensors", "*.py", "tokenizer.model", "*.tiktoken", "*.txt", "*.jinja"],
-            )
-        )
-    except Exception as e:
-        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise UserError(f"cannot fetch {model!r} from the Hugging Face hub: {reason}") from None
+__all__ = ["Engine", "GenerationParams", "LoadOptions", "UserError", "load_engine"]
 
 
 @dataclass
-class SamplingParams:
-    """What GENERATE carries besides the prompt; validated on rank 0."""
+class LoadOptions:
+    """What LOAD carries: chosen on rank 0, broadcast, fingerprinted."""
 
-    max_tokens: int = 64
+    model: str
+    dispatch: str = "collective"
+    layout: str = "masked"  # collective modes: "masked" or "compact" (see dispatch/collective.py)
+    placement: Optional[dict] = None  # a placement's JSON object; None: the even policy
+    rank0_experts: bool = True
+    stats: bool = False  # count routed slots per expert from the start
+
+    def validate(self) -> None:
+        if self.dispatch not in DISPATCH_MODES:
+            raise UserError(f"unknown dispatch mode {self.dispatch!r} (choose {', '.join(DISPATCH_MODES)})")
+        if self.layout not in LAYOUTS:
+            raise UserError(f"unknown layout {self.layout!r} (choose {', '.join(LAYOUTS)})")
+
+
+@dataclass
+class GenerationParams:
+    """What GENERATE carries besides the prompts; validated on rank 0."""
+
+    max_tokens: int = DEFAULT_MAX_TOKENS
     temp: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
     seed: Optional[int] = None
     prefill_step_size: int = 2048
+    max_kv_size: Optional[int] = None  # a rotating KV cache of this many tokens
 
     def validate(self) -> None:
         if not self.max_tokens >= 1:
@@ -80,6 +79,8 @@ class SamplingParams:
             raise UserError(f"min_p must be in [0, 1], got {self.min_p}")
         if not self.prefill_step_size >= 1:
             raise UserError(f"prefill_step_size must be >= 1, got {self.prefill_step_size}")
+        if self.max_kv_size is not None and not self.max_kv_size >= 1:
+            raise UserError(f"max_kv_size must be >= 1, got {self.max_kv_size}")
 
     def sampler(self):
         return make_sampler(self.temp, top_p=self.top_p, min_p=self.min_p, top_k=self.top_k)
@@ -93,17 +94,22 @@ class Engine:
     """
 
     world: World
-    dispatch: str
+    options: LoadOptions
     placement: Placement
     config: Dict[str, Any]
     model: Optional[nn.Module]
     tokenizer: Any
-    experts: Dict[int, nn.Module]
-    shards: Dict[int, ExpertShard]
-    dispatcher: Any
+    experts: Dict[int, nn.Module]  # layer -> this rank's expert module
+    ownership: Dict[int, LayerOwnership]  # layer -> who owns which expert
+    switches: List[DistributedSwitch]
+    dispatcher: Dispatcher
     memory: Dict[str, int] = field(default_factory=dict)
     memory_by_rank: List[Dict[str, int]] = field(default_factory=list)
     fingerprint: Dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def dispatch(self) -> str:
+        return self.options.dispatch
 
     @property
     def runs_dense(self) -> bool:
@@ -114,11 +120,17 @@ class Engine:
         cfg = self.config.get("text_config", self.config)
         return cfg.get("max_position_embeddings")
 
-    def generate(self, prompt: List[int], params: SamplingParams) -> Iterator[GenerationResponse]:
+    def observe(self, observer: Optional[Observer]) -> None:
+        """Call ``observer`` at each boundary of every MoE layer (None: stop).
+        The benchmark's profiling pass times layers this way."""
+        for switch in self.switches:
+            switch.observer = observer
+
+    def generate(self, prompt: List[int], params: GenerationParams) -> Iterator[GenerationResponse]:
         """mlx-lm's ``stream_generate`` through the distributed experts.
 
         Called on every rank that runs the dense model (all ranks in the
-        collective mode, rank 0 in p2p): each takes identical decisions
+        collective modes, rank 0 in p2p): each takes identical decisions
         because each sees identical logits and the same seed.
         """
         mx.random.seed(params.seed if params.seed is not None else 0)
@@ -130,11 +142,12 @@ class Engine:
                 max_tokens=params.max_tokens,
                 sampler=params.sampler(),
                 prefill_step_size=params.prefill_step_size,
+                max_kv_size=params.max_kv_size,
             )
         finally:
-            self.dispatcher.finish()
+            self._end_generation()
 
-    def generate_batch(self, prompts: List[List[int]], params: SamplingParams) -> BatchResponse:
+    def generate_batch(self, prompts: List[List[int]], params: GenerationParams) -> BatchResponse:
         """mlx-lm's ``batch_generate`` (left-padded batches, finished
         sequences leave the batch) through the distributed experts."""
         mx.random.seed(params.seed if params.seed is not None else 0)
@@ -146,28 +159,34 @@ class Engine:
                 max_tokens=params.max_tokens,
                 sampler=params.sampler(),
                 prefill_step_size=params.prefill_step_size,
+                max_kv_size=params.max_kv_size,
                 completion_batch_size=max(len(prompts), 1),
                 prefill_batch_size=max(len(prompts), 1),
                 return_token_ids=True,
             )
         finally:
-            self.dispatcher.finish()
+            self._end_generation()
+
+    def _end_generation(self) -> None:
+        # mlx-lm keeps the next step in flight (mx.async_eval on its own
+        # generation_stream): its collectives may still be running on that
+        # stream's thread. MPI is initialised for one thread at a time, so let
+        # them finish before the control plane (mpi4py, main thread) speaks.
+        mx.synchronize(generation_stream)
+        mx.synchronize()
+        self.dispatcher.finish()
 
     def serve(self) -> None:
         """A p2p worker's part in one generation."""
-        serve_experts(self.world, self.experts, self.shards, self.dispatcher.stats)
+        fault = configured_fault(self.world.rank)
+        self.dispatcher.serve(self.experts, self.ownership, fault.maybe_fire if fault else None)
 
 
-def load_engine(
-    world: World,
-    model: str,
-    dispatch: str = "collective",
-    placement: Optional[dict] = None,
-    rank0_experts: bool = True,
-) -> Engine:
+def load_engine(world: World, options: LoadOptions) -> Engine:
     """Build this rank's part of the model (see the module's docstring)."""
-    path = resolve_model_path(model)
-    _check_config(path)
+    options.validate()
+    path = resolve_model_path(options.model)
+    check_config(path)
     index = read_safetensors_index(path)
     try:
         lazy_model, config = load_model(path, lazy=True)
@@ -180,23 +199,24 @@ def load_engine(
             f"SwitchGLU/SwitchMLP experts: nothing to distribute"
         )
     experts_per_layer = {s.layer: s.num_experts for s in sites}
-    plan = resolve_placement(placement, experts_per_layer, world.size, rank0_experts)
-    dispatcher = make_dispatcher(dispatch, world)
-    runs_dense = dispatch != "p2p" or world.is_root
-    if dispatch == "collective-tp" and world.size > 1:
+    plan = resolve_placement(options.placement, experts_per_layer, world.size, options.rank0_experts)
+    dispatcher = make_dispatcher(options.dispatch, world, options.layout, options.stats)
+    runs_dense = options.dispatch != "p2p" or world.is_root
+    if options.dispatch == "collective-tp" and world.size > 1:
         _shard_dense(lazy_model, sites, world, config)
 
-    experts, shards = {}, {}
+    fault = configured_fault(world.rank)
+    experts, ownership, switches = {}, {}, []
     for site in sites:
-        shard = ExpertShard.build(site.layer, plan.layers[site.layer], world.rank)
-        shards[site.layer] = shard
-        owned = shard.owned
-        local = slice_experts(site, owned, index) if owned else None
+        owns = LayerOwnership.build(site.layer, plan.layers[site.layer], world.rank)
+        ownership[site.layer] = owns
+        local = slice_experts(site, owns.owned_experts.tolist(), index) if owns.owned_experts.size else None
         if local is not None:
             mx.eval(local.parameters())
             experts[site.layer] = local
-        first = site is sites[0]
-        setattr(site.parent, site.attr, DistributedSwitch(shard, local, dispatcher, first))
+        switch = DistributedSwitch(owns, local, dispatcher, first=site is sites[0], fault=fault)
+        setattr(site.parent, site.attr, switch)
+        switches.append(switch)
 
     expert_bytes = sum(nbytes(e.parameters()) for e in experts.values())
     tokenizer = None
@@ -210,22 +230,25 @@ def load_engine(
         dense_bytes = nbytes(lazy_model.parameters()) - expert_bytes
     else:
         lazy_model, dense_bytes = None, 0
+    options_seen = {**asdict(options), "model": None, "placement": None}  # paths may differ per rank
     fingerprint = {
         "mlxdist": __version__,
         "protocol": PROTOCOL_VERSION,
+        "options": _digest(json.dumps(options_seen, sort_keys=True).encode()),
         "config": _digest((path / "config.json").read_bytes()),
         "weights": _digest(json.dumps(sorted((k, e.dtype, e.shape) for k, e in index.items())).encode()),
         "placement": _digest(json.dumps(plan.to_json(), sort_keys=True).encode()),
     }
     return Engine(
         world,
-        dispatch,
+        options,
         plan,
         config,
         lazy_model,
         tokenizer,
         experts,
-        shards,
+        ownership,
+        switches,
         dispatcher,
         memory={"expert_bytes": expert_bytes, "dense_bytes": dense_bytes},
         fingerprint=fingerprint,
@@ -251,13 +274,6 @@ def _shard_dense(model: nn.Module, sites, world: World, config: Dict[str, Any]) 
     model.shard(world.group)
     for site, params in zip(sites, full):
         site.module.update(params)
-
-
-def _check_config(path: Path) -> None:
-    try:
-        json.loads((path / "config.json").read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UserError(f"{path / 'config.json'} is not valid JSON ({e})") from None
 
 
 def _digest(data: bytes) -> str:

@@ -22,7 +22,7 @@ from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
 
 from tqdm import tqdm
 
-from .engine import UserError
+from .errors import UserError
 
 SAMPLING_KEYS = ("max_tokens", "temp", "top_p", "top_k", "min_p", "seed")
 
@@ -176,7 +176,7 @@ def _runnable(cluster, jobs: List[Job], writer: ResultWriter, bar) -> List[Job]:
     ok = []
     for job in jobs:
         try:
-            cluster._request([cluster.encode(job.prompt, job.messages)], job.sampling)
+            cluster.request([cluster.encode(job.prompt, job.messages)], **job.sampling)
             ok.append(job)
         except (UserError, TypeError, ValueError) as e:
             writer.write({"id": job.id, "error": str(e)})

@@ -5,6 +5,13 @@ at a time) plus the dense weights its dispatch mode runs.
 Nothing is read from disk until it is evaluated: ``mlx_lm.utils.load_model``
 with ``lazy=True`` only maps the files, and the stacked expert tensors are
 never evaluated whole; their owned rows are read at their byte offsets.
+
+Why our own offset reads rather than the ``safetensors`` package's lazy
+``safe_open(...).get_slice``: in safetensors 0.8 (numpy and mlx frameworks
+alike) slicing a BF16 tensor raises "data type 'bfloat16' not understood",
+and real MLX checkpoints hold BF16 expert weights, or BF16 scales and biases
+beside quantized ones; it also takes no list of rows, which a placement that
+is not contiguous needs.
 """
 
 import json
@@ -19,6 +26,8 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
+
+from .errors import UserError
 
 SWITCH_TYPES = (SwitchGLU, SwitchMLP)
 
@@ -35,7 +44,38 @@ _DTYPES = {
 
 
 class CheckpointError(RuntimeError):
-    pass
+    """A checkpoint file that cannot be read; the message names the file."""
+
+
+class ModelNotFound(UserError):
+    """A model path that does not exist or a hub id that cannot be fetched."""
+
+
+def resolve_model_path(model: str) -> Path:
+    """A local folder, or a hub id fetched into the hub cache by mlx-lm's own
+    resolution (its file patterns)."""
+    from mlx_lm.utils import _download
+
+    path = Path(model).expanduser()
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise ModelNotFound(f"{path} has no config.json: not an mlx-lm model folder")
+        return path
+    if model.startswith((".", "/", "~")) or model.count("/") != 1:
+        raise ModelNotFound(f"model path {model} does not exist")
+    try:
+        return _download(model)
+    except Exception as e:
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ModelNotFound(f"cannot fetch {model!r} from the Hugging Face hub: {reason}") from None
+
+
+def check_config(path: Path) -> None:
+    """Raise ``CheckpointError`` unless ``config.json`` is JSON."""
+    try:
+        json.loads((path / "config.json").read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path / 'config.json'} is not valid JSON ({e})") from None
 
 
 @dataclass(frozen=True)
@@ -122,9 +162,9 @@ def find_switch_sites(model: nn.Module) -> List[SwitchSite]:
 
 
 def slice_experts(
-    site: SwitchSite, owned: List[int], index: Dict[str, TensorEntry]
+    site: SwitchSite, expert_ids: List[int], index: Dict[str, TensorEntry]
 ) -> nn.Module:
-    """The site's expert module holding only the ``owned`` experts, in order.
+    """The site's expert module holding only the experts ``expert_ids``, in order.
 
     Each stacked parameter is read from disk row by row where the checkpoint
     stores it under the same name and shape (mlx-lm's own layout); anything
@@ -135,13 +175,14 @@ def slice_experts(
     sliced = []
     for name, value in tree_flatten(switch.parameters()):
         entry = index.get(f"{site.path}.{name}")
-        if entry is not None and entry.shape == tuple(value.shape) and owned:
-            sliced.append((name, read_rows(entry, owned)))
+        if entry is not None and entry.shape == tuple(value.shape):
+            sliced.append((name, read_rows(entry, expert_ids)))
         else:
-            sliced.append((name, value[mx.array(owned, dtype=mx.int32)]))
+            sliced.append((name, value[mx.array(expert_ids, dtype=mx.int32)]))
     switch.update(tree_unflatten(sliced))
     return switch
 
 
 def nbytes(tree) -> int:
+    """Bytes of every array in a parameter tree."""
     return sum(v.nbytes for _, v in tree_flatten(tree))

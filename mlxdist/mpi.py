@@ -4,7 +4,7 @@ byte-level collectives the control plane needs (no pickle on the wire).
 Order matters: MLX's MPI backend must initialise MPI before mpi4py attaches to
 it (the other order fails), and MLX refuses a world of one process, so a run
 without mpirun (or with -np 1) gets a one-rank world with no MPI at all and
-every collective below becomes an identity. ``MLXDIST_BACKEND=nccl`` (CUDA)
+every collective below becomes an identity. The ``nccl`` backend (CUDA)
 puts MLX's array collectives on NCCL and leaves MPI to mpi4py alone.
 """
 
@@ -74,18 +74,29 @@ class World:
 
 
 _WORLD: Optional[World] = None
+BACKENDS = ("mpi", "nccl")
 
 
-def init_world() -> World:
-    """Initialise MLX's MPI backend, then mpi4py on the same MPI_COMM_WORLD."""
+def default_backend() -> str:
+    """nccl where MLX runs on CUDA, else mpi."""
+    cuda = getattr(mx, "cuda", None)
+    return "nccl" if cuda is not None and cuda.is_available() else "mpi"
+
+
+def init_world(backend: Optional[str] = None) -> World:
+    """Join the job: MLX's ``backend`` for arrays (None: ``default_backend()``)
+    and mpi4py on the same MPI_COMM_WORLD for control messages. For mpi,
+    MLX's MPI backend initialises MPI first, then mpi4py attaches to it."""
     global _WORLD
     if _WORLD is not None:
         return _WORLD
+    backend = backend or default_backend()
+    if backend not in BACKENDS:
+        raise RuntimeError(f"backend must be one of {', '.join(BACKENDS)}, not {backend!r}")
     if _launched_by_mpirun() <= 1:
         _WORLD = World(0, 1, mx.distributed.init(strict=False))
         return _WORLD
 
-    backend = os.environ.get("MLXDIST_BACKEND", "mpi")
     if backend == "nccl":
         # NCCL carries the arrays (on CUDA); mpi4py starts MPI for the control plane.
         from mpi4py import MPI
@@ -95,8 +106,11 @@ def init_world() -> World:
         os.environ.setdefault("MLX_WORLD_SIZE", str(comm.Get_size()))
         os.environ.setdefault("NCCL_HOST_IP", "127.0.0.1")
         os.environ.setdefault("NCCL_PORT", "29517")
-        group = mx.distributed.init(backend="nccl", strict=True)
-    elif backend == "mpi":
+        try:
+            group = mx.distributed.init(backend="nccl", strict=True)
+        except RuntimeError as e:
+            raise RuntimeError(f"{e} (the nccl backend needs MLX's CUDA build and one GPU per rank)") from None
+    else:
         if "MLX_MPI_LIBNAME" not in os.environ:
             lib = find_libmpi()
             if lib is None:
@@ -112,8 +126,6 @@ def init_world() -> World:
         mpi4py.rc.initialize = False
         mpi4py.rc.finalize = False
         from mpi4py import MPI
-    else:
-        raise RuntimeError(f"MLXDIST_BACKEND must be mpi or nccl, not {backend!r}")
 
     comm = MPI.COMM_WORLD
     if comm.Get_size() != group.size() or comm.Get_rank() != group.rank():
@@ -156,6 +168,7 @@ def allgather_json(world: World, obj: Any) -> List[Any]:
 
 
 def barrier(world: World) -> None:
+    """Wait for every rank (control plane)."""
     if world.size > 1:
         world.comm.Barrier()
 

@@ -1,9 +1,10 @@
-"""Entry point: ``mpirun -np N python -m mlxdist.run --model M --prompt P``.
+"""Entry point: ``mpirun -np N python -m mlxdist.run --model M -p PROMPT``.
 
 Rank 0 runs the command loop (LOAD, then GENERATE per prompt, SHUTDOWN)
 through ``Cluster``; every other rank serves until SHUTDOWN. Errors in the
 user's input end the job with one line on rank 0 and a non-zero exit on every
-rank; an unexpected error aborts the whole MPI job.
+rank; an unexpected error aborts the whole MPI job. Options follow
+``mlx_lm.generate`` where both have them.
 """
 
 import argparse
@@ -12,34 +13,46 @@ import os
 import sys
 from typing import Iterator, List, Optional
 
+from mlx_lm.generate import DEFAULT_MAX_TOKENS
+
 from .api import Cluster
-from .engine import SamplingParams, UserError
-from .mpi import init_world, run_or_abort
+from .dispatch import DISPATCH_MODES, LAYOUTS
+from .engine import GenerationParams
+from .errors import UserError
+from .executor import CommandExecutor
+from .mpi import BACKENDS, init_world, run_or_abort
 from .placement import PlacementError
-from .server import Server
 from .watchdog import DEFAULT_TIMEOUT, start_watchdog
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m mlxdist.run", description=__doc__.splitlines()[0])
     p.add_argument("--model", help="model folder or hub id (default: a small built-in random MoE)")
-    p.add_argument("--prompt", help="one prompt; without it, rank 0 reads one prompt per line from stdin")
+    p.add_argument("-p", "--prompt", help="one prompt; without it, rank 0 reads one prompt per line from stdin")
+    p.add_argument("--system-prompt", help="system message for the chat template")
+    p.add_argument("--ignore-chat-template", action="store_true",
+                   help="use the raw prompt, not the tokenizer's chat template")
     p.add_argument("--jobs", help="JSONL job file (one {id, prompt|messages, ...} per line)")
     p.add_argument("--out", help="JSONL results file for --jobs (appended; a rerun resumes)")
     p.add_argument("--batch-size", type=int, default=8, help="jobs decoded together with --jobs")
-    p.add_argument("--max-tokens", "-m", type=int, default=64)
+    p.add_argument("-m", "--max-tokens", type=int, default=DEFAULT_MAX_TOKENS)
     p.add_argument("--temp", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--min-p", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--max-kv-size", type=int, default=None, help="rotating KV cache of this many tokens")
     p.add_argument("--prefill-step-size", type=int, default=2048)
-    p.add_argument("--dispatch", choices=["collective", "p2p", "collective-tp"], default="collective",
+    p.add_argument("--dispatch", choices=DISPATCH_MODES, default="collective",
                    help="collective-tp: attention and dense layers tensor parallel (mlx-lm's shard()); not bit-exact")
+    p.add_argument("--layout", choices=LAYOUTS, default="masked",
+                   help="collective modes: masked (static shapes) or compact (owned slots only, host read-back)")
+    p.add_argument("--backend", choices=BACKENDS, default=None,
+                   help="MLX's transport for arrays (default: nccl where MLX runs on CUDA, else mpi)")
     p.add_argument("--placement", help="placement JSON file (default: experts spread evenly)")
     p.add_argument("--save-placement", help="write the placement used to this JSON file")
     p.add_argument("--no-rank0-experts", action="store_true", help="rank 0 holds no experts")
-    p.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
+    p.add_argument("--stats", action="store_true", help="count routed slots per expert (printed with --json)")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT,
                    help="seconds without progress before a generation is declared hung (default %(default)s)")
@@ -47,7 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def sampling_args(args) -> dict:
+def generation_args(args) -> dict:
+    """The command line's ``GenerationParams`` fields."""
     return dict(
         max_tokens=args.max_tokens,
         temp=args.temp,
@@ -56,6 +70,7 @@ def sampling_args(args) -> dict:
         min_p=args.min_p,
         seed=args.seed,
         prefill_step_size=args.prefill_step_size,
+        max_kv_size=args.max_kv_size,
     )
 
 
@@ -74,7 +89,7 @@ def _stdin():
 def _prompts(args) -> Iterator[str]:
     """--prompt, or one prompt per line of stdin until EOF or /exit."""
     if args.prompt is not None:
-        yield args.prompt
+        yield args.prompt.replace("\\n", "\n").replace("\\t", "\t")
         return
     for line in _stdin():
         line = line.rstrip("\n")
@@ -82,6 +97,15 @@ def _prompts(args) -> Iterator[str]:
             return
         if line.strip():
             yield line
+
+
+def encode_prompt(cluster: Cluster, args, text: str) -> List[int]:
+    """As ``mlx_lm.generate``: the chat template where the tokenizer has one
+    (with ``--system-prompt``), unless ``--ignore-chat-template``."""
+    if args.ignore_chat_template or not cluster.engine.tokenizer.has_chat_template:
+        return cluster.encode(text)
+    messages = [{"role": "system", "content": args.system_prompt}] if args.system_prompt is not None else []
+    return cluster.encode(messages=[*messages, {"role": "user", "content": text}])
 
 
 def _summary(stats: dict, tokens: int) -> str:
@@ -94,11 +118,10 @@ def _summary(stats: dict, tokens: int) -> str:
 
 
 def _run_prompt(cluster: Cluster, args, text: str, logprobs: List) -> None:
-    kwargs = {"messages": [{"role": "user", "content": text}]} if args.chat else {"prompt": text}
     stats: dict = {}
     tokens, pieces = [], []
-    request = cluster._request([cluster.encode(**kwargs)], sampling_args(args))
-    for piece in cluster._stream(request, stats):
+    request = cluster.request([encode_prompt(cluster, args, text)], **generation_args(args))
+    for piece in cluster.stream(request, stats):
         tokens.append(piece.token)
         pieces.append(piece.text)
         if args.logprobs_out:
@@ -107,7 +130,7 @@ def _run_prompt(cluster: Cluster, args, text: str, logprobs: List) -> None:
             print(piece.text, end="", flush=True)
     if args.json:
         engine = cluster.engine
-        print(json.dumps({
+        record = {
             "text": "".join(pieces),
             "tokens": tokens,
             "prompt_tokens": stats.get("prompt_tokens", 0),
@@ -118,7 +141,10 @@ def _run_prompt(cluster: Cluster, args, text: str, logprobs: List) -> None:
             "weights_gb": [{k.replace("_bytes", ""): v / 1e9 for k, v in m.items()} for m in engine.memory_by_rank],
             "dispatch": engine.dispatch,
             "num_ranks": cluster.world.size,
-        }), flush=True)
+        }
+        if args.stats:
+            record["expert_load"] = stats["exchange"]["expert_load"]
+        print(json.dumps(record), flush=True)
     else:
         print(flush=True)
         print(_summary(stats, len(tokens)), file=sys.stderr, flush=True)
@@ -127,8 +153,8 @@ def _run_prompt(cluster: Cluster, args, text: str, logprobs: List) -> None:
 def command_loop(cluster: Cluster, args) -> int:
     """Rank 0: LOAD, then GENERATE each prompt (or the job file)."""
     try:
-        SamplingParams(**{**sampling_args(args), "seed": 0}).validate()
-        cluster.load(args.model, args.dispatch, args.placement, not args.no_rank0_experts)
+        GenerationParams(**{**generation_args(args), "seed": 0}).validate()
+        cluster.load(args.model, args.dispatch, args.placement, not args.no_rank0_experts, args.layout, args.stats)
     except (UserError, PlacementError) as e:
         fail(str(e))
         return 1
@@ -137,7 +163,7 @@ def command_loop(cluster: Cluster, args) -> int:
     if args.jobs:
         from .jobs import run_jobs
 
-        return run_jobs(cluster, args.jobs, args.out, sampling_args(args), args.batch_size)
+        return run_jobs(cluster, args.jobs, args.out, generation_args(args), args.batch_size)
     logprobs: List = []
     for text in _prompts(args):
         try:
@@ -154,17 +180,19 @@ def command_loop(cluster: Cluster, args) -> int:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    """The ``mlxdist-run`` console script and ``python -m mlxdist.run``."""
     args = build_parser().parse_args(argv)
     if args.jobs and not args.out:
         build_parser().error("--jobs needs --out")
     try:
-        world = init_world()
+        world = init_world(args.backend)
     except RuntimeError as e:
-        fail(str(e))
+        if os.environ.get("OMPI_COMM_WORLD_RANK", "0") == "0":  # no world yet: rank 0 speaks for all
+            fail(str(e))
         return 1
     start_watchdog(world, args.timeout)
     if not world.is_root:
-        return run_or_abort(world, Server(world).serve)
+        return run_or_abort(world, CommandExecutor(world).serve)
     cluster = Cluster(world)
     code = run_or_abort(world, command_loop, cluster, args)
     cluster.shutdown(code)

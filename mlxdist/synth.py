@@ -239,7 +239,6 @@ def write_checkpoint(
     group_size: int = 64,
     seed: int = 0,
     overrides: Optional[Dict[str, Any]] = None,
-    max_shard_mb: Optional[int] = None,
     dtype: str = "float32",
 ) -> Path:
     """Write a random-weight checkpoint of ``preset`` in mlx-lm layout.
@@ -247,13 +246,13 @@ def write_checkpoint(
     The model is built with mlx-lm's own classes, every parameter is drawn
     again from ``seed``, and the result is optionally quantized with
     ``mlx_lm.utils.quantize_model``. Unquantized tensors are ``dtype``
-    (float32, which MLX's CPU ``gather_mm`` needs; bfloat16 as real models). Weights
-    are split into shards of at most ``max_shard_mb`` megabytes when given.
+    (float32, which MLX's CPU ``gather_mm`` needs; bfloat16 as real models).
+    Weights, shards and index are written by mlx-lm's own ``save_model``.
 
     Returns:
         Path: The checkpoint directory.
     """
-    from mlx_lm.utils import _get_classes, quantize_model, save_config
+    from mlx_lm.utils import _get_classes, quantize_model, save_config, save_model
 
     if preset not in PRESETS:
         raise ValueError(f"Unknown preset {preset!r}; choose from {sorted(PRESETS)}")
@@ -283,38 +282,9 @@ def write_checkpoint(
         for _, v in tree_flatten(model.parameters()):
             mx.eval(v)
 
-    _save_weights(path, model, max_shard_mb)
+    save_model(path, model)
     save_config(config, path / "config.json")
     return path
-
-
-def _save_weights(path: Path, model, max_shard_mb: Optional[int]) -> None:
-    from mlx_lm.utils import MAX_FILE_SIZE_GB, get_total_parameters
-
-    weights = dict(tree_flatten(model.parameters()))
-    limit = (max_shard_mb << 20) if max_shard_mb else MAX_FILE_SIZE_GB << 30
-    shards, size = [], 0
-    for k, v in weights.items():
-        if not shards or size + v.nbytes > limit:
-            shards.append({})
-            size = 0
-        shards[-1][k] = v
-        size += v.nbytes
-    fmt = "model-{:05d}-of-{:05d}.safetensors" if len(shards) > 1 else "model.safetensors"
-    weight_map = {}
-    for i, shard in enumerate(shards):
-        name = fmt.format(i + 1, len(shards))
-        mx.save_safetensors(str(path / name), shard, metadata={"format": "mlx"})
-        weight_map.update({k: name for k in shard})
-    index = {
-        "metadata": {
-            "total_size": sum(v.nbytes for v in weights.values()),
-            "total_parameters": get_total_parameters(model),
-        },
-        "weight_map": dict(sorted(weight_map.items())),
-    }
-    with open(path / "model.safetensors.index.json", "w") as f:
-        json.dump(index, f, indent=4)
 
 
 def default_checkpoint() -> Path:
@@ -363,7 +333,6 @@ def main():
     parser.add_argument("--group-size", type=int, default=64)
     parser.add_argument("--layers", type=int, default=None, help="Number of layers.")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max-shard-mb", type=int, default=None)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     args = parser.parse_args()
 
@@ -377,7 +346,6 @@ def main():
         group_size=args.group_size,
         seed=args.seed,
         overrides=overrides,
-        max_shard_mb=args.max_shard_mb,
         dtype=args.dtype,
     )
     size = sum(f.stat().st_size for f in path.glob("*.safetensors"))

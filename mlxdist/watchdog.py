@@ -80,13 +80,12 @@ class Fault:
             time.sleep(self.seconds)
 
 
-_FAULT: Optional[Fault] = None
-
-
-def inject(layer: int, step: int) -> None:
-    """Fire the injected fault if this is its rank, layer and step."""
-    if _FAULT is not None:
-        _FAULT.maybe_fire(layer, step)
+def configured_fault(rank: int) -> Optional[Fault]:
+    """The fault ``MLXDIST_FAULT`` sets for this rank, or None (always, in
+    real runs: then nothing on the hot path checks for it)."""
+    spec = os.environ.get("MLXDIST_FAULT")
+    fault = Fault(spec, rank) if spec else None
+    return fault if fault is not None and fault.armed else None
 
 
 class Watchdog:
@@ -143,10 +142,7 @@ class Watchdog:
 
 
 def start_watchdog(world: World, timeout: float) -> Watchdog:
-    """Install the fault (if any), the deadline and the launcher-signal report."""
-    global _FAULT
-    spec = os.environ.get("MLXDIST_FAULT")
-    _FAULT = Fault(spec, world.rank) if spec else None
+    """Start the deadline and the launcher-signal report."""
     dog = Watchdog(world, timeout)
     dog.start()
     return dog

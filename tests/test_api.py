@@ -61,6 +61,12 @@ def test_failed_calls_leave_the_cluster_usable(tour):
     assert out["reloaded"] == out["p2p"] == mlx_lm_alone(small, PROMPTS[0])
 
 
+def test_expert_load_is_counted_only_when_asked(tour):
+    _, _, out = tour
+    assert all(s["expert_load"] == {} and s["slots_local"] == 0 for s in out["stats_off"])
+    assert out["probe_error"] == "no probe named 'no-such-probe' is registered"
+
+
 def test_stats_count_every_routed_slot(tour):
     _, _, out = tour
     for stats in (out["stats"], out["p2p_stats"]):

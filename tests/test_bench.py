@@ -57,7 +57,7 @@ def test_bench_rejects_unknown_dispatch(model):
 
 def test_compare_ratios_from_same_run(model, tmp_path):
     args = ["--model", model, *SMALL, "--ranks", "2", "--dispatch", "collective", "--out", tmp_path]
-    r = launch(0, args, module="mlxdist.bench_compare", timeout=240)
+    r = launch(0, args, module="mlxdist.bench.compare", timeout=240)
     assert r.returncode == 0, r.stdout + r.stderr
     result = json.loads((tmp_path / "results.json").read_text())
     assert not result["errors"] and not result["unsupported"]

@@ -75,8 +75,18 @@ def test_prompt_longer_than_context(checkpoint):
         (["--top-p", "0"], "top_p must be in (0, 1]"),
         (["--top-p", "1.5"], "top_p must be in (0, 1]"),
         (["--max-tokens", "0"], "max_tokens must be at least 1"),
+        (["--max-kv-size", "0"], "max_kv_size must be >= 1"),
     ],
 )
 def test_invalid_sampling_parameters(checkpoint, flags, message):
     line = run_bad(["--model", checkpoint("qwen3_moe"), "--prompt", "hi", *flags])
     assert message in line
+
+
+def test_nccl_backend_without_cuda_is_refused(checkpoint):
+    import mlx.core as mx
+
+    if mx.cuda.is_available():
+        pytest.skip("MLX runs on CUDA here: nccl is a valid backend")
+    line = run_bad(["--model", checkpoint("qwen3_moe"), "--prompt", "hi", "--backend", "nccl"])
+    assert "the nccl backend needs MLX's CUDA build" in line

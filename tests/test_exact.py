@@ -16,7 +16,7 @@ MAX_TOKENS = 10
 ARCHS = ["qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss"]
 CHECKPOINTS = [(a, b) for a in ARCHS for b in (None, 4)]
 # "collective" is the default, masked layout; "collective-compact" computes
-# owned slots only (MLXDIST_COMPACT=1).
+# owned slots only (layout="compact").
 WORLDS = [
     ("collective", 1),
     *[(d, n) for d in ("collective", "p2p") for n in (2, 3, 4)],
@@ -53,10 +53,9 @@ def distributed(checkpoint, tmp_path_factory):
             mode, _, layout = dispatch.partition("-")
             proc = launch(
                 nranks,
-                [ROOT / "tests/scripts/generate_each.py", out, mode, PROMPT, MAX_TOKENS, *paths],
+                [ROOT / "tests/scripts/generate_each.py", out, mode, layout or "masked", PROMPT, MAX_TOKENS, *paths],
                 module=None,
                 timeout=300,
-                env={"MLXDIST_COMPACT": "1" if layout == "compact" else "0"},
             )
             assert proc.returncode == 0, proc.stderr[-3000:]
             summary = json.loads((out / "summary.json").read_text())
@@ -86,7 +85,7 @@ def test_command_line_matches_mlx_lm(checkpoint, tmp_path, dispatch):
     out = tmp_path / "logprobs.npy"
     proc = launch(
         3,
-        ["--model", path, "--prompt", PROMPT, "--max-tokens", MAX_TOKENS, "--json",
+        ["--model", path, "--prompt", PROMPT, "--max-tokens", MAX_TOKENS, "--json", "--ignore-chat-template",
          "--dispatch", dispatch, "--logprobs-out", out],
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -99,14 +98,15 @@ def test_command_line_matches_mlx_lm(checkpoint, tmp_path, dispatch):
 
 def test_runs_without_mpirun(checkpoint):
     path = checkpoint("qwen3_moe")
-    proc = launch(0, ["--model", path, "--prompt", PROMPT, "--max-tokens", MAX_TOKENS, "--json"])
+    proc = launch(0, ["--model", path, "--prompt", PROMPT, "--max-tokens", MAX_TOKENS, "--json", "--ignore-chat-template"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert last_json(proc.stdout)["tokens"] == reference(path)[0]
 
 
 def test_prompts_from_stdin_keep_the_model_loaded(checkpoint):
     path = checkpoint("qwen3_moe")
-    proc = launch(2, ["--model", path, "--max-tokens", MAX_TOKENS, "--json"], input=f"{PROMPT}\n\n{PROMPT}\n")
+    proc = launch(2, ["--model", path, "--max-tokens", MAX_TOKENS, "--json", "--ignore-chat-template"],
+                  input=f"{PROMPT}\n\n{PROMPT}\n")
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = [l for l in proc.stdout.splitlines() if l.startswith("{")]
     assert len(results) == 2
@@ -121,7 +121,7 @@ def test_collective_tp_is_close_to_mlx_lm(checkpoint, tmp_path, arch):
     path = checkpoint(arch)
     out = tmp_path / "logprobs.npy"
     proc = launch(2, ["--model", path, "--prompt", PROMPT, "--max-tokens", MAX_TOKENS, "--json",
-                      "--dispatch", "collective-tp", "--logprobs-out", out])
+                      "--ignore-chat-template", "--dispatch", "collective-tp", "--logprobs-out", out])
     assert proc.returncode == 0, proc.stderr[-3000:]
     ref_tokens, ref_logprobs = reference(path)
     assert last_json(proc.stdout)["tokens"] == ref_tokens
@@ -138,7 +138,8 @@ def test_sampling_with_a_seed_is_the_same_on_every_world_size(checkpoint):
     """temp > 0: every rank that samples draws the same token (same logits,
     same seed), so the result does not depend on N or the mode."""
     path = checkpoint("qwen3_moe", 4)
-    args = ["--model", path, "--prompt", PROMPT, "--max-tokens", 16, "--json", "--temp", 0.9, "--top-p", 0.95, "--seed", 7]
+    args = ["--model", path, "--prompt", PROMPT, "--max-tokens", 16, "--json", "--temp", 0.9, "--top-p", 0.95, "--seed", 7,
+            "--ignore-chat-template"]
     results = []
     for nranks, dispatch in [(0, "collective"), (2, "collective"), (3, "p2p")]:
         proc = launch(nranks, [*args, "--dispatch", dispatch])

@@ -9,7 +9,8 @@ import pytest
 
 from mlxdist import commands
 from mlxdist.commands import Command, ProtocolError
-from mlxdist.dispatch import ExpertShard, _pack, from_numpy, to_numpy
+from mlxdist.dispatch import LayerOwnership
+from mlxdist.dispatch.wire import from_numpy, pack, to_numpy, unpack
 from mlxdist.loader import CheckpointError, read_rows, read_safetensors_index
 from mlxdist.mpi import find_libmpi
 from mlxdist.placement import Placement, PlacementError, resolve_placement
@@ -80,8 +81,8 @@ def test_command_round_trip():
     [
         (b"\x80\x04pickle", "not JSON"),
         (b'{"op": "load", "version": 99}', "version 99"),
-        (b'{"op": "explode", "version": 1}', "unknown command"),
-        (b'{"op": "load", "version": 1, "args": [1]}', "not a JSON object"),
+        (b'{"op": "explode", "version": %d}' % commands.PROTOCOL_VERSION, "unknown command"),
+        (b'{"op": "load", "version": %d, "args": [1]}' % commands.PROTOCOL_VERSION, "not a JSON object"),
     ],
 )
 def test_bad_commands_are_refused(data, message):
@@ -89,18 +90,21 @@ def test_bad_commands_are_refused(data, message):
         commands.decode(data)
 
 
-def test_shard_local_index_is_position_in_owner_stack():
-    shard = ExpertShard.build(3, [0, 1, 1, 0, 2, 1], rank=1)
-    assert shard.owned == [1, 2, 5]
-    assert shard.local_index.tolist() == [0, 0, 1, 1, 0, 2]
+def test_ownership_local_index_is_position_in_owner_stack():
+    ownership = LayerOwnership.build(3, [0, 1, 1, 0, 2, 1], rank=1)
+    assert ownership.owned_experts.tolist() == [1, 2, 5]
+    assert ownership.local_index.tolist() == [0, 0, 1, 1, 0, 2]
 
 
 def test_pack_layout():
     x = np.arange(6, dtype=np.float32).reshape(2, 3)
-    msg = _pack(1, 7, mx.float32, np.array([4, 2]), x, step=5)
+    msg = pack(1, 7, mx.float32, np.array([4, 2]), x, step=5)
     assert msg[:24].view(np.int32).tolist() == [1, 7, 0, 2, 3, 5]
     assert msg[24:32].view(np.int32).tolist() == [4, 2]
     assert np.array_equal(msg[32:].view(np.float32).reshape(2, 3), x)
+    back = unpack(msg)
+    assert (back.op, back.layer, back.step, back.local_ids.tolist()) == (1, 7, 5, [4, 2])
+    assert np.array_equal(np.array(back.x), x)
 
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
@@ -133,3 +137,61 @@ def test_truncated_safetensors_is_detected(tmp_path):
 def test_finds_real_libmpi():
     lib = find_libmpi()
     assert lib is not None and "libmpi" in lib
+
+
+def test_fingerprint_mismatch_names_what_differs():
+    from mlxdist.executor import describe_mismatch
+
+    ref = {"mlxdist": "1", "options": "a", "placement": "p"}
+    assert describe_mismatch([ref, dict(ref)]) is None
+    line = describe_mismatch([ref, {**ref, "options": "b"}, dict(ref)])
+    assert line == "ranks loaded different things than rank 0: rank 1 (load options)"
+
+
+def test_load_options_are_checked():
+    from mlxdist.engine import LoadOptions
+    from mlxdist.errors import UserError
+
+    LoadOptions("m", "p2p", "compact").validate()
+    with pytest.raises(UserError, match="unknown layout 'dense'"):
+        LoadOptions("m", layout="dense").validate()
+    with pytest.raises(UserError, match="unknown dispatch mode 'nccl'"):
+        LoadOptions("m", dispatch="nccl").validate()
+
+
+def test_fault_injection_is_off_unless_it_names_this_rank(monkeypatch):
+    from mlxdist.watchdog import configured_fault
+
+    monkeypatch.delenv("MLXDIST_FAULT", raising=False)
+    assert configured_fault(0) is None
+    monkeypatch.setenv("MLXDIST_FAULT", "kill:rank=1,layer=2,step=3")
+    assert configured_fault(0) is None
+    fault = configured_fault(1)
+    assert (fault.action, fault.layer, fault.step) == ("kill", 2, 3)
+
+
+def test_expert_load_is_counted_only_when_asked():
+    from mlxdist.dispatch import ExchangeStats
+
+    stats = ExchangeStats()
+    assert stats.count(0, mx.array([[1, 2]]), 4) is None and stats.expert_load == {}
+    stats.collect_expert_load = True
+    stats.count(0, mx.array([[1, 2]]), 4)
+    stats.count(0, np.array([2, 3]), 4)
+    assert np.asarray(stats.expert_load[0]).tolist() == [0, 1, 2, 1]
+    stats.reset()
+    assert stats.collect_expert_load and stats.expert_load == {}
+
+
+def test_one_rank_dispatch_is_the_identity():
+    from mlxdist.dispatch import DISPATCH_MODES, LayerOwnership, make_dispatcher
+    from mlxdist.mpi import World
+
+    world = World(0, 1, None)
+    x, inds = mx.random.normal((2, 3, 8)), mx.array([[[0, 1]] * 3] * 2)
+    for mode in DISPATCH_MODES:
+        dispatcher = make_dispatcher(mode, world)
+        batch, handle = dispatcher.dispatch(LayerOwnership.build(0, [0, 0], 0), x, inds)
+        assert batch.x is x and batch.inds is inds
+        y = mx.ones((2, 3, 2, 8))
+        assert dispatcher.combine(y, handle) is y

@@ -44,8 +44,6 @@ export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 # NVLink multicast stays off (the machine's rule), also in processes we start.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export NCCL_HOST_IP=127.0.0.1
-# The masked, static-shape collective layout (the GPU default) whatever the tree says.
-export MLXDIST_COMPACT=0
 if [ "$GPU" = 1 ]; then
   BACKEND=nccl
   MPIFLAGS=(--allow-run-as-root --bind-to none -np 2)
@@ -60,9 +58,9 @@ left() { echo $(( DEADLINE - ($(date +%s) - start) )); }
 say "mlxdist GPU bench: round $ROUND, contenders '$CONTENDERS', model $MODEL, args $BENCH_ARGS, backend $BACKEND"
 { date -u; uname -a; nproc; command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   nvidia-smi topo -m 2>/dev/null; "$MPIRUN" --version 2>&1 | head -1
-  "$PY" -c 'import json, mlxdist.bench as b; print(json.dumps(b.versions()))'
+  "$PY" -c 'import json, mlxdist.bench.harness as b; print(json.dumps(b.versions()))'
   "$PY" -c 'import mlx.core as mx; print("mlx device", mx.default_device())'
-  sha256sum mlxdist/*.py; } >> "$log" 2>&1
+  sha256sum mlxdist/*.py mlxdist/*/*.py; } >> "$log" 2>&1
 
 if [ ! -e "$MODEL/.complete" ]; then
   say "writing checkpoint: $PRESET, ${BITS:-no} bits, $DTYPE, $LAYERS layers"
@@ -101,13 +99,13 @@ PYEOF
 common=(--model "$MODEL" $BENCH_ARGS --json)
 for c in $CONTENDERS; do
   case $c in
-    single) launch "mlx-lm single" 1 env CUDA_VISIBLE_DEVICES=0 "$PY" -m mlxdist.bench_mlxlm --mode single "${common[@]}" ;;
-    tensor) launch "mlx-lm tensor" 2 env MLXDIST_BACKEND=$BACKEND "$MPIRUN" "${MPIFLAGS[@]}" \
-              benchmarks/gpu/rank.sh "$PY" -m mlxdist.bench_mlxlm --mode tensor "${common[@]}" ;;
-    pipeline) launch "mlx-lm pipeline" 2 env MLXDIST_BACKEND=$BACKEND "$MPIRUN" "${MPIFLAGS[@]}" \
-              benchmarks/gpu/rank.sh "$PY" -m mlxdist.bench_mlxlm --mode pipeline "${common[@]}" ;;
-    mlxdist) launch "mlxdist" 2 env MLXDIST_BACKEND=$BACKEND "$MPIRUN" "${MPIFLAGS[@]}" \
-              benchmarks/gpu/rank.sh "$PY" -m mlxdist.bench --dispatch ${DISPATCH:-collective,p2p} "${common[@]}" ;;
+    single) launch "mlx-lm single" 1 env CUDA_VISIBLE_DEVICES=0 "$PY" -m mlxdist.bench.mlxlm --mode single "${common[@]}" ;;
+    tensor) launch "mlx-lm tensor" 2 "$MPIRUN" "${MPIFLAGS[@]}" \
+              benchmarks/gpu/rank.sh "$PY" -m mlxdist.bench.mlxlm --mode tensor --backend $BACKEND "${common[@]}" ;;
+    pipeline) launch "mlx-lm pipeline" 2 "$MPIRUN" "${MPIFLAGS[@]}" \
+              benchmarks/gpu/rank.sh "$PY" -m mlxdist.bench.mlxlm --mode pipeline --backend $BACKEND "${common[@]}" ;;
+    mlxdist) launch "mlxdist" 2 "$MPIRUN" "${MPIFLAGS[@]}" \
+              benchmarks/gpu/rank.sh "$PY" -m mlxdist.bench --backend $BACKEND --dispatch ${DISPATCH:-collective,p2p} "${common[@]}" ;;
     *) say "unknown contender $c" ;;
   esac
 done

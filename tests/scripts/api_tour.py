@@ -16,6 +16,7 @@ out = {}
 with mlxdist.init() as cluster:
     cluster.load(ckpt_a)
     r = cluster.generate(PROMPTS[0], max_tokens=8)
+    out["stats_off"] = cluster.stats(collect=True)  # counting starts after this call
     out["generate"] = {"text": r.text, "tokens": r.tokens, "stats_keys": sorted(r.stats)}
     out["stream"] = "".join(p.text for p in cluster.stream_generate(PROMPTS[0], max_tokens=8))
     out["messages"] = cluster.generate(messages=[{"role": "user", "content": "hi"}], max_tokens=4).tokens
@@ -37,10 +38,14 @@ with mlxdist.init() as cluster:
         cluster._broadcast(Command("explode", {}))
     except ProtocolError as e:
         errors.append(str(e))
+    try:
+        cluster.probe("no-such-probe")
+    except UserError as e:
+        out["probe_error"] = str(e)
     out["after_errors"] = cluster.generate(PROMPTS[0], max_tokens=8).tokens
     out["stats"] = cluster.stats(reset=True)
     out["memory_a"] = [s["active_memory_gb"] for s in cluster.stats()]
-    cluster.load(ckpt_b, dispatch="p2p")
+    cluster.load(ckpt_b, dispatch="p2p", stats=True)
     out["memory_b"] = [s["active_memory_gb"] for s in cluster.stats()]
     out["p2p"] = cluster.generate(PROMPTS[0], max_tokens=8).tokens
     out["p2p_stats"] = cluster.stats()

@@ -1,7 +1,7 @@
 """Under mpirun: load each checkpoint in turn through the Python API and
 generate greedily, saving tokens and per-step log-probabilities.
 
-    python generate_each.py OUT_DIR DISPATCH PROMPT MAX_TOKENS CKPT [CKPT ...]
+    python generate_each.py OUT_DIR DISPATCH LAYOUT PROMPT MAX_TOKENS CKPT [CKPT ...]
 """
 
 import json
@@ -12,14 +12,13 @@ import numpy as np
 
 import mlxdist
 
-out_dir, dispatch, prompt, max_tokens, *paths = sys.argv[1:]
+out_dir, dispatch, layout, prompt, max_tokens, *paths = sys.argv[1:]
 with mlxdist.init() as cluster:
     summary = {}
     for i, path in enumerate(paths):
-        cluster.load(path, dispatch=dispatch)
-        request = cluster._request([cluster.encode(prompt)], {"max_tokens": int(max_tokens)})
-        stats = {}
-        pieces = list(cluster._stream(request, stats))
+        cluster.load(path, dispatch=dispatch, layout=layout)
+        request = cluster.request([cluster.encode(prompt)], max_tokens=int(max_tokens))
+        pieces = list(cluster.stream(request))
         np.save(Path(out_dir) / f"{i}.npy", np.stack([np.array(p.logprobs) for p in pieces]))
         summary[path] = {"index": i, "tokens": [p.token for p in pieces], "num_ranks": cluster.world.size}
     (Path(out_dir) / "summary.json").write_text(json.dumps(summary))

@@ -4,7 +4,7 @@
 
 Contenders at each N: mlxdist in every dispatch mode (``mlxdist.bench``),
 mlx-lm in one process, and mlx-lm tensor parallel and pipeline at N > 1
-(``mlxdist.bench_mlxlm``). Trials are interleaved: each of ``-n`` rounds
+(``mlxdist.bench.mlxlm``). Trials are interleaved: each of ``-n`` rounds
 launches every contender once (a warm-up and one timed trial per batch), so
 drift of the machine hits every contender alike; each number is the median
 over rounds. Writes ``results.json``, ``results.md`` (ratios to mlx-lm single
@@ -21,17 +21,17 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Dict, List
 
-from .bench import median_row, versions
-from .bench_report import plot, write_markdown
+from .harness import median_row, versions
+from .report import plot, write_markdown
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def checkpoint(args) -> str:
     """The model to run: ``--model``, or a synthetic one written once under --out."""
     if args.model:
         return args.model
-    from .synth import write_checkpoint
+    from ..synth import write_checkpoint
 
     layers = f"-l{args.layers}" if args.layers else ""
     path = Path(args.out) / f"checkpoint-{args.preset}-{args.bits or 'f32'}{layers}"
@@ -64,14 +64,15 @@ def command(ranks: int, module: str, args: List[str]) -> List[str]:
     return cmd
 
 
-def contenders(ranks: List[int], dispatch: List[str]) -> List[Dict[str, Any]]:
+def contenders(ranks: List[int], dispatch: List[str], layout: str = "masked") -> List[Dict[str, Any]]:
     """What one round launches, in order."""
-    out = [{"name": "mlx-lm single", "ranks": 1, "module": "mlxdist.bench_mlxlm", "extra": ["--mode", "single"]}]
+    out = [{"name": "mlx-lm single", "ranks": 1, "module": "mlxdist.bench.mlxlm", "extra": ["--mode", "single"]}]
     for n in ranks:
-        out.append({"name": "mlxdist", "ranks": n, "module": "mlxdist.bench", "extra": ["--dispatch", ",".join(dispatch)]})
+        extra = ["--dispatch", ",".join(dispatch), "--layout", layout]
+        out.append({"name": "mlxdist", "ranks": n, "module": "mlxdist.bench", "extra": extra})
         if n > 1:
             for mode in ("tensor", "pipeline"):
-                out.append({"name": f"mlx-lm {mode}", "ranks": n, "module": "mlxdist.bench_mlxlm", "extra": ["--mode", mode]})
+                out.append({"name": f"mlx-lm {mode}", "ranks": n, "module": "mlxdist.bench.mlxlm", "extra": ["--mode", mode]})
     return out
 
 
@@ -134,7 +135,7 @@ def run(args) -> Dict[str, Any]:
     model = checkpoint(args)
     common = ["--model", model, "-p", str(args.prompt_tokens), "-g", str(args.generation_tokens),
               "-b", ",".join(map(str, args.batch_sizes)), "-n", "1", "--warmup-tokens", str(args.warmup_tokens)]
-    plan = contenders(args.ranks, args.dispatch)
+    plan = contenders(args.ranks, args.dispatch, args.layout)
     trials, unsupported, errors = [], {}, {}
     started = datetime.now(timezone.utc).isoformat(timespec="seconds")
     with open(out / "compare.log", "w") as log:
@@ -164,6 +165,7 @@ def run(args) -> Dict[str, Any]:
         "batch_sizes": args.batch_sizes,
         "ranks": args.ranks,
         "rounds": args.num_trials,
+        "layout": args.layout,
         "machine": {"cpus": os.cpu_count()},
         "versions": versions(),
         "unsupported": unsupported,
@@ -188,6 +190,7 @@ def parse_args(argv=None):
     parser.add_argument("-n", "--num-trials", type=int, default=3, help="Rounds (interleaved trials).")
     parser.add_argument("--ranks", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2])
     parser.add_argument("--dispatch", type=lambda s: s.split(","), default=["collective", "p2p"])
+    parser.add_argument("--layout", choices=("masked", "compact"), default="masked", help="mlxdist's collective layout.")
     parser.add_argument("--warmup-tokens", type=int, default=8)
     parser.add_argument("--timeout", type=float, default=900, help="Seconds per launch.")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "out"))

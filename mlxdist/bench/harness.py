@@ -1,10 +1,10 @@
-"""Throughput benchmark of mlxdist, per dispatch mode and batch size.
+"""Throughput of mlxdist, per dispatch mode and batch size.
 
     mpirun -np N python -m mlxdist.bench --model M -p 512 -g 128 -b 1,8,32 -n 3
 
 For each dispatch mode and batch size: a warm-up generation, ``-n`` timed
-trials (median of each number), then one profiling pass and the transport's
-floor (see ``bench_probe``). Prompts are random token ids drawn as
+trials (median of each number), then one profiling pass (which also counts
+the expert load) and the transport's floor (see ``probes``). Prompts are random token ids drawn as
 ``mlx_lm.benchmark`` draws them; EOS is ignored, so every trial generates
 ``-g`` tokens per sequence. Prompt and generation tok/s are mlx-lm's own
 (``stream_generate`` at batch 1, ``batch_generate`` above), exactly as
@@ -20,10 +20,11 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import mlx.core as mx
 
-from . import bench_probe
+from . import probes  # noqa: F401  (registers the probes, on every rank)
+from ..dispatch import DISPATCH_MODES
+from ..mpi import BACKENDS
 
-MODES = ("collective", "p2p")  # "collective-tp" on request (--dispatch)
-KNOWN_MODES = MODES + ("collective-tp",)
+MODES = ("collective", "p2p")  # the default; "collective-tp" on request (--dispatch)
 
 
 def random_prompts(vocab_size: int, batch: int, length: int, seed: int = 0) -> List[List[int]]:
@@ -65,18 +66,15 @@ def median_row(rows: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
 
 def _generate(cluster, prompts: List[List[int]], max_tokens: int) -> Dict[str, Any]:
     """One generation of exactly these token ids on every rank."""
-    request = cluster._request(prompts, {"max_tokens": max_tokens, "seed": 0})
+    request = cluster.request(prompts, max_tokens=max_tokens, seed=0)
     if len(prompts) == 1:
         stats: Dict[str, Any] = {}
-        for _ in cluster._stream(request, stats):
+        for _ in cluster.stream(request, stats):
             pass
         tokens = stats["generation_tokens"]
     else:
-        (response,) = list(cluster.server.generate(cluster._broadcast(request).args))
-        s = response.stats
-        stats = {"prompt_tps": s.prompt_tps, "generation_tps": s.generation_tps}
-        stats["peak_memory_gb"] = [p / 1e9 for p in cluster.server.peaks()]
-        tokens = s.generation_tokens
+        stats = cluster.run_batch(request)[0].stats
+        tokens = stats["generation_tokens"]
     return {
         "prompt_tps": stats["prompt_tps"],
         "generation_tps": stats["generation_tps"],
@@ -123,17 +121,18 @@ def bench_case(cluster, mode: str, prompts: List[List[int]], args) -> Dict[str, 
     """Warm-up, timed trials, profiling pass and floor for one batch."""
     engine = cluster.engine
     cfg = text_config(engine.config)
-    layers = len(engine.shards)
+    layers = len(engine.ownership)
     _generate(cluster, prompts, min(args.generation_tokens, args.warmup_tokens))
-    cluster.stats(reset=True)
     trials = [_generate(cluster, prompts, args.generation_tokens) for _ in range(args.num_trials)]
     row = median_row(trials)
-    stats = cluster.stats()
     row["trials_generation_tps"] = [t["generation_tps"] for t in trials]
 
-    bench_probe.probe(cluster, "profile", on=True)
+    # Counters and syncs cost time: only in the separate profiling pass.
+    cluster.stats(reset=True, collect=True)
+    cluster.probe("profile", on=True)
     profiled = _generate(cluster, prompts, args.generation_tokens)
-    profile = bench_probe.probe(cluster, "profile", on=False)[0]
+    profile = cluster.probe("profile", on=False)[0]
+    stats = cluster.stats(collect=False)
     row.update(breakdown(profile, row, profiled, layers, len(prompts)))
 
     floor_args = {
@@ -143,7 +142,7 @@ def bench_case(cluster, mode: str, prompts: List[List[int]], args) -> Dict[str, 
         "send_bytes": profile["bytes_sent"] // max(profile["calls"], 1),
         "recv_bytes": profile["bytes_received"] // max(profile["calls"], 1),
     }
-    floor = bench_probe.probe(cluster, "floor", args=floor_args)[0]["seconds"]
+    floor = cluster.probe("floor", **floor_args)[0]["seconds"]
     row["floor_us"] = 1e6 * floor if cluster.world.size > 1 else None
     row["exchange_over_floor"] = (
         row["exchange_ms"] * 1e3 / row["floor_us"] if row["floor_us"] and row["exchange_ms"] else None
@@ -158,8 +157,8 @@ def run(cluster, args) -> Dict[str, Any]:
     """Every requested dispatch mode and batch size (on rank 0)."""
     rows = []
     for mode in args.dispatch:
-        cluster.load(args.model, dispatch=mode)
-        bench_probe.probe(cluster, "no_eos")
+        cluster.load(args.model, dispatch=mode, layout=args.layout)
+        cluster.probe("no_eos")
         vocab = text_config(cluster.engine.config)["vocab_size"]
         for batch in args.batch_sizes:
             prompts = random_prompts(vocab, batch, args.prompt_tokens, args.seed)
@@ -172,6 +171,7 @@ def run(cluster, args) -> Dict[str, Any]:
         "prompt_tokens": args.prompt_tokens,
         "generation_tokens": args.generation_tokens,
         "num_trials": args.num_trials,
+        "layout": args.layout,
         "versions": versions(),
         "results": rows,
     }
@@ -213,13 +213,15 @@ def parse_args(argv=None):
     parser.add_argument("-b", "--batch-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32])
     parser.add_argument("-n", "--num-trials", type=int, default=3)
     parser.add_argument("--dispatch", type=lambda s: s.split(","), default=list(MODES), help="collective,p2p")
+    parser.add_argument("--layout", choices=("masked", "compact"), default="masked", help="Collective modes' layout.")
+    parser.add_argument("--backend", choices=BACKENDS, default=None, help="MLX's transport (default: nccl on CUDA).")
     parser.add_argument("--warmup-tokens", type=int, default=16, help="Tokens of the warm-up generation.")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="One JSON object on stdout.")
     args = parser.parse_args(argv)
     for mode in args.dispatch:
-        if mode not in KNOWN_MODES:
-            parser.error(f"unknown dispatch mode {mode!r} (choose from {', '.join(KNOWN_MODES)})")
+        if mode not in DISPATCH_MODES:
+            parser.error(f"unknown dispatch mode {mode!r} (choose from {', '.join(DISPATCH_MODES)})")
     if args.num_trials < 1 or min(args.batch_sizes) < 1:
         parser.error("-n and every batch size must be at least 1")
     return args
@@ -227,13 +229,12 @@ def parse_args(argv=None):
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    bench_probe.install()
-    import mlxdist.api as api
-    from .mpi import run_or_abort
+    from ..api import init
+    from ..mpi import run_or_abort
 
-    cluster = api.init()  # ranks other than 0 serve here and exit
+    cluster = init(backend=args.backend)  # ranks other than 0 serve here and exit
     if args.model is None:
-        from .synth import default_checkpoint
+        from ..synth import default_checkpoint
 
         args.model = str(default_checkpoint())
     with cluster:

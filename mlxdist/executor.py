@@ -5,15 +5,16 @@ from ``serve`` in the same order, so every collective lines up.
 
 import gc
 import os
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import mlx.core as mx
 
 from . import commands
 from .commands import Command
-from .engine import Engine, SamplingParams, UserError, load_engine
-from .mpi import World, allgather_json
+from .engine import Engine, GenerationParams, LoadOptions, load_engine
+from .errors import UserError
 from .loader import CheckpointError
+from .mpi import World, allgather_json
 from .placement import PlacementError
 from .watchdog import ACTIVITY
 
@@ -22,7 +23,9 @@ class LoadError(UserError):
     """LOAD failed on at least one rank; the message names the ranks."""
 
 
-def _one_line(e: BaseException) -> str:
+def one_line(e: BaseException) -> str:
+    """An exception as one line: the message of a user-facing error, else
+    its type and first line."""
     text = str(e).splitlines()[0] if str(e) else ""
     if isinstance(e, (UserError, PlacementError, CheckpointError)):
         return text
@@ -41,6 +44,7 @@ def describe_errors(errors: List[Optional[str]]) -> str:
 _FINGERPRINT_NAMES = {
     "mlxdist": "mlxdist version",
     "protocol": "control protocol",
+    "options": "load options",
     "config": "checkpoint config.json",
     "weights": "checkpoint weight index",
     "placement": "placement",
@@ -72,8 +76,25 @@ def _resident_bytes() -> int:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
 
-class Server:
-    """One rank's state: the world and the loaded engine, if any."""
+# A probe runs on every rank at once (PROBE command) and returns a JSON-able
+# answer; tools such as the benchmark register theirs at import, on every rank.
+Probe = Callable[["CommandExecutor", Dict[str, Any]], Any]
+PROBES: Dict[str, Probe] = {}
+
+
+def register_probe(name: str) -> Callable[[Probe], Probe]:
+    """Decorator: make ``fn(executor, args)`` callable as ``Cluster.probe(name, **args)``."""
+
+    def register(fn: Probe) -> Probe:
+        PROBES[name] = fn
+        return fn
+
+    return register
+
+
+class CommandExecutor:
+    """Carries out rank 0's commands on one rank (rank 0 included): holds
+    the world and the loaded engine, if any."""
 
     def __init__(self, world: World):
         self.world = world
@@ -84,15 +105,9 @@ class Server:
         self.unload()
         engine, error = None, None
         try:
-            engine = load_engine(
-                self.world,
-                args["model"],
-                args.get("dispatch", "collective"),
-                args.get("placement"),
-                args.get("rank0_experts", True),
-            )
+            engine = load_engine(self.world, LoadOptions(**args))
         except Exception as e:  # a corrupt file fails deep inside mlx or tokenizers
-            error = _one_line(e)
+            error = one_line(e)
         reports = allgather_json(
             self.world,
             {"error": error, "memory": engine and engine.memory, "fingerprint": engine and engine.fingerprint},
@@ -102,7 +117,6 @@ class Server:
             raise LoadError(describe_errors(errors))
         mismatch = describe_mismatch([r["fingerprint"] for r in reports])
         if mismatch:
-            self.engine = None
             raise LoadError(mismatch)
         engine.memory_by_rank = [r["memory"] for r in reports]
         self.engine = engine
@@ -118,7 +132,7 @@ class Server:
         """GENERATE on every rank. Yields mlx-lm's responses on ranks that run
         the dense model; p2p workers serve experts and yield nothing."""
         engine = self.engine
-        params = SamplingParams(**args["sampling"])
+        params = GenerationParams(**args["sampling"])
         mx.reset_peak_memory()
         ACTIVITY.step, ACTIVITY.armed = 0, True
         ACTIVITY.beat("dense")
@@ -134,10 +148,13 @@ class Server:
             ACTIVITY.beat("idle")
 
     def peaks(self) -> List[float]:
+        """Every rank's peak memory (bytes) since the last GENERATE began."""
         return allgather_json(self.world, mx.get_peak_memory())
 
     def stats(self, args: Dict[str, Any]) -> List[Dict[str, Any]]:
-        """STATS on every rank: each rank's counters, gathered everywhere."""
+        """STATS on every rank: each rank's counters, gathered everywhere.
+        ``collect`` switches per-expert load counting on or off; ``reset``
+        zeroes the counters after reading them."""
         engine = self.engine
         mine: Dict[str, Any] = {
             "rank": self.world.rank,
@@ -146,19 +163,24 @@ class Server:
             "rss_gb": _resident_bytes() / 1e9,
         }
         if engine is not None:
-            mine.update(engine.dispatcher.stats.as_dict())
-            held = {str(l): s.owned for l, s in engine.shards.items()}
+            counters = engine.dispatcher.stats
+            mine.update(counters.as_dict())
+            held = {str(l): o.owned_experts.tolist() for l, o in engine.ownership.items()}
             if engine.dispatch != "p2p":  # every rank sees every slot: count its own
                 total = sum(sum(c) for c in mine["expert_load"].values())
-                mine["slots_local"] = sum(
-                    sum(c[e] for e in held[l]) for l, c in mine["expert_load"].items()
-                )
+                mine["slots_local"] = sum(sum(c[e] for e in held[l]) for l, c in mine["expert_load"].items())
                 mine["slots_remote"] = total - mine["slots_local"]
             mine["weights_gb"] = {k.replace("_bytes", ""): v / 1e9 for k, v in engine.memory.items()}
             mine["experts_held"] = held
             if args.get("reset"):
-                engine.dispatcher.stats.reset()
+                counters.reset()
+            if args.get("collect") is not None:
+                counters.collect_expert_load = bool(args["collect"])
         return allgather_json(self.world, mine)
+
+    def probe(self, args: Dict[str, Any]) -> List[Any]:
+        """PROBE on every rank: the registered probe's answer from each rank."""
+        return allgather_json(self.world, PROBES[args["name"]](self, args.get("args", {})))
 
     def serve(self) -> int:
         """Ranks other than 0: follow rank 0's commands until SHUTDOWN."""
@@ -170,6 +192,7 @@ class Server:
             self.handle(command)
 
     def handle(self, command: Command) -> None:
+        """One command on a rank other than 0 (rank 0's ``Cluster`` makes the same calls)."""
         if command.op == commands.LOAD:
             try:
                 self.load(command.args)
@@ -181,3 +204,5 @@ class Server:
             self.peaks()
         elif command.op == commands.STATS:
             self.stats(command.args)
+        elif command.op == commands.PROBE:
+            self.probe(command.args)

@@ -1,8 +1,8 @@
 """mlx-lm's own runs, measured exactly as ``mlxdist.bench`` measures mlxdist.
 
-    python -m mlxdist.bench_mlxlm --model M -p 512 -g 128 -b 1,8,32 -n 3
-    mpirun -np N python -m mlxdist.bench_mlxlm --model M --mode tensor ...
-    mpirun -np N python -m mlxdist.bench_mlxlm --model M --mode pipeline ...
+    python -m mlxdist.bench.mlxlm --model M -p 512 -g 128 -b 1,8,32 -n 3
+    mpirun -np N python -m mlxdist.bench.mlxlm --model M --mode tensor [--backend nccl] ...
+    mpirun -np N python -m mlxdist.bench.mlxlm --model M --mode pipeline ...
 
 This is ``mlx_lm.benchmark`` in-process (``load`` for one process,
 ``sharded_load`` with a tensor group, i.e. ``model.shard()``, or a pipeline
@@ -19,24 +19,16 @@ from typing import Any, Dict, List, Optional
 
 import mlx.core as mx
 
-from .bench import median_row, parse_args as _bench_args, random_prompts, text_config, versions
+from ..mpi import default_backend
+from .harness import median_row, parse_args as _bench_args, random_prompts, text_config, versions
 
 MODES = ("single", "tensor", "pipeline")
 
 
-def _backend() -> str:
-    """MLX's backend for tensor/pipeline runs: ``MLXDIST_BACKEND`` (``mpi``,
-    the default, or ``nccl`` on CUDA), as for mlxdist itself."""
-    backend = os.environ.get("MLXDIST_BACKEND", "mpi")
-    if backend not in ("mpi", "nccl"):
-        raise SystemExit(f"MLXDIST_BACKEND must be mpi or nccl, not {backend!r}")
-    return backend
-
-
-def _group(mode: str) -> Optional[mx.distributed.Group]:
+def _group(mode: str, backend: str) -> Optional[mx.distributed.Group]:
     if mode == "single":
         return None
-    if _backend() == "nccl":
+    if backend == "nccl":
         # MLX's NCCL backend alone, as mlx_lm.benchmark with MLX_RANK etc. set;
         # the rank comes from mpirun's environment (one GPU per rank is the
         # launcher's business: CUDA_VISIBLE_DEVICES).
@@ -47,7 +39,7 @@ def _group(mode: str) -> Optional[mx.distributed.Group]:
         os.environ.setdefault("NCCL_PORT", "29517")
         group = mx.distributed.init(backend="nccl", strict=True)
     else:
-        from .mpi import find_libmpi
+        from ..mpi import find_libmpi
 
         # MLX's MPI backend alone, as mlx_lm.benchmark under mpirun (no mpi4py).
         os.environ.setdefault("MLX_MPI_LIBNAME", find_libmpi() or "libmpi.so.40")
@@ -82,21 +74,21 @@ def _sharded_load_on_device(path: str, pipe, tensor, return_config: bool = True)
     return model, tokenizer, config
 
 
-def load(model: str, mode: str):
+def load(model: str, mode: str, backend: str):
     """(model, tokenizer, config, group) for ``mode``; raises ValueError where
     mlx-lm cannot shard this architecture that way."""
     from mlx_lm import load as mlx_load
     from mlx_lm.utils import sharded_load
 
-    from .engine import resolve_model_path
+    from ..loader import resolve_model_path
 
     path = resolve_model_path(model)
-    group = _group(mode)
+    group = _group(mode, backend)
     if group is None:
         m, tok, config = mlx_load(str(path), return_config=True)
     else:
         pipe, tensor = (group, None) if mode == "pipeline" else (None, group)
-        load_fn = _sharded_load_on_device if _backend() == "nccl" else sharded_load
+        load_fn = _sharded_load_on_device if backend == "nccl" else sharded_load
         m, tok, config = load_fn(str(path), pipe, tensor, return_config=True)
     tok._eos_token_ids = set()  # never stop early, as mlx_lm.benchmark
     return m, tok, config, group
@@ -149,7 +141,7 @@ def run(args) -> Dict[str, Any]:
         "versions": versions(),
     }
     try:
-        model, tokenizer, config, group = load(args.model, args.mode)
+        model, tokenizer, config, group = load(args.model, args.mode, args.backend)
     except ValueError as e:
         report.update(ranks=None, unsupported=str(e).splitlines()[0], results=[])
         return report
@@ -178,12 +170,13 @@ def main(argv=None) -> None:
         raise SystemExit(f"unknown --mode {mode!r} (choose from {', '.join(MODES)})")
     args = _bench_args(argv)
     args.mode = mode
+    args.backend = args.backend or default_backend()
     if args.model is None:
-        from .synth import default_checkpoint
+        from ..synth import default_checkpoint
 
         args.model = str(default_checkpoint())
     report = run(args)
-    rank = mx.distributed.init(backend=_backend()).rank() if mode != "single" else 0
+    rank = mx.distributed.init(backend=args.backend).rank() if mode != "single" else 0
     if rank == 0:
         if args.json:
             print(json.dumps(report), flush=True)

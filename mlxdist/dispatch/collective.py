@@ -1,0 +1,112 @@
+"""Every rank runs the dense layers on the same tokens; one collective per
+MoE layer assembles the slots.
+
+    masked  (default): each rank computes every slot, slots of experts held
+            elsewhere pointed at local expert 0, then keeps its own slots
+            and zeroes the rest. No shape depends on the routing, so MLX's
+            graph stays lazy across layers (no host round-trip: what GPUs need).
+    compact: each rank reads the routing back and computes only the slots it
+            owns, scattered into zeros: 1/N of the expert work, one host
+            read-back per layer (cheap on the CPU).
+
+Then ``all_sum`` adds the ranks' disjoint slots: x + 0 == x, so the result is
+bit-identical to one process. With ``reduce=False`` (collective-tp) the sum is
+left to the model's own tensor-parallel MoE block, which adds its shared
+experts' partial sums in the same all_sum; not bit-exact.
+"""
+
+from dataclasses import dataclass
+from typing import Dict, Optional, Tuple
+
+import mlx.core as mx
+import numpy as np
+
+from ..mpi import World
+from .base import ExpertBatch
+from .ownership import LayerOwnership
+from .stats import ExchangeStats
+
+LAYOUTS = ("masked", "compact")
+
+
+@dataclass(frozen=True)
+class CollectiveHandle:
+    out_shape: Tuple[int, ...]  # [.., K, D]; () with one rank: nothing to combine
+    dtype: mx.Dtype
+    expert_load: Optional[mx.array] = None  # [E] running counts, when collected
+    owned_slots: Optional[mx.array] = None  # masked: [.., K] bool, slots this rank owns
+    computed_slots: Optional[mx.array] = None  # compact: [s] flat ids of the slots computed
+
+
+class CollectiveDispatcher:
+    name = "collective"
+
+    def __init__(self, world: World, layout: str = "masked", reduce: bool = True):
+        if layout not in LAYOUTS:
+            raise ValueError(f"unknown collective layout {layout!r} (choose {', '.join(LAYOUTS)})")
+        self.world = world
+        self.layout = layout
+        self.reduce = reduce
+        self.stats = ExchangeStats()
+        self._tables: Dict[int, Tuple[mx.array, mx.array]] = {}
+
+    def _masked_table(self, ownership: LayerOwnership) -> Tuple[mx.array, mx.array]:
+        """([E] local id, or 0 where held elsewhere; [E] owned by this rank)."""
+        if ownership.layer not in self._tables:
+            owned = ownership.owner == ownership.rank
+            self._tables[ownership.layer] = (
+                mx.array(np.where(owned, ownership.local_index, 0)),
+                mx.array(owned),
+            )
+        return self._tables[ownership.layer]
+
+    def dispatch(self, ownership: LayerOwnership, x: mx.array, inds: mx.array):
+        self.stats.layers += 1
+        load = self.stats.count(ownership.layer, inds, ownership.num_experts)
+        if self.world.size == 1:
+            return ExpertBatch(x, inds), CollectiveHandle((), x.dtype, load)
+        out_shape = inds.shape + x.shape[-1:]
+        if self.layout == "compact":
+            return self._dispatch_compact(ownership, x, inds, CollectiveHandle(out_shape, x.dtype, load))
+        local_index, owned = self._masked_table(ownership)
+        handle = CollectiveHandle(out_shape, x.dtype, load, owned_slots=owned[inds])
+        return ExpertBatch(x, local_index[inds]), handle
+
+    def _dispatch_compact(self, ownership: LayerOwnership, x: mx.array, inds: mx.array, handle: CollectiveHandle):
+        D, K = x.shape[-1], inds.shape[-1]
+        mx.eval(inds)
+        flat = np.asarray(inds).reshape(-1)  # [.., K] -> [S]
+        mine = np.flatnonzero(ownership.owner[flat] == ownership.rank)  # [s]
+        handle = CollectiveHandle(handle.out_shape, handle.dtype, handle.expert_load, computed_slots=mx.array(mine))
+        if mine.size == 0:
+            return None, handle
+        rows = mx.array(mine // K)
+        local = mx.array(ownership.local_index[flat[mine]])[:, None]
+        return ExpertBatch(x.reshape(-1, D)[rows], local), handle  # [s, D], [s, 1]
+
+    def combine(self, y: Optional[mx.array], handle: CollectiveHandle) -> mx.array:
+        if not handle.out_shape:  # one rank: y is every slot already
+            out = y
+        elif handle.computed_slots is not None:
+            D = handle.out_shape[-1]
+            out = mx.zeros((int(np.prod(handle.out_shape[:-1])), D), dtype=handle.dtype)  # [S, D]
+            if y is not None:
+                out = out.at[handle.computed_slots].add(y.reshape(-1, D))  # [s, 1, D] -> [s, D]
+            out = out.reshape(handle.out_shape)  # [S, D] -> [.., K, D]
+        elif y is None:  # this rank owns no expert of the layer
+            out = mx.zeros(handle.out_shape, dtype=handle.dtype)
+        else:
+            out = mx.where(handle.owned_slots[..., None], y, mx.array(0, dtype=y.dtype))
+        if handle.out_shape and self.reduce:
+            self.stats.bytes_sent += out.nbytes
+            out = mx.distributed.all_sum(out, group=self.world.group)
+        if handle.expert_load is not None:  # evaluate the counters with the layer
+            out = mx.depends(out, handle.expert_load)
+        return out
+
+    def progress_after_combine(self, layer: int) -> Tuple[str, Optional[int]]:
+        # Only the graph is built here: it runs, and may wait in all_sum, later.
+        return ("exchange", None)
+
+    def finish(self) -> None:
+        pass

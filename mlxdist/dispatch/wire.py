@@ -1,0 +1,63 @@
+"""The p2p exchange's message format: a fixed int32 header, the local expert
+id of each row, then the rows' bits. Arrays travel as numpy views of their
+bits (bfloat16 as uint16), so nothing is converted on the way."""
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+TAG_EXPERTS = 17  # rank 0 -> owner: rows to compute, or DONE
+TAG_RESULT = 18  # owner -> rank 0: the computed rows
+OP_EXPERTS = 1
+OP_DONE = 2
+HEADER_INTS = 6  # op, layer, dtype code, rows, D, step
+
+WIRE_DTYPES = [mx.float32, mx.float16, mx.bfloat16]
+NUMPY_DTYPES = {mx.float32: np.float32, mx.float16: np.float16, mx.bfloat16: np.uint16}
+
+
+def to_numpy(a: mx.array) -> np.ndarray:
+    """The array's bits as numpy (bfloat16 travels as uint16)."""
+    return np.asarray(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a)
+
+
+def from_numpy(a: np.ndarray, dtype: mx.Dtype) -> mx.array:
+    """Inverse of ``to_numpy``."""
+    out = mx.array(a)
+    return out.view(dtype) if dtype == mx.bfloat16 else out
+
+
+def pack(op: int, layer: int, dtype: mx.Dtype, local_ids: np.ndarray, x: np.ndarray, step: int = 0) -> np.ndarray:
+    """One message: header, ``local_ids`` [s] as int32, ``x`` [s, D]'s bits."""
+    rows, d = x.shape if x.ndim == 2 else (0, 0)
+    header = np.array([op, layer, WIRE_DTYPES.index(dtype), rows, d, step], dtype=np.int32)
+    return np.concatenate(
+        [header.view(np.uint8), local_ids.astype(np.int32).view(np.uint8), x.reshape(-1).view(np.uint8)]
+    )
+
+
+def done_message() -> np.ndarray:
+    """The message that ends a worker's part in one generation."""
+    return pack(OP_DONE, -1, mx.float32, np.zeros(0, np.int32), np.zeros((0, 0), np.float32))
+
+
+@dataclass(frozen=True)
+class Message:
+    op: int
+    layer: int
+    step: int
+    local_ids: np.ndarray  # [s] int32
+    x: mx.array  # [s, D]
+
+
+def unpack(msg: np.ndarray) -> Message:
+    """Inverse of ``pack``."""
+    op, layer, code, rows, d, step = map(int, msg[: 4 * HEADER_INTS].view(np.int32))
+    if op == OP_DONE:
+        return Message(op, layer, step, np.zeros(0, np.int32), mx.zeros((0, 0)))
+    dtype = WIRE_DTYPES[code]
+    ids_end = 4 * HEADER_INTS + 4 * rows
+    local_ids = msg[4 * HEADER_INTS : ids_end].view(np.int32)
+    x = from_numpy(msg[ids_end:].view(NUMPY_DTYPES[dtype]).reshape(rows, d), dtype)
+    return Message(op, layer, step, local_ids, x)

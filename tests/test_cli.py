@@ -1,0 +1,78 @@
+"""The command line follows mlx_lm.generate: the chat template by default
+(with --system-prompt), --ignore-chat-template for the raw prompt, -m with
+mlx-lm's default, --max-kv-size. Tokens are compared with mlx-lm alone on
+the same token ids."""
+
+import pytest
+
+from conftest import last_json, launch
+
+PROMPT = "The quick brown fox jumps over the lazy dog because"
+
+
+def mlx_lm_tokens(path, prompt_ids, max_tokens, **kwargs):
+    import mlx.core as mx
+    from mlx_lm import load
+    from mlx_lm.generate import stream_generate
+
+    model, tokenizer = load(str(path))
+    steps = stream_generate(model, tokenizer, mx.array(prompt_ids), max_tokens=max_tokens, **kwargs)
+    return [s.token for s in steps]
+
+
+def templated(path, messages):
+    from mlx_lm.utils import load_tokenizer
+
+    tokenizer = load_tokenizer(path)
+    assert tokenizer.has_chat_template
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+
+
+@pytest.mark.parametrize("system", [None, "You are terse."])
+def test_chat_template_by_default(checkpoint, system):
+    path = checkpoint("qwen3_moe")
+    args = ["--model", path, "-p", PROMPT, "-m", 8, "--json"]
+    messages = [{"role": "user", "content": PROMPT}]
+    if system:
+        args += ["--system-prompt", system]
+        messages.insert(0, {"role": "system", "content": system})
+    proc = launch(2, args)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = last_json(proc.stdout)
+    ids = templated(path, messages)
+    assert result["prompt_tokens"] == len(ids)
+    assert result["tokens"] == mlx_lm_tokens(path, ids, 8)
+
+
+def test_max_kv_size_is_a_rotating_cache(checkpoint):
+    from mlx_lm.utils import load_tokenizer
+
+    path = checkpoint("qwen3_moe")
+    prompt = PROMPT + " " + PROMPT
+    proc = launch(2, ["--model", path, "-p", prompt, "-m", 12, "--json", "--ignore-chat-template",
+                      "--max-kv-size", 16, "--prefill-step-size", 8])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    ids = load_tokenizer(path).encode(prompt)
+    assert len(ids) > 16
+    expected = mlx_lm_tokens(path, ids, 12, max_kv_size=16, prefill_step_size=8)
+    assert last_json(proc.stdout)["tokens"] == expected
+    assert expected != mlx_lm_tokens(path, ids, 12, prefill_step_size=8)  # the cache really rotated
+
+
+def test_defaults_follow_mlx_lm():
+    from mlx_lm.generate import DEFAULT_MAX_TOKENS
+
+    from mlxdist.run import build_parser
+
+    args = build_parser().parse_args([])
+    assert args.max_tokens == DEFAULT_MAX_TOKENS
+    assert build_parser().parse_args(["-p", "x", "-m", "5"]).max_tokens == 5
+    assert args.dispatch == "collective" and args.layout == "masked" and args.backend is None
+
+
+def test_stats_flag_reports_expert_load(checkpoint):
+    path = checkpoint("qwen3_moe")
+    proc = launch(2, ["--model", path, "-p", PROMPT, "-m", 4, "--json", "--stats"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    load = last_json(proc.stdout)["expert_load"]
+    assert load and all(sum(counts) > 0 for counts in load.values())
