@@ -37,6 +37,7 @@ class Result:
     text: str
     tokens: List[int]
     stats: Dict[str, Any] = field(default_factory=dict)
+    logprobs: Optional[List[float]] = None  # batches: log-probability of each sampled token
 
 
 @dataclass
@@ -78,7 +79,7 @@ class Cluster:
     def load(
         self,
         model: Optional[str] = None,
-        dispatch: str = "collective",
+        dispatch: str = "auto",
         placement: Union[None, str, dict, Placement] = None,
         rank0_experts: bool = True,
         layout: str = "masked",
@@ -138,13 +139,15 @@ class Cluster:
         if params.seed is None:
             params.seed = random.randrange(2**31)
         params.validate()
+        if isinstance(params.max_tokens, list) and len(params.max_tokens) != len(prompts):
+            raise UserError(f"max_tokens lists {len(params.max_tokens)} values for {len(prompts)} prompts")
         limit = self.engine.context_length
-        for ids in prompts:
+        for ids, max_tokens in zip(prompts, params.max_tokens_each(len(prompts))):
             if not ids:
                 raise UserError("the prompt is empty")
-            if limit is not None and len(ids) + params.max_tokens > limit:
+            if limit is not None and len(ids) + max_tokens > limit:
                 raise UserError(
-                    f"prompt of {len(ids)} tokens plus {params.max_tokens} new tokens "
+                    f"prompt of {len(ids)} tokens plus {max_tokens} new tokens "
                     f"exceeds the model's context of {limit}"
                 )
         args = {"prompts": [list(map(int, p)) for p in prompts], "sampling": asdict(params)}
@@ -180,7 +183,7 @@ class Cluster:
         finally:
             for _ in responses:  # the caller stopped early: finish in step
                 pass
-            stats["peak_memory_gb"] = [p / 1e9 for p in self.executor.peaks()]
+            stats["peak_memory_gb"] = [a["peak"] / 1e9 for a in self.executor.after_generation()]
             stats["exchange"] = self.engine.dispatcher.stats.as_dict()
 
     def generate(
@@ -211,7 +214,7 @@ class Cluster:
         """Run a request of several prompts as one batch on every rank."""
         ids = request.args["prompts"]
         (response,) = list(self.executor.generate(self._broadcast(request).args))
-        peaks = self.executor.peaks()
+        after = self.executor.after_generation()
         s = response.stats
         stats = {
             "batch_prompt_tokens": s.prompt_tokens,
@@ -219,11 +222,14 @@ class Cluster:
             "generation_tokens": s.generation_tokens,
             "generation_tps": s.generation_tps,
             "batch_size": len(ids),
-            "peak_memory_gb": [p / 1e9 for p in peaks],
+            "strategy": self.engine.strategy,
+            "peak_memory_gb": [a["peak"] / 1e9 for a in after],
+            "kv_cache_gb": [a["kv"] / 1e9 if a["kv"] is not None else None for a in after],
         }
+        logprobs = response.logprobs or [None] * len(ids)
         return [
-            Result(text, list(tokens), {**stats, "prompt_tokens": len(prompt)})
-            for text, tokens, prompt in zip(response.texts, response.token_ids, ids)
+            Result(text, list(tokens), {**stats, "prompt_tokens": len(prompt)}, lp)
+            for text, tokens, prompt, lp in zip(response.texts, response.token_ids, ids, logprobs)
         ]
 
     def stats(self, reset: bool = False, collect: Optional[bool] = None) -> List[Dict[str, Any]]:

@@ -10,7 +10,7 @@ caches, samplers, detokenizers) on every rank that runs the dense model.
 import hashlib
 import json
 from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -23,13 +23,15 @@ from mlx_lm.utils import load_model, load_tokenizer
 from . import __version__
 from .commands import PROTOCOL_VERSION
 from .dispatch import DISPATCH_MODES, LAYOUTS, Dispatcher, LayerOwnership, make_dispatcher
+from .dp import DataParallelGeneration
 from .errors import UserError
 from .loader import (
     check_config, find_switch_sites, nbytes, read_safetensors_index, resolve_model_path, slice_experts,
 )
-from .moe import DistributedSwitch, Observer
+from .moe import DistributedSwitch, MoEBlock, Observer
 from .mpi import World
 from .placement import Placement, resolve_placement
+from .routing import RoutingWeightsNotFound, activation_dtype, find_weights_name
 from .watchdog import configured_fault
 
 __all__ = ["Engine", "GenerationParams", "LoadOptions", "UserError", "load_engine"]
@@ -40,7 +42,7 @@ class LoadOptions:
     """What LOAD carries: chosen on rank 0, broadcast, fingerprinted."""
 
     model: str
-    dispatch: str = "collective"
+    dispatch: str = "auto"
     layout: str = "masked"  # collective modes: "masked" or "compact" (see dispatch/collective.py)
     placement: Optional[dict] = None  # a placement's JSON object; None: the even policy
     rank0_experts: bool = True
@@ -55,9 +57,10 @@ class LoadOptions:
 
 @dataclass
 class GenerationParams:
-    """What GENERATE carries besides the prompts; validated on rank 0."""
+    """What GENERATE carries besides the prompts; validated on rank 0.
+    ``max_tokens`` may be a list: one per prompt of a batch."""
 
-    max_tokens: int = DEFAULT_MAX_TOKENS
+    max_tokens: Union[int, List[int]] = DEFAULT_MAX_TOKENS
     temp: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
@@ -65,10 +68,12 @@ class GenerationParams:
     seed: Optional[int] = None
     prefill_step_size: int = 2048
     max_kv_size: Optional[int] = None  # a rotating KV cache of this many tokens
+    completion_batch_size: Optional[int] = None  # most sequences decoded at once (None: all)
 
     def validate(self) -> None:
-        if not self.max_tokens >= 1:
-            raise UserError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        for max_tokens in self.max_tokens if isinstance(self.max_tokens, list) else [self.max_tokens]:
+            if not (isinstance(max_tokens, int) and max_tokens >= 1):
+                raise UserError(f"max_tokens must be at least 1, got {max_tokens}")
         if not self.temp >= 0:
             raise UserError(f"temperature must be >= 0, got {self.temp}")
         if not 0 < self.top_p <= 1:
@@ -81,6 +86,12 @@ class GenerationParams:
             raise UserError(f"prefill_step_size must be >= 1, got {self.prefill_step_size}")
         if self.max_kv_size is not None and not self.max_kv_size >= 1:
             raise UserError(f"max_kv_size must be >= 1, got {self.max_kv_size}")
+        if self.completion_batch_size is not None and not self.completion_batch_size >= 1:
+            raise UserError(f"completion_batch_size must be >= 1, got {self.completion_batch_size}")
+
+    def max_tokens_each(self, n: int) -> List[int]:
+        """``max_tokens`` for each of ``n`` prompts."""
+        return list(self.max_tokens) if isinstance(self.max_tokens, list) else [self.max_tokens] * n
 
     def sampler(self):
         return make_sampler(self.temp, top_p=self.top_p, min_p=self.min_p, top_k=self.top_k)
@@ -102,10 +113,36 @@ class Engine:
     experts: Dict[int, nn.Module]  # layer -> this rank's expert module
     ownership: Dict[int, LayerOwnership]  # layer -> who owns which expert
     switches: List[DistributedSwitch]
-    dispatcher: Dispatcher
+    dispatchers: Dict[str, Dispatcher]  # strategy -> its dispatcher (auto and dp hold two)
     memory: Dict[str, int] = field(default_factory=dict)
     memory_by_rank: List[Dict[str, int]] = field(default_factory=list)
     fingerprint: Dict[str, Any] = field(default_factory=dict)
+    kv_bytes: Optional[int] = None  # this rank's largest KV cache in the last dp generation
+    strategy: str = ""  # the strategy the switches use now
+
+    def __post_init__(self):
+        self.use(next(iter(self.dispatchers)))
+
+    @property
+    def dispatcher(self) -> Dispatcher:
+        return self.dispatchers[self.strategy]
+
+    def use(self, strategy: str) -> Dispatcher:
+        """Point every MoE layer at ``strategy``'s dispatcher."""
+        if strategy != self.strategy:
+            self.strategy = strategy
+            for switch in self.switches:
+                switch.dispatcher = self.dispatchers[strategy]
+        return self.dispatcher
+
+    def strategy_for(self, batch: int) -> str:
+        """``auto``: the data-parallel mode where the batch can be divided
+        among the ranks (batch >= ranks), the exact collective one below;
+        ``dp``: data-parallel for any batch of two or more."""
+        if "dp" not in self.dispatchers:
+            return next(iter(self.dispatchers))
+        need = self.world.size if self.options.dispatch == "auto" else 2
+        return "dp" if batch >= need else "collective"
 
     @property
     def dispatch(self) -> str:
@@ -133,6 +170,7 @@ class Engine:
         collective modes, rank 0 in p2p): each takes identical decisions
         because each sees identical logits and the same seed.
         """
+        self.use(self.strategy_for(1))
         mx.random.seed(params.seed if params.seed is not None else 0)
         try:
             yield from stream_generate(
@@ -148,10 +186,23 @@ class Engine:
             self._end_generation()
 
     def generate_batch(self, prompts: List[List[int]], params: GenerationParams) -> BatchResponse:
-        """mlx-lm's ``batch_generate`` (left-padded batches, finished
-        sequences leave the batch) through the distributed experts."""
+        """Several prompts at once: mlx-lm's ``batch_generate`` (finished
+        sequences leave the batch) through the distributed experts, or under
+        the data-parallel strategy each rank its share of the sequences
+        (``dp.py``)."""
+        strategy = self.strategy_for(len(prompts))
+        dispatcher = self.use(strategy)
         mx.random.seed(params.seed if params.seed is not None else 0)
+        batch_size = params.completion_batch_size or max(len(prompts), 1)
         try:
+            if strategy == "dp":
+                result = DataParallelGeneration(self, dispatcher, params).run(
+                    prompts, params.max_tokens_each(len(prompts)), params.sampler())
+                self.kv_bytes = result.kv_bytes
+                seqs = result.sequences
+                return BatchResponse(
+                    [self.tokenizer.decode(s.tokens) for s in seqs], result.stats, None,
+                    [s.tokens for s in seqs], [s.logprobs for s in seqs])
             return batch_generate(
                 self.model,
                 self.tokenizer,
@@ -160,9 +211,10 @@ class Engine:
                 sampler=params.sampler(),
                 prefill_step_size=params.prefill_step_size,
                 max_kv_size=params.max_kv_size,
-                completion_batch_size=max(len(prompts), 1),
-                prefill_batch_size=max(len(prompts), 1),
+                completion_batch_size=batch_size,
+                prefill_batch_size=batch_size,
                 return_token_ids=True,
+                return_logprobs=True,
             )
         finally:
             self._end_generation()
@@ -200,12 +252,21 @@ def load_engine(world: World, options: LoadOptions) -> Engine:
         )
     experts_per_layer = {s.layer: s.num_experts for s in sites}
     plan = resolve_placement(options.placement, experts_per_layer, world.size, options.rank0_experts)
-    dispatcher = make_dispatcher(options.dispatch, world, options.layout, options.stats)
+    strategies = ["collective", "dp"] if options.dispatch in ("auto", "dp") else [options.dispatch]
+    weights_names = _find_routing_weights(lazy_model, sites, config) if "dp" in strategies and world.size > 1 else {}
+    dp_shape = {}
+    if weights_names:
+        dp_shape = dict(top_k=next(iter(weights_names.values()))[1], dtype=activation_dtype(lazy_model))
+    dispatchers = {
+        name: make_dispatcher(name, world, options.layout, options.stats, **(dp_shape if name == "dp" else {}))
+        for name in (strategies if world.size > 1 else strategies[:1])
+    }
     runs_dense = options.dispatch != "p2p" or world.is_root
     if options.dispatch == "collective-tp" and world.size > 1:
         _shard_dense(lazy_model, sites, world, config)
 
     fault = configured_fault(world.rank)
+    modules = dict(lazy_model.named_modules())
     experts, ownership, switches = {}, {}, []
     for site in sites:
         owns = LayerOwnership.build(site.layer, plan.layers[site.layer], world.rank)
@@ -214,9 +275,13 @@ def load_engine(world: World, options: LoadOptions) -> Engine:
         if local is not None:
             mx.eval(local.parameters())
             experts[site.layer] = local
-        switch = DistributedSwitch(owns, local, dispatcher, first=site is sites[0], fault=fault)
+        switch = DistributedSwitch(owns, local, dispatchers[strategies[0]], first=site is sites[0], fault=fault)
         setattr(site.parent, site.attr, switch)
         switches.append(switch)
+        if weights_names:  # the block's own weighting is bypassed: wrap it to add the exchange's sums
+            switch.weights_name = weights_names[type(site.parent)][0]
+            holder_path, block_attr, _ = site.path.rsplit(".", 2)
+            setattr(modules[holder_path], block_attr, MoEBlock(site.parent, switch))
 
     expert_bytes = sum(nbytes(e.parameters()) for e in experts.values())
     tokenizer = None
@@ -249,10 +314,26 @@ def load_engine(world: World, options: LoadOptions) -> Engine:
         experts,
         ownership,
         switches,
-        dispatcher,
+        dispatchers,
         memory={"expert_bytes": expert_bytes, "dense_bytes": dense_bytes},
         fingerprint=fingerprint,
     )
+
+
+def _find_routing_weights(model: nn.Module, sites, config: Dict[str, Any]) -> Dict[type, Tuple[str, int]]:
+    """Per MoE block class: the local its router weights are in, and top-k."""
+    cfg = config.get("text_config", config)
+    dtype = activation_dtype(model)
+    found: Dict[type, Tuple[str, int]] = {}
+    try:
+        for site in sites:
+            if type(site.parent) not in found:
+                found[type(site.parent)] = find_weights_name(site.parent, site.attr, cfg["hidden_size"], dtype)
+    except RoutingWeightsNotFound as e:
+        raise UserError(f"--dispatch dp cannot run {config.get('model_type')}: {e}") from None
+    if len({k for _, k in found.values()}) > 1:
+        raise UserError(f"--dispatch dp needs one top-k in every MoE layer, found {sorted(found.values())}")
+    return found
 
 
 def _shard_dense(model: nn.Module, sites, world: World, config: Dict[str, Any]) -> None:

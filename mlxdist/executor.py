@@ -134,6 +134,7 @@ class CommandExecutor:
         engine = self.engine
         params = GenerationParams(**args["sampling"])
         mx.reset_peak_memory()
+        engine.kv_bytes = None
         ACTIVITY.step, ACTIVITY.armed = 0, True
         ACTIVITY.beat("dense")
         try:
@@ -147,9 +148,11 @@ class CommandExecutor:
             ACTIVITY.armed = False
             ACTIVITY.beat("idle")
 
-    def peaks(self) -> List[float]:
-        """Every rank's peak memory (bytes) since the last GENERATE began."""
-        return allgather_json(self.world, mx.get_peak_memory())
+    def after_generation(self) -> List[Dict[str, Any]]:
+        """Every rank's peak memory since the last GENERATE began, and its
+        largest KV cache in it where known (dp), in bytes."""
+        kv = self.engine.kv_bytes if self.engine is not None else None
+        return allgather_json(self.world, {"peak": mx.get_peak_memory(), "kv": kv})
 
     def stats(self, args: Dict[str, Any]) -> List[Dict[str, Any]]:
         """STATS on every rank: each rank's counters, gathered everywhere.
@@ -201,7 +204,7 @@ class CommandExecutor:
         elif command.op == commands.GENERATE:
             for _ in self.generate(command.args):
                 pass
-            self.peaks()
+            self.after_generation()
         elif command.op == commands.STATS:
             self.stats(command.args)
         elif command.op == commands.PROBE:

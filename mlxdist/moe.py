@@ -11,6 +11,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .dispatch import Dispatcher, LayerOwnership
+from .routing import caller_weights
 from .watchdog import ACTIVITY, Fault
 
 # observer(switch, boundary, arrays): called at "input", "dispatched",
@@ -42,18 +43,27 @@ class DistributedSwitch(nn.Module):
         self.first = first
         self.fault = fault  # test-only fault injection; None in real runs
         self.observer: Optional[Observer] = None
+        self.weights_name: Optional[str] = None  # the block's router-weights local (routing.py)
+        self._combined: Optional[mx.array] = None  # a per-token combine's result, for MoEBlock
 
     def __call__(self, x: mx.array, inds: mx.array) -> mx.array:
         layer = self.ownership.layer
+        per_token = getattr(self.dispatcher, "combines_tokens", False)
         if self.first:
             ACTIVITY.step += 1
+            if per_token:
+                self.dispatcher.begin_forward()
         ACTIVITY.beat("experts", layer)
         if self.fault is not None:
             self.fault.maybe_fire(layer, ACTIVITY.step)
         observer = self.observer
         if observer is not None:
             observer(self, "input", (x, inds))
-        batch, handle = self.dispatcher.dispatch(self.ownership, x, inds)
+        if per_token:
+            weights = caller_weights(self.weights_name, inds)
+            batch, handle = self.dispatcher.dispatch(self.ownership, x, inds, weights)
+        else:
+            batch, handle = self.dispatcher.dispatch(self.ownership, x, inds)
         if observer is not None:
             observer(self, "dispatched", ())
         y = None
@@ -65,4 +75,32 @@ class DistributedSwitch(nn.Module):
         if observer is not None:
             observer(self, "combined", (out,))
         ACTIVITY.beat(*self.dispatcher.progress_after_combine(layer))
+        if per_token:  # the block weights zeros; MoEBlock adds the combined tokens
+            self._combined = out
+            return mx.zeros(inds.shape + x.shape[-1:], dtype=x.dtype)
         return out
+
+    def take_combined(self) -> Optional[mx.array]:
+        """The per-token combine's [.., D] result of the last call, once."""
+        out, self._combined = self._combined, None
+        return out
+
+
+class MoEBlock(nn.Module):
+    """A model's MoE block, plus what a per-token combine computed for it.
+
+    With a per-slot dispatcher the switch returns every slot and this adds
+    nothing. With the data-parallel one (``combines_tokens``) the switch
+    returns zeros, so the block yields only what it adds itself (shared
+    experts), and the exchange's router-weighted sum is added here.
+    """
+
+    def __init__(self, block: nn.Module, switch: DistributedSwitch):
+        super().__init__()
+        self.block = block
+        self._take_combined = switch.take_combined  # a bound method: not a child module
+
+    def __call__(self, x: mx.array, *args, **kwargs) -> mx.array:
+        out = self.block(x, *args, **kwargs)
+        combined = self._take_combined()
+        return out if combined is None else out + combined.astype(out.dtype)

@@ -67,6 +67,7 @@ class World:
     size: int
     group: mx.distributed.Group
     comm: Any = None
+    backend: str = "mpi"  # MLX's transport for arrays: "mpi" or "nccl"
 
     @property
     def is_root(self) -> bool:
@@ -130,7 +131,7 @@ def init_world(backend: Optional[str] = None) -> World:
     comm = MPI.COMM_WORLD
     if comm.Get_size() != group.size() or comm.Get_rank() != group.rank():
         raise RuntimeError("MLX and mpi4py disagree about the MPI world")
-    _WORLD = World(group.rank(), group.size(), group, comm)
+    _WORLD = World(group.rank(), group.size(), group, comm, backend)
     # Left to itself, MPI is not finalized at exit once any daemon thread
     # (the watchdog's) is alive, and mpirun then reports an improper exit.
     atexit.register(lambda: MPI.Is_finalized() or MPI.Finalize())

@@ -43,8 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--max-kv-size", type=int, default=None, help="rotating KV cache of this many tokens")
     p.add_argument("--prefill-step-size", type=int, default=2048)
-    p.add_argument("--dispatch", choices=DISPATCH_MODES, default="collective",
-                   help="collective-tp: attention and dense layers tensor parallel (mlx-lm's shard()); not bit-exact")
+    p.add_argument("--dispatch", choices=DISPATCH_MODES, default="auto",
+                   help="auto: dp for batches of at least one sequence per rank, else collective; "
+                        "dp and collective-tp are not bit-exact (see the README)")
     p.add_argument("--layout", choices=LAYOUTS, default="masked",
                    help="collective modes: masked (static shapes) or compact (owned slots only, host read-back)")
     p.add_argument("--backend", choices=BACKENDS, default=None,

@@ -78,6 +78,8 @@ def test_stats_count_every_routed_slot(tour):
         assert sum(s["slots_local"] for s in stats) == total
     p2p = out["p2p_stats"]
     assert p2p[0]["slots_remote"] == p2p[1]["slots_local"] > 0
+    # a token routed to two experts of rank 1 travels there once
+    assert 0 < p2p[0]["rows_sent"] < p2p[0]["slots_remote"]
     assert p2p[0]["bytes_sent"] > 0 and p2p[1]["compute_seconds"] > 0
 
 

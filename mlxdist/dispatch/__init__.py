@@ -11,9 +11,12 @@ width, S = T * K slots, E experts in the layer.
 
 One strategy per module, chosen by name in ``make_dispatcher``:
 
-    collective     collective.py  all ranks run the dense model; one all_sum per layer
-    collective-tp  collective.py  the same, attention split by mlx-lm's shard() (not bit-exact)
-    p2p            p2p.py         rank 0 runs the dense model, sends slots to owners
+    collective     collective.py    all ranks run the dense model; one all_sum per layer
+    collective-tp  collective.py    the same, attention split by mlx-lm's shard() (not bit-exact)
+    p2p            p2p.py           rank 0 runs the dense model, sends slots to owners
+    dp             dataparallel.py  each rank its own sequences; per-token combine (not bit-exact)
+
+``auto`` (the engine's choice per batch) holds both collective and dp.
 
 ``ownership.py`` holds the per-layer expert-to-rank map, ``stats.py`` the
 counters, ``wire.py`` the p2p message format. With one rank every strategy
@@ -23,27 +26,31 @@ is an identity: the expert module sees the layer's input as is.
 from ..mpi import World
 from .base import Dispatcher, ExpertBatch
 from .collective import LAYOUTS, CollectiveDispatcher
+from .dataparallel import DataParallelDispatcher
 from .ownership import LayerOwnership
 from .p2p import P2PDispatcher
 from .stats import ExchangeStats
 
-DISPATCH_MODES = ("collective", "p2p", "collective-tp")
+DISPATCH_MODES = ("auto", "collective", "p2p", "collective-tp", "dp")
 
 __all__ = [
-    "DISPATCH_MODES", "LAYOUTS", "CollectiveDispatcher", "Dispatcher", "ExchangeStats", "ExpertBatch",
-    "LayerOwnership", "P2PDispatcher", "make_dispatcher",
+    "DISPATCH_MODES", "LAYOUTS", "CollectiveDispatcher", "DataParallelDispatcher", "Dispatcher", "ExchangeStats",
+    "ExpertBatch", "LayerOwnership", "P2PDispatcher", "make_dispatcher",
 ]
 
 
-def make_dispatcher(mode: str, world: World, layout: str = "masked", stats: bool = False) -> Dispatcher:
+def make_dispatcher(mode: str, world: World, layout: str = "masked", stats: bool = False, **dp_shape) -> Dispatcher:
     """The one place a strategy is chosen by name. ``layout`` applies to the
-    collective modes; ``stats`` starts with per-expert load counting on."""
-    if mode not in DISPATCH_MODES:
-        raise ValueError(f"unknown dispatch mode {mode!r} (choose {', '.join(DISPATCH_MODES)})")
+    collective and dp modes; ``stats`` starts with per-expert load counting
+    on; ``dp_shape`` (top_k, dtype) describes a dp layer's input."""
+    if mode not in DISPATCH_MODES or mode == "auto":
+        raise ValueError(f"unknown dispatch mode {mode!r} (choose {', '.join(DISPATCH_MODES[1:])})")
     if mode == "collective" or world.size == 1:  # one rank: every mode is the identity
         dispatcher = CollectiveDispatcher(world, layout)
     elif mode == "collective-tp":
         dispatcher = CollectiveDispatcher(world, layout, reduce=False)
+    elif mode == "dp":
+        dispatcher = DataParallelDispatcher(world, layout, **dp_shape)
     else:
         dispatcher = P2PDispatcher(world)
     dispatcher.stats.collect_expert_load = stats

@@ -5,8 +5,9 @@ For each MoE layer rank 0 reads the routing back to the host, posts a
 non-blocking send of each owner's (row, local expert) batch (every send
 before any wait), runs its own experts meanwhile, then receives each reply
 and puts every slot back in its (row, k) place. Workers loop in ``serve``.
-The exchange uses mpi4py on host buffers: MLX has no non-blocking send, and
-its NCCL backend no send at all.
+A token routed to several experts of one rank travels to it once, with the
+list of its local experts. The exchange uses mpi4py on host buffers: MLX has
+no non-blocking send, and its NCCL backend no send at all.
 """
 
 import time
@@ -58,13 +59,15 @@ class P2PDispatcher:
             slots = np.flatnonzero(owner == rank)
             if slots.size == 0:
                 continue
-            msg = wire.pack(wire.OP_EXPERTS, ownership.layer, x.dtype, local[slots], x_np[slots // K], ACTIVITY.step)
+            rows, slot_rows = np.unique(slots // K, return_inverse=True)  # each token once per rank
+            msg = wire.pack(wire.OP_EXPERTS, ownership.layer, x.dtype, local[slots], slot_rows, x_np[rows], ACTIVITY.step)
             handle.requests.append(comm.Isend(msg, dest=rank, tag=wire.TAG_EXPERTS))
             reply = np.empty((slots.size, D), dtype=x_np.dtype)
             handle.requests.append(comm.Irecv(reply, source=rank, tag=wire.TAG_RESULT))
             handle.replies.append((slots, reply))
             handle.peers.append(rank)
             self.stats.bytes_sent += msg.nbytes
+            self.stats.rows_sent += rows.size
             self.stats.bytes_received += reply.nbytes
         self.stats.slots_local += handle.local_slots.size
         self.stats.slots_remote += flat.size - handle.local_slots.size
@@ -126,7 +129,8 @@ class P2PDispatcher:
                 on_layer(msg.layer, msg.step)
             tic = time.perf_counter()
             rows = msg.local_ids.size
-            y = experts[msg.layer](msg.x, mx.array(msg.local_ids)[:, None])  # [s, D], [s, 1] -> [s, 1, D]
+            x = msg.x[mx.array(msg.slot_rows)]  # [u, D] -> [s, D]
+            y = experts[msg.layer](x, mx.array(msg.local_ids)[:, None])  # [s, D], [s, 1] -> [s, 1, D]
             reply = wire.to_numpy(y.reshape(rows, -1))
             stats.compute_seconds += time.perf_counter() - tic
             comm.Send(reply, dest=0, tag=wire.TAG_RESULT)

@@ -22,6 +22,7 @@ class ExchangeStats:
     layers: int = 0
     slots_local: int = 0
     slots_remote: int = 0
+    rows_sent: int = 0  # p2p: token rows sent (a token goes once to each rank it needs)
     bytes_sent: int = 0
     bytes_received: int = 0
     wait_seconds: float = 0.0

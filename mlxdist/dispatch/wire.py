@@ -1,6 +1,7 @@
-"""The p2p exchange's message format: a fixed int32 header, the local expert
-id of each row, then the rows' bits. Arrays travel as numpy views of their
-bits (bfloat16 as uint16), so nothing is converted on the way."""
+"""The p2p exchange's message format: a fixed int32 header, then for each
+slot its local expert id and the row of its token, then each token row once
+(a token routed to several experts of one rank travels once). Arrays travel
+as numpy views of their bits (bfloat16 as uint16), so nothing is converted."""
 
 from dataclasses import dataclass
 
@@ -11,7 +12,7 @@ TAG_EXPERTS = 17  # rank 0 -> owner: rows to compute, or DONE
 TAG_RESULT = 18  # owner -> rank 0: the computed rows
 OP_EXPERTS = 1
 OP_DONE = 2
-HEADER_INTS = 6  # op, layer, dtype code, rows, D, step
+HEADER_INTS = 7  # op, layer, dtype code, slots, rows, D, step
 
 WIRE_DTYPES = [mx.float32, mx.float16, mx.bfloat16]
 NUMPY_DTYPES = {mx.float32: np.float32, mx.float16: np.float16, mx.bfloat16: np.uint16}
@@ -28,18 +29,22 @@ def from_numpy(a: np.ndarray, dtype: mx.Dtype) -> mx.array:
     return out.view(dtype) if dtype == mx.bfloat16 else out
 
 
-def pack(op: int, layer: int, dtype: mx.Dtype, local_ids: np.ndarray, x: np.ndarray, step: int = 0) -> np.ndarray:
-    """One message: header, ``local_ids`` [s] as int32, ``x`` [s, D]'s bits."""
+def pack(op: int, layer: int, dtype: mx.Dtype, local_ids: np.ndarray, slot_rows: np.ndarray, x: np.ndarray,
+         step: int = 0) -> np.ndarray:
+    """One message: header, ``local_ids`` [s] and ``slot_rows`` [s] as int32
+    (slot i is expert local_ids[i] on row slot_rows[i]), then ``x`` [u, D]'s bits."""
     rows, d = x.shape if x.ndim == 2 else (0, 0)
-    header = np.array([op, layer, WIRE_DTYPES.index(dtype), rows, d, step], dtype=np.int32)
-    return np.concatenate(
-        [header.view(np.uint8), local_ids.astype(np.int32).view(np.uint8), x.reshape(-1).view(np.uint8)]
-    )
+    header = np.array([op, layer, WIRE_DTYPES.index(dtype), local_ids.size, rows, d, step], dtype=np.int32)
+    return np.concatenate([
+        header.view(np.uint8), local_ids.astype(np.int32).view(np.uint8),
+        slot_rows.astype(np.int32).view(np.uint8), x.reshape(-1).view(np.uint8),
+    ])
 
 
 def done_message() -> np.ndarray:
     """The message that ends a worker's part in one generation."""
-    return pack(OP_DONE, -1, mx.float32, np.zeros(0, np.int32), np.zeros((0, 0), np.float32))
+    empty = np.zeros(0, np.int32)
+    return pack(OP_DONE, -1, mx.float32, empty, empty, np.zeros((0, 0), np.float32))
 
 
 @dataclass(frozen=True)
@@ -48,16 +53,20 @@ class Message:
     layer: int
     step: int
     local_ids: np.ndarray  # [s] int32
-    x: mx.array  # [s, D]
+    slot_rows: np.ndarray  # [s] int32: row of x each slot reads
+    x: mx.array  # [u, D]
 
 
 def unpack(msg: np.ndarray) -> Message:
     """Inverse of ``pack``."""
-    op, layer, code, rows, d, step = map(int, msg[: 4 * HEADER_INTS].view(np.int32))
+    op, layer, code, slots, rows, d, step = map(int, msg[: 4 * HEADER_INTS].view(np.int32))
+    empty = np.zeros(0, np.int32)
     if op == OP_DONE:
-        return Message(op, layer, step, np.zeros(0, np.int32), mx.zeros((0, 0)))
+        return Message(op, layer, step, empty, empty, mx.zeros((0, 0)))
     dtype = WIRE_DTYPES[code]
-    ids_end = 4 * HEADER_INTS + 4 * rows
+    ids_end = 4 * HEADER_INTS + 4 * slots
+    rows_end = ids_end + 4 * slots
     local_ids = msg[4 * HEADER_INTS : ids_end].view(np.int32)
-    x = from_numpy(msg[ids_end:].view(NUMPY_DTYPES[dtype]).reshape(rows, d), dtype)
-    return Message(op, layer, step, local_ids, x)
+    slot_rows = msg[ids_end:rows_end].view(np.int32)
+    x = from_numpy(msg[rows_end:].view(NUMPY_DTYPES[dtype]).reshape(rows, d), dtype)
+    return Message(op, layer, step, local_ids, slot_rows, x)

@@ -14,7 +14,7 @@ ckpt_a, ckpt_b = sys.argv[1:3]
 PROMPTS = ["The quick brown fox", "Experts are routed by a gate", "Hello"]
 out = {}
 with mlxdist.init() as cluster:
-    cluster.load(ckpt_a)
+    cluster.load(ckpt_a, dispatch="collective")
     r = cluster.generate(PROMPTS[0], max_tokens=8)
     out["stats_off"] = cluster.stats(collect=True)  # counting starts after this call
     out["generate"] = {"text": r.text, "tokens": r.tokens, "stats_keys": sorted(r.stats)}
@@ -57,6 +57,6 @@ with mlxdist.init() as cluster:
         cluster.generate(PROMPTS[0])
     except UserError as e:
         out["no_model_error"] = str(e)
-    cluster.load(ckpt_b)
+    cluster.load(ckpt_b, dispatch="collective")
     out["reloaded"] = cluster.generate(PROMPTS[0], max_tokens=8).tokens
 print(json.dumps(out))

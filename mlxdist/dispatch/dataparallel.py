@@ -1,0 +1,181 @@
+"""Data-parallel attention, expert-parallel experts, a per-token combine.
+
+Each rank runs the dense model for its own sequences only. At each MoE layer:
+
+    x_r [T_r, D], inds_r [T_r, K], w_r [T_r, K]   this rank's rows, routing, weights
+    pad to T = max over ranks of T_r               (the driver announces every rank's rows)
+    all_gather([x | w | inds] as bytes)     -> [N*T, ...]   one collective
+    partial = sum over owned k of w_k * expert_k(x)  -> [N*T, D]
+    reduce-scatter(partial)                 -> [T, D], keep the first T_r rows
+
+so each token's hidden state travels once to every rank, and one vector per
+(token, rank) comes back: the rank's router-weighted sum over its experts
+(DeepEP's combine). Bytes per token per layer: D out and D back per rank,
+never K x D. On the MPI backend MLX has no reduce-scatter: an all_sum of the
+partials, then each rank keeps its rows. The ranks' partial sums add in
+another order than one process's, so results are close to, not bit-equal
+with, single-process mlx-lm.
+
+Layouts as in collective.py: ``masked`` computes every gathered slot with
+static shapes (GPUs), ``compact`` reads the routing back and computes only
+the owned slots (the CPU). A rank with no rows in a forward still takes part
+(``idle_layer``): it serves its experts to the others.
+
+Every rank must run the same collectives in the same order, but a rank
+evaluates only what it needs (mlx-lm's prefill evaluates the KV caches, not
+the last layer's output). So each layer's gather depends on the previous
+layer's reduce, forward after forward: every collective runs, in one order.
+"""
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Deque, Dict, List, Optional, Tuple
+
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from ..mpi import World
+from .base import ExpertBatch
+from .collective import LAYOUTS
+from .ownership import LayerOwnership
+from .stats import ExchangeStats
+
+
+@dataclass(frozen=True)
+class TokenHandle:
+    out_shape: Tuple[int, ...]  # [.., D]: this rank's rows
+    rows: int  # T_r
+    padded: int  # T
+    dtype: mx.Dtype
+    weights: mx.array  # masked: [N*T, K] weight of each slot, 0 where held elsewhere; compact: [s]
+    computed_slots: Optional[mx.array] = None  # compact: [s] flat slot ids computed here
+
+
+class DataParallelDispatcher:
+    name = "dp"
+    combines_tokens = True  # combine returns [.., D]: the block's weighted sum, done here
+
+    def __init__(self, world: World, layout: str = "masked", top_k: int = 0, dtype: mx.Dtype = mx.float32):
+        if layout not in LAYOUTS:
+            raise ValueError(f"unknown layout {layout!r} (choose {', '.join(LAYOUTS)})")
+        self.world = world
+        self.layout = layout
+        # What every rank's MoE-layer input looks like; an idle rank sends
+        # rows of this shape (found at load, checked on every call).
+        self.top_k = top_k
+        self.dtype = dtype
+        self.stats = ExchangeStats()
+        self._plans: Deque[List[int]] = deque()
+        self.rows: List[int] = [0] * world.size
+        self._last: Optional[mx.array] = None  # the latest reduce: the next gather waits for it
+        self._tables: Dict[int, Tuple[mx.array, mx.array]] = {}
+
+    def plan(self, rows_per_rank: List[int]) -> None:
+        """Announce the rows every rank feeds to one coming forward pass, in
+        order; every rank announces the same list."""
+        self._plans.append(list(rows_per_rank))
+
+    def begin_forward(self) -> None:
+        """Called at a forward pass's first MoE layer: take its announced rows."""
+        self.rows = self._plans.popleft()
+
+    def pending_plans(self) -> int:
+        return len(self._plans)
+
+    def _masked_table(self, ownership: LayerOwnership) -> Tuple[mx.array, mx.array]:
+        if ownership.layer not in self._tables:
+            owned = ownership.owner == ownership.rank
+            self._tables[ownership.layer] = (
+                mx.array(np.where(owned, ownership.local_index, 0)),
+                mx.array(owned.astype(np.float32)),
+            )
+        return self._tables[ownership.layer]
+
+    def dispatch(self, ownership: LayerOwnership, x: mx.array, inds: mx.array, weights: mx.array):
+        D, K = x.shape[-1], inds.shape[-1]
+        rows, padded = self.rows[self.world.rank], max(self.rows)
+        xs = x.reshape(-1, D)  # [.., D] -> [T_r, D]
+        if xs.shape[0] != rows or K != self.top_k or x.dtype != self.dtype:
+            raise RuntimeError(
+                f"layer {ownership.layer}: {xs.shape[0]} rows of {x.dtype} with top-{K}, "
+                f"announced {rows} of {self.dtype} with top-{self.top_k}")
+        self.stats.layers += 1
+        load = self.stats.count(ownership.layer, inds, ownership.num_experts)
+        packed = mx.concatenate(  # [T_r, D*b + 4K + 4K] bytes
+            [xs.view(mx.uint8), weights.reshape(-1, K).astype(mx.float32).view(mx.uint8),
+             inds.reshape(-1, K).astype(mx.int32).view(mx.uint8)], axis=1)
+        if padded > rows:  # padding rows: weight 0, expert 0
+            packed = mx.concatenate([packed, mx.zeros((padded - rows, packed.shape[1]), mx.uint8)])
+        if load is not None:
+            packed = mx.depends(packed, load)
+        if self._last is not None:
+            packed = mx.depends(packed, self._last)
+        gathered = mx.distributed.all_gather(packed, group=self.world.group)  # [N*T, bytes]
+        self.stats.bytes_sent += packed.nbytes
+        xb = D * x.dtype.size
+        X = gathered[:, :xb].view(x.dtype)  # [N*T, D]
+        W = gathered[:, xb : xb + 4 * K].view(mx.float32)  # [N*T, K]
+        I = gathered[:, xb + 4 * K :].view(mx.int32)  # [N*T, K]
+        out_shape = x.shape
+        if self.layout == "compact":
+            return self._dispatch_compact(ownership, X, W, I, out_shape, rows, padded, x.dtype)
+        local_index, owned = self._masked_table(ownership)
+        handle = TokenHandle(out_shape, rows, padded, x.dtype, W * owned[I])
+        return ExpertBatch(X, local_index[I]), handle
+
+    def _dispatch_compact(self, ownership, X, W, I, out_shape, rows, padded, dtype):
+        K = I.shape[-1]
+        mx.eval(I, W)
+        flat = np.asarray(I).reshape(-1)  # [N*T*K]
+        w = np.asarray(W).reshape(-1)
+        mine = np.flatnonzero((ownership.owner[flat] == ownership.rank) & (w != 0))  # [s]
+        handle = TokenHandle(out_shape, rows, padded, dtype, mx.array(w[mine]), mx.array(mine // K))
+        if mine.size == 0:
+            return None, handle
+        local = mx.array(ownership.local_index[flat[mine]])[:, None]
+        return ExpertBatch(X[mx.array(mine // K)], local), handle  # [s, D], [s, 1]
+
+    def combine(self, y: Optional[mx.array], handle: TokenHandle) -> mx.array:
+        N, T = self.world.size, handle.padded
+        D = handle.out_shape[-1]
+        if handle.computed_slots is not None:  # compact: [s, 1, D]
+            partial = mx.zeros((N * T, D), dtype=handle.dtype)
+            if y is not None:
+                weighted = (y.reshape(-1, D) * handle.weights[:, None]).astype(handle.dtype)
+                partial = partial.at[handle.computed_slots].add(weighted)
+        elif y is None:  # no expert of this layer here
+            partial = mx.zeros((N * T, D), dtype=handle.dtype)
+        else:  # masked: [N*T, K, D]
+            partial = (y * handle.weights[..., None]).sum(axis=-2).astype(handle.dtype)
+        self.stats.bytes_received += partial.nbytes // N
+        if self.world.backend == "nccl":
+            mine = mx.distributed.sum_scatter(partial, group=self.world.group)  # [T, D]
+        else:  # MPI: no reduce-scatter in MLX
+            mine = mx.distributed.all_sum(partial, group=self.world.group)[self.world.rank * T : (self.world.rank + 1) * T]
+        self._last = mine
+        return mine[: handle.rows].reshape(handle.out_shape)
+
+    def idle_layer(self, ownership: LayerOwnership, experts: Optional[nn.Module], width: int) -> None:
+        """This rank's part in one MoE layer of a forward pass where it has no
+        rows: serve its experts to the others."""
+        x = mx.zeros((0, width), dtype=self.dtype)
+        inds = mx.zeros((0, self.top_k), dtype=mx.int32)
+        batch, handle = self.dispatch(ownership, x, inds, mx.zeros((0, self.top_k), dtype=mx.float32))
+        y = experts(batch.x, batch.inds) if batch is not None and experts is not None else None
+        self.combine(y, handle)
+
+    def flush(self) -> Optional[mx.array]:
+        """Run every collective built so far (what this rank did not need too)."""
+        if self._last is not None:
+            mx.eval(self._last)
+        return self._last
+
+    def progress_after_combine(self, layer: int) -> Tuple[str, Optional[int]]:
+        return ("exchange", None)
+
+    def finish(self) -> None:
+        self.flush()
+        self._last = None
+        self._plans.clear()

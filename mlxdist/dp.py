@@ -1,0 +1,187 @@
+"""Batched generation with data-parallel attention (``--dispatch dp``).
+
+The batch's sequences are divided among the ranks; each rank runs the dense
+model (embedding, attention with its own KV caches, norms, routers, shared
+experts, head, sampling) for its own sequences only, and the MoE layers
+exchange tokens (``dispatch/dataparallel.py``). Every rank runs this same
+loop on the same prompts, so every rank knows every rank's rows for every
+forward pass and the collectives line up:
+
+    admit     waiting sequences join the rank with the fewest live ones
+              (up to ``completion_batch_size`` live in all)
+    prefill   the joiners' prompts (all but the last token) in chunks, with
+              mlx-lm's PromptProcessingBatch; a rank with fewer chunks, or
+              none, serves its experts in the others' chunks
+    decode    one token for every live sequence; the sampled tokens and their
+              log-probabilities are gathered on every rank, so every rank
+              sees which sequences finished (EOS or max_tokens) and drops them
+              from its caches
+
+Prompts, caches and samplers are mlx-lm's; only the schedule is ours.
+"""
+
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+import mlx.core as mx
+from mlx_lm.generate import PromptProcessingBatch, _extend_cache
+from mlx_lm.generate_utils import BatchStats
+from mlx_lm.models.cache import make_prompt_cache
+
+from .dispatch.dataparallel import DataParallelDispatcher
+from .moe import DistributedSwitch
+
+
+@dataclass
+class Sequence:
+    index: int  # position in the request's prompts
+    prompt: List[int]
+    max_tokens: int
+    tokens: List[int] = field(default_factory=list)
+    logprobs: List[float] = field(default_factory=list)
+    finish_reason: Optional[str] = None
+
+
+@dataclass
+class LocalBatch:
+    """This rank's live sequences, in cache order."""
+
+    seqs: List[Sequence] = field(default_factory=list)
+    cache: List = field(default_factory=list)  # mlx-lm batch caches, one per layer
+    last: Optional[mx.array] = None  # [B] the token each sequence feeds next
+
+
+@dataclass
+class DPResult:
+    sequences: List[Sequence]
+    stats: BatchStats
+    kv_bytes: int  # this rank's largest KV cache during the generation
+
+
+class DataParallelGeneration:
+    """One batched generation under the data-parallel dispatcher."""
+
+    def __init__(self, engine, dispatcher: DataParallelDispatcher, params):
+        self.engine = engine
+        self.model = engine.model
+        self.world = engine.world
+        self.dispatcher = dispatcher
+        self.params = params
+        self.switches: List[DistributedSwitch] = engine.switches
+        cfg = engine.config.get("text_config", engine.config)
+        self.width = cfg["hidden_size"]
+        self.eos = set(getattr(engine.tokenizer, "eos_token_ids", None) or [])
+        self.live: List[List[Sequence]] = [[] for _ in range(self.world.size)]  # every rank's, as all see them
+        self.local = LocalBatch()
+        self.kv_bytes = 0
+
+    # -- forward passes ----------------------------------------------------
+    def _idle_forward(self) -> None:
+        """Serve this rank's experts in one forward pass it has no rows in."""
+        self.dispatcher.begin_forward()
+        for switch in self.switches:
+            self.dispatcher.idle_layer(switch.ownership, switch.experts, self.width)
+
+    def _prefill(self, joiners: List[List[Sequence]]) -> None:
+        """Every rank's joiners' prompts but their last token, chunk by chunk."""
+        step = self.params.prefill_step_size
+        lengths = [max((len(s.prompt) - 1 for s in j), default=0) for j in joiners]
+        chunks = [-(-n // step) for n in lengths]  # ceil
+        for c in range(max(chunks)):
+            rows = [len(j) * min(step, n - c * step) if c < k else 0
+                    for j, n, k in zip(joiners, lengths, chunks)]
+            self.dispatcher.plan(rows)
+        mine = joiners[self.world.rank]
+        if mine:
+            caches = [make_prompt_cache(self.model, self.params.max_kv_size) for _ in mine]
+            batch = PromptProcessingBatch(self.model, [s.index for s in mine], caches, prefill_step_size=step)
+            if chunks[self.world.rank]:
+                batch.prompt([s.prompt[:-1] for s in mine])
+        for _ in range(max(chunks) - chunks[self.world.rank]):
+            self._idle_forward()
+        if mine:
+            last = mx.array([s.prompt[-1] for s in mine])
+            local = self.local
+            local.cache = _extend_cache(local.cache, batch.prompt_cache)
+            local.last = last if local.last is None else mx.concatenate([local.last, last])
+            local.seqs.extend(mine)
+
+    def _decode(self, sampler) -> None:
+        """One token for every live sequence of every rank."""
+        rows = [len(l) for l in self.live]
+        padded = max(rows)
+        self.dispatcher.plan(rows)
+        local = self.local
+        if local.seqs:
+            logits = self.model(local.last[:, None], cache=local.cache)[:, -1, :]
+            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            tokens = sampler(logprobs)
+            chosen = mx.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+            packed = mx.stack([tokens.astype(mx.int32).view(mx.float32), chosen.astype(mx.float32)], axis=1)
+        else:
+            self._idle_forward()
+            packed = mx.depends(mx.zeros((0, 2), mx.float32), self.dispatcher.flush())
+        if packed.shape[0] < padded:
+            packed = mx.concatenate([packed, mx.zeros((padded - packed.shape[0], 2), mx.float32)])
+        gathered = mx.distributed.all_gather(packed, group=self.world.group) if self.world.size > 1 else packed
+        mx.eval(gathered)
+        table = gathered.reshape(self.world.size, padded, 2)
+        token_ids = table[..., 0].view(mx.int32).tolist()
+        logprob_values = table[..., 1].tolist()
+        for r, seqs in enumerate(self.live):
+            for i, seq in enumerate(seqs):
+                token = token_ids[r][i]
+                if token in self.eos:
+                    seq.finish_reason = "stop"
+                    continue
+                seq.tokens.append(token)
+                seq.logprobs.append(logprob_values[r][i])
+                if len(seq.tokens) >= seq.max_tokens:
+                    seq.finish_reason = "length"
+        if local.seqs:
+            keep = [i for i, s in enumerate(local.seqs) if s.finish_reason is None]
+            self.kv_bytes = max(self.kv_bytes, sum(c.nbytes for c in local.cache))
+            next_tokens = tokens
+            if len(keep) < len(local.seqs):
+                if keep:
+                    for c in local.cache:
+                        c.filter(keep)
+                    next_tokens = tokens[mx.array(keep)]
+                else:
+                    local.cache = []
+                    next_tokens = None
+                local.seqs = [local.seqs[i] for i in keep]
+            local.last = next_tokens
+        self.live = [[s for s in seqs if s.finish_reason is None] for seqs in self.live]
+
+    # -- the loop ------------------------------------------------------------
+    def run(self, prompts: List[List[int]], max_tokens: List[int], sampler) -> DPResult:
+        """Generate for every prompt; the same call on every rank."""
+        seqs = [Sequence(i, p, m) for i, (p, m) in enumerate(zip(prompts, max_tokens))]
+        waiting = list(seqs)
+        limit = self.params.completion_batch_size or len(seqs)
+        stats = BatchStats()
+        tic = time.perf_counter()
+        while waiting or any(self.live):
+            joiners: List[List[Sequence]] = [[] for _ in range(self.world.size)]
+            while waiting and sum(map(len, self.live)) < limit:
+                rank = min(range(self.world.size), key=lambda r: (len(self.live[r]), r))
+                seq = waiting.pop(0)
+                self.live[rank].append(seq)
+                joiners[rank].append(seq)
+            if any(joiners):
+                t0 = time.perf_counter()
+                self._prefill(joiners)
+                stats.prompt_time += time.perf_counter() - t0
+                stats.prompt_tokens += sum(len(s.prompt) for j in joiners for s in j)
+            t0 = time.perf_counter()
+            before = sum(len(s.tokens) for s in seqs)
+            self._decode(sampler)
+            stats.decode_time += time.perf_counter() - t0
+            stats.generation_steps += 1
+            stats.generation_tokens += sum(len(s.tokens) for s in seqs) - before
+        stats.wall_time = time.perf_counter() - tic
+        stats.peak_memory = mx.get_peak_memory() / 1e9
+        self.dispatcher.finish()
+        return DPResult(seqs, stats, self.kv_bytes)

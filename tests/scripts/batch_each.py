@@ -1,0 +1,38 @@
+"""Under mpirun: load each checkpoint in turn and generate one batch,
+printing every sequence's tokens and sampled-token log-probabilities as JSON.
+
+    python batch_each.py DISPATCH LAYOUT MAX_TOKENS COMPLETION_BATCH CKPT [CKPT ...]
+
+MAX_TOKENS is a comma-separated list, one per prompt (PROMPTS below).
+"""
+
+import json
+import sys
+
+import mlxdist
+
+PROMPTS = [
+    "The quick brown fox jumps over the lazy dog because",
+    "Experts are routed by a gate",
+    "Hello",
+    "A mixture of experts model sends each token to a few experts chosen by a small router",
+    "Numbers such as 1, 2, 3",
+]
+
+if __name__ == "__main__":
+    dispatch, layout, max_tokens, completion, *paths = sys.argv[1:]
+    max_tokens = [int(m) for m in max_tokens.split(",")]
+    out = {}
+    with mlxdist.init() as cluster:
+        for path in paths:
+            cluster.load(path, dispatch=dispatch, layout=layout)
+            request = cluster.request([cluster.encode(p) for p in PROMPTS[: len(max_tokens)]], max_tokens=max_tokens,
+                                      completion_batch_size=int(completion) or None)
+            results = cluster.run_batch(request)
+            out[path] = {
+                "tokens": [r.tokens for r in results],
+                "logprobs": [r.logprobs for r in results],
+                "strategy": cluster.engine.strategy,
+                "kv_cache_gb": results[0].stats.get("kv_cache_gb"),
+            }
+    print(json.dumps(out))
