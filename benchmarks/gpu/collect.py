@@ -16,7 +16,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from mlxdist.bench.compare import _rows, add_ratios, aggregate  # noqa: E402
-from mlxdist.bench_report import markdown, plot  # noqa: E402
+from mlxdist.bench.report import markdown, plot  # noqa: E402
 
 
 def load(paths):

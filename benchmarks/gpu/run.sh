@@ -19,8 +19,8 @@
 # Environment (defaults for 2 x H200): OUT (results: run.log, reports.jsonl,
 # results.json, results.md), MODEL (/tmp/q30, written by mlxdist.synth unless
 # MODEL/.complete exists), PRESET, BITS, DTYPE, LAYERS, BENCH_ARGS, CONTENDERS
-# ("single tensor mlxdist"; also "pipeline"), DISPATCH (mlxdist's modes,
-# "collective,p2p"), ROUND (a tag stored with each report), DEADLINE
+# ("single replicas tensor mlxdist"; also "pipeline", and "dpclose": dp against one GPU
+# on the same prompts), DISPATCH (mlxdist's modes, "auto,collective"), ROUND (a tag stored with each report), DEADLINE
 # (seconds this script may run; launches are cut to fit), MPIRUN, PY, GPU.
 set -u
 root="$(cd "$(dirname "$0")/../.." && pwd)"
@@ -30,7 +30,7 @@ OUT="${OUT:-/tmp/mlxdist-gpu-out}"; mkdir -p "$OUT"
 MODEL="${MODEL:-/tmp/q30}"
 PRESET="${PRESET:-qwen3-30b-a3b}"; BITS="${BITS-4}"; DTYPE="${DTYPE:-bfloat16}"; LAYERS="${LAYERS:-48}"
 BENCH_ARGS="${BENCH_ARGS:--p 128 -g 64 -b 1,8,32 -n 3 --warmup-tokens 16}"
-CONTENDERS="${CONTENDERS:-single tensor mlxdist}"
+CONTENDERS="${CONTENDERS:-single replicas tensor mlxdist}"
 ROUND="${ROUND:-r1}"
 DEADLINE="${DEADLINE:-570}"
 MPIRUN="${MPIRUN:-/usr/bin/mpirun}"
@@ -105,7 +105,9 @@ for c in $CONTENDERS; do
     pipeline) launch "mlx-lm pipeline" 2 "$MPIRUN" "${MPIFLAGS[@]}" \
               benchmarks/gpu/rank.sh "$PY" -m mlxdist.bench.mlxlm --mode pipeline --backend $BACKEND "${common[@]}" ;;
     mlxdist) launch "mlxdist" 2 "$MPIRUN" "${MPIFLAGS[@]}" \
-              benchmarks/gpu/rank.sh "$PY" -m mlxdist.bench --backend $BACKEND --dispatch ${DISPATCH:-collective,p2p} "${common[@]}" ;;
+              benchmarks/gpu/rank.sh "$PY" -m mlxdist.bench --backend $BACKEND --dispatch ${DISPATCH:-auto,collective} "${common[@]}" ;;
+    replicas) launch "mlx-lm replicas" 2 "$PY" -m mlxdist.bench.mlxlm --mode replicas --replicas 2 "${common[@]}" ;;
+    dpclose) launch "dp close" 2 sh -c "\"$MPIRUN\" ${MPIFLAGS[*]} benchmarks/gpu/rank.sh \"$PY\" tests/scripts/batch_each.py dp masked 24,24,24,24 0 \"$MODEL\" > \"$OUT/dp.json\" && \"$PY\" benchmarks/gpu/dp_close.py \"$MODEL\" \"$OUT/dp.json\"" ;;
     *) say "unknown contender $c" ;;
   esac
 done

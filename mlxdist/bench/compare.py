@@ -3,8 +3,8 @@
     benchmarks/compare --preset bench-small --bits 4 -p 128 -g 32 -b 1,8,32 -n 3 --ranks 1,2
 
 Contenders at each N: mlxdist in every dispatch mode (``mlxdist.bench``),
-mlx-lm in one process, and mlx-lm tensor parallel and pipeline at N > 1
-(``mlxdist.bench.mlxlm``). Trials are interleaved: each of ``-n`` rounds
+mlx-lm in one process, and at N > 1 mlx-lm tensor parallel, pipeline and N
+independent replicas each at b/N (``mlxdist.bench.mlxlm``). Trials are interleaved: each of ``-n`` rounds
 launches every contender once (a warm-up and one timed trial per batch), so
 drift of the machine hits every contender alike; each number is the median
 over rounds. Writes ``results.json``, ``results.md`` (ratios to mlx-lm single
@@ -73,12 +73,14 @@ def contenders(ranks: List[int], dispatch: List[str], layout: str = "masked") ->
         if n > 1:
             for mode in ("tensor", "pipeline"):
                 out.append({"name": f"mlx-lm {mode}", "ranks": n, "module": "mlxdist.bench.mlxlm", "extra": ["--mode", mode]})
+            out.append({"name": "mlx-lm replicas", "ranks": n, "module": "mlxdist.bench.mlxlm", "processes": 1,
+                        "extra": ["--mode", "replicas", "--replicas", str(n)]})
     return out
 
 
 def launch(contender: Dict[str, Any], common: List[str], timeout: float, log) -> Dict[str, Any]:
     """Run one contender once; its JSON report (or an ``error``)."""
-    cmd = command(contender["ranks"], contender["module"], common + contender["extra"])
+    cmd = command(contender.get("processes", contender["ranks"]), contender["module"], common + contender["extra"])
     print(" ".join(cmd), file=log, flush=True)
     tic = time.perf_counter()
     try:
@@ -119,13 +121,15 @@ def aggregate(trials: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
 
 def add_ratios(rows: List[Dict[str, Any]]) -> None:
     """Each row's generation tok/s over mlx-lm single (same batch) and over
-    mlx-lm tensor parallel and pipeline (same N and batch), from this run."""
+    mlx-lm tensor parallel, pipeline and N replicas (same N and batch), from
+    this run."""
     index = {(r["contender"], r["ranks"], r["batch"]): r["generation_tps"] for r in rows}
     for r in rows:
         single = index.get(("mlx-lm single", 1, r["batch"]))
         for key, ref in (("vs_single", single),
                          ("vs_tensor", index.get(("mlx-lm tensor", r["ranks"], r["batch"]))),
-                         ("vs_pipeline", index.get(("mlx-lm pipeline", r["ranks"], r["batch"])))):
+                         ("vs_pipeline", index.get(("mlx-lm pipeline", r["ranks"], r["batch"]))),
+                         ("vs_replicas", index.get(("mlx-lm replicas", r["ranks"], r["batch"])))):
             r[key] = r["generation_tps"] / ref if ref else None
 
 
@@ -189,7 +193,7 @@ def parse_args(argv=None):
     parser.add_argument("-b", "--batch-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32])
     parser.add_argument("-n", "--num-trials", type=int, default=3, help="Rounds (interleaved trials).")
     parser.add_argument("--ranks", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2])
-    parser.add_argument("--dispatch", type=lambda s: s.split(","), default=["collective", "p2p"])
+    parser.add_argument("--dispatch", type=lambda s: s.split(","), default=["auto", "collective", "p2p"])
     parser.add_argument("--layout", choices=("masked", "compact"), default="masked", help="mlxdist's collective layout.")
     parser.add_argument("--warmup-tokens", type=int, default=8)
     parser.add_argument("--timeout", type=float, default=900, help="Seconds per launch.")

@@ -24,7 +24,7 @@ from . import probes  # noqa: F401  (registers the probes, on every rank)
 from ..dispatch import DISPATCH_MODES
 from ..mpi import BACKENDS
 
-MODES = ("collective", "p2p")  # the default; "collective-tp" on request (--dispatch)
+MODES = ("auto", "collective", "p2p")  # the default; "dp" and "collective-tp" on request (--dispatch)
 
 
 def random_prompts(vocab_size: int, batch: int, length: int, seed: int = 0) -> List[List[int]]:

@@ -3,6 +3,7 @@
     python -m mlxdist.bench.mlxlm --model M -p 512 -g 128 -b 1,8,32 -n 3
     mpirun -np N python -m mlxdist.bench.mlxlm --model M --mode tensor [--backend nccl] ...
     mpirun -np N python -m mlxdist.bench.mlxlm --model M --mode pipeline ...
+    python -m mlxdist.bench.mlxlm --model M --mode replicas --replicas N -b 8,32 ...
 
 This is ``mlx_lm.benchmark`` in-process (``load`` for one process,
 ``sharded_load`` with a tensor group, i.e. ``model.shard()``, or a pipeline
@@ -10,6 +11,10 @@ group under mpirun), with the same prompts, warm-up, median and
 ``batch_generate`` settings as the mlxdist harness, and JSON output. An
 architecture mlx-lm cannot shard that way reports ``unsupported`` with
 mlx-lm's reason instead of numbers.
+
+``replicas``: the bound for a model that fits one machine: N independent
+single processes at once (one GPU each where MLX runs on CUDA), each with
+b/N of the batch; generation tok/s is their sum.
 """
 
 import json
@@ -22,7 +27,7 @@ import mlx.core as mx
 from ..mpi import default_backend
 from .harness import median_row, parse_args as _bench_args, random_prompts, text_config, versions
 
-MODES = ("single", "tensor", "pipeline")
+MODES = ("single", "tensor", "pipeline", "replicas")
 
 
 def _group(mode: str, backend: str) -> Optional[mx.distributed.Group]:
@@ -159,6 +164,49 @@ def run(args) -> Dict[str, Any]:
     return report
 
 
+def run_replicas(args, argv: List[str]) -> Dict[str, Any]:
+    """N single processes at once per batch size, each with b/N sequences."""
+    import subprocess
+
+    n = args.replicas
+    report = {"contender": "mlx-lm replicas", "model": args.model, "ranks": n, "prompt_tokens": args.prompt_tokens,
+              "generation_tokens": args.generation_tokens, "num_trials": args.num_trials, "versions": versions()}
+    cuda = default_backend() == "nccl"
+    rows = []
+    for batch in args.batch_sizes:
+        if batch % n:
+            continue  # b/N sequences each: only batches that divide
+        cmd = [sys.executable, "-m", "mlxdist.bench.mlxlm", "--mode", "single", *_without_batches(argv),
+               "-b", str(batch // n), "--json"]
+        procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True,
+                                  env={**os.environ, **({"CUDA_VISIBLE_DEVICES": str(i)} if cuda else {})})
+                 for i in range(n)]
+        outs = [json.loads([l for l in p.communicate()[0].splitlines() if l.startswith("{")][-1])["results"][0]
+                for p in procs]
+        rows.append({
+            "batch": batch, "ranks": n,
+            "prompt_tps": sum(o["prompt_tps"] for o in outs),
+            "generation_tps": sum(o["generation_tps"] for o in outs),
+            "generation_tokens": sum(o["generation_tokens"] for o in outs),
+            "peak_memory_gb": [max(o["peak_memory_gb"]) for o in outs],
+            "replicas_generation_tps": [o["generation_tps"] for o in outs],
+        })
+    report["results"] = rows
+    return report
+
+
+def _without_batches(argv: List[str]) -> List[str]:
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in ("-b", "--batch-sizes", "--replicas", "--json"):
+            skip = a != "--json"
+        else:
+            out.append(a)
+    return out
+
+
 def main(argv=None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     mode = "single"
@@ -168,13 +216,23 @@ def main(argv=None) -> None:
         del argv[i : i + 2]
     if mode not in MODES:
         raise SystemExit(f"unknown --mode {mode!r} (choose from {', '.join(MODES)})")
+    replicas = 2
+    if "--replicas" in argv:
+        i = argv.index("--replicas")
+        replicas = int(argv[i + 1])
+        del argv[i : i + 2]
     args = _bench_args(argv)
-    args.mode = mode
+    args.mode, args.replicas = mode, replicas
     args.backend = args.backend or default_backend()
     if args.model is None:
         from ..synth import default_checkpoint
 
         args.model = str(default_checkpoint())
+        argv += ["--model", args.model]
+    if mode == "replicas":
+        report = run_replicas(args, argv)
+        print(json.dumps(report) if args.json else json.dumps(report["results"]), flush=True)
+        return
     report = run(args)
     rank = mx.distributed.init(backend=args.backend).rank() if mode != "single" else 0
     if rank == 0:

@@ -103,21 +103,23 @@ class DataParallelDispatcher:
                 f"announced {rows} of {self.dtype} with top-{self.top_k}")
         self.stats.layers += 1
         load = self.stats.count(ownership.layer, inds, ownership.num_experts)
-        packed = mx.concatenate(  # [T_r, D*b + 4K + 4K] bytes
-            [xs.view(mx.uint8), weights.reshape(-1, K).astype(mx.float32).view(mx.uint8),
-             inds.reshape(-1, K).astype(mx.int32).view(mx.uint8)], axis=1)
+        # One row per token: x, then the float32 weights and int32 expert ids
+        # as x's dtype (their bits only travel): [T_r, D + 2 * 4K / itemsize].
+        packed = mx.concatenate(
+            [xs, weights.reshape(-1, K).astype(mx.float32).view(x.dtype),
+             inds.reshape(-1, K).astype(mx.int32).view(x.dtype)], axis=1)
         if padded > rows:  # padding rows: weight 0, expert 0
-            packed = mx.concatenate([packed, mx.zeros((padded - rows, packed.shape[1]), mx.uint8)])
+            packed = mx.concatenate([packed, mx.zeros((padded - rows, packed.shape[1]), x.dtype)])
         if load is not None:
             packed = mx.depends(packed, load)
         if self._last is not None:
             packed = mx.depends(packed, self._last)
-        gathered = mx.distributed.all_gather(packed, group=self.world.group)  # [N*T, bytes]
+        gathered = mx.distributed.all_gather(packed, group=self.world.group)  # [N*T, D + ...]
         self.stats.bytes_sent += packed.nbytes
-        xb = D * x.dtype.size
-        X = gathered[:, :xb].view(x.dtype)  # [N*T, D]
-        W = gathered[:, xb : xb + 4 * K].view(mx.float32)  # [N*T, K]
-        I = gathered[:, xb + 4 * K :].view(mx.int32)  # [N*T, K]
+        cols = 4 * K // x.dtype.size
+        X = gathered[:, :D]  # [N*T, D]
+        W = gathered[:, D : D + cols].view(mx.float32)  # [N*T, K]
+        I = gathered[:, D + cols :].view(mx.int32)  # [N*T, K]
         out_shape = x.shape
         if self.layout == "compact":
             return self._dispatch_compact(ownership, X, W, I, out_shape, rows, padded, x.dtype)
