@@ -23,7 +23,7 @@ if __name__ == "__main__":
     dispatch, layout, max_tokens, completion, *paths = sys.argv[1:]
     max_tokens = [int(m) for m in max_tokens.split(",")]
     out = {}
-    with mlxdist.init() as cluster:
+    with mlxdist.init(timeout=900) as cluster:  # a first CUDA run compiles for minutes
         for path in paths:
             cluster.load(path, dispatch=dispatch, layout=layout)
             request = cluster.request([cluster.encode(p) for p in PROMPTS[: len(max_tokens)]], max_tokens=max_tokens,
