@@ -27,8 +27,10 @@ def test_bench_json_two_ranks(model):
     assert report["ranks"] == 2 and report["versions"]["mlx"]
     rows = report["results"]
     assert [(x["dispatch"], x["batch"]) for x in rows] == [
-        ("collective", 1), ("collective", 2), ("p2p", 1), ("p2p", 2)
+        ("auto", 1), ("auto", 2), ("collective", 1), ("collective", 2), ("p2p", 1), ("p2p", 2)
     ]
+    # auto runs the exact collective mode for one sequence, dp for one per rank
+    assert [x["strategy"] for x in rows[:2]] == ["collective", "dp"]
     for row in rows:
         for key in ROW_FIELDS:
             assert row[key] is not None, key
@@ -65,7 +67,12 @@ def test_compare_ratios_from_same_run(model, tmp_path):
     assert set(rows) == {
         (c, n, b) for c, n in [("mlx-lm single", 1), ("mlxdist collective", 2), ("mlx-lm tensor", 2),
                                ("mlx-lm pipeline", 2)] for b in (1, 2)
-    }
+    } | {("mlx-lm replicas", 2, 2)}  # replicas: b/N sequences each, so only b = 2
+    replicas = rows[("mlx-lm replicas", 2, 2)]
+    assert len(replicas["replicas_generation_tps"]) == 2
+    assert math.isclose(replicas["generation_tps"], sum(replicas["replicas_generation_tps"]))
+    assert math.isclose(rows[("mlxdist collective", 2, 2)]["vs_replicas"],
+                        rows[("mlxdist collective", 2, 2)]["generation_tps"] / replicas["generation_tps"])
     for (contender, n, b), row in rows.items():
         single = rows[("mlx-lm single", 1, b)]["generation_tps"]
         assert math.isclose(row["vs_single"], row["generation_tps"] / single)

@@ -135,8 +135,9 @@ def bench_case(cluster, mode: str, prompts: List[List[int]], args) -> Dict[str, 
     stats = cluster.stats(collect=False)
     row.update(breakdown(profile, row, profiled, layers, len(prompts)))
 
+    strategy = engine.strategy  # what auto (or dp at b = 1) actually ran
     floor_args = {
-        "mode": mode,
+        "mode": strategy,
         "shape": list(profile["slots_shape"]) or [len(prompts), 1, cfg.get("num_experts_per_tok", 1), cfg["hidden_size"]],
         "dtype": profile["dtype"] or "float32",
         "send_bytes": profile["bytes_sent"] // max(profile["calls"], 1),
@@ -149,7 +150,7 @@ def bench_case(cluster, mode: str, prompts: List[List[int]], args) -> Dict[str, 
     )
     row["floor_bytes"] = floor_args
     row.update(expert_balance(stats))
-    row.update(dispatch=mode, batch=len(prompts), ranks=cluster.world.size, moe_layers=layers)
+    row.update(dispatch=mode, strategy=strategy, batch=len(prompts), ranks=cluster.world.size, moe_layers=layers)
     return row
 
 

@@ -21,8 +21,10 @@ slower: the breakdown is a separate pass and never feeds the tok/s numbers.
 
 Floor (``floor``): the bare transport the dispatch uses, on the same bytes as
 a decode-step layer: ``mx.distributed.all_sum`` of the [.., K, D] slots
-(collective), or rank 0 posting mpi4py ``Isend``/``Irecv`` of each worker's
-batch while workers ``Recv`` and ``Send`` back (p2p).
+(collective); the all_gather of each rank's [T, D + weights + ids] rows and
+the reduce of the [N*T, D] partial sums (dp); or rank 0 posting mpi4py
+``Isend``/``Irecv`` of each worker's batch while workers ``Recv`` and
+``Send`` back (p2p).
 """
 
 import statistics
@@ -125,6 +127,8 @@ def measure_floor(
         return 0.0
     if mode == "p2p":
         step = _p2p_step(world, send_bytes, recv_bytes)
+    elif mode == "dp":
+        step = _dp_step(world, shape, dtype)
     else:
         step = _all_sum_step(world, shape, dtype)
     for _ in range(5):
@@ -145,6 +149,25 @@ def _all_sum_step(world: World, shape: List[int], dtype: str):
 
     def step():
         mx.eval(mx.distributed.all_sum(a, group=world.group))
+
+    return step
+
+
+def _dp_step(world: World, shape: List[int], dtype: str):
+    """[.., K, D] slots of one rank: gather its rows, reduce the partials."""
+    k, d = shape[-2], shape[-1]
+    rows = int(np.prod(shape[:-2]))
+    dt = _DTYPES[dtype]
+    packed = mx.ones((rows, d + 2 * 4 * k // dt.size), dtype=dt)
+    partial = mx.ones((world.size * rows, d), dtype=dt)
+    mx.eval(packed, partial)
+
+    def step():
+        gathered = mx.distributed.all_gather(packed, group=world.group)
+        if world.backend == "nccl":
+            mx.eval(gathered, mx.distributed.sum_scatter(mx.depends(partial, gathered), group=world.group))
+        else:
+            mx.eval(gathered, mx.distributed.all_sum(mx.depends(partial, gathered), group=world.group))
 
     return step
 
