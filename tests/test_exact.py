@@ -161,3 +161,11 @@ def test_launch_mpirun_wrapper_passes_stdin_and_exit_status(checkpoint):
     bad = subprocess.run([*wrapper, "--prompt", "x", "--temp", "-1"], stdin=subprocess.DEVNULL,
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "temperature must be >= 0" in bad.stderr
+
+
+def test_negative_zero_survives_the_exchange():
+    """Slots a rank does not compute add -0.0, the identity for every value:
+    a -0.0 another rank computed stays -0.0 (with +0.0 it would not)."""
+    proc = launch(2, [ROOT / "tests/scripts/signed_zero.py"], module=None)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert last_json(proc.stdout) == {"masked": True, "compact": True}

@@ -80,6 +80,7 @@ def _generate(cluster, prompts: List[List[int]], max_tokens: int) -> Dict[str, A
         "generation_tps": stats["generation_tps"],
         "generation_tokens": tokens,
         "peak_memory_gb": stats["peak_memory_gb"],
+        "kv_cache_gb": stats.get("kv_cache_gb"),  # per rank, where dp ran
     }
 
 

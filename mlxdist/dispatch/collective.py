@@ -9,7 +9,9 @@ MoE layer assembles the slots.
             owns, scattered into zeros: 1/N of the expert work, one host
             read-back per layer (cheap on the CPU).
 
-Then ``all_sum`` adds the ranks' disjoint slots: x + 0 == x, so the result is
+Then ``all_sum`` adds the ranks' disjoint slots. The slots a rank does not
+compute hold -0.0, the identity of IEEE addition for every value (x + -0.0 ==
+x, -0.0 included, where +0.0 would turn -0.0 into +0.0), so the result is
 bit-identical to one process. With ``reduce=False`` (collective-tp) the sum is
 left to the model's own tensor-parallel MoE block, which adds its shared
 experts' partial sums in the same all_sum; not bit-exact.
@@ -89,14 +91,14 @@ class CollectiveDispatcher:
             out = y
         elif handle.computed_slots is not None:
             D = handle.out_shape[-1]
-            out = mx.zeros((int(np.prod(handle.out_shape[:-1])), D), dtype=handle.dtype)  # [S, D]
+            out = mx.full((int(np.prod(handle.out_shape[:-1])), D), -0.0, dtype=handle.dtype)  # [S, D]
             if y is not None:
                 out = out.at[handle.computed_slots].add(y.reshape(-1, D))  # [s, 1, D] -> [s, D]
             out = out.reshape(handle.out_shape)  # [S, D] -> [.., K, D]
         elif y is None:  # this rank owns no expert of the layer
-            out = mx.zeros(handle.out_shape, dtype=handle.dtype)
+            out = mx.full(handle.out_shape, -0.0, dtype=handle.dtype)
         else:
-            out = mx.where(handle.owned_slots[..., None], y, mx.array(0, dtype=y.dtype))
+            out = mx.where(handle.owned_slots[..., None], y, mx.array(-0.0, dtype=y.dtype))
         if handle.out_shape and self.reduce:
             self.stats.bytes_sent += out.nbytes
             out = mx.distributed.all_sum(out, group=self.world.group)
