@@ -21,7 +21,7 @@ from .commands import Command
 from .engine import Engine, GenerationParams, LoadOptions
 from .errors import UserError
 from .executor import PROBES, CommandExecutor, LoadError
-from .mpi import World, init_world, run_or_abort
+from .mpi import World, abort, init_world, run_or_abort
 from .placement import Placement
 from .watchdog import ACTIVITY, DEFAULT_TIMEOUT, start_watchdog
 
@@ -63,6 +63,15 @@ class Cluster:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None and not issubclass(exc_type, UserError):
+            # Not a refused request: the other ranks may be inside a collective
+            # this rank left, and would never hear a SHUTDOWN. End the job now.
+            import traceback
+
+            traceback.print_exception(exc_type, exc, tb)
+            text = str(exc).splitlines()[0] if str(exc) else ""
+            print(f"mlxdist: error: rank {self.world.rank}: {exc_type.__name__}: {text}", file=sys.stderr, flush=True)
+            abort(self.world, 1)
         self.shutdown(1 if exc_type is not None else 0)
 
     def shutdown(self, exit_code: int = 0) -> None:

@@ -84,28 +84,51 @@ class DataParallelGeneration:
             self.dispatcher.idle_layer(switch.ownership, switch.experts, self.width)
 
     def _prefill(self, joiners: List[List[Sequence]]) -> None:
-        """Every rank's joiners' prompts but their last token, chunk by chunk."""
+        """Every rank's joiners' prompts but their last token, as mlx-lm's
+        BatchGenerator feeds them: one forward pass per chunk of at most
+        ``prefill_step_size`` tokens of each sequence still prefilling; a
+        sequence whose prompt is done moves to the rank's decoding batch
+        (every rank derives the same order and rows for every rank)."""
         step = self.params.prefill_step_size
-        lengths = [max((len(s.prompt) - 1 for s in j), default=0) for j in joiners]
-        chunks = [-(-n // step) for n in lengths]  # ceil
-        for c in range(max(chunks)):
-            rows = [len(j) * min(step, n - c * step) if c < k else 0
-                    for j, n, k in zip(joiners, lengths, chunks)]
+        todo = [[len(s.prompt) - 1 for s in j] for j in joiners]  # tokens each still has to prefill
+        chunks = [[-(-n // step) for n in t] for t in todo]  # ceil: forward passes each takes part in
+        passes = max((max(c, default=0) for c in chunks), default=0)
+        for c in range(passes):
+            rows = []
+            for t, k in zip(todo, chunks):
+                left = [n - c * step for n, kk in zip(t, k) if kk > c]
+                rows.append(len(left) * min(step, max(left)) if left else 0)
             self.dispatcher.plan(rows)
-        mine = joiners[self.world.rank]
+        rank = self.world.rank
+        mine, mine_chunks = joiners[rank], chunks[rank]
         if mine:
             caches = [make_prompt_cache(self.model, self.params.max_kv_size) for _ in mine]
-            batch = PromptProcessingBatch(self.model, [s.index for s in mine], caches, prefill_step_size=step)
-            if chunks[self.world.rank]:
-                batch.prompt([s.prompt[:-1] for s in mine])
-        for _ in range(max(chunks) - chunks[self.world.rank]):
-            self._idle_forward()
-        if mine:
-            last = mx.array([s.prompt[-1] for s in mine])
-            local = self.local
-            local.cache = _extend_cache(local.cache, batch.prompt_cache)
-            local.last = last if local.last is None else mx.concatenate([local.last, last])
-            local.seqs.extend(mine)
+            none = [None] * len(mine)  # per-sequence lists its split() filters; sampling is ours
+            batch = PromptProcessingBatch(self.model, [s.index for s in mine], caches, prefill_step_size=step,
+                                          samplers=list(none), logits_processors=list(none))
+        for c in range(passes + 1):
+            in_batch = [i for i in range(len(mine)) if mine_chunks[i] >= c]  # rows of ``batch``, in order
+            done = [i for i in in_batch if mine_chunks[i] == c]
+            if done:
+                ready = batch.split([in_batch.index(i) for i in done])
+                self._join([mine[i] for i in done], ready.prompt_cache)
+            if c == passes:
+                break
+            active = [i for i in in_batch if mine_chunks[i] > c]
+            if active:
+                batch.prompt([mine[i].prompt[:-1][c * step:(c + 1) * step] for i in active])
+            else:
+                self._idle_forward()
+        self.live = [live + [j[i] for i in sorted(range(len(j)), key=lambda i: k[i])]
+                     for live, j, k in zip(self.live, joiners, chunks)]
+
+    def _join(self, seqs: List[Sequence], cache: List) -> None:
+        """Sequences whose prompts are in ``cache`` start decoding here."""
+        local = self.local
+        local.cache = _extend_cache(local.cache, cache)
+        last = mx.array([s.prompt[-1] for s in seqs])
+        local.last = last if local.last is None else mx.concatenate([local.last, last])
+        local.seqs.extend(seqs)
 
     def _decode(self, sampler) -> None:
         """One token for every live sequence of every rank."""
@@ -165,11 +188,11 @@ class DataParallelGeneration:
         tic = time.perf_counter()
         while waiting or any(self.live):
             joiners: List[List[Sequence]] = [[] for _ in range(self.world.size)]
-            while waiting and sum(map(len, self.live)) < limit:
-                rank = min(range(self.world.size), key=lambda r: (len(self.live[r]), r))
-                seq = waiting.pop(0)
-                self.live[rank].append(seq)
-                joiners[rank].append(seq)
+            load = [len(live) for live in self.live]
+            while waiting and sum(load) < limit:
+                rank = min(range(self.world.size), key=lambda r: (load[r], r))
+                joiners[rank].append(waiting.pop(0))
+                load[rank] += 1
             if any(joiners):
                 t0 = time.perf_counter()
                 self._prefill(joiners)

@@ -14,8 +14,10 @@ from conftest import ROOT, last_json, launch
 
 ARCHS = ["qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss"]
 MAX_TOKENS = [24, 30, 26, 24, 28]  # ragged: sequences finish at different steps
-# (ranks, layout, completion_batch_size): 0 = every sequence at once; 3 = two join later
-CASES = [(2, "masked", 3), (3, "compact", 0)]
+# (ranks, layout, completion_batch_size, prefill step): completion 0 = every
+# sequence at once, 3 = two join later; a prefill step of 4 gives ranks
+# different numbers of prompt chunks
+CASES = [(2, "masked", 3, 2048), (3, "compact", 0, 4)]
 TOLERANCE = 1e-4
 
 _REFERENCE = {}
@@ -39,20 +41,20 @@ def reference(path, n):
     return _REFERENCE[path]
 
 
-def run(checkpoint, nranks, dispatch, layout, max_tokens, completion):
+def run(checkpoint, nranks, dispatch, layout, max_tokens, completion, prefill_step=2048):
     paths = [str(checkpoint(a)) for a in ARCHS]
     proc = launch(nranks, [ROOT / "tests/scripts/batch_each.py", dispatch, layout,
-                           ",".join(map(str, max_tokens)), completion, *paths], module=None, timeout=300)
+                           ",".join(map(str, max_tokens)), completion, prefill_step, *paths], module=None, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return last_json(proc.stdout)
 
 
 @pytest.fixture(scope="module")
 def runs(checkpoint):
-    return {case: run(checkpoint, case[0], "dp", case[1], MAX_TOKENS, case[2]) for case in CASES}
+    return {case: run(checkpoint, case[0], "dp", case[1], MAX_TOKENS, case[2], case[3]) for case in CASES}
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"np{c[0]}-{c[1]}-batch{c[2] or 'all'}")
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"np{c[0]}-{c[1]}-batch{c[2] or 'all'}-prefill{c[3]}")
 @pytest.mark.parametrize("arch", ARCHS)
 def test_close_to_mlx_lm_batch_generate(checkpoint, runs, arch, case):
     path = str(checkpoint(arch))
@@ -67,7 +69,7 @@ def test_close_to_mlx_lm_batch_generate(checkpoint, runs, arch, case):
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"np{c[0]}")
 def test_each_rank_holds_kv_caches_for_its_sequences_only(checkpoint, runs, case):
-    nranks, _, completion = case
+    nranks, _, completion, _ = case
     kv = runs[case][str(checkpoint("qwen3_moe"))]["kv_cache_gb"]
     assert len(kv) == nranks and all(k > 0 for k in kv)
     live = min(completion or len(MAX_TOKENS), len(MAX_TOKENS))

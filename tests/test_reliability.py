@@ -128,3 +128,13 @@ def test_soak_is_exact_and_flat(checkpoint):
         assert tokens == longest[prompt][:max_tokens]
     for after_10, after_all in zip(out["rss_after_10"], out["rss_after_all"]):
         assert after_all <= 1.05 * after_10
+
+
+def test_a_script_that_fails_ends_every_rank(checkpoint):
+    """An unexpected exception in rank 0's script ends the job at once, with
+    its traceback and one line, instead of leaving the other ranks waiting."""
+    tic = time.time()
+    proc = launch(2, [ROOT / "tests/scripts/raises.py", checkpoint("qwen3_moe")], module=None, timeout=90)
+    assert proc.returncode != 0
+    assert time.time() - tic < 30
+    assert "mlxdist: error: rank 0: RuntimeError: the script failed" in proc.stderr

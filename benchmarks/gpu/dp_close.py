@@ -1,6 +1,6 @@
 """How close the data-parallel mode is to one GPU on a real-size checkpoint.
 
-    mpirun -np 2 benchmarks/gpu/rank.sh python tests/scripts/batch_each.py dp masked 16,16,16,16 0 MODEL > dp.json
+    mpirun -np 2 benchmarks/gpu/rank.sh python tests/scripts/batch_each.py dp masked 16,16,16,16 0 2048 MODEL > dp.json
     python benchmarks/gpu/dp_close.py MODEL dp.json [GROUPS]
 
 Runs mlx-lm's batch_generate on the same prompts in this process (one GPU) and

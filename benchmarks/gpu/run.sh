@@ -107,7 +107,7 @@ for c in $CONTENDERS; do
     mlxdist) launch "mlxdist" 2 "$MPIRUN" "${MPIFLAGS[@]}" \
               benchmarks/gpu/rank.sh "$PY" -m mlxdist.bench --backend $BACKEND --dispatch ${DISPATCH:-auto,collective} "${common[@]}" ;;
     replicas) launch "mlx-lm replicas" 2 "$PY" -m mlxdist.bench.mlxlm --mode replicas --replicas 2 "${common[@]}" ;;
-    dpclose) launch "dp close" 2 sh -c "\"$MPIRUN\" ${MPIFLAGS[*]} benchmarks/gpu/rank.sh \"$PY\" tests/scripts/batch_each.py dp masked 24,24,24,24 0 \"$MODEL\" > \"$OUT/dp.json\" && \"$PY\" benchmarks/gpu/dp_close.py \"$MODEL\" \"$OUT/dp.json\"" ;;
+    dpclose) launch "dp close" 2 sh -c "\"$MPIRUN\" ${MPIFLAGS[*]} benchmarks/gpu/rank.sh \"$PY\" tests/scripts/batch_each.py dp masked 24,24,24,24 0 2048 \"$MODEL\" > \"$OUT/dp.json\" && \"$PY\" benchmarks/gpu/dp_close.py \"$MODEL\" \"$OUT/dp.json\"" ;;
     *) say "unknown contender $c" ;;
   esac
 done

@@ -1,9 +1,10 @@
 """Under mpirun: load each checkpoint in turn and generate one batch,
 printing every sequence's tokens and sampled-token log-probabilities as JSON.
 
-    python batch_each.py DISPATCH LAYOUT MAX_TOKENS COMPLETION_BATCH CKPT [CKPT ...]
+    python batch_each.py DISPATCH LAYOUT MAX_TOKENS COMPLETION_BATCH PREFILL_STEP CKPT [CKPT ...]
 
-MAX_TOKENS is a comma-separated list, one per prompt (PROMPTS below).
+MAX_TOKENS is a comma-separated list, one per prompt (PROMPTS below);
+COMPLETION_BATCH 0 decodes every prompt at once.
 """
 
 import json
@@ -20,14 +21,15 @@ PROMPTS = [
 ]
 
 if __name__ == "__main__":
-    dispatch, layout, max_tokens, completion, *paths = sys.argv[1:]
+    dispatch, layout, max_tokens, completion, prefill_step, *paths = sys.argv[1:]
     max_tokens = [int(m) for m in max_tokens.split(",")]
     out = {}
     with mlxdist.init(timeout=900) as cluster:  # a first CUDA run compiles for minutes
         for path in paths:
             cluster.load(path, dispatch=dispatch, layout=layout)
             request = cluster.request([cluster.encode(p) for p in PROMPTS[: len(max_tokens)]], max_tokens=max_tokens,
-                                      completion_batch_size=int(completion) or None)
+                                      completion_batch_size=int(completion) or None,
+                                      prefill_step_size=int(prefill_step))
             results = cluster.run_batch(request)
             out[path] = {
                 "tokens": [r.tokens for r in results],
