@@ -98,7 +98,7 @@ class DataParallelGeneration:
             for t, k in zip(todo, chunks):
                 left = [n - c * step for n, kk in zip(t, k) if kk > c]
                 rows.append(len(left) * min(step, max(left)) if left else 0)
-            self.dispatcher.plan(rows)
+            self.dispatcher.plan(rows, prompt_only=True)
         rank = self.world.rank
         mine, mine_chunks = joiners[rank], chunks[rank]
         if mine:

@@ -261,6 +261,8 @@ def load_engine(world: World, options: LoadOptions) -> Engine:
         name: make_dispatcher(name, world, options.layout, options.stats, **(dp_shape if name == "dp" else {}))
         for name in (strategies if world.size > 1 else strategies[:1])
     }
+    if "dp" in dispatchers and sites[-1].layer == len(getattr(lazy_model, "layers", ())) - 1:
+        dispatchers["dp"].final_layer = sites[-1].layer  # nothing after it but the head
     runs_dense = options.dispatch != "p2p" or world.is_root
     if options.dispatch == "collective-tp" and world.size > 1:
         _shard_dense(lazy_model, sites, world, config)

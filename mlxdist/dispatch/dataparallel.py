@@ -51,6 +51,7 @@ class TokenHandle:
     dtype: mx.Dtype
     weights: mx.array  # masked: [N*T, K] weight of each slot, 0 where held elsewhere; compact: [s]
     computed_slots: Optional[mx.array] = None  # compact: [s] flat slot ids computed here
+    skipped: bool = False  # a prefill's last layer: zeros, no exchange
 
 
 class DataParallelDispatcher:
@@ -67,22 +68,27 @@ class DataParallelDispatcher:
         self.top_k = top_k
         self.dtype = dtype
         self.stats = ExchangeStats()
-        self._plans: Deque[List[int]] = deque()
+        self._plans: Deque[Tuple[List[int], bool]] = deque()
         self.rows: List[int] = [0] * world.size
+        self.prompt_only = False  # this forward's outputs feed only KV caches (prefill)
+        self.final_layer: Optional[int] = None  # the MoE layer that is the model's last layer, if any
         self._last: Optional[mx.array] = None  # the latest reduce: the next gather waits for it
         self._tables: Dict[int, Tuple[mx.array, mx.array]] = {}
 
-    def plan(self, rows_per_rank: List[int]) -> None:
+    def plan(self, rows_per_rank: List[int], prompt_only: bool = False) -> None:
         """Announce the rows every rank feeds to one coming forward pass, in
-        order; every rank announces the same list."""
-        self._plans.append(list(rows_per_rank))
+        order; every rank announces the same. ``prompt_only``: a prefill
+        pass, whose last layer's output nobody reads (only the KV caches of
+        the layers before it are kept), so that layer's exchange is skipped."""
+        self._plans.append((list(rows_per_rank), prompt_only))
 
     def begin_forward(self) -> None:
         """Called at a forward pass's first MoE layer: take its announced rows."""
-        self.rows = self._plans.popleft()
+        self.rows, self.prompt_only = self._plans.popleft()
 
-    def pending_plans(self) -> int:
-        return len(self._plans)
+    def skips(self, layer: int) -> bool:
+        """Whether ``layer``'s exchange is dead in this forward (same answer on every rank)."""
+        return self.prompt_only and layer == self.final_layer
 
     def _masked_table(self, ownership: LayerOwnership) -> Tuple[mx.array, mx.array]:
         if ownership.layer not in self._tables:
@@ -97,6 +103,8 @@ class DataParallelDispatcher:
         D, K = x.shape[-1], inds.shape[-1]
         rows, padded = self.rows[self.world.rank], max(self.rows)
         xs = x.reshape(-1, D)  # [.., D] -> [T_r, D]
+        if self.skips(ownership.layer):  # nothing reads it: no collective, on any rank
+            return None, TokenHandle(x.shape, rows, padded, x.dtype, mx.zeros((0,)), skipped=True)
         if xs.shape[0] != rows or K != self.top_k or x.dtype != self.dtype:
             raise RuntimeError(
                 f"layer {ownership.layer}: {xs.shape[0]} rows of {x.dtype} with top-{K}, "
@@ -140,6 +148,8 @@ class DataParallelDispatcher:
         return ExpertBatch(X[mx.array(mine // K)], local), handle  # [s, D], [s, 1]
 
     def combine(self, y: Optional[mx.array], handle: TokenHandle) -> mx.array:
+        if handle.skipped:
+            return mx.zeros(handle.out_shape, dtype=handle.dtype)
         N, T = self.world.size, handle.padded
         D = handle.out_shape[-1]
         if handle.computed_slots is not None:  # compact: [s, 1, D]
