@@ -136,11 +136,15 @@ class Cluster:
             raise UserError(f"prompt must be a string, got {type(prompt).__name__}")
         return list(tokenizer.encode(prompt))
 
-    def request(self, prompts: Sequence[List[int]], **sampling) -> Command:
+    def request(self, prompts: Sequence[List[int]], strategy: Optional[str] = None, **sampling) -> Command:
         """A checked GENERATE command for these token-id prompts (not sent
         yet: ``stream`` or ``run_batch`` runs it). ``sampling``: the fields of
-        ``GenerationParams``. Raises ``UserError`` for bad parameters, an
-        empty prompt or one past the model's context."""
+        ``GenerationParams``. ``strategy``: run a batch with this one of the
+        loaded strategies instead of auto's choice (e.g. "collective", the
+        exact one). Raises ``UserError`` for bad parameters, an empty prompt
+        or one past the model's context."""
+        if strategy is not None and strategy not in self.engine.dispatchers:
+            raise UserError(f"strategy {strategy!r} is not loaded (loaded: {', '.join(self.engine.dispatchers)})")
         try:
             params = GenerationParams(**sampling)
         except TypeError as e:
@@ -159,7 +163,7 @@ class Cluster:
                     f"prompt of {len(ids)} tokens plus {max_tokens} new tokens "
                     f"exceeds the model's context of {limit}"
                 )
-        args = {"prompts": [list(map(int, p)) for p in prompts], "sampling": asdict(params)}
+        args = {"prompts": [list(map(int, p)) for p in prompts], "sampling": asdict(params), "strategy": strategy}
         return Command(commands.GENERATE, args)
 
     def stream_generate(

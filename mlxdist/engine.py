@@ -185,12 +185,13 @@ class Engine:
         finally:
             self._end_generation()
 
-    def generate_batch(self, prompts: List[List[int]], params: GenerationParams) -> BatchResponse:
+    def generate_batch(self, prompts: List[List[int]], params: GenerationParams,
+                       strategy: Optional[str] = None) -> BatchResponse:
         """Several prompts at once: mlx-lm's ``batch_generate`` (finished
         sequences leave the batch) through the distributed experts, or under
         the data-parallel strategy each rank its share of the sequences
         (``dp.py``)."""
-        strategy = self.strategy_for(len(prompts))
+        strategy = strategy or self.strategy_for(len(prompts))
         dispatcher = self.use(strategy)
         mx.random.seed(params.seed if params.seed is not None else 0)
         batch_size = params.completion_batch_size or max(len(prompts), 1)

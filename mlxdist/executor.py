@@ -143,7 +143,7 @@ class CommandExecutor:
             elif len(args["prompts"]) == 1:
                 yield from engine.generate(args["prompts"][0], params)
             else:
-                yield engine.generate_batch(args["prompts"], params)
+                yield engine.generate_batch(args["prompts"], params, args.get("strategy"))
         finally:
             ACTIVITY.armed = False
             ACTIVITY.beat("idle")

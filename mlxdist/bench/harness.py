@@ -84,6 +84,22 @@ def _generate(cluster, prompts: List[List[int]], max_tokens: int) -> Dict[str, A
     }
 
 
+def closeness(cluster, prompts: List[List[int]], max_tokens: int) -> Dict[str, Any]:
+    """dp against the exact collective strategy on the same prompts: the
+    share of sequences whose tokens are all equal, the first step where any
+    differs, and the largest |difference| of the sampled tokens'
+    log-probabilities while the tokens agree."""
+    runs = [cluster.run_batch(cluster.request(prompts, strategy=s, max_tokens=max_tokens, seed=0))
+            for s in ("dp", "collective")]
+    first, worst, equal = max_tokens, 0.0, 0
+    for a, b in zip(*runs):
+        n = next((i for i, (x, y) in enumerate(zip(a.tokens, b.tokens)) if x != y), len(a.tokens))
+        equal += n == len(a.tokens)
+        first = min(first, n)
+        worst = max([worst] + [abs(x - y) for x, y in zip(a.logprobs[:n], b.logprobs[:n])])
+    return {"equal_sequences": equal / len(prompts), "first_difference": first, "max_logprob_diff": worst}
+
+
 def expert_balance(stats: List[Dict[str, Any]]) -> Dict[str, float]:
     """Max over mean of the routed (token, expert) pairs each rank computed,
     per MoE layer: the mean over layers and the worst layer. Rank 0 counts
@@ -137,6 +153,8 @@ def bench_case(cluster, mode: str, prompts: List[List[int]], args) -> Dict[str, 
     row.update(breakdown(profile, row, profiled, layers, len(prompts)))
 
     strategy = engine.strategy  # what auto (or dp at b = 1) actually ran
+    if strategy == "dp":
+        row["vs_exact"] = closeness(cluster, prompts, args.generation_tokens)
     floor_args = {
         "mode": strategy,
         "shape": list(profile["slots_shape"]) or [len(prompts), 1, cfg.get("num_experts_per_tok", 1), cfg["hidden_size"]],

@@ -89,6 +89,12 @@ def markdown(result: Dict[str, Any]) -> str:
         "uses (`all_sum` / mpi4py Isend+Irecv round trip) on the same bytes. *balance*: max over "
         "mean of routed (token, expert) pairs per rank, mean over layers.",
     ]
+    close = [r for r in result["results"] if r.get("vs_exact")]
+    if close:
+        lines += ["", "dp against the exact `collective` strategy on the same prompts (greedy):", ""]
+        lines += [f"- {r['contender']} N={r['ranks']} b={r['batch']}: {100 * r['vs_exact']['equal_sequences']:.0f} % of "
+                  f"sequences token-equal, first difference at step {r['vs_exact']['first_difference']}, "
+                  f"max |logprob diff| {r['vs_exact']['max_logprob_diff']:.2e} before it" for r in close]
     if result["unsupported"]:
         lines += ["", "Not supported by mlx-lm here:", ""]
         lines += [f"- {k}: {v}" for k, v in result["unsupported"].items()]
