@@ -81,6 +81,8 @@ def test_compare_ratios_from_same_run(model, tmp_path):
             assert math.isclose(row["vs_pipeline"], row["generation_tps"] / rows[("mlx-lm pipeline", 2, b)]["generation_tps"])
     table = (tmp_path / "results.md").read_text()
     assert "| 2 | mlxdist collective | 1 |" in table and "exchange ≤ 1.5× floor" in table
+    assert "| 2 | mlxdist collective (collective) | 2 |" in table  # wire traffic and link projections
+    assert "| 4 | 2 |" in table and "Thunderbolt 5" in table
     try:
         import matplotlib  # noqa: F401
     except ImportError:

@@ -196,3 +196,17 @@ def test_one_rank_dispatch_is_the_identity():
         assert batch.x is x and batch.inds is inds
         y = mx.ones((2, 3, 2, 8))
         assert dispatcher.combine(y, handle) is y
+
+
+def test_wire_traffic_model():
+    from mlxdist.bench.links import LINKS, Shape, projected_tps, traffic
+
+    shape = Shape(hidden=2048, top_k=8, layers=48, moe_layers=48, itemsize=2)
+    t = {s: traffic(s, 2, 32, shape) for s in ("collective", "dp", "tensor", "replicas")}
+    assert t["collective"]["bytes_per_token_layer"] == 8 * 2048 * 2  # all_sum of K slots: K x D x s at N = 2
+    assert t["tensor"]["bytes_per_token_layer"] == 2 * 2048 * 2  # two all_sums of D
+    assert t["dp"]["bytes_per_token_layer"] == (2048 * 2 + 64) / 2 + 2048 * 2  # half the rows out, the sum back
+    assert t["dp"]["bytes_per_token_layer"] < t["tensor"]["bytes_per_token_layer"]
+    assert (t["dp"]["collectives_per_layer"], t["replicas"]["collectives_per_layer"]) == (2, 0)
+    slow, fast = (projected_tps("dp", 2, 32, shape, 0.05, LINKS[k]) for k in ("10 GbE (TCP)", "Thunderbolt 5 (RDMA)"))
+    assert slow < fast < 32 / 0.05

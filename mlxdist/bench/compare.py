@@ -13,6 +13,7 @@ and tensor parallel, the targets) and ``generation_tps.png`` under ``--out``.
 
 import argparse
 import json
+from dataclasses import asdict
 import os
 import subprocess
 import sys
@@ -119,6 +120,23 @@ def aggregate(trials: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     return out
 
 
+def model_shape(model: str, rows: List[Dict[str, Any]]):
+    """What the traffic model needs (links.Shape), from the checkpoint's
+    config and the mlxdist rows (MoE layer count, activation dtype)."""
+    from ..loader import resolve_model_path
+    from .links import Shape
+
+    try:
+        config = json.loads((resolve_model_path(model) / "config.json").read_text())
+    except Exception:
+        return None
+    cfg = config.get("text_config", config)
+    ours = next((r for r in rows if r.get("moe_layers")), {})
+    dtype = (ours.get("floor_bytes") or {}).get("dtype", "bfloat16")
+    return Shape(cfg["hidden_size"], cfg.get("num_experts_per_tok", 1), cfg["num_hidden_layers"],
+                 ours.get("moe_layers", cfg["num_hidden_layers"]), 4 if dtype == "float32" else 2)
+
+
 def add_ratios(rows: List[Dict[str, Any]]) -> None:
     """Each row's generation tok/s over mlx-lm single (same batch) and over
     mlx-lm tensor parallel, pipeline and N replicas (same N and batch), from
@@ -158,6 +176,7 @@ def run(args) -> Dict[str, Any]:
                       f"{report.get('error') or report.get('unsupported') or 'ok'}", file=sys.stderr, flush=True)
     rows = aggregate(trials)
     add_ratios(rows)
+    shape = model_shape(model, rows)
     rows.sort(key=lambda r: (r["ranks"], r["contender"], r["batch"]))
     result = {
         "started": started,
@@ -174,6 +193,7 @@ def run(args) -> Dict[str, Any]:
         "versions": versions(),
         "unsupported": unsupported,
         "errors": errors,
+        "shape": shape and asdict(shape),
         "results": rows,
     }
     (out / "results.json").write_text(json.dumps(result, indent=1))

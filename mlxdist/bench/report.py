@@ -67,6 +67,54 @@ def _row(r: Dict[str, Any]) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
+def _strategy(row: Dict[str, Any]) -> Optional[str]:
+    name = row["contender"]
+    if name.startswith("mlxdist"):
+        return row.get("strategy") or row.get("dispatch")
+    return {"mlx-lm tensor": "tensor", "mlx-lm replicas": "replicas"}.get(name)
+
+
+def links_section(result: Dict[str, Any]) -> List[str]:
+    """Bytes and collectives per token per layer, and tok/s projected over
+    links between machines (``links.py``), for this run's rows."""
+    from .links import LINKS, Shape, projected_tps, traffic
+
+    if not result.get("shape"):
+        return []
+    shape = Shape(**result["shape"])
+    names = list(LINKS)
+    lines = ["", f"Wire traffic (per rank, ring collectives) and tok/s projected over links from each row's "
+             f"measured step (D {shape.hidden}, top-{shape.top_k}, {shape.layers} layers, {shape.moe_layers} MoE, "
+             f"{shape.itemsize}-byte activations; a model, not a measurement: see `mlxdist/bench/links.py`):", "",
+             "| N | contender | b | bytes / token / layer | collectives / layer | " + " | ".join(f"proj. tok/s, {n}" for n in names) + " |",
+             "|---|---|---|---|---|" + "---|" * len(names)]
+    for r in result["results"]:
+        strategy = _strategy(r)
+        if r["ranks"] < 2 or strategy is None:
+            continue
+        t = traffic(strategy, r["ranks"], r["batch"], shape)
+        step = r["batch"] / r["generation_tps"] if r.get("generation_tps") else None
+        if strategy == "replicas":
+            proj = [r["generation_tps"]] * len(names)
+        else:
+            proj = [projected_tps(strategy, r["ranks"], r["batch"], shape, step, LINKS[n]) for n in names]
+        lines.append(f"| {r['ranks']} | {r['contender']} ({strategy}) | {r['batch']} | {t['bytes_per_token_layer']:.0f} | "
+                     f"{t['collectives_per_layer']} | " + " | ".join(_f(p, ".1f") for p in proj) + " |")
+    lines += ["", "Bytes a rank sends per token per layer (collectives per layer) by machine count, from the "
+              "same model; dp at b >= N is what auto runs:", "",
+              "| N | b | " + " | ".join(STRATEGIES) + " |", "|---|---|" + "---|" * len(STRATEGIES)]
+    for n in (2, 4):
+        for b in result["batch_sizes"]:
+            cells = [traffic(st, n, b, shape) for st in STRATEGIES]
+            lines.append(f"| {n} | {b} | " + " | ".join(
+                f"{c['bytes_per_token_layer']:.0f} ({c['collectives_per_layer']})" for c in cells) + " |")
+    lines += ["", "Link figures: " + "; ".join(f"{n}: {l.source}" for n, l in LINKS.items()) + "."]
+    return lines
+
+
+STRATEGIES = ("collective", "dp", "p2p", "tensor")
+
+
 def markdown(result: Dict[str, Any]) -> str:
     """The results table, the unsupported contenders and the targets."""
     v = result["versions"]
@@ -101,6 +149,7 @@ def markdown(result: Dict[str, Any]) -> str:
     if result["errors"]:
         lines += ["", "Failed:", ""]
         lines += [f"- {k}: {v}" for k, v in result["errors"].items()]
+    lines += links_section(result)
     lines += ["", "| target | contender | N | b | measured | met | by |", "|---|---|---|---|---|---|---|"]
     for t in targets(result):
         met = "—" if t["met"] is None else ("yes" if t["met"] else "**no**")
