@@ -305,7 +305,10 @@ def load_engine(world: World, options: LoadOptions) -> Engine:
         "options": _digest(json.dumps(options_seen, sort_keys=True).encode()),
         "config": _digest((path / "config.json").read_bytes()),
         "weights": _digest(json.dumps(sorted((k, e.dtype, e.shape) for k, e in index.items())).encode()),
+        "content": sample_digest(sorted({e.file for e in index.values()})),
         "placement": _digest(json.dumps(plan.to_json(), sort_keys=True).encode()),
+        "libraries": f"mlx {_version('mlx')}, mlx-lm {_version('mlx-lm')}",
+        "device": f"{world.backend} on {mx.default_device()}",
     }
     return Engine(
         world,
@@ -358,6 +361,31 @@ def _shard_dense(model: nn.Module, sites, world: World, config: Dict[str, Any]) 
     model.shard(world.group)
     for site, params in zip(sites, full):
         site.module.update(params)
+
+
+def sample_digest(files, sample: int = 1 << 16) -> str:
+    """A digest of every weight file's size and of ``sample`` bytes at its
+    start, middle and end: the same on every rank that holds the same
+    checkpoint (each rank reads different experts, so what it loaded cannot
+    be compared), different for another checkpoint of the same shapes."""
+    h = hashlib.sha256()
+    for file in files:
+        size = file.stat().st_size
+        h.update(f"{file.name}:{size}".encode())
+        with open(file, "rb") as f:
+            for offset in sorted({0, max(size // 2 - sample // 2, 0), max(size - sample, 0)}):
+                f.seek(offset)
+                h.update(f.read(sample))
+    return h.hexdigest()[:16]
+
+
+def _version(package: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return "?"
 
 
 def _digest(data: bytes) -> str:

@@ -47,7 +47,10 @@ _FINGERPRINT_NAMES = {
     "options": "load options",
     "config": "checkpoint config.json",
     "weights": "checkpoint weight index",
+    "content": "checkpoint weight bytes",
     "placement": "placement",
+    "libraries": "MLX / mlx-lm versions",
+    "device": "backend or device",
 }
 
 

@@ -16,7 +16,7 @@ import sys
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Tuple
 
 import mlx.core as mx
 import numpy as np
@@ -105,8 +105,8 @@ def init_world(backend: Optional[str] = None) -> World:
         comm = MPI.COMM_WORLD
         os.environ.setdefault("MLX_RANK", str(comm.Get_rank()))
         os.environ.setdefault("MLX_WORLD_SIZE", str(comm.Get_size()))
-        os.environ.setdefault("NCCL_HOST_IP", "127.0.0.1")
-        os.environ.setdefault("NCCL_PORT", "29517")
+        host, port = nccl_rendezvous(comm)  # rank 0's choice, on every rank
+        os.environ["NCCL_HOST_IP"], os.environ["NCCL_PORT"] = host, str(port)
         try:
             group = mx.distributed.init(backend="nccl", strict=True)
         except RuntimeError as e:
@@ -136,6 +136,36 @@ def init_world(backend: Optional[str] = None) -> World:
     # (the watchdog's) is alive, and mpirun then reports an improper exit.
     atexit.register(lambda: MPI.Is_finalized() or MPI.Finalize())
     return _WORLD
+
+
+def nccl_rendezvous(comm) -> Tuple[str, int]:
+    """Where NCCL's ranks meet, the same on every rank: rank 0's address
+    (``NCCL_HOST_IP`` if set there, else its host name's; 127.0.0.1 when the
+    whole job is on one host) and a port free on rank 0 now (``NCCL_PORT`` if
+    set there), so that two jobs on one host do not collide."""
+    import socket
+
+    if comm.Get_rank() == 0:
+        port = os.environ.get("NCCL_PORT") or None
+        if port is None:
+            with socket.socket() as s:
+                s.bind(("", 0))
+                port = s.getsockname()[1]
+        host = os.environ.get("NCCL_HOST_IP")
+        msg = f"{host or ''}|{port}|{socket.gethostname()}".encode()
+    else:
+        msg = None
+    n = np.array([len(msg) if msg else 0], dtype=np.int64)
+    comm.Bcast(n, root=0)
+    buf = np.frombuffer(msg, dtype=np.uint8).copy() if msg else np.empty(int(n[0]), dtype=np.uint8)
+    comm.Bcast(buf, root=0)
+    host, port, root_name = buf.tobytes().decode().split("|")
+    if not host:  # one host for the whole job: loopback, else rank 0's address
+        names = np.array([socket.gethostname() == root_name], dtype=np.int32)
+        everyone = np.empty(1, dtype=np.int32)
+        comm.Allreduce(names, everyone, op=_mpi().MIN)
+        host = "127.0.0.1" if everyone[0] else socket.gethostbyname(root_name)
+    return host, int(port)
 
 
 def bcast_bytes(world: World, data: Optional[bytes]) -> bytes:

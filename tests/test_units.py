@@ -210,3 +210,19 @@ def test_wire_traffic_model():
     assert (t["dp"]["collectives_per_layer"], t["replicas"]["collectives_per_layer"]) == (2, 0)
     slow, fast = (projected_tps("dp", 2, 32, shape, 0.05, LINKS[k]) for k in ("10 GbE (TCP)", "Thunderbolt 5 (RDMA)"))
     assert slow < fast < 32 / 0.05
+
+
+def test_nccl_rendezvous_is_per_job():
+    """Every rank gets rank 0's choice; two jobs get different free ports."""
+    from conftest import ROOT, launch
+
+    jobs = []
+    for _ in range(2):
+        proc = launch(3, [ROOT / "tests/scripts/rendezvous.py"], module=None, env={"NCCL_PORT": "", "NCCL_HOST_IP": ""})
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        answers = [json.loads(l) for l in proc.stdout.splitlines() if l.startswith("{")]
+        assert sorted(a["rank"] for a in answers) == [0, 1, 2]
+        assert len({(a["host"], a["port"]) for a in answers}) == 1
+        jobs.append(answers[0])
+    assert all(j["host"] == "127.0.0.1" and 1024 < j["port"] < 65536 for j in jobs)
+    assert jobs[0]["port"] != jobs[1]["port"]
