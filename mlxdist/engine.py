@@ -238,6 +238,7 @@ class Engine:
 def load_engine(world: World, options: LoadOptions) -> Engine:
     """Build this rank's part of the model (see the module's docstring)."""
     options.validate()
+    mx.reset_peak_memory()  # the load's own peak is reported (memory["load_peak_bytes"])
     path = resolve_model_path(options.model)
     check_config(path)
     index = read_safetensors_index(path)
@@ -321,7 +322,7 @@ def load_engine(world: World, options: LoadOptions) -> Engine:
         ownership,
         switches,
         dispatchers,
-        memory={"expert_bytes": expert_bytes, "dense_bytes": dense_bytes},
+        memory={"expert_bytes": expert_bytes, "dense_bytes": dense_bytes, "load_peak_bytes": mx.get_peak_memory()},
         fingerprint=fingerprint,
     )
 
