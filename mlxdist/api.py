@@ -63,7 +63,7 @@ class Cluster:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is not None and not issubclass(exc_type, UserError):
+        if exc_type is not None and self.world.size > 1 and not issubclass(exc_type, UserError):
             # Not a refused request: the other ranks may be inside a collective
             # this rank left, and would never hear a SHUTDOWN. End the job now.
             import traceback
