@@ -138,6 +138,10 @@ class Watchdog:
             a = ACTIVITY
             if a.armed and a.phase != "serving" and time.monotonic() - a.since > self.timeout:
                 self.report(f"no progress for {self.timeout:g} s")
+                # Ranks stalled together pass their deadlines moments apart: let
+                # the others (the one really stuck among them) speak before this
+                # exit makes mpirun stop them.
+                time.sleep(min(2.0, self.timeout))
                 os._exit(1)
 
 
