@@ -53,6 +53,14 @@ class LocalBatch:
 
 
 @dataclass
+class Step:
+    """One decode step in flight."""
+
+    live: List[List[Sequence]]  # every rank's sequences, in the order of the step's rows
+    gathered: mx.array  # [N * padded, 2]: (token id bits, log-probability) of every row
+
+
+@dataclass
 class DPResult:
     sequences: List[Sequence]
     stats: BatchStats
@@ -130,11 +138,12 @@ class DataParallelGeneration:
         local.last = last if local.last is None else mx.concatenate([local.last, last])
         local.seqs.extend(seqs)
 
-    def _decode(self, sampler) -> None:
-        """One token for every live sequence of every rank."""
-        rows = [len(l) for l in self.live]
-        padded = max(rows)
-        self.dispatcher.plan(rows)
+    def _step(self, sampler) -> "Step":
+        """Build one decode step for every live sequence of every rank and
+        start it (``async_eval``); nothing is read back here."""
+        snapshot = [list(seqs) for seqs in self.live]
+        padded = max(len(s) for s in snapshot)
+        self.dispatcher.plan([len(s) for s in snapshot])
         local = self.local
         if local.seqs:
             logits = self.model(local.last[:, None], cache=local.cache)[:, -1, :]
@@ -142,18 +151,28 @@ class DataParallelGeneration:
             tokens = sampler(logprobs)
             chosen = mx.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
             packed = mx.stack([tokens.astype(mx.int32).view(mx.float32), chosen.astype(mx.float32)], axis=1)
+            local.last = tokens
+            self.kv_bytes = max(self.kv_bytes, sum(c.nbytes for c in local.cache))
         else:
             self._idle_forward()
-            packed = mx.depends(mx.zeros((0, 2), mx.float32), self.dispatcher.flush())
+            packed = mx.depends(mx.zeros((0, 2), mx.float32), self.dispatcher.last)
         if packed.shape[0] < padded:
             packed = mx.concatenate([packed, mx.zeros((padded - packed.shape[0], 2), mx.float32)])
         gathered = mx.distributed.all_gather(packed, group=self.world.group) if self.world.size > 1 else packed
-        mx.eval(gathered)
-        table = gathered.reshape(self.world.size, padded, 2)
+        mx.async_eval(gathered)
+        return Step(snapshot, gathered)
+
+    def _absorb(self, step: "Step") -> None:
+        """Read one step's tokens back and record them; sequences that end
+        (EOS or max_tokens) are marked. Rows of sequences that had already
+        ended when the step was built are ignored."""
+        table = step.gathered.reshape(self.world.size, -1, 2)
         token_ids = table[..., 0].view(mx.int32).tolist()
         logprob_values = table[..., 1].tolist()
-        for r, seqs in enumerate(self.live):
+        for r, seqs in enumerate(step.live):
             for i, seq in enumerate(seqs):
+                if seq.finish_reason is not None:
+                    continue
                 token = token_ids[r][i]
                 if token in self.eos:
                     seq.finish_reason = "stop"
@@ -162,49 +181,80 @@ class DataParallelGeneration:
                 seq.logprobs.append(logprob_values[r][i])
                 if len(seq.tokens) >= seq.max_tokens:
                     seq.finish_reason = "length"
-        if local.seqs:
-            keep = [i for i, s in enumerate(local.seqs) if s.finish_reason is None]
-            self.kv_bytes = max(self.kv_bytes, sum(c.nbytes for c in local.cache))
-            next_tokens = tokens
-            if len(keep) < len(local.seqs):
-                if keep:
-                    for c in local.cache:
-                        c.filter(keep)
-                    next_tokens = tokens[mx.array(keep)]
-                else:
-                    local.cache = []
-                    next_tokens = None
-                local.seqs = [local.seqs[i] for i in keep]
-            local.last = next_tokens
+
+    def _drop_finished(self) -> None:
+        """Remove ended sequences from every rank's view and from this
+        rank's caches and next tokens (all ranks drop the same ones)."""
+        local = self.local
+        keep = [i for i, s in enumerate(local.seqs) if s.finish_reason is None]
+        if len(keep) < len(local.seqs):
+            if keep:
+                for c in local.cache:
+                    c.filter(keep)
+                local.last = local.last[mx.array(keep)]
+            else:
+                local.cache, local.last = [], None
+            local.seqs = [local.seqs[i] for i in keep]
         self.live = [[s for s in seqs if s.finish_reason is None] for seqs in self.live]
 
     # -- the loop ------------------------------------------------------------
     def run(self, prompts: List[List[int]], max_tokens: List[int], sampler) -> DPResult:
-        """Generate for every prompt; the same call on every rank."""
+        """Generate for every prompt; the same call on every rank.
+
+        Decoding keeps one step in flight, as mlx-lm's BatchGenerator does:
+        step t + 1 is built and started before step t's tokens are read, so
+        the host's graph building overlaps the device's work; a sequence
+        that ends at step t has one wasted row in step t + 1. Joining
+        waits for the step in flight (the ranks must agree on who is live)."""
         seqs = [Sequence(i, p, m) for i, (p, m) in enumerate(zip(prompts, max_tokens))]
         waiting = list(seqs)
         limit = self.params.completion_batch_size or len(seqs)
         stats = BatchStats()
         tic = time.perf_counter()
+        in_flight: Optional[Step] = None
         while waiting or any(self.live):
-            joiners: List[List[Sequence]] = [[] for _ in range(self.world.size)]
-            load = [len(live) for live in self.live]
-            while waiting and sum(load) < limit:
-                rank = min(range(self.world.size), key=lambda r: (load[r], r))
-                joiners[rank].append(waiting.pop(0))
-                load[rank] += 1
-            if any(joiners):
-                t0 = time.perf_counter()
-                self._prefill(joiners)
-                stats.prompt_time += time.perf_counter() - t0
-                stats.prompt_tokens += sum(len(s.prompt) for j in joiners for s in j)
+            if waiting and sum(len(live) for live in self.live) < limit:
+                if in_flight is not None:  # who is live must be known before admitting
+                    t0 = time.perf_counter()
+                    self._absorb(in_flight)
+                    self._drop_finished()
+                    stats.decode_time += time.perf_counter() - t0
+                    in_flight = None
+                self._admit(waiting, limit, stats)
+                if not any(self.live):
+                    continue
             t0 = time.perf_counter()
-            before = sum(len(s.tokens) for s in seqs)
-            self._decode(sampler)
-            stats.decode_time += time.perf_counter() - t0
+            if in_flight is not None and all(len(s.tokens) + 1 >= s.max_tokens for live in self.live for s in live):
+                self._absorb(in_flight)  # every live sequence ends with it: no step after
+                self._drop_finished()
+                in_flight = None
+                stats.decode_time += time.perf_counter() - t0
+                continue
+            step = self._step(sampler)
             stats.generation_steps += 1
-            stats.generation_tokens += sum(len(s.tokens) for s in seqs) - before
+            if in_flight is not None:
+                self._absorb(in_flight)
+                self._drop_finished()
+            in_flight = step
+            stats.decode_time += time.perf_counter() - t0
+        if in_flight is not None:  # rows of sequences already ended: run, not read
+            mx.eval(in_flight.gathered)
+        stats.generation_tokens = sum(len(s.tokens) for s in seqs)
         stats.wall_time = time.perf_counter() - tic
         stats.peak_memory = mx.get_peak_memory() / 1e9
         self.dispatcher.finish()
         return DPResult(seqs, stats, self.kv_bytes)
+
+    def _admit(self, waiting: List[Sequence], limit: int, stats: BatchStats) -> None:
+        """Waiting sequences join the ranks with the fewest live ones, up to
+        ``limit`` live in all, and their prompts are prefilled."""
+        joiners: List[List[Sequence]] = [[] for _ in range(self.world.size)]
+        load = [len(live) for live in self.live]
+        while waiting and sum(load) < limit:
+            rank = min(range(self.world.size), key=lambda r: (load[r], r))
+            joiners[rank].append(waiting.pop(0))
+            load[rank] += 1
+        t0 = time.perf_counter()
+        self._prefill(joiners)
+        stats.prompt_time += time.perf_counter() - t0
+        stats.prompt_tokens += sum(len(s.prompt) for j in joiners for s in j)

@@ -11,6 +11,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .dispatch import Dispatcher, LayerOwnership
+from .dispatch.base import run_experts
 from .routing import caller_weights
 from .watchdog import ACTIVITY, Fault
 
@@ -68,7 +69,7 @@ class DistributedSwitch(nn.Module):
             observer(self, "dispatched", ())
         y = None
         if batch is not None and self.experts is not None:
-            y = self.experts(batch.x, batch.inds)
+            y = run_experts(self.experts, batch)
         if observer is not None:
             observer(self, "experts", () if y is None else (y,))
         out = self.dispatcher.combine(y, handle)

@@ -10,6 +10,7 @@ import pytest
 from mlxdist import commands
 from mlxdist.commands import Command, ProtocolError
 from mlxdist.dispatch import LayerOwnership
+from mlxdist.dispatch.base import ExpertBatch, padded_slots, run_experts
 from mlxdist.dispatch.wire import from_numpy, pack, to_numpy, unpack
 from mlxdist.loader import CheckpointError, read_rows, read_safetensors_index
 from mlxdist.mpi import find_libmpi
@@ -98,13 +99,14 @@ def test_ownership_local_index_is_position_in_owner_stack():
 
 def test_pack_layout():
     x = np.arange(6, dtype=np.float32).reshape(2, 3)
-    msg = pack(1, 7, mx.float32, np.array([4, 2, 5]), np.array([0, 1, 1]), x, step=5)
-    assert msg[:28].view(np.int32).tolist() == [1, 7, 0, 3, 2, 3, 5]
-    assert msg[28:40].view(np.int32).tolist() == [4, 2, 5]
-    assert msg[40:52].view(np.int32).tolist() == [0, 1, 1]
-    assert np.array_equal(msg[52:].view(np.float32).reshape(2, 3), x)
+    msg = pack(1, 7, mx.float32, np.array([4, 2, 5]), np.array([0, 1, 1]), x, step=5, total_slots=16)
+    assert msg[:32].view(np.int32).tolist() == [1, 7, 0, 3, 2, 3, 5, 16]
+    assert msg[32:44].view(np.int32).tolist() == [4, 2, 5]
+    assert msg[44:56].view(np.int32).tolist() == [0, 1, 1]
+    assert np.array_equal(msg[56:].view(np.float32).reshape(2, 3), x)
     back = unpack(msg)
-    assert (back.op, back.layer, back.step, back.local_ids.tolist(), back.slot_rows.tolist()) == (1, 7, 5, [4, 2, 5], [0, 1, 1])
+    assert (back.op, back.layer, back.step, back.total_slots, back.local_ids.tolist(), back.slot_rows.tolist()) == (
+        1, 7, 5, 16, [4, 2, 5], [0, 1, 1])
     assert np.array_equal(np.array(back.x), x)
 
 
@@ -226,3 +228,23 @@ def test_nccl_rendezvous_is_per_job():
         jobs.append(answers[0])
     assert all(j["host"] == "127.0.0.1" and 1024 < j["port"] < 65536 for j in jobs)
     assert jobs[0]["port"] != jobs[1]["port"]
+
+
+@pytest.mark.parametrize("slots,total,expect", [(3, 5, 3), (3, 8, 8), (7, 63, 8), (9, 63, 9), (3, 64, 64), (70, 200, 70), (0, 0, 0)])
+def test_padded_slots_keep_the_kernel_class_of_the_whole_layer(slots, total, expect):
+    assert padded_slots(slots, total) == expect
+
+
+def test_padded_expert_call_returns_the_same_rows():
+    from mlx_lm.models.switch_layers import SwitchGLU
+
+    mx.random.seed(3)
+    experts = SwitchGLU(16, 32, 4)
+    mx.eval(experts.parameters())
+    x = mx.random.normal((3, 16))
+    inds = mx.array([[2], [0], [3]])
+    plain = experts(x, inds)
+    padded = run_experts(experts, ExpertBatch(x, inds, total_slots=100), pad=True)  # computes 64 rows, keeps 3
+    assert padded.shape == plain.shape == (3, 1, 16)
+    assert mx.allclose(padded, plain, atol=1e-6).item()
+    assert run_experts(experts, ExpertBatch(x, inds, total_slots=100), pad=False).shape == (3, 1, 16)

@@ -19,7 +19,7 @@
 # Environment (defaults for 2 x H200): OUT (results: run.log, reports.jsonl,
 # results.json, results.md), MODEL (/tmp/q30, written by mlxdist.synth unless
 # MODEL/.complete exists), PRESET, BITS, DTYPE, LAYERS, BENCH_ARGS, CONTENDERS
-# ("single replicas tensor mlxdist"; also "pipeline", and "dpclose": dp against one GPU
+# ("single replicas tensor mlxdist"; also "mlxdist-compact" (the compact layout), "pipeline", and "dpclose": dp against one GPU
 # on the same prompts), DISPATCH (mlxdist's modes, "auto,collective"), ROUND (a tag stored with each report), DEADLINE
 # (seconds this script may run; launches are cut to fit), MPIRUN, PY, GPU.
 set -u
@@ -106,6 +106,8 @@ for c in $CONTENDERS; do
               benchmarks/gpu/rank.sh "$PY" -m mlxdist.bench.mlxlm --mode pipeline --backend $BACKEND "${common[@]}" ;;
     mlxdist) launch "mlxdist" 2 "$MPIRUN" "${MPIFLAGS[@]}" \
               benchmarks/gpu/rank.sh "$PY" -m mlxdist.bench --backend $BACKEND --dispatch ${DISPATCH:-auto,collective} "${common[@]}" ;;
+    mlxdist-compact) launch "mlxdist compact" 2 "$MPIRUN" "${MPIFLAGS[@]}" \
+              benchmarks/gpu/rank.sh "$PY" -m mlxdist.bench --backend $BACKEND --layout compact --dispatch ${DISPATCH:-auto,collective} "${common[@]}" ;;
     replicas) launch "mlx-lm replicas" 2 "$PY" -m mlxdist.bench.mlxlm --mode replicas --replicas 2 "${common[@]}" ;;
     dpclose) launch "dp close" 2 sh -c "\"$MPIRUN\" ${MPIFLAGS[*]} benchmarks/gpu/rank.sh \"$PY\" tests/scripts/batch_each.py dp masked 24,24,24,24 0 2048 \"$MODEL\" > \"$OUT/dp.json\" && \"$PY\" benchmarks/gpu/dp_close.py \"$MODEL\" \"$OUT/dp.json\"" ;;
     *) say "unknown contender $c" ;;

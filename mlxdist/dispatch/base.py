@@ -4,6 +4,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Protocol, Tuple
 
 import mlx.core as mx
+import mlx.nn as nn
 
 from .ownership import LayerOwnership
 from .stats import ExchangeStats
@@ -15,6 +16,40 @@ class ExpertBatch:
 
     x: mx.array  # [.., D] rows
     inds: mx.array  # [.., k] local expert ids (positions in this rank's stack)
+    total_slots: int = 0  # slots of the whole layer when this is a subset of them; 0: all of them
+
+
+# MLX chooses a gather-matmul kernel by the number of (row, expert) slots in
+# one call: on CUDA fewer than 8 take a matrix-vector kernel (quantized), and
+# from 64 mlx-lm's SwitchGLU sorts the slots (a grouped GEMM); the kernels
+# round differently. A rank that computes a subset of one process's slots
+# pads its call into the same class, so each slot runs the kernel it runs in
+# one process: the condition for bit-equal results on GPUs.
+KERNEL_CLASS_BOUNDS = (8, 64)
+
+
+def padded_slots(slots: int, total: int) -> int:
+    """Slots to compute so that ``slots`` of a layer's ``total`` fall in the
+    kernel class of ``total``."""
+    for bound in reversed(KERNEL_CLASS_BOUNDS):
+        if total >= bound:
+            return max(slots, bound)
+    return slots
+
+
+def run_experts(experts: nn.Module, batch: ExpertBatch, pad: Optional[bool] = None) -> mx.array:
+    """``experts(batch.x, batch.inds)``, padded as ``padded_slots`` says when
+    the batch is a subset ([s, D], [s, 1]) and ``pad`` (default: on GPUs,
+    where the kernel classes differ; the CPU's kernels round alike)."""
+    if pad is None:
+        pad = mx.default_device() == mx.gpu
+    s = batch.x.shape[0]
+    target = padded_slots(s, batch.total_slots) if pad and batch.total_slots else s
+    if target == s:
+        return experts(batch.x, batch.inds)
+    x = mx.concatenate([batch.x, mx.zeros((target - s,) + batch.x.shape[1:], batch.x.dtype)])
+    inds = mx.concatenate([batch.inds, mx.zeros((target - s,) + batch.inds.shape[1:], batch.inds.dtype)])
+    return experts(x, inds)[:s]
 
 
 class Dispatcher(Protocol):

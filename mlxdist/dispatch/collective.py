@@ -84,7 +84,7 @@ class CollectiveDispatcher:
             return None, handle
         rows = mx.array(mine // K)
         local = mx.array(ownership.local_index[flat[mine]])[:, None]
-        return ExpertBatch(x.reshape(-1, D)[rows], local), handle  # [s, D], [s, 1]
+        return ExpertBatch(x.reshape(-1, D)[rows], local, flat.size), handle  # [s, D], [s, 1]
 
     def combine(self, y: Optional[mx.array], handle: CollectiveHandle) -> mx.array:
         if not handle.out_shape:  # one rank: y is every slot already

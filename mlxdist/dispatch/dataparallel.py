@@ -37,7 +37,7 @@ import mlx.nn as nn
 import numpy as np
 
 from ..mpi import World
-from .base import ExpertBatch
+from .base import ExpertBatch, run_experts
 from .collective import LAYOUTS
 from .ownership import LayerOwnership
 from .stats import ExchangeStats
@@ -175,19 +175,20 @@ class DataParallelDispatcher:
         x = mx.zeros((0, width), dtype=self.dtype)
         inds = mx.zeros((0, self.top_k), dtype=mx.int32)
         batch, handle = self.dispatch(ownership, x, inds, mx.zeros((0, self.top_k), dtype=mx.float32))
-        y = experts(batch.x, batch.inds) if batch is not None and experts is not None else None
+        y = run_experts(experts, batch) if batch is not None and experts is not None else None
         self.combine(y, handle)
 
-    def flush(self) -> Optional[mx.array]:
-        """Run every collective built so far (what this rank did not need too)."""
-        if self._last is not None:
-            mx.eval(self._last)
+    @property
+    def last(self) -> Optional[mx.array]:
+        """The latest reduce built: what a rank that needs none of the
+        outputs makes its step depend on, so its collectives run too."""
         return self._last
 
     def progress_after_combine(self, layer: int) -> Tuple[str, Optional[int]]:
         return ("exchange", None)
 
     def finish(self) -> None:
-        self.flush()
+        if self._last is not None:  # run every collective built so far
+            mx.eval(self._last)
         self._last = None
         self._plans.clear()

@@ -21,7 +21,7 @@ import numpy as np
 from ..mpi import World
 from ..watchdog import ACTIVITY
 from . import wire
-from .base import ExpertBatch
+from .base import ExpertBatch, run_experts
 from .ownership import LayerOwnership
 from .stats import ExchangeStats
 
@@ -60,7 +60,8 @@ class P2PDispatcher:
             if slots.size == 0:
                 continue
             rows, slot_rows = np.unique(slots // K, return_inverse=True)  # each token once per rank
-            msg = wire.pack(wire.OP_EXPERTS, ownership.layer, x.dtype, local[slots], slot_rows, x_np[rows], ACTIVITY.step)
+            msg = wire.pack(wire.OP_EXPERTS, ownership.layer, x.dtype, local[slots], slot_rows, x_np[rows], ACTIVITY.step,
+                            flat.size)
             handle.requests.append(comm.Isend(msg, dest=rank, tag=wire.TAG_EXPERTS))
             reply = np.empty((slots.size, D), dtype=x_np.dtype)
             handle.requests.append(comm.Irecv(reply, source=rank, tag=wire.TAG_RESULT))
@@ -74,7 +75,7 @@ class P2PDispatcher:
         if handle.local_slots.size == 0:
             return None, handle
         rows = mx.array(handle.local_slots // K)
-        batch = ExpertBatch(xs[rows], mx.array(local[handle.local_slots])[:, None])  # [s0, D], [s0, 1]
+        batch = ExpertBatch(xs[rows], mx.array(local[handle.local_slots])[:, None], flat.size)  # [s0, D], [s0, 1]
         return batch, handle
 
     def combine(self, y: Optional[mx.array], handle: P2PHandle) -> mx.array:
@@ -130,7 +131,8 @@ class P2PDispatcher:
             tic = time.perf_counter()
             rows = msg.local_ids.size
             x = msg.x[mx.array(msg.slot_rows)]  # [u, D] -> [s, D]
-            y = experts[msg.layer](x, mx.array(msg.local_ids)[:, None])  # [s, D], [s, 1] -> [s, 1, D]
+            batch = ExpertBatch(x, mx.array(msg.local_ids)[:, None], msg.total_slots)  # [s, D], [s, 1]
+            y = run_experts(experts[msg.layer], batch)  # [s, 1, D]
             reply = wire.to_numpy(y.reshape(rows, -1))
             stats.compute_seconds += time.perf_counter() - tic
             comm.Send(reply, dest=0, tag=wire.TAG_RESULT)

@@ -12,7 +12,7 @@ TAG_EXPERTS = 17  # rank 0 -> owner: rows to compute, or DONE
 TAG_RESULT = 18  # owner -> rank 0: the computed rows
 OP_EXPERTS = 1
 OP_DONE = 2
-HEADER_INTS = 7  # op, layer, dtype code, slots, rows, D, step
+HEADER_INTS = 8  # op, layer, dtype code, slots, rows, D, step, the layer's slots in all
 
 WIRE_DTYPES = [mx.float32, mx.float16, mx.bfloat16]
 NUMPY_DTYPES = {mx.float32: np.float32, mx.float16: np.float16, mx.bfloat16: np.uint16}
@@ -30,11 +30,12 @@ def from_numpy(a: np.ndarray, dtype: mx.Dtype) -> mx.array:
 
 
 def pack(op: int, layer: int, dtype: mx.Dtype, local_ids: np.ndarray, slot_rows: np.ndarray, x: np.ndarray,
-         step: int = 0) -> np.ndarray:
+         step: int = 0, total_slots: int = 0) -> np.ndarray:
     """One message: header, ``local_ids`` [s] and ``slot_rows`` [s] as int32
-    (slot i is expert local_ids[i] on row slot_rows[i]), then ``x`` [u, D]'s bits."""
+    (slot i is expert local_ids[i] on row slot_rows[i]), then ``x`` [u, D]'s bits.
+    ``total_slots``: the layer's slots over all ranks (the kernel class, base.py)."""
     rows, d = x.shape if x.ndim == 2 else (0, 0)
-    header = np.array([op, layer, WIRE_DTYPES.index(dtype), local_ids.size, rows, d, step], dtype=np.int32)
+    header = np.array([op, layer, WIRE_DTYPES.index(dtype), local_ids.size, rows, d, step, total_slots], dtype=np.int32)
     return np.concatenate([
         header.view(np.uint8), local_ids.astype(np.int32).view(np.uint8),
         slot_rows.astype(np.int32).view(np.uint8), x.reshape(-1).view(np.uint8),
@@ -52,6 +53,7 @@ class Message:
     op: int
     layer: int
     step: int
+    total_slots: int
     local_ids: np.ndarray  # [s] int32
     slot_rows: np.ndarray  # [s] int32: row of x each slot reads
     x: mx.array  # [u, D]
@@ -59,14 +61,14 @@ class Message:
 
 def unpack(msg: np.ndarray) -> Message:
     """Inverse of ``pack``."""
-    op, layer, code, slots, rows, d, step = map(int, msg[: 4 * HEADER_INTS].view(np.int32))
+    op, layer, code, slots, rows, d, step, total = map(int, msg[: 4 * HEADER_INTS].view(np.int32))
     empty = np.zeros(0, np.int32)
     if op == OP_DONE:
-        return Message(op, layer, step, empty, empty, mx.zeros((0, 0)))
+        return Message(op, layer, step, total, empty, empty, mx.zeros((0, 0)))
     dtype = WIRE_DTYPES[code]
     ids_end = 4 * HEADER_INTS + 4 * slots
     rows_end = ids_end + 4 * slots
     local_ids = msg[4 * HEADER_INTS : ids_end].view(np.int32)
     slot_rows = msg[ids_end:rows_end].view(np.int32)
     x = from_numpy(msg[rows_end:].view(NUMPY_DTYPES[dtype]).reshape(rows, d), dtype)
-    return Message(op, layer, step, local_ids, slot_rows, x)
+    return Message(op, layer, step, total, local_ids, slot_rows, x)
