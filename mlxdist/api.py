@@ -226,6 +226,7 @@ class Cluster:
     def run_batch(self, request: Command) -> List[Result]:
         """Run a request of several prompts as one batch on every rank."""
         ids = request.args["prompts"]
+        request = Command(request.op, {**request.args, "batch": True})
         (response,) = list(self.executor.generate(self._broadcast(request).args))
         after = self.executor.after_generation()
         s = response.stats

@@ -31,7 +31,8 @@ class Command:
     """One control message: ``op`` and its arguments.
 
     LOAD: the fields of ``engine.LoadOptions``. GENERATE: prompts (lists of
-    token ids) and ``engine.GenerationParams``. STATS: reset, collect.
+    token ids), ``engine.GenerationParams``, strategy (or None: auto's
+    choice), batch (one batch response even for one prompt). STATS: reset, collect.
     PROBE: name and args of a registered probe (``executor.register_probe``).
     SHUTDOWN: exit_code.
     """

@@ -177,7 +177,7 @@ class Engine:
                 self.model,
                 self.tokenizer,
                 mx.array(prompt),
-                max_tokens=params.max_tokens,
+                max_tokens=params.max_tokens_each(1)[0],
                 sampler=params.sampler(),
                 prefill_step_size=params.prefill_step_size,
                 max_kv_size=params.max_kv_size,

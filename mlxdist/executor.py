@@ -133,7 +133,9 @@ class CommandExecutor:
 
     def generate(self, args: Dict[str, Any]) -> Iterator[Any]:
         """GENERATE on every rank. Yields mlx-lm's responses on ranks that run
-        the dense model; p2p workers serve experts and yield nothing."""
+        the dense model (a stream for one prompt, one batch response for
+        several or where ``batch`` is set); p2p workers serve experts and
+        yield nothing."""
         engine = self.engine
         params = GenerationParams(**args["sampling"])
         mx.reset_peak_memory()
@@ -143,7 +145,7 @@ class CommandExecutor:
         try:
             if not engine.runs_dense:
                 engine.serve()
-            elif len(args["prompts"]) == 1:
+            elif len(args["prompts"]) == 1 and not args.get("batch"):
                 yield from engine.generate(args["prompts"][0], params)
             else:
                 yield engine.generate_batch(args["prompts"], params, args.get("strategy"))

@@ -169,3 +169,26 @@ def test_negative_zero_survives_the_exchange():
     proc = launch(2, [ROOT / "tests/scripts/signed_zero.py"], module=None)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert last_json(proc.stdout) == {"masked": True, "compact": True}
+
+
+@pytest.mark.parametrize("dispatch", ["collective", "p2p"])
+def test_one_prompt_batch_matches_mlx_lm(checkpoint, dispatch):
+    """``run_batch`` of a single prompt with a list of max_tokens: one batch
+    response, stopping at its max_tokens (it once streamed without end)."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "tests/scripts"))
+    from batch_each import PROMPTS
+    from mlx_lm import load
+    from mlx_lm.generate import batch_generate
+
+    path = str(checkpoint("qwen3_moe"))
+    proc = launch(2, [ROOT / "tests/scripts/batch_each.py", dispatch, "masked", "12", 0, 2048, path], module=None,
+                  timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = last_json(proc.stdout)[path]
+    model, tokenizer = load(path)
+    ref = batch_generate(model, tokenizer, [tokenizer.encode(PROMPTS[0])], max_tokens=[12], return_token_ids=True,
+                         return_logprobs=True)
+    assert got["tokens"] == ref.token_ids
+    assert got["logprobs"] == ref.logprobs

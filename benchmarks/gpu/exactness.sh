@@ -9,7 +9,8 @@
 #   dp (not bit-exact by design) on a float32 4-layer checkpoint with MLX's
 #   TF32 matmuls on (MLX's default on CUDA) and off (MLX_ENABLE_TF32=0).
 #
-#   benchmarks/gpu/exactness.sh            # on the GPU machine, from the repo root (OUT, DEADLINE)
+#   benchmarks/gpu/exactness.sh            # on the GPU machine, from the repo root (OUT, DEADLINE,
+#                                          # CASES: a subset of the tags below, default all)
 set -u
 root="$(cd "$(dirname "$0")/../.." && pwd)"
 cd "$root"
@@ -33,6 +34,7 @@ synth() {  # dir preset bits dtype layers
 
 check() {  # tag model dispatch layout max_tokens [env...]
   local tag=$1 model=$2 dispatch=$3 layout=$4 max=$5; shift 5
+  case " ${CASES:-$tag} " in *" $tag "*) ;; *) return ;; esac
   local budget=$(( $(left) - 10 ))
   if [ "$budget" -lt 40 ]; then say "$tag: SKIPPED (only $budget s left)"; return; fi
   say "$tag: $dispatch $layout max_tokens $max $*"
@@ -51,7 +53,7 @@ check() {  # tag model dispatch layout max_tokens [env...]
 
 { date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   "$PY" -c 'import mlx.core as mx, mlx_lm; print("mlx", mx.__version__, "mlx-lm", mlx_lm.__version__, mx.default_device())'; } >> "$log" 2>&1
-synth /tmp/q4f32 qwen3-30b-a3b "" float32 4
+case "${CASES:-dp-f32}" in *dp-f32*) synth /tmp/q4f32 qwen3-30b-a3b "" float32 4 ;; esac
 check dp-f32-tf32-on /tmp/q4f32 dp masked 24,24,24,24
 check dp-f32-tf32-off /tmp/q4f32 dp masked 24,24,24,24 MLX_ENABLE_TF32=0
 synth /tmp/q30 qwen3-30b-a3b 4 bfloat16 48
