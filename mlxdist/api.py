@@ -21,7 +21,7 @@ from .commands import Command
 from .engine import Engine, GenerationParams, LoadOptions
 from .errors import UserError
 from .executor import PROBES, CommandExecutor, LoadError
-from .mpi import World, abort, init_world, run_or_abort
+from .mpi import World, abort, init_world, run_or_abort, set_exit_code
 from .placement import Placement
 from .watchdog import ACTIVITY, DEFAULT_TIMEOUT, start_watchdog
 
@@ -63,6 +63,13 @@ class Cluster:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None and issubclass(exc_type, SystemExit):  # sys.exit(n) in the block
+            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+            set_exit_code(code)
+            self.shutdown(code)
+            return
+        if exc_type is not None:
+            set_exit_code(1)
         if exc_type is not None and self.world.size > 1 and not issubclass(exc_type, UserError):
             # Not a refused request: the other ranks may be inside a collective
             # this rank left, and would never hear a SHUTDOWN. End the job now.
@@ -194,8 +201,7 @@ class Cluster:
                 )
                 yield Piece(response.text, response.token, response.finish_reason, response.logprobs)
         finally:
-            for _ in responses:  # the caller stopped early: finish in step
-                pass
+            responses.close()  # the caller stopped early: every rank stops at this token
             stats["peak_memory_gb"] = [a["peak"] / 1e9 for a in self.executor.after_generation()]
             stats["exchange"] = self.engine.dispatcher.stats.as_dict()
 
@@ -276,5 +282,6 @@ def init(timeout: float = DEFAULT_TIMEOUT, backend: Optional[str] = None) -> Clu
     if world.is_root:
         return Cluster(world)
     code = run_or_abort(world, CommandExecutor(world).serve)
+    set_exit_code(code)
     sys.stdout.flush()
     sys.exit(code)

@@ -14,7 +14,7 @@ from .commands import Command
 from .engine import Engine, GenerationParams, LoadOptions, load_engine
 from .errors import UserError
 from .loader import CheckpointError
-from .mpi import World, allgather_json
+from .mpi import World, allgather_json, bcast_flag
 from .placement import PlacementError
 from .watchdog import ACTIVITY
 
@@ -140,18 +140,51 @@ class CommandExecutor:
         params = GenerationParams(**args["sampling"])
         mx.reset_peak_memory()
         engine.kv_bytes = None
-        ACTIVITY.step, ACTIVITY.armed = 0, True
+        ACTIVITY.step, ACTIVITY.prefill, ACTIVITY.armed = 0, True, True
+        ACTIVITY.progress()
         ACTIVITY.beat("dense")
         try:
             if not engine.runs_dense:
                 engine.serve()
             elif len(args["prompts"]) == 1 and not args.get("batch"):
-                yield from engine.generate(args["prompts"][0], params)
+                yield from self._stream(engine.generate(args["prompts"][0], params), engine.dispatch != "p2p")
             else:
                 yield engine.generate_batch(args["prompts"], params, args.get("strategy"))
         finally:
             ACTIVITY.armed = False
             ACTIVITY.beat("idle")
+
+    def _stream(self, responses: Iterator[Any], lockstep: bool) -> Iterator[Any]:
+        """One prompt's responses, token by token. Where every rank runs the
+        generation (``lockstep``: not p2p, whose workers rank 0 releases
+        itself), after each token that is not the last rank 0 tells the
+        others on the control communicator whether its reader wants more:
+        a stream abandoned early stops on every rank at the same token (the
+        step mlx-lm keeps in flight runs everywhere, and is dropped)."""
+        world = self.world
+        for response in responses:
+            ACTIVITY.progress()
+            last = response.finish_reason is not None
+            if world.size == 1 or last or not lockstep:
+                yield response
+                continue
+            if world.is_root:
+                try:
+                    yield response
+                except GeneratorExit:
+                    bcast_flag(world, False)
+                    responses.close()
+                    raise
+                bcast_flag(world, True)
+            else:
+                yield response
+                phase = ACTIVITY.phase
+                ACTIVITY.beat("serving")  # waiting on rank 0's reader: not a hang
+                more = bcast_flag(world, None)
+                ACTIVITY.beat(phase)
+                if not more:
+                    responses.close()
+                    return
 
     def after_generation(self) -> List[Dict[str, Any]]:
         """Every rank's peak memory since the last GENERATE began, and its

@@ -5,7 +5,7 @@ The model's own block still routes (softmax, top-k, grouping, shared experts)
 and weights the slots by its scores; only ``y = switch(x, inds)`` changes.
 """
 
-from typing import Callable, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -27,6 +27,9 @@ class DistributedSwitch(nn.Module):
     experts (None where it owns none in this layer); ``dispatcher`` moves the
     slots to their owners and back. ``first`` marks the model's first MoE
     layer, where a forward step begins (for the watchdog's step count).
+    ``extras``: what the model hung on its expert module besides the experts
+    (``loader.switch_extras``), exposed under the same names because the
+    block reads them there.
     """
 
     def __init__(
@@ -36,6 +39,7 @@ class DistributedSwitch(nn.Module):
         dispatcher: Dispatcher,
         first: bool = False,
         fault: Optional[Fault] = None,
+        extras: Optional[Dict[str, Any]] = None,
     ):
         super().__init__()
         self.ownership = ownership
@@ -46,12 +50,16 @@ class DistributedSwitch(nn.Module):
         self.observer: Optional[Observer] = None
         self.weights_name: Optional[str] = None  # the block's router-weights local (routing.py)
         self._combined: Optional[mx.array] = None  # a per-token combine's result, for MoEBlock
+        for name, value in (extras or {}).items():
+            if name in self or hasattr(self, name):
+                raise ValueError(f"the expert module carries {name!r}, a name DistributedSwitch uses itself")
+            setattr(self, name, value)
 
     def __call__(self, x: mx.array, inds: mx.array) -> mx.array:
         layer = self.ownership.layer
         per_token = getattr(self.dispatcher, "combines_tokens", False)
         if self.first:
-            ACTIVITY.step += 1
+            ACTIVITY.begin_forward(prefill=x.ndim >= 3 and x.shape[-2] > 1)  # [B, L, D]: L tokens each
             if per_token:
                 self.dispatcher.begin_forward()
         ACTIVITY.beat("experts", layer)

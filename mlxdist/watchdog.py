@@ -8,12 +8,21 @@ it:
   The main thread may be blocked inside MPI, where no Python handler runs, so
   the signal is read from a wakeup fd by this thread, which prints what this
   rank was waiting for (and which local peer is gone) and exits;
-- the deadline thread: when a generation makes no progress for ``timeout``
+- the deadline thread: when a generation finishes no work for ``timeout``
   seconds (a rank hung), it prints the same report and exits non-zero, which
   makes mpirun stop the whole job.
 
+Progress is finished work, not graph building (MLX builds a whole step's
+graph in milliseconds and runs it later): a token read back, a p2p exchange
+answered, or a forward pass beginning, which in every generation loop here
+(mlx-lm's, dp.py) comes after the host has read the results of the step two
+back. While the latest forward is a prefill (more than one token per
+sequence: one long evaluation, and a first CUDA launch compiles for minutes)
+the deadline is ``PREFILL_FACTOR`` times longer.
+
 ``MLXDIST_FAULT`` injects a fault for tests, e.g. ``kill:rank=1,layer=2,step=3``
-or ``sleep:rank=1,layer=2,step=3,seconds=60``: at that rank's expert step.
+or ``sleep:rank=1,layer=2,step=3,seconds=60``: at that rank's expert step
+(``layer=-1``: at every MoE layer of that step).
 """
 
 import os
@@ -28,6 +37,7 @@ from typing import List, Optional, Tuple
 from .mpi import World, allgather_json
 
 DEFAULT_TIMEOUT = 120.0
+PREFILL_FACTOR = 10
 
 
 @dataclass
@@ -36,13 +46,26 @@ class Activity:
     layer: Optional[int] = None
     step: int = 0
     waiting_on: List[int] = field(default_factory=list)
-    since: float = field(default_factory=time.monotonic)
+    since: float = field(default_factory=time.monotonic)  # when the phase began
+    done: float = field(default_factory=time.monotonic)  # when work last finished
+    prefill: bool = False  # the latest forward pass is a prefill
     armed: bool = False  # a generation is running: the deadline applies
 
     def beat(self, phase: str, layer: Optional[int] = None, waiting_on: Optional[List[int]] = None) -> None:
+        """Where this rank is now (for reports); not progress."""
         self.phase, self.layer = phase, layer
         self.waiting_on = waiting_on or []
         self.since = time.monotonic()
+
+    def progress(self) -> None:
+        """Work finished (a token read, an exchange answered)."""
+        self.done = time.monotonic()
+
+    def begin_forward(self, prefill: bool) -> None:
+        """A forward pass begins: the host has read the step two back."""
+        self.step += 1
+        self.prefill = prefill
+        self.done = time.monotonic()
 
     def describe(self) -> str:
         where = f"step {self.step}" if self.layer is None else f"layer {self.layer} of step {self.step}"
@@ -71,9 +94,9 @@ class Fault:
         self.seconds = float(values.get("seconds", 3600))
 
     def maybe_fire(self, layer: int, step: int) -> None:
-        if not self.armed or layer != self.layer or step != self.step:
+        if not self.armed or self.layer not in (layer, -1) or step != self.step:
             return
-        self.armed = False
+        self.armed = self.layer == -1  # every layer of the step
         if self.action == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         elif self.action == "sleep":
@@ -136,8 +159,9 @@ class Watchdog:
         while True:
             time.sleep(min(0.5, self.timeout / 4))
             a = ACTIVITY
-            if a.armed and a.phase != "serving" and time.monotonic() - a.since > self.timeout:
-                self.report(f"no progress for {self.timeout:g} s")
+            limit = self.timeout * (PREFILL_FACTOR if a.prefill else 1)
+            if a.armed and a.phase != "serving" and time.monotonic() - a.done > limit:
+                self.report(f"no progress for {limit:g} s")
                 # Ranks stalled together pass their deadlines moments apart: let
                 # the others (the one really stuck among them) speak before this
                 # exit makes mpirun stop them.

@@ -42,6 +42,19 @@ def test_a_rank_dies(checkpoint, dispatch, victim):
 
 
 @pytest.mark.parametrize("dispatch", ["p2p", "collective"])
+@pytest.mark.parametrize("step,seconds", [(1, 1.5), (5, 0.6)], ids=["prefill-over-timeout", "decode-under-timeout"])
+def test_slow_work_is_not_a_hang(checkpoint, dispatch, step, seconds):
+    """Progress is finished work: a decode step slower than usual but under
+    the timeout, and a prefill longer than the timeout (one long evaluation;
+    prefills get PREFILL_FACTOR x the timeout) are not reported. The fault
+    sleeps at every MoE layer of that step on rank 1 (2 layers)."""
+    path = checkpoint("qwen3_moe")
+    proc, _ = run_with_fault(path, f"sleep:rank=1,layer=-1,step={step},seconds={seconds}", dispatch, "2", nranks=2)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "no progress" not in proc.stderr
+
+
+@pytest.mark.parametrize("dispatch", ["p2p", "collective"])
 def test_a_rank_hangs(checkpoint, dispatch):
     path = checkpoint("qwen3_moe")
     proc, elapsed = run_with_fault(path, "sleep:rank=2,layer=1,step=3,seconds=600", dispatch, "3")
@@ -127,14 +140,18 @@ def test_corrupt_files_name_the_file(checkpoint, tmp_path, name, corrupt, messag
     assert message in line and str(path) in line
 
 
-def test_soak_is_exact_and_flat(checkpoint):
+@pytest.mark.parametrize("layout,calls", [("masked", 200), ("compact", 150)])
+def test_soak_is_exact_and_flat(checkpoint, layout, calls):
+    """Short generations alternating with stats calls (mpi4py on the main
+    thread right after MLX's collectives on its worker thread: the race
+    that once crashed a rank), in both collective layouts."""
     from test_api import mlx_lm_alone
 
     path = checkpoint("qwen3_moe")
-    proc = launch(2, [ROOT / "tests/scripts/soak.py", path, 200], module=None, timeout=600)
+    proc = launch(2, [ROOT / "tests/scripts/soak.py", path, calls, layout], module=None, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = last_json(proc.stdout)
-    assert len(out["calls"]) == 200
+    assert len(out["calls"]) == calls
     longest = {i: mlx_lm_alone(path, p, max_tokens=16) for i, p in enumerate(out["prompts"])}
     for prompt, max_tokens, tokens in out["calls"]:
         assert tokens == longest[prompt][:max_tokens]
@@ -150,3 +167,20 @@ def test_a_script_that_fails_ends_every_rank(checkpoint):
     assert proc.returncode != 0
     assert time.time() - tic < 30
     assert "mlxdist: error: rank 0: RuntimeError: the script failed" in proc.stderr
+
+
+def test_mpi_allows_threads_and_control_has_its_own_communicator():
+    proc = launch(2, ["-c", (
+        "from mlxdist.mpi import init_world; w = init_world('mpi'); from mpi4py import MPI; "
+        "print(MPI.Query_thread() >= MPI.THREAD_SERIALIZED, MPI.Comm.Compare(w.comm, MPI.COMM_WORLD) == MPI.CONGRUENT)")],
+        module=None, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["True", "True"] * 2
+
+
+def test_exit_status_survives_finalize():
+    """The process ends with the script's status after MPI is finalized once."""
+    script = "import sys, mlxdist\nwith mlxdist.init() as cluster:\n    sys.exit(3)\n"
+    proc = launch(2, ["-c", script], module=None, timeout=60)
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    assert "MPI_Finalize" not in proc.stderr

@@ -96,6 +96,7 @@ class P2PDispatcher:
                 if i % 2 == 1:
                     owing.pop(i // 2, None)
         MPI.Request.Waitall(handle.requests)
+        ACTIVITY.progress()
         self.stats.wait_seconds += time.perf_counter() - tic
         for slots, reply in handle.replies:
             out[slots] = reply
@@ -125,6 +126,7 @@ class P2PDispatcher:
             if msg.op == wire.OP_DONE:
                 return
             ACTIVITY.step = msg.step
+            ACTIVITY.prefill = False  # one layer's experts at a time: the plain deadline
             ACTIVITY.beat("experts", msg.layer)
             if on_layer is not None:
                 on_layer(msg.layer, msg.step)
@@ -136,6 +138,7 @@ class P2PDispatcher:
             reply = wire.to_numpy(y.reshape(rows, -1))
             stats.compute_seconds += time.perf_counter() - tic
             comm.Send(reply, dest=0, tag=wire.TAG_RESULT)
+            ACTIVITY.progress()
             stats.layers += 1
             stats.slots_local += rows
             stats.bytes_received += buf.nbytes

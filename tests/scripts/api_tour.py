@@ -22,10 +22,14 @@ with mlxdist.init() as cluster:
     out["messages"] = cluster.generate(messages=[{"role": "user", "content": "hi"}], max_tokens=4).tokens
     out["alone"] = [cluster.generate(p, max_tokens=8).tokens for p in PROMPTS]
     out["batch"] = [r.tokens for r in cluster.generate_batch(PROMPTS, max_tokens=8)]
-    # A stream abandoned after two pieces leaves every rank in step.
-    for i, _ in enumerate(cluster.stream_generate(PROMPTS[1], max_tokens=8)):
+    # A stream abandoned after two pieces leaves every rank in step, and the
+    # rest of its 200 tokens is not computed on any rank.
+    cluster.stats(reset=True)
+    for i, _ in enumerate(cluster.stream_generate(PROMPTS[1], max_tokens=200)):
         if i == 1:
             break
+    out["layers_after_abandoned_stream"] = [s["layers"] for s in cluster.stats(reset=True)]
+    out["moe_layers"] = len(cluster.engine.ownership)
     out["after_abandoned_stream"] = cluster.generate(PROMPTS[0], max_tokens=8).tokens
     errors = []
     for bad in ({"temp": -1.0}, {"top_p": 2.0}, {"max_tokens": 10**6}):
