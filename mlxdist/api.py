@@ -18,6 +18,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
 
 from . import commands
 from .commands import Command
+from .dispatch import default_layout
 from .engine import Engine, GenerationParams, LoadOptions
 from .errors import UserError
 from .executor import PROBES, CommandExecutor, LoadError
@@ -98,7 +99,7 @@ class Cluster:
         dispatch: str = "auto",
         placement: Union[None, str, dict, Placement] = None,
         rank0_experts: bool = True,
-        layout: str = "masked",
+        layout: Optional[str] = None,
         stats: bool = False,
     ) -> "Cluster":
         """Load ``model`` (a folder or hub id; None: the built-in random MoE)
@@ -106,7 +107,8 @@ class Cluster:
 
         ``dispatch``: collective, p2p or collective-tp. ``placement``: a JSON
         file, a placement object or dict, or None for the even policy.
-        ``layout``: the collective modes' masked or compact slots.
+        ``layout``: the collective modes' masked or compact slots (None:
+        compact on the CPU, masked on GPUs, as rank 0 sees its device).
         ``stats``: count routed slots per expert (a cost on every MoE layer).
         Raises ``UserError``/``LoadError`` with one line."""
         if isinstance(placement, str):
@@ -117,7 +119,7 @@ class Cluster:
             from .synth import default_checkpoint
 
             model = str(default_checkpoint())
-        options = LoadOptions(str(model), dispatch, layout, placement, rank0_experts, stats)
+        options = LoadOptions(str(model), dispatch, layout or default_layout(), placement, rank0_experts, stats)
         options.validate()
         self.executor.load(self._broadcast(Command(commands.LOAD, asdict(options))).args)
         return self

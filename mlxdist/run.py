@@ -46,8 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dispatch", choices=DISPATCH_MODES, default="auto",
                    help="auto: dp for batches of at least one sequence per rank, else collective; "
                         "dp and collective-tp are not bit-exact (see the README)")
-    p.add_argument("--layout", choices=LAYOUTS, default="masked",
-                   help="collective modes: masked (static shapes) or compact (owned slots only, host read-back)")
+    p.add_argument("--layout", choices=LAYOUTS, default=None,
+                   help="collective modes: masked (static shapes) or compact (owned slots only, host read-back); "
+                        "default: compact on the CPU, masked on GPUs")
     p.add_argument("--backend", choices=BACKENDS, default=None,
                    help="MLX's transport for arrays (default: nccl where MLX runs on CUDA, else mpi)")
     p.add_argument("--placement", help="placement JSON file (default: experts spread evenly)")

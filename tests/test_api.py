@@ -57,6 +57,7 @@ def test_failed_calls_leave_the_cluster_usable(tour):
     assert out["after_errors"] == out["generate"]["tokens"]
     assert out["after_abandoned_stream"] == out["generate"]["tokens"]
     # prefill + two tokens + the step in flight, at most a few more: not 200 tokens' worth
+    assert out["default_layout"] == "compact"  # on the CPU
     moe_layers = out["moe_layers"]
     assert all(0 < n <= 6 * moe_layers for n in out["layers_after_abandoned_stream"]), out["layers_after_abandoned_stream"]
     assert out["load_error"] == "model path /no/such/model does not exist"

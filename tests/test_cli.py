@@ -67,7 +67,7 @@ def test_defaults_follow_mlx_lm():
     args = build_parser().parse_args([])
     assert args.max_tokens == DEFAULT_MAX_TOKENS
     assert build_parser().parse_args(["-p", "x", "-m", "5"]).max_tokens == 5
-    assert args.dispatch == "auto" and args.layout == "masked" and args.backend is None
+    assert args.dispatch == "auto" and args.layout is None and args.backend is None
 
 
 def test_stats_flag_reports_expert_load(checkpoint):

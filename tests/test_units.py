@@ -248,3 +248,4 @@ def test_padded_expert_call_returns_the_same_rows():
     assert padded.shape == plain.shape == (3, 1, 16)
     assert mx.allclose(padded, plain, atol=1e-6).item()
     assert run_experts(experts, ExpertBatch(x, inds, total_slots=100), pad=False).shape == (3, 1, 16)
+

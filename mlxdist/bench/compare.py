@@ -20,7 +20,7 @@ import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 from .harness import median_row, versions
 from .report import plot, write_markdown
@@ -65,11 +65,11 @@ def command(ranks: int, module: str, args: List[str]) -> List[str]:
     return cmd
 
 
-def contenders(ranks: List[int], dispatch: List[str], layout: str = "masked") -> List[Dict[str, Any]]:
+def contenders(ranks: List[int], dispatch: List[str], layout: Optional[str] = None) -> List[Dict[str, Any]]:
     """What one round launches, in order."""
     out = [{"name": "mlx-lm single", "ranks": 1, "module": "mlxdist.bench.mlxlm", "extra": ["--mode", "single"]}]
     for n in ranks:
-        extra = ["--dispatch", ",".join(dispatch), "--layout", layout]
+        extra = ["--dispatch", ",".join(dispatch)] + (["--layout", layout] if layout else [])
         out.append({"name": "mlxdist", "ranks": n, "module": "mlxdist.bench", "extra": extra})
         if n > 1:
             for mode in ("tensor", "pipeline"):
@@ -214,7 +214,8 @@ def parse_args(argv=None):
     parser.add_argument("-n", "--num-trials", type=int, default=3, help="Rounds (interleaved trials).")
     parser.add_argument("--ranks", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2])
     parser.add_argument("--dispatch", type=lambda s: s.split(","), default=["auto", "collective", "p2p"])
-    parser.add_argument("--layout", choices=("masked", "compact"), default="masked", help="mlxdist's collective layout.")
+    parser.add_argument("--layout", choices=("masked", "compact"), default=None,
+                        help="mlxdist's collective layout (default: compact on the CPU, masked on GPUs).")
     parser.add_argument("--warmup-tokens", type=int, default=8)
     parser.add_argument("--timeout", type=float, default=900, help="Seconds per launch.")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "out"))

@@ -191,7 +191,7 @@ def run(cluster, args) -> Dict[str, Any]:
         "prompt_tokens": args.prompt_tokens,
         "generation_tokens": args.generation_tokens,
         "num_trials": args.num_trials,
-        "layout": args.layout,
+        "layout": cluster.engine.options.layout if cluster.engine is not None else args.layout,
         "versions": versions(),
         "results": rows,
     }
@@ -233,7 +233,8 @@ def parse_args(argv=None):
     parser.add_argument("-b", "--batch-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32])
     parser.add_argument("-n", "--num-trials", type=int, default=3)
     parser.add_argument("--dispatch", type=lambda s: s.split(","), default=list(MODES), help="collective,p2p")
-    parser.add_argument("--layout", choices=("masked", "compact"), default="masked", help="Collective modes' layout.")
+    parser.add_argument("--layout", choices=("masked", "compact"), default=None,
+                        help="Collective modes' layout (default: compact on the CPU, masked on GPUs).")
     parser.add_argument("--backend", choices=BACKENDS, default=None, help="MLX's transport (default: nccl on CUDA).")
     parser.add_argument("--warmup-tokens", type=int, default=16, help="Tokens of the warm-up generation.")
     parser.add_argument("--seed", type=int, default=0)

@@ -25,7 +25,7 @@ is an identity: the expert module sees the layer's input as is.
 
 from ..mpi import World
 from .base import Dispatcher, ExpertBatch
-from .collective import LAYOUTS, CollectiveDispatcher
+from .collective import LAYOUTS, CollectiveDispatcher, default_layout
 from .dataparallel import DataParallelDispatcher
 from .ownership import LayerOwnership
 from .p2p import P2PDispatcher
@@ -35,7 +35,7 @@ DISPATCH_MODES = ("auto", "collective", "p2p", "collective-tp", "dp")
 
 __all__ = [
     "DISPATCH_MODES", "LAYOUTS", "CollectiveDispatcher", "DataParallelDispatcher", "Dispatcher", "ExchangeStats",
-    "ExpertBatch", "LayerOwnership", "P2PDispatcher", "make_dispatcher",
+    "ExpertBatch", "LayerOwnership", "P2PDispatcher", "default_layout", "make_dispatcher",
 ]
 
 

@@ -30,6 +30,7 @@ with mlxdist.init() as cluster:
             break
     out["layers_after_abandoned_stream"] = [s["layers"] for s in cluster.stats(reset=True)]
     out["moe_layers"] = len(cluster.engine.ownership)
+    out["default_layout"] = cluster.engine.options.layout
     out["after_abandoned_stream"] = cluster.generate(PROMPTS[0], max_tokens=8).tokens
     errors = []
     for bad in ({"temp": -1.0}, {"top_p": 2.0}, {"max_tokens": 10**6}):
