@@ -262,6 +262,11 @@ class Cluster:
         args = {"reset": reset, "collect": collect}
         return self.executor.stats(self._broadcast(Command(commands.STATS, args)).args)
 
+    def serve_http(self, options: Dict[str, Any]) -> None:
+        """Serve the loaded model over HTTP on rank 0, every rank batching in
+        lockstep, until interrupted (``python -m mlxdist.serve``)."""
+        self.executor.serve_http(self._broadcast(Command(commands.SERVE, options)).args)
+
     def probe(self, name: str, **args) -> List[Any]:
         """Run the probe registered as ``name`` (``executor.register_probe``)
         on every rank at once; returns each rank's answer."""

@@ -12,14 +12,15 @@ from typing import Any, Dict, Optional
 
 from .mpi import World, bcast_bytes
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 LOAD = "load"
 GENERATE = "generate"
 STATS = "stats"
 PROBE = "probe"
 SHUTDOWN = "shutdown"
-OPS = (LOAD, GENERATE, STATS, PROBE, SHUTDOWN)
+SERVE = "serve"
+OPS = (LOAD, GENERATE, STATS, PROBE, SHUTDOWN, SERVE)
 
 
 class ProtocolError(RuntimeError):
@@ -34,6 +35,7 @@ class Command:
     token ids), ``engine.GenerationParams``, strategy (or None: auto's
     choice), batch (one batch response even for one prompt). STATS: reset, collect.
     PROBE: name and args of a registered probe (``executor.register_probe``).
+    SERVE: the HTTP server's options (``serve.py``); every rank serves until rank 0 stops.
     SHUTDOWN: exit_code.
     """
 

@@ -219,6 +219,12 @@ class CommandExecutor:
                 counters.collect_expert_load = bool(args["collect"])
         return allgather_json(self.world, mine)
 
+    def serve_http(self, args: Dict[str, Any]) -> None:
+        """SERVE on every rank: the OpenAI-compatible server (``serve.py``)."""
+        from .serve import serve
+
+        serve(self, args)
+
     def probe(self, args: Dict[str, Any]) -> List[Any]:
         """PROBE on every rank: the registered probe's answer from each rank."""
         return allgather_json(self.world, PROBES[args["name"]](self, args.get("args", {})))
@@ -245,5 +251,7 @@ class CommandExecutor:
             self.after_generation()
         elif command.op == commands.STATS:
             self.stats(command.args)
+        elif command.op == commands.SERVE:
+            self.serve_http(command.args)
         elif command.op == commands.PROBE:
             self.probe(command.args)

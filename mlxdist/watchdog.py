@@ -32,7 +32,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 from .mpi import World, allgather_json
 
@@ -79,6 +79,10 @@ class Activity:
 
 
 ACTIVITY = Activity()
+# Called (in the reporting thread) before this rank exits because the job is
+# being stopped, e.g. the server's answer to a lost rank; given a moment to act.
+ON_FATAL: List[Callable[[], None]] = []
+FATAL_GRACE = 1.5  # seconds
 
 
 class Fault:
@@ -153,6 +157,10 @@ class Watchdog:
         os.read(read_fd, 1)
         if ACTIVITY.phase != "exiting":  # a clean shutdown raced the launcher: nothing to report
             self.report("the job was stopped")
+        if ON_FATAL:
+            for callback in ON_FATAL:
+                callback()
+            time.sleep(FATAL_GRACE)
         os._exit(1)
 
     def _deadline(self) -> None:

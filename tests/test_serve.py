@@ -1,0 +1,272 @@
+"""The OpenAI-compatible server (python -m mlxdist.serve) at np = 2 under real
+mpirun: the official openai client and curl, streaming and not, errors as
+HTTP statuses, the API key, a load test of concurrent clients whose greedy
+answers equal the same requests sent alone, a client leaving mid-stream, and
+a lost rank."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from conftest import MPIRUN, ROOT, mpirun_env
+
+KEY = "test-key-123"
+PROMPTS = [f"Request {i}: " + "tokens " * (i % 5) for i in range(8)]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, path, nranks=2, extra=()):
+        self.model = path
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [MPIRUN, "-np", str(nranks), "--oversubscribe", "--bind-to", "none", "--stdin", "none",
+               sys.executable, "-m", "mlxdist.serve", "--model", str(path), "--port", str(self.port),
+               "--api-key", KEY, "--max-concurrent", "16", *map(str, extra)]
+        self.proc = subprocess.Popen(cmd, env=mpirun_env(), cwd=ROOT, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True, start_new_session=True)
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited: {self.proc.stderr.read()[-2000:]}")
+            try:
+                if self.get("/health")[0] == 200:
+                    return
+            except OSError:
+                time.sleep(0.5)
+        raise RuntimeError("server did not come up")
+
+    def request(self, method, path, body=None, key=KEY, timeout=120):
+        data = None if body is None else (body if isinstance(body, bytes) else json.dumps(body).encode())
+        req = urllib.request.Request(self.url + path, data=data, method=method)
+        req.add_header("Content-Type", "application/json")
+        if key:
+            req.add_header("Authorization", f"Bearer {key}")
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode()
+
+    def get(self, path, key=KEY):
+        return self.request("GET", path, key=key, timeout=5)
+
+    def post(self, path, body, key=KEY):
+        status, text = self.request("POST", path, body, key)
+        return status, json.loads(text) if text.startswith("{") else text
+
+    def rss_kb(self):
+        """Resident memory of every rank of this server."""
+        out = subprocess.run(["ps", "-o", "rss=,args=", "-g", str(os.getpgid(self.proc.pid))],
+                             capture_output=True, text=True).stdout
+        return sum(int(l.split()[0]) for l in out.splitlines() if "mlxdist.serve" in l and "prterun" not in l
+                   and "mpirun" not in l)
+
+    def ranks(self):
+        """Pids of the ranks, in start order (rank 0 serves HTTP)."""
+        out = subprocess.run(["ps", "-o", "pid=,args=", "-g", str(os.getpgid(self.proc.pid))], capture_output=True,
+                             text=True).stdout
+        return sorted(int(l.split()[0]) for l in out.splitlines()
+                      if "mlxdist.serve" in l and "prterun" not in l and "mpirun" not in l)
+
+    def stop(self):
+        """Ctrl-C to rank 0: it stops serving on every rank and the job exits."""
+        if self.proc.poll() is None:
+            os.kill(self.ranks()[0], signal.SIGINT)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(os.getpgid(self.proc.pid), signal.SIGKILL)
+                self.proc.wait()
+        return self.proc.returncode
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint):
+    s = Server(checkpoint("qwen3_moe"))
+    yield s
+    code = s.stop()
+    assert code == 0, s.proc.stderr.read()[-3000:]
+
+
+def alone(path, prompt, max_tokens):
+    """mlx-lm's greedy text for a raw prompt, in this process."""
+    import mlx.core as mx
+    from mlx_lm import load
+    from mlx_lm.generate import stream_generate
+
+    model, tokenizer = load(str(path))
+    return "".join(r.text for r in stream_generate(model, tokenizer, mx.array(tokenizer.encode(prompt)),
+                                                   max_tokens=max_tokens))
+
+
+def completion(server, prompt, max_tokens=8, **extra):
+    status, body = server.post("/v1/completions", {"prompt": prompt, "max_tokens": max_tokens, **extra})
+    assert status == 200, body
+    return body
+
+
+def test_health_and_models(server):
+    assert server.get("/health") == (200, '{"status": "ok"}')
+    status, text = server.get("/v1/models")
+    assert status == 200 and json.loads(text)["data"][0]["id"] == str(server.model)
+
+
+def test_greedy_completion_equals_mlx_lm(server, checkpoint):
+    body = completion(server, PROMPTS[3], max_tokens=12)
+    assert body["choices"][0]["text"] == alone(checkpoint("qwen3_moe"), PROMPTS[3], 12)
+    assert body["usage"]["completion_tokens"] == 12
+    assert body["choices"][0]["finish_reason"] == "length"
+
+
+def test_openai_client_chat_and_stream(server):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=server.url + "/v1", api_key=KEY)
+    messages = [{"role": "user", "content": "Say something"}]
+    chat = client.chat.completions.create(model="default_model", messages=messages, max_tokens=6, temperature=0)
+    assert chat.choices[0].message.role == "assistant"
+    assert chat.usage.completion_tokens == 6
+    chunks = list(client.chat.completions.create(model="default_model", messages=messages, max_tokens=6,
+                                                 temperature=0, stream=True))
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == chat.choices[0].message.content
+    text = client.completions.create(model="default_model", prompt=PROMPTS[1], max_tokens=5, temperature=0)
+    assert text.choices[0].text and text.usage.completion_tokens == 5
+
+
+def test_logprobs(server):
+    """mlx-lm's form: choices[0].logprobs.content, one {id, logprob} per token."""
+    body = completion(server, PROMPTS[1], max_tokens=5, logprobs=True)
+    content = body["choices"][0]["logprobs"]["content"]
+    assert len(content) == 5 and all(c["logprob"] <= 0 for c in content)
+
+
+def test_curl_streaming_and_not(server):
+    base = ["curl", "-s", "-H", "Content-Type: application/json", "-H", f"Authorization: Bearer {KEY}"]
+    body = json.dumps({"prompt": PROMPTS[2], "max_tokens": 6})
+    plain = json.loads(subprocess.run(base + ["-d", body, server.url + "/v1/completions"],
+                                      capture_output=True, text=True, timeout=60).stdout)
+    sse = subprocess.run(base + ["-N", "-d", json.dumps({"prompt": PROMPTS[2], "max_tokens": 6, "stream": True}),
+                                 server.url + "/v1/completions"], capture_output=True, text=True, timeout=60).stdout
+    events = [l[len("data: "):] for l in sse.splitlines() if l.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    streamed = "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1])
+    assert streamed == plain["choices"][0]["text"]
+
+
+def test_stop_words_cut_the_text(server, checkpoint):
+    """A stop word (mlx-lm matches it on tokens: here the text of the 4th
+    generated token) ends the completion before it."""
+    from mlx_lm import load
+
+    _, tokenizer = load(str(checkpoint("qwen3_moe")))
+    body = completion(server, PROMPTS[4], max_tokens=12, logprobs=True)
+    full, ids = body["choices"][0]["text"], [c["id"] for c in body["choices"][0]["logprobs"]["content"]]
+    stop = tokenizer.decode(ids[3:4])
+    assert tokenizer.encode(stop, add_special_tokens=False) == ids[3:4]
+    cut = completion(server, PROMPTS[4], max_tokens=12, stop=[stop])["choices"][0]
+    assert cut["finish_reason"] == "stop"
+    assert cut["text"].strip() == tokenizer.decode(ids[:3]).strip() and full.startswith(cut["text"])
+
+
+def test_errors_are_http_statuses_and_the_server_keeps_serving(server):
+    assert server.post("/v1/completions", {"prompt": "x", "temperature": -1})[0] == 400
+    assert server.post("/v1/completions", {"prompt": "x", "max_tokens": 10**7})[0] == 400  # past the context
+    assert server.post("/v1/completions", b"{not json")[0] == 400
+    assert server.post("/v1/completions", {"prompt": "x"}, key="wrong")[0] == 401
+    assert server.get("/health", key=None)[0] == 401
+    with socket.create_connection(("127.0.0.1", server.port)) as s:  # refused before its body is read
+        s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+                  f"Content-Length: {5 << 20}\r\n\r\n".encode())
+        assert s.recv(4096).startswith(b"HTTP/1.0 413")
+    assert completion(server, PROMPTS[0])["choices"][0]["text"]
+
+
+def test_concurrent_clients_get_what_they_would_alone(server):
+    """64 clients x 4 requests at once; greedy answers equal each request
+    sent alone (continuous batching joins them mid-decode), none lost, memory flat."""
+    expected = {p: completion(server, p, max_tokens=6)["choices"][0]["text"] for p in PROMPTS}
+    before = server.rss_kb()
+    results, errors = [], []
+
+    def client(i):
+        for j in range(4):
+            prompt = PROMPTS[(i + j) % len(PROMPTS)]
+            try:
+                status, body = server.post("/v1/completions", {"prompt": prompt, "max_tokens": 6})
+                results.append((prompt, status, body["choices"][0]["text"] if status == 200 else body))
+            except Exception as e:  # noqa: BLE001 - reported below
+                errors.append(repr(e))
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(64)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[:3]
+    assert len(results) == 256
+    assert all(status == 200 for _, status, _ in results)
+    wrong = [(p, text) for p, _, text in results if text != expected[p]]
+    assert not wrong, wrong[:3]
+    assert server.rss_kb() <= 1.2 * before + 64 * 1024
+
+
+def test_a_client_leaving_mid_stream(server):
+    """The client closes its connection after two events of a long stream:
+    the sequence leaves the batch and the next request is served as usual."""
+    with socket.create_connection(("127.0.0.1", server.port)) as s:
+        body = json.dumps({"prompt": PROMPTS[5], "max_tokens": 400, "stream": True}).encode()
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  + f"Authorization: Bearer {KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+        seen = b""
+        while seen.count(b"data: ") < 2:
+            seen += s.recv(4096)
+    tic = time.time()
+    body = completion(server, PROMPTS[6], max_tokens=6)
+    assert body["choices"][0]["text"]
+    assert time.time() - tic < 60
+
+
+def test_binding_beyond_loopback_needs_a_key(checkpoint):
+    proc = subprocess.run([MPIRUN, "-np", "2", "--oversubscribe", sys.executable, "-m", "mlxdist.serve", "--model",
+                           str(checkpoint("qwen3_moe")), "--host", "0.0.0.0"], env=mpirun_env(), cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0
+    assert "mlxdist: error: binding 0.0.0.0 exposes the model beyond this machine: give --api-key" in proc.stderr
+
+
+def test_a_lost_rank_ends_the_server(checkpoint):
+    """kill -9 of rank 1 while a request decodes: the request fails (503 or
+    a closed connection), and the job exits non-zero within seconds."""
+    s = Server(checkpoint("qwen3_moe"))
+    try:
+        ranks = s.ranks()
+        assert len(ranks) == 2
+        victim = ranks[1]
+        got = []
+        t = threading.Thread(target=lambda: got.append(
+            s.request("POST", "/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 2000})), daemon=True)
+        t.start()
+        time.sleep(2)
+        os.kill(victim, signal.SIGKILL)
+        s.proc.wait(60)
+        assert s.proc.returncode != 0
+        t.join(10)
+        assert not got or got[0][0] != 200
+    finally:
+        s.stop()
