@@ -26,7 +26,7 @@ from .dispatch import DISPATCH_MODES, LAYOUTS, Dispatcher, LayerOwnership, make_
 from .dp import DataParallelGeneration
 from .errors import UserError
 from .loader import (
-    check_config, find_switch_sites, nbytes, read_safetensors_index, resolve_model_path, slice_experts,
+    check_config, find_switch_sites, nbytes, read_safetensors_index, resolve_model_path, slice_experts, switch_extras,
 )
 from .moe import DistributedSwitch, MoEBlock, Observer
 from .mpi import World
@@ -255,7 +255,14 @@ def load_engine(world: World, options: LoadOptions) -> Engine:
     experts_per_layer = {s.layer: s.num_experts for s in sites}
     plan = resolve_placement(options.placement, experts_per_layer, world.size, options.rank0_experts)
     strategies = ["collective", "dp"] if options.dispatch in ("auto", "dp") else [options.dispatch]
-    weights_names = _find_routing_weights(lazy_model, sites, config) if "dp" in strategies and world.size > 1 else {}
+    weights_names = {}
+    if "dp" in strategies and world.size > 1:
+        try:
+            weights_names = _find_routing_weights(lazy_model, sites, config)
+        except UserError:
+            if options.dispatch == "dp":
+                raise
+            strategies = ["collective"]  # auto: blocks dp cannot read run collective for every batch
     dp_shape = {}
     if weights_names:
         dp_shape = dict(top_k=next(iter(weights_names.values()))[1], dtype=activation_dtype(lazy_model))
@@ -263,7 +270,7 @@ def load_engine(world: World, options: LoadOptions) -> Engine:
         name: make_dispatcher(name, world, options.layout, options.stats, **(dp_shape if name == "dp" else {}))
         for name in (strategies if world.size > 1 else strategies[:1])
     }
-    if "dp" in dispatchers and sites[-1].layer == len(getattr(lazy_model, "layers", ())) - 1:
+    if "dp" in dispatchers and _in_last_layer(lazy_model, sites):
         dispatchers["dp"].final_layer = sites[-1].layer  # nothing after it but the head
     runs_dense = options.dispatch != "p2p" or world.is_root
     if options.dispatch == "collective-tp" and world.size > 1:
@@ -275,11 +282,16 @@ def load_engine(world: World, options: LoadOptions) -> Engine:
     for site in sites:
         owns = LayerOwnership.build(site.layer, plan.layers[site.layer], world.rank)
         ownership[site.layer] = owns
+        extras = {name: site.module.pop(name) for name in switch_extras(site.module)}  # the block's, kept whole
         local = slice_experts(site, owns.owned_experts.tolist(), index) if owns.owned_experts.size else None
         if local is not None:
             mx.eval(local.parameters())
             experts[site.layer] = local
-        switch = DistributedSwitch(owns, local, dispatchers[strategies[0]], first=site is sites[0], fault=fault)
+        try:
+            switch = DistributedSwitch(owns, local, dispatchers[strategies[0]], first=site is sites[0], fault=fault,
+                                       extras=extras)
+        except ValueError as e:
+            raise UserError(f"mlxdist cannot run {config.get('model_type')}: {e}") from None
         setattr(site.parent, site.attr, switch)
         switches.append(switch)
         if weights_names:  # the block's own weighting is bypassed: wrap it to add the exchange's sums
@@ -325,6 +337,16 @@ def load_engine(world: World, options: LoadOptions) -> Engine:
         memory={"expert_bytes": expert_bytes, "dense_bytes": dense_bytes, "load_peak_bytes": mx.get_peak_memory()},
         fingerprint=fingerprint,
     )
+
+
+def _in_last_layer(model: nn.Module, sites) -> bool:
+    """Whether the last expert module is the only one in the model's last
+    decoder layer (so nothing but the head reads that layer's output)."""
+    layers = getattr(model, "layers", None)
+    if not layers:
+        return False
+    inside = {id(m) for _, m in layers[-1].named_modules()}
+    return id(sites[-1].module) in inside and sum(id(s.module) in inside for s in sites) == 1
 
 
 def _find_routing_weights(model: nn.Module, sites, config: Dict[str, Any]) -> Dict[type, Tuple[str, int]]:

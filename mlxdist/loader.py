@@ -15,21 +15,21 @@ is not contiguous needs.
 """
 
 import json
-import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Tuple
+from typing import Any, Dict, List, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
-from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
+from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU, SwitchLinear, SwitchMLP
 
 from .errors import UserError
 
 SWITCH_TYPES = (SwitchGLU, SwitchMLP)
+PROJECTION_TYPES = (SwitchLinear, QuantizedSwitchLinear)
 
 _DTYPES = {
     "F32": (np.float32, mx.float32),
@@ -139,25 +139,61 @@ class SwitchSite:
         return _num_experts(self.module)
 
 
+def _projections(switch: nn.Module) -> Dict[str, nn.Module]:
+    """The expert module's stacked projections (gate/up/down, fc1/fc2)."""
+    return {k: v for k, v in switch.items() if isinstance(v, PROJECTION_TYPES)}
+
+
 def _num_experts(switch: nn.Module) -> int:
-    return next(v for _, v in tree_flatten(switch.parameters())).shape[0]
+    return next(iter(_projections(switch).values())).weight.shape[0]
 
 
-_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+def switch_extras(switch: nn.Module) -> Dict[str, Any]:
+    """What a model hangs on its expert module besides the experts (muse_spark:
+    a norm its block reads as ``self.experts.post_expert_norm``): every entry
+    but the projections and the ``activation`` that SwitchGLU/SwitchMLP's own
+    forward pass reads."""
+    return {k: v for k, v in switch.items() if k not in _projections(switch) and k != "activation"}
+
+
+def _layer_position(model: nn.Module, path: str) -> Tuple[str, int, int]:
+    """The outermost list of modules on ``path``: its path, the position in
+    it, its length."""
+    node, parts = model, path.split(".")
+    for i, part in enumerate(parts):
+        if isinstance(node, (list, tuple)):
+            return ".".join(parts[:i]), int(part), len(node)
+        node = node[part]
+    raise CheckpointError(f"expert module {path} is not inside a list of layers")
 
 
 def find_switch_sites(model: nn.Module) -> List[SwitchSite]:
-    """Every ``SwitchGLU``/``SwitchMLP`` in the model, by layer."""
+    """Every ``SwitchGLU``/``SwitchMLP`` in the model, by layer.
+
+    The layer is found by structure, not by name: the position of the
+    module's decoder layer in the outermost list of modules above it
+    (``model.layers``, ``transformer.h``, ``backbone.layers``, ...). Layers of
+    a second such list, if a model had one (fewer expert modules in it), are
+    numbered after the first's; were two expert modules in one layer, every
+    site would be numbered in order instead. The same model gives the same
+    numbers on every rank.
+    """
+    modules = dict(model.named_modules())
+    found = [(path, m) for path, m in modules.items() if isinstance(m, SWITCH_TYPES)]
+    where = [_layer_position(model, path) for path, _ in found]
+    lengths = {name: length for name, _, length in where}
+    counts = {name: sum(n == name for n, _, _ in where) for name in lengths}
+    offsets, total = {}, 0
+    for name in sorted(lengths, key=lambda n: (-counts[n], n)):  # the decoder's own list first
+        offsets[name], total = total, total + lengths[name]
+    layers = [offsets[name] + index for name, index, _ in where]
+    if len(set(layers)) < len(layers):
+        order = sorted(range(len(found)), key=lambda i: (layers[i], found[i][0]))
+        layers = [order.index(i) for i in range(len(found))]
     sites = []
-    for path, module in model.named_modules():
-        if not isinstance(module, SWITCH_TYPES):
-            continue
-        match = _LAYER_RE.search(path)
-        if match is None:
-            raise CheckpointError(f"expert module {path} is not inside a numbered layer")
+    for (path, module), layer in zip(found, layers):
         parent_path, attr = path.rsplit(".", 1)
-        parent = dict(model.named_modules())[parent_path]
-        sites.append(SwitchSite(int(match.group(1)), path, parent, attr, module))
+        sites.append(SwitchSite(layer, path, modules[parent_path], attr, module))
     return sorted(sites, key=lambda s: s.layer)
 
 
@@ -166,19 +202,26 @@ def slice_experts(
 ) -> nn.Module:
     """The site's expert module holding only the experts ``expert_ids``, in order.
 
-    Each stacked parameter is read from disk row by row where the checkpoint
-    stores it under the same name and shape (mlx-lm's own layout); anything
-    else (a layout that ``sanitize`` had to restack) is sliced from the lazy
-    array, which reads the whole tensor once.
+    Only the stacked projections' tensors are sliced (those whose first
+    dimension is the experts); anything else the module holds stays whole.
+    Each is read from disk row by row where the checkpoint stores it under
+    the same name and shape (mlx-lm's own layout); anything else (a layout
+    that ``sanitize`` had to restack) is sliced from the lazy array, which
+    reads the whole tensor once.
     """
     switch = site.module
+    experts = site.num_experts
     sliced = []
-    for name, value in tree_flatten(switch.parameters()):
-        entry = index.get(f"{site.path}.{name}")
-        if entry is not None and entry.shape == tuple(value.shape):
-            sliced.append((name, read_rows(entry, expert_ids)))
-        else:
-            sliced.append((name, value[mx.array(expert_ids, dtype=mx.int32)]))
+    for proj_name, proj in _projections(switch).items():
+        for name, value in tree_flatten(proj.parameters()):
+            if value.ndim == 0 or value.shape[0] != experts:
+                continue
+            name = f"{proj_name}.{name}"
+            entry = index.get(f"{site.path}.{name}")
+            if entry is not None and entry.shape == tuple(value.shape):
+                sliced.append((name, read_rows(entry, expert_ids)))
+            else:
+                sliced.append((name, value[mx.array(expert_ids, dtype=mx.int32)]))
     switch.update(tree_unflatten(sliced))
     return switch
 

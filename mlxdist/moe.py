@@ -112,4 +112,5 @@ class MoEBlock(nn.Module):
     def __call__(self, x: mx.array, *args, **kwargs) -> mx.array:
         out = self.block(x, *args, **kwargs)
         combined = self._take_combined()
-        return out if combined is None else out + combined.astype(out.dtype)
+        # A block that routes flattened rows (olmoe, minimax_m3_vl) reshapes its output back.
+        return out if combined is None else out + combined.astype(out.dtype).reshape(out.shape)

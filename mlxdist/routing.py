@@ -15,10 +15,12 @@ zeros; the candidate ``w`` for which ``out_zero + sum_k w_k y_k`` reproduces
 """
 
 import sys
-from typing import Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
+
+from .loader import switch_extras
 
 
 class RoutingWeightsNotFound(ValueError):
@@ -43,10 +45,13 @@ def caller_weights(name: str, inds: mx.array, depth: int = 2) -> mx.array:
 
 
 class _StandIn(nn.Module):
-    """Takes the expert module's place during the probe."""
+    """Takes the expert module's place during the probe, carrying what the
+    block reads from it besides calling it (``loader.switch_extras``)."""
 
-    def __init__(self, zeros: bool):
+    def __init__(self, zeros: bool, extras: Dict[str, Any]):
         super().__init__()
+        for name, value in extras.items():
+            setattr(self, name, value)
         self.zeros = zeros
         self.y: Optional[mx.array] = None
         self.candidates: Dict[str, mx.array] = {}
@@ -66,9 +71,15 @@ def find_weights_name(block: nn.Module, switch_attr: str, width: int, dtype: mx.
     outputs = {}
     try:
         for zeros in (False, True):
-            stand_in = _StandIn(zeros)
+            stand_in = _StandIn(zeros, switch_extras(switch))
             setattr(block, switch_attr, stand_in)
-            out = block(x)
+            try:
+                out = block(x)
+            except Exception as e:  # not a block that routes for itself (gemma4's expert wrapper takes the routing)
+                reason = str(e).splitlines()[0] if str(e) else ""
+                raise RoutingWeightsNotFound(
+                    f"{type(block).__name__} cannot be probed as block(x) ({type(e).__name__}: {reason})"
+                ) from None
             if not isinstance(out, mx.array):
                 raise RoutingWeightsNotFound(f"{type(block).__name__} returns {type(out).__name__}, not an array")
             outputs[zeros] = (out, stand_in)

@@ -136,6 +136,18 @@ class RequestError(ValueError):
 _HANDLER = threading.local()  # the status a refused request should get, per handler thread
 
 
+class _Unstoppable:
+    """A response queue whose generation context ignores ``stop()``."""
+
+    def __init__(self, queue):
+        self.queue = queue
+
+    def put(self, item):
+        if isinstance(item, lm_server.GenerationContext):
+            item.stop = lambda: None
+        self.queue.put(item)
+
+
 class LockstepResponseGenerator(lm_server.ResponseGenerator):
     """mlx-lm's response generator, sharing rank 0's requests and removals as
     JSON on mlxdist's control communicator, with a stop every rank hears."""
@@ -188,6 +200,14 @@ class LockstepResponseGenerator(lm_server.ResponseGenerator):
             if not self.generation_available():
                 _HANDLER.status = 503
             raise
+
+    def _serve_single(self, request, stream):
+        # One request alone (mlx-lm serves seeded ones so). mlx-lm cannot stop
+        # it early on several ranks (it would stop on rank 0 only): a client
+        # that leaves lets it run to its end instead.
+        if self.world.size > 1:
+            request = (_Unstoppable(request[0]),) + tuple(request[1:])
+        return super()._serve_single(request, stream)
 
     def stop_and_join(self):
         """Stop serving on every rank: the next shared message says so."""

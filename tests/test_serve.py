@@ -184,6 +184,23 @@ def test_stop_words_cut_the_text(server, checkpoint):
     assert cut["text"].strip() == tokenizer.decode(ids[:3]).strip() and full.startswith(cut["text"])
 
 
+def test_seeded_sampling_repeats_and_survives_a_client_leaving(server):
+    """Seeded requests run one at a time on every rank: the same seed gives
+    the same text; a client leaving one mid-stream lets it finish (mlx-lm
+    cannot stop it on every rank) and the server goes on."""
+    body = {"prompt": PROMPTS[7], "max_tokens": 8, "temperature": 0.9, "seed": 7}
+    first = server.post("/v1/completions", body)[1]["choices"][0]["text"]
+    assert server.post("/v1/completions", body)[1]["choices"][0]["text"] == first
+    with socket.create_connection(("127.0.0.1", server.port)) as s:
+        data = json.dumps({**body, "max_tokens": 60, "stream": True}).encode()
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  + f"Authorization: Bearer {KEY}\r\nContent-Length: {len(data)}\r\n\r\n".encode() + data)
+        seen = b""
+        while seen.count(b"data: ") < 2:
+            seen += s.recv(4096)
+    assert completion(server, PROMPTS[0])["choices"][0]["text"]
+
+
 def test_errors_are_http_statuses_and_the_server_keeps_serving(server):
     assert server.post("/v1/completions", {"prompt": "x", "temperature": -1})[0] == 400
     assert server.post("/v1/completions", {"prompt": "x", "max_tokens": 10**7})[0] == 400  # past the context
@@ -259,8 +276,14 @@ def test_a_lost_rank_ends_the_server(checkpoint):
         assert len(ranks) == 2
         victim = ranks[1]
         got = []
-        t = threading.Thread(target=lambda: got.append(
-            s.request("POST", "/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 2000})), daemon=True)
+
+        def ask():
+            try:
+                got.append(s.request("POST", "/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 2000}))
+            except OSError as e:  # the connection closed: also a failed request
+                got.append((None, repr(e)))
+
+        t = threading.Thread(target=ask, daemon=True)
         t.start()
         time.sleep(2)
         os.kill(victim, signal.SIGKILL)

@@ -1,0 +1,228 @@
+"""``python -m mlxdist.bench.serve``: the HTTP server under load, against
+``mlx_lm.server`` in one process on the same checkpoint.
+
+For each contender and each concurrency c, c clients each send ``-r``
+streaming completions of ``-g`` tokens (greedy, random prompts of ``-p``
+tokens' worth of words) back to back; measured per request: time to the
+first token (TTFT) and its tokens; per level: output tok/s (all tokens /
+wall time), TTFT p50 / p99 and requests/s. Contenders run in alternating
+rounds (``--rounds``); the median round is kept.
+
+    python -m mlxdist.bench.serve --model DIR --ranks 2 -c 1,8,32 [--out benchmarks/out/serve]
+"""
+
+import argparse
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _mpirun() -> str:
+    local = Path(sys.executable).parent / "mpirun"
+    return str(local) if local.exists() else "mpirun"
+
+
+class Launched:
+    """A server process (group) answering on a free loopback port."""
+
+    def __init__(self, name: str, cmd: List[str]):
+        self.name = name
+        env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", HF_HUB_OFFLINE="1",
+                   PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+        self.proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                     text=True, start_new_session=True)
+
+    def wait_ready(self, url: str, timeout: float = 300) -> None:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited: {self.proc.stderr.read()[-1500:]}")
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=2):
+                    return
+            except OSError:
+                time.sleep(0.5)
+        raise RuntimeError(f"{self.name} did not come up in {timeout:g} s")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(os.getpgid(self.proc.pid), signal.SIGKILL)
+            self.proc.wait()
+
+
+def start(contender: str, model: str, ranks: int, max_concurrent: int) -> "tuple[Launched, str]":
+    port = _free_port()
+    if contender == "mlx-lm server":
+        cmd = [sys.executable, "-m", "mlx_lm", "server", "--model", model, "--port", str(port),
+               "--decode-concurrency", str(max_concurrent), "--log-level", "WARNING"]
+    else:
+        cmd = [_mpirun(), "-np", str(ranks), "--oversubscribe", "--bind-to", "none", "--stdin", "none",
+               sys.executable, "-m", "mlxdist.serve", "--model", model, "--port", str(port),
+               "--max-concurrent", str(max_concurrent)]
+    server = Launched(contender, cmd)
+    url = f"http://127.0.0.1:{port}"
+    server.wait_ready(url)
+    return server, url
+
+
+def one_request(url: str, prompt: str, max_tokens: int) -> Dict[str, float]:
+    """A streaming completion: seconds to the first token, tokens, seconds in all."""
+    body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "stream": True, "temperature": 0.0}).encode()
+    req = urllib.request.Request(url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
+    tic = time.perf_counter()
+    first, tokens = None, 0
+    with urllib.request.urlopen(req, timeout=600) as r:
+        for line in r:
+            if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk["choices"] and chunk["choices"][0].get("text"):
+                tokens += 1
+                first = first if first is not None else time.perf_counter() - tic
+    return {"ttft": first if first is not None else float("nan"), "tokens": tokens, "seconds": time.perf_counter() - tic}
+
+
+def load_level(url: str, prompts: List[str], clients: int, per_client: int, max_tokens: int) -> Dict[str, Any]:
+    """``clients`` clients, each sending ``per_client`` requests back to back."""
+    records: List[Dict[str, float]] = []
+    lock = threading.Lock()
+
+    def client(i: int) -> None:
+        for j in range(per_client):
+            rec = one_request(url, prompts[(i * per_client + j) % len(prompts)], max_tokens)
+            with lock:
+                records.append(rec)
+
+    tic = time.perf_counter()
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - tic
+    ttft = sorted(r["ttft"] for r in records)
+    return {
+        "concurrency": clients,
+        "requests": len(records),
+        "output_tps": sum(r["tokens"] for r in records) / wall,
+        "requests_per_s": len(records) / wall,
+        "ttft_p50_ms": 1e3 * statistics.median(ttft),
+        "ttft_p99_ms": 1e3 * ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))],
+        "wall_s": wall,
+    }
+
+
+def random_prompts(n: int, words: int, seed: int = 0) -> List[str]:
+    import random
+
+    rng = random.Random(seed)
+    vocab = ["expert", "token", "router", "layer", "batch", "rank", "model", "weight", "cache", "mixture"]
+    return [" ".join(rng.choice(vocab) for _ in range(words)) for _ in range(n)]
+
+
+def run(args) -> Dict[str, Any]:
+    prompts = random_prompts(64, args.prompt_words, args.seed)
+    contenders = ["mlx-lm server", f"mlxdist serve N={args.ranks}"]
+    rounds: Dict[str, List[List[Dict[str, Any]]]] = {c: [] for c in contenders}
+    for r in range(args.rounds):
+        for contender in contenders if r % 2 == 0 else contenders[::-1]:
+            server, url = start(contender, args.model, args.ranks, max(args.concurrency))
+            try:
+                load_level(url, prompts, 1, 1, 4)  # warm-up
+                levels = [load_level(url, prompts, c, args.requests, args.generation_tokens) for c in args.concurrency]
+            finally:
+                server.stop()
+            rounds[contender].append(levels)
+            for lv in levels:
+                print(f"# {contender} round {r}: c={lv['concurrency']} {lv['output_tps']:.1f} tok/s, "
+                      f"TTFT p50 {lv['ttft_p50_ms']:.0f} ms", file=sys.stderr, flush=True)
+    rows = []
+    for contender, runs in rounds.items():
+        for i, c in enumerate(args.concurrency):
+            by_tps = sorted((run[i] for run in runs), key=lambda lv: lv["output_tps"])
+            rows.append({"contender": contender, **by_tps[len(by_tps) // 2]})
+    base = {r["concurrency"]: r["output_tps"] for r in rows if r["contender"] == "mlx-lm server"}
+    for r in rows:
+        r["x_mlx_lm_server"] = r["output_tps"] / base[r["concurrency"]]
+    return {"model": args.model, "ranks": args.ranks, "generation_tokens": args.generation_tokens,
+            "prompt_words": args.prompt_words, "requests_per_client": args.requests, "rounds": args.rounds,
+            "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "rows": rows}
+
+
+def markdown(report: Dict[str, Any]) -> str:
+    head = ("| contender | concurrency | requests | output tok/s | × mlx-lm server | TTFT p50 ms | TTFT p99 ms | req/s |\n"
+            "|---|---|---|---|---|---|---|---|\n")
+    return head + "\n".join(
+        f"| {r['contender']} | {r['concurrency']} | {r['requests']} | {r['output_tps']:.1f} | "
+        f"{r['x_mlx_lm_server']:.2f} | {r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} | {r['requests_per_s']:.2f} |"
+        for r in report["rows"])
+
+
+def plot(report: Dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    for contender in dict.fromkeys(r["contender"] for r in report["rows"]):
+        rows = [r for r in report["rows"] if r["contender"] == contender]
+        xs = [r["concurrency"] for r in rows]
+        a.plot(xs, [r["output_tps"] for r in rows], marker="o", label=contender)
+        b.plot(xs, [r["ttft_p50_ms"] for r in rows], marker="o", label=contender)
+    for ax, title in ((a, "output tok/s"), (b, "TTFT p50 (ms)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent clients")
+        ax.set_title(title)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m mlxdist.bench.serve", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="Checkpoint folder (both servers load it).")
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("-c", "--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32])
+    p.add_argument("-r", "--requests", type=int, default=4, help="Requests per client at each level.")
+    p.add_argument("-g", "--generation-tokens", type=int, default=32)
+    p.add_argument("-p", "--prompt-words", type=int, default=32)
+    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="Folder for serve.json, serve.md and serve.png.")
+    return p.parse_args(argv)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = parse_args(argv)
+    report = run(args)
+    report["command"] = "python -m mlxdist.bench.serve " + " ".join(argv if argv is not None else sys.argv[1:])
+    print(markdown(report))
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "serve.json").write_text(json.dumps(report, indent=1))
+        (out / "serve.md").write_text(markdown(report) + "\n")
+        plot(report, out / "serve.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
