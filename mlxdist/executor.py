@@ -12,7 +12,7 @@ import mlx.core as mx
 from . import commands
 from .commands import Command
 from .engine import Engine, GenerationParams, LoadOptions, load_engine
-from .errors import UserError
+from .errors import UserError, keep_traceback
 from .loader import CheckpointError
 from .mpi import World, allgather_json, bcast_flag
 from .placement import PlacementError
@@ -111,6 +111,9 @@ class CommandExecutor:
             engine = load_engine(self.world, LoadOptions(**args))
         except Exception as e:  # a corrupt file fails deep inside mlx or tokenizers
             error = one_line(e)
+            if not isinstance(e, (UserError, PlacementError, CheckpointError)):
+                path = keep_traceback(self.world.rank)
+                error += f" (traceback: {path})" if path else ""
         reports = allgather_json(
             self.world,
             {"error": error, "memory": engine and engine.memory, "fingerprint": engine and engine.fingerprint},

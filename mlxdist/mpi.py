@@ -280,8 +280,12 @@ def run_or_abort(world: World, fn, *args):
     except KeyboardInterrupt:
         abort(world, 130)
     except Exception as e:
+        from .errors import keep_traceback
+
         text = str(e).splitlines()[0] if str(e) else ""
-        print(f"mlxdist: error: rank {world.rank}: {type(e).__name__}: {text}", file=sys.stderr, flush=True)
+        path = keep_traceback(world.rank)
+        where = f" (traceback: {path})" if path else ""
+        print(f"mlxdist: error: rank {world.rank}: {type(e).__name__}: {text}{where}", file=sys.stderr, flush=True)
         abort(world, 1)
 
 

@@ -20,8 +20,9 @@ back. While the latest forward is a prefill (more than one token per
 sequence: one long evaluation, and a first CUDA launch compiles for minutes)
 the deadline is ``PREFILL_FACTOR`` times longer.
 
-``MLXDIST_FAULT`` injects a fault for tests, e.g. ``kill:rank=1,layer=2,step=3``
-or ``sleep:rank=1,layer=2,step=3,seconds=60``: at that rank's expert step
+``MLXDIST_FAULT`` injects a fault for tests, e.g. ``kill:rank=1,layer=2,step=3``,
+``sleep:rank=1,layer=2,step=3,seconds=60`` or ``raise:...`` (an unexpected
+exception): at that rank's expert step
 (``layer=-1``: at every MoE layer of that step).
 """
 
@@ -103,6 +104,8 @@ class Fault:
         self.armed = self.layer == -1  # every layer of the step
         if self.action == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
+        elif self.action == "raise":
+            raise RuntimeError(f"injected fault at layer {layer} of step {step}")
         elif self.action == "sleep":
             time.sleep(self.seconds)
 

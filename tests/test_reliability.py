@@ -184,3 +184,19 @@ def test_exit_status_survives_finalize():
     proc = launch(2, ["-c", script], module=None, timeout=60)
     assert proc.returncode == 3, proc.stderr[-2000:]
     assert "MPI_Finalize" not in proc.stderr
+
+
+@pytest.mark.parametrize("dispatch", ["p2p", "collective"])
+def test_an_unexpected_error_keeps_its_traceback(checkpoint, tmp_path, dispatch):
+    """One line on stderr naming the rank and where the traceback went; the
+    file has it."""
+    env = {"MLXDIST_FAULT": "raise:rank=1,layer=1,step=2", "MLXDIST_LOG_DIR": str(tmp_path)}
+    proc = launch(2, ["--model", checkpoint("qwen3_moe"), "--prompt", "a fault is coming", "-m", 8,
+                      "--dispatch", dispatch], timeout=90, env=env)
+    assert proc.returncode != 0
+    line = next(l for l in proc.stderr.splitlines() if l.startswith("mlxdist: error: rank 1: RuntimeError"))
+    assert "injected fault at layer 1 of step 2 (traceback: " in line
+    path = line.split("(traceback: ")[1].rstrip(")")
+    text = open(path).read()
+    assert "Traceback (most recent call last)" in text and "maybe_fire" in text
+    assert "Traceback" not in proc.stderr  # stderr keeps its one line
