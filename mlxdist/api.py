@@ -101,6 +101,7 @@ class Cluster:
         rank0_experts: bool = True,
         layout: Optional[str] = None,
         stats: bool = False,
+        expert_capacity: Optional[int] = None,
     ) -> "Cluster":
         """Load ``model`` (a folder or hub id; None: the built-in random MoE)
         on every rank, releasing any model loaded before.
@@ -110,6 +111,8 @@ class Cluster:
         ``layout``: the collective modes' masked or compact slots (None:
         compact on the CPU, masked on GPUs, as rank 0 sees its device).
         ``stats``: count routed slots per expert (a cost on every MoE layer).
+        ``expert_capacity``: experts each rank keeps resident per layer, the
+        rest paged in from its checkpoint copy (compact layout or p2p).
         Raises ``UserError``/``LoadError`` with one line."""
         if isinstance(placement, str):
             placement = Placement.load(placement)
@@ -119,7 +122,8 @@ class Cluster:
             from .synth import default_checkpoint
 
             model = str(default_checkpoint())
-        options = LoadOptions(str(model), dispatch, layout or default_layout(), placement, rank0_experts, stats)
+        options = LoadOptions(str(model), dispatch, layout or default_layout(), placement, rank0_experts, stats,
+                              expert_capacity)
         options.validate()
         self.executor.load(self._broadcast(Command(commands.LOAD, asdict(options))).args)
         return self

@@ -26,8 +26,10 @@ from .dispatch import DISPATCH_MODES, LAYOUTS, Dispatcher, LayerOwnership, make_
 from .dp import DataParallelGeneration
 from .errors import UserError
 from .loader import (
-    check_config, find_switch_sites, nbytes, read_safetensors_index, resolve_model_path, slice_experts, switch_extras,
+    check_config, find_switch_sites, nbytes, read_safetensors_index, resolve_model_path, slice_experts, stacked_tensors,
+    switch_extras,
 )
+from .paging import PagedExperts, PagingStats
 from .moe import DistributedSwitch, MoEBlock, Observer
 from .mpi import World
 from .placement import Placement, resolve_placement
@@ -47,12 +49,19 @@ class LoadOptions:
     placement: Optional[dict] = None  # a placement's JSON object; None: the even policy
     rank0_experts: bool = True
     stats: bool = False  # count routed slots per expert from the start
+    expert_capacity: Optional[int] = None  # experts resident per layer and rank; the rest paged in (paging.py)
 
     def validate(self) -> None:
         if self.dispatch not in DISPATCH_MODES:
             raise UserError(f"unknown dispatch mode {self.dispatch!r} (choose {', '.join(DISPATCH_MODES)})")
         if self.layout not in LAYOUTS:
             raise UserError(f"unknown layout {self.layout!r} (choose {', '.join(LAYOUTS)})")
+        if self.expert_capacity is not None:
+            if self.expert_capacity < 1:
+                raise UserError(f"--expert-capacity must be at least 1, not {self.expert_capacity}")
+            if self.dispatch != "p2p" and self.layout != "compact":
+                raise UserError("--expert-capacity pages experts by the routing read back on the host: "
+                                "use --layout compact or --dispatch p2p")
 
 
 @dataclass
@@ -119,6 +128,7 @@ class Engine:
     fingerprint: Dict[str, Any] = field(default_factory=dict)
     kv_bytes: Optional[int] = None  # this rank's largest KV cache in the last dp generation
     strategy: str = ""  # the strategy the switches use now
+    paging: Optional[PagingStats] = None  # with --expert-capacity: hits, misses, bytes and time paged in
 
     def __post_init__(self):
         self.use(next(iter(self.dispatchers)))
@@ -277,13 +287,14 @@ def load_engine(world: World, options: LoadOptions) -> Engine:
         _shard_dense(lazy_model, sites, world, config)
 
     fault = configured_fault(world.rank)
+    paging = PagingStats()
     modules = dict(lazy_model.named_modules())
     experts, ownership, switches = {}, {}, []
     for site in sites:
         owns = LayerOwnership.build(site.layer, plan.layers[site.layer], world.rank)
         ownership[site.layer] = owns
         extras = {name: site.module.pop(name) for name in switch_extras(site.module)}  # the block's, kept whole
-        local = slice_experts(site, owns.owned_experts.tolist(), index) if owns.owned_experts.size else None
+        local = _rank_experts(site, owns.owned_experts.tolist(), index, options.expert_capacity, paging)
         if local is not None:
             mx.eval(local.parameters())
             experts[site.layer] = local
@@ -336,7 +347,24 @@ def load_engine(world: World, options: LoadOptions) -> Engine:
         dispatchers,
         memory={"expert_bytes": expert_bytes, "dense_bytes": dense_bytes, "load_peak_bytes": mx.get_peak_memory()},
         fingerprint=fingerprint,
+        paging=paging if options.expert_capacity is not None else None,
     )
+
+
+def _rank_experts(site, owned: List[int], index, capacity: Optional[int], stats: PagingStats) -> Optional[nn.Module]:
+    """This rank's expert module for one layer: its owned experts, or, past
+    ``capacity``, a paged stack of that many slots (``paging.py``)."""
+    if not owned:
+        return None
+    if capacity is None or len(owned) <= capacity:
+        return slice_experts(site, owned, index)
+    stacked = stacked_tensors(site, index)
+    unpageable = [name for name, _, entry in stacked if entry is None]
+    if unpageable:
+        raise UserError(f"cannot page {site.path}: the checkpoint does not store {unpageable[0]} in mlx-lm's "
+                        f"stacked layout")
+    entries = {name: entry for name, _, entry in stacked}
+    return PagedExperts(slice_experts(site, owned[:capacity], index), owned, capacity, entries, stats)
 
 
 def _in_last_layer(model: nn.Module, sites) -> bool:

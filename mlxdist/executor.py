@@ -215,6 +215,10 @@ class CommandExecutor:
                 mine["slots_local"] = sum(sum(c[e] for e in held[l]) for l, c in mine["expert_load"].items())
                 mine["slots_remote"] = total - mine["slots_local"]
             mine["weights_gb"] = {k.replace("_bytes", ""): v / 1e9 for k, v in engine.memory.items()}
+            if engine.paging is not None:
+                mine["paging"] = engine.paging.as_dict()
+                if args.get("reset"):
+                    engine.paging.__init__()
             mine["experts_held"] = held
             if args.get("reset"):
                 counters.reset()

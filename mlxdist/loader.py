@@ -18,7 +18,7 @@ import json
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -209,21 +209,30 @@ def slice_experts(
     that ``sanitize`` had to restack) is sliced from the lazy array, which
     reads the whole tensor once.
     """
-    switch = site.module
-    experts = site.num_experts
     sliced = []
-    for proj_name, proj in _projections(switch).items():
+    for name, value, entry in stacked_tensors(site, index):
+        if entry is not None:
+            sliced.append((name, read_rows(entry, expert_ids)))
+        else:
+            sliced.append((name, value[mx.array(expert_ids, dtype=mx.int32)]))
+    site.module.update(tree_unflatten(sliced))
+    return site.module
+
+
+def stacked_tensors(site: SwitchSite, index: Dict[str, TensorEntry]) -> List[Tuple[str, mx.array, Optional[TensorEntry]]]:
+    """The expert module's tensors stacked by expert: (name in the module,
+    the lazy value, its checkpoint entry where stored under that name and
+    shape, else None)."""
+    experts = site.num_experts
+    out = []
+    for proj_name, proj in _projections(site.module).items():
         for name, value in tree_flatten(proj.parameters()):
             if value.ndim == 0 or value.shape[0] != experts:
                 continue
             name = f"{proj_name}.{name}"
             entry = index.get(f"{site.path}.{name}")
-            if entry is not None and entry.shape == tuple(value.shape):
-                sliced.append((name, read_rows(entry, expert_ids)))
-            else:
-                sliced.append((name, value[mx.array(expert_ids, dtype=mx.int32)]))
-    switch.update(tree_unflatten(sliced))
-    return switch
+            out.append((name, value, entry if entry is not None and entry.shape == tuple(value.shape) else None))
+    return out
 
 
 def nbytes(tree) -> int:

@@ -55,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save-placement", help="write the placement used to this JSON file")
     p.add_argument("--no-rank0-experts", action="store_true", help="rank 0 holds no experts")
     p.add_argument("--stats", action="store_true", help="count routed slots per expert (printed with --json)")
+    p.add_argument("--expert-capacity", type=int, default=None,
+                   help="experts each rank keeps resident per layer; the rest are read from its checkpoint copy "
+                        "on demand into least-recently-used slots (needs --layout compact or --dispatch p2p)")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT,
                    help="seconds without progress before a generation is declared hung (default %(default)s)")
@@ -156,7 +159,8 @@ def command_loop(cluster: Cluster, args) -> int:
     """Rank 0: LOAD, then GENERATE each prompt (or the job file)."""
     try:
         GenerationParams(**{**generation_args(args), "seed": 0}).validate()
-        cluster.load(args.model, args.dispatch, args.placement, not args.no_rank0_experts, args.layout, args.stats)
+        cluster.load(args.model, args.dispatch, args.placement, not args.no_rank0_experts, args.layout, args.stats,
+                     args.expert_capacity)
     except (UserError, PlacementError) as e:
         fail(str(e))
         return 1

@@ -1,0 +1,116 @@
+"""Capacity-limited ranks: a rank may own more experts of a layer than it
+keeps resident (``--expert-capacity``). The resident ones sit in a fixed
+stack of ``capacity`` slots; an expert a batch needs that is not resident is
+read from this rank's copy of the checkpoint (the loader's offset reads) into
+the least recently used slot. Results are exact: the same weights, the same
+per-row kernels. A call that needs more distinct experts than there are slots
+runs in rounds of at most ``capacity`` experts.
+
+Paging needs the routing on the host, so it runs where the dispatch reads it
+back anyway: the compact layout and p2p (one expert per row).
+"""
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Dict, List
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten, tree_unflatten
+
+from .loader import TensorEntry, read_rows
+
+
+@dataclass
+class PagingStats:
+    hits: int = 0  # expert uses served by a resident slot
+    misses: int = 0  # expert uses that paged the expert in
+    bytes_in: int = 0
+    seconds: float = 0.0  # reading and placing paged-in experts
+    calls: int = 0
+
+    def as_dict(self) -> Dict[str, float]:
+        uses = self.hits + self.misses
+        return {"hits": self.hits, "misses": self.misses, "hit_rate": self.hits / uses if uses else 1.0,
+                "bytes_paged_in": self.bytes_in, "page_in_seconds": self.seconds, "calls": self.calls}
+
+
+@dataclass
+class _Slots:
+    """Which of the owned experts (local ids) sit in which slot, LRU first."""
+
+    capacity: int
+    slot_of: "OrderedDict[int, int]" = field(default_factory=OrderedDict)
+
+
+class PagedExperts(nn.Module):
+    """mlx-lm's expert module over ``capacity`` slots standing for ``owned``
+    experts (global ids, local id = position). Called as the module it wraps,
+    with local ids ``[s, 1]``."""
+
+    def __init__(self, switch: nn.Module, owned: List[int], capacity: int, entries: Dict[str, TensorEntry],
+                 stats: PagingStats):
+        super().__init__()
+        self.switch = switch  # already holding owned[:capacity] in slots 0..capacity-1
+        self._owned = list(owned)
+        self._entries = entries  # stacked parameter name -> where its rows are on disk
+        self._slots = _Slots(capacity, OrderedDict((i, i) for i in range(capacity)))
+        self._stats = stats
+
+    def _page_in(self, local_ids: List[int]) -> None:
+        """Make ``local_ids`` (at most ``capacity``) resident, evicting the least recently used."""
+        slots, stats = self._slots, self._stats
+        missing = [i for i in local_ids if i not in slots.slot_of]
+        for i in local_ids:
+            if i in slots.slot_of:
+                slots.slot_of.move_to_end(i)
+        stats.hits += len(local_ids) - len(missing)
+        stats.misses += len(missing)
+        if not missing:
+            return
+        tic = time.perf_counter()
+        keep = set(local_ids)
+        victims = [i for i in slots.slot_of if i not in keep][: len(missing)]
+        freed = [slots.slot_of.pop(v) for v in victims]
+        params = dict(tree_flatten(self.switch.parameters()))
+        rows = [self._owned[i] for i in missing]
+        updated = []
+        for name, entry in self._entries.items():
+            value = read_rows(entry, rows)
+            stats.bytes_in += value.nbytes
+            updated.append((name, _put_rows(params[name], freed, value)))
+        self.switch.update(tree_unflatten(updated))
+        mx.eval([v for _, v in updated])
+        for i, slot in zip(missing, freed):
+            slots.slot_of[i] = slot
+        stats.seconds += time.perf_counter() - tic
+
+    def __call__(self, x: mx.array, inds: mx.array) -> mx.array:
+        local = np.asarray(inds).reshape(-1)  # [s]: one expert per row
+        self._stats.calls += 1
+        needed = list(dict.fromkeys(local.tolist()))
+        capacity = self._slots.capacity
+        if len(needed) <= capacity:
+            self._page_in(needed)
+            slot = np.array([self._slots.slot_of[i] for i in local], dtype=np.int32)
+            return self.switch(x, mx.array(slot)[:, None])
+        out = None
+        for start in range(0, len(needed), capacity):  # rounds of at most capacity experts
+            group = needed[start:start + capacity]
+            self._page_in(group)
+            rows = np.flatnonzero(np.isin(local, group))
+            slot = np.array([self._slots.slot_of[i] for i in local[rows]], dtype=np.int32)
+            y = self.switch(x[mx.array(rows)], mx.array(slot)[:, None])  # [r, 1, D]
+            if out is None:
+                out = mx.zeros((local.size,) + y.shape[1:], dtype=y.dtype)
+            out[mx.array(rows)] = y  # arrays are values: the next round's page-in leaves y's weights be
+        return out
+
+
+def _put_rows(stack: mx.array, slots: List[int], rows: mx.array) -> mx.array:
+    """``stack`` with ``rows`` in place of ``stack[slots]``."""
+    stack = mx.array(stack)
+    stack[mx.array(slots)] = rows
+    return stack
