@@ -322,6 +322,16 @@ def _random_param(name: str, p: mx.array) -> mx.array:
     return _noise(p.shape, std)
 
 
+def _skew_routers(params: Dict[str, mx.array], skew: float) -> None:
+    biases = [k for k in params if re.search(r"(^|\.)(router\.bias|e_score_correction_bias)$", k)]
+    if not biases:
+        raise ValueError("router_skew needs a model whose router has a bias (gpt_oss, deepseek_v3)")
+    for k in biases:
+        experts = params[k].shape[-1]
+        rank = mx.argsort(mx.random.uniform(shape=(experts,)))  # this layer's order of favour
+        params[k] = mx.broadcast_to(-skew * mx.log1p(rank.astype(mx.float32)), params[k].shape)
+
+
 def _output_head(w: mx.array, embed: Optional[mx.array], keep_rows: mx.array) -> mx.array:
     """Shape a random ``lm_head`` so greedy decoding of a random model varies.
 
@@ -395,6 +405,7 @@ def write_checkpoint(
     seed: int = 0,
     overrides: Optional[Dict[str, Any]] = None,
     dtype: str = "float32",
+    router_skew: float = 0.0,
 ) -> Path:
     """Write a random-weight checkpoint of ``preset`` in mlx-lm layout.
 
@@ -403,6 +414,10 @@ def write_checkpoint(
     ``mlx_lm.utils.quantize_model``. Unquantized tensors are ``dtype``
     (float32, which MLX's CPU ``gather_mm`` needs; bfloat16 as real models).
     Weights, shards and index are written by mlx-lm's own ``save_model``.
+    ``router_skew`` > 0 makes routing favour some experts, as trained routers
+    do: in models whose router has a bias (gpt_oss's ``router.bias``,
+    DeepSeek's ``e_score_correction_bias``) expert e of a layer (in a random
+    order per layer) gets ``-router_skew * log(1 + rank_e)``.
 
     Returns:
         Path: The checkpoint directory.
@@ -426,6 +441,8 @@ def write_checkpoint(
     keep_rows = _printable_rows(path, config["vocab_size"])
     mx.random.seed(seed)
     params = {k: _random_param(k, v) for k, v in tree_flatten(model.parameters())}
+    if router_skew:
+        _skew_routers(params, router_skew)
     _shape_output_head(params, keep_rows)
     params = [(k, v.astype(getattr(mx, dtype))) for k, v in params.items()]
     model.update(tree_unflatten(params))
@@ -490,11 +507,21 @@ def main():
     parser.add_argument("--layers", type=int, default=None, help="Number of layers.")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--skew", type=float, default=0.0,
+                        help="Favour some experts in routing (models with a router bias: gpt_oss, deepseek_v3).")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="Override a config value (JSON), e.g. --set num_local_experts=64.")
     args = parser.parse_args()
 
     overrides = {}
     if args.layers is not None:
         overrides["num_hidden_layers"] = args.layers
+    for item in args.set:
+        key, _, value = item.partition("=")
+        try:
+            overrides[key] = json.loads(value)
+        except json.JSONDecodeError:
+            overrides[key] = value
     path = write_checkpoint(
         args.out_dir,
         args.preset,
@@ -503,6 +530,7 @@ def main():
         seed=args.seed,
         overrides=overrides,
         dtype=args.dtype,
+        router_skew=args.skew,
     )
     size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
     print(f"Wrote {args.preset} to {path} ({size / 2**20:.1f} MiB of weights)")

@@ -22,8 +22,8 @@ the deadline is ``PREFILL_FACTOR`` times longer.
 
 ``MLXDIST_FAULT`` injects a fault for tests, e.g. ``kill:rank=1,layer=2,step=3``,
 ``sleep:rank=1,layer=2,step=3,seconds=60`` or ``raise:...`` (an unexpected
-exception): at that rank's expert step
-(``layer=-1``: at every MoE layer of that step).
+exception): at that rank's expert step (``layer=-1``: at every MoE layer of
+that step; ``skip=K``: the (K+1)-th time, i.e. in a later generation).
 """
 
 import os
@@ -97,9 +97,13 @@ class Fault:
         self.layer = int(values.get("layer", -1))
         self.step = int(values.get("step", 0))
         self.seconds = float(values.get("seconds", 3600))
+        self.skip = int(values.get("skip", 0))  # matching moments to let pass first (later generations)
 
     def maybe_fire(self, layer: int, step: int) -> None:
         if not self.armed or self.layer not in (layer, -1) or step != self.step:
+            return
+        if self.skip > 0:
+            self.skip -= 1
             return
         self.armed = self.layer == -1  # every layer of the step
         if self.action == "kill":

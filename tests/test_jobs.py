@@ -85,3 +85,27 @@ def test_resume_after_kill(checkpoint, tmp_path, uninterrupted, kill_after):
     records = read_records(out)
     assert sorted(r["id"] for r in records) == sorted(clean)
     assert all(r["tokens"] == clean[r["id"]] for r in records)
+
+
+def test_supervisor_finishes_the_job_without_a_lost_rank(checkpoint, tmp_path, uninterrupted):
+    """kill -9 of rank 2 mid-job at np = 3: the supervisor starts the job
+    again on 2 ranks, the output resumes where it stopped, every id once,
+    tokens equal to an undisturbed run's; the restart is timed."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT, mpirun_env
+
+    jobs, clean = uninterrupted
+    out = tmp_path / "out.jsonl"
+    env = {**mpirun_env(), "MLXDIST_FAULT": "kill:rank=2,layer=1,step=5,skip=5"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "mlxdist.supervise", "--ranks", "3", "--", "--model", str(checkpoint("qwen3_moe")),
+         "--jobs", str(jobs), "--out", str(out), "-m", "24", "--batch-size", "1"],
+        capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "rank 2 stopped (process gone)" in proc.stderr
+    assert "mlxdist.supervise: restart on 2 ranks after losing rank(s) [2]: first result" in proc.stderr
+    records = read_records(out)
+    assert sorted(r["id"] for r in records) == sorted(clean)
+    assert all(r["tokens"] == clean[r["id"]] for r in records)

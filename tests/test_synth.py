@@ -217,3 +217,26 @@ def test_cli(tmp_path, monkeypatch, capsys):
     assert "mixtral" in capsys.readouterr().out
     config = json.loads((out / "config.json").read_text())
     assert config["num_hidden_layers"] == 1 and config["quantization"]["bits"] == 4
+
+
+def test_router_skew_favours_some_experts(tmp_path):
+    """--skew: with a Zipf-like router bias the hottest experts take most of
+    the routed slots; without it the load is near even."""
+    import mlx.core as mx
+    import numpy as np
+    from mlx_lm import load
+
+    from mlxdist.synth import write_checkpoint
+
+    def top_share(skew):
+        path = write_checkpoint(tmp_path / f"s{skew}", "gpt_oss", router_skew=skew)
+        model, _ = load(str(path))
+        block = model.model.layers[0].mlp
+        x = mx.random.normal((512, model.args.hidden_size))
+        inds = mx.argpartition(-block.router(x), kth=3, axis=-1)[:, :4]  # the block's own top-4 choice
+        counts = np.bincount(np.asarray(inds).reshape(-1), minlength=block.router.weight.shape[0])
+        return np.sort(counts)[::-1][:4].sum() / counts.sum()
+
+    even, skewed = top_share(0.0), top_share(2.0)  # 4 of 12 experts: an even load gives them 1/3
+    assert even < 0.45
+    assert skewed > 0.55 and skewed > even + 0.2

@@ -1,0 +1,73 @@
+"""``python -m mlxdist.bench.capacity`` under mpirun: generation tok/s and the
+paging hit rate against ``--expert-capacity``, one load per capacity.
+
+    launch/mpirun -np 2 python -m mlxdist.bench.capacity --model DIR -c 1,2,4,8,16 [-b 8 -p 32 -g 32 --json]
+
+Each capacity: a warm-up generation, then the median of ``-n`` timed batch
+generations of ``-b`` random prompts, then the paging counters of one more
+(every rank's hits, misses, bytes and seconds paged in, summed). The first
+row is the capacity that holds every owned expert (no paging), the reference.
+"""
+
+import argparse
+import json
+import statistics
+import sys
+from typing import Any, Dict, List, Optional
+
+from .harness import random_prompts, text_config
+
+
+def measure(cluster, model: str, capacity: Optional[int], args) -> Dict[str, Any]:
+    cluster.load(model, dispatch=args.dispatch, layout="compact", expert_capacity=capacity)
+    vocab = text_config(cluster.engine.config)["vocab_size"]
+    prompts = random_prompts(vocab, args.batch, args.prompt_tokens, args.seed)
+    cluster.run_batch(cluster.request(prompts, max_tokens=min(8, args.generation_tokens)))
+    tps = []
+    for _ in range(args.num_trials):
+        results = cluster.run_batch(cluster.request(prompts, max_tokens=args.generation_tokens))
+        tps.append(results[0].stats["generation_tps"])
+    cluster.stats(reset=True)
+    cluster.run_batch(cluster.request(prompts, max_tokens=args.generation_tokens))
+    stats = cluster.stats(reset=True)
+    paging = [s["paging"] for s in stats if s.get("paging")]
+    hits, misses = sum(p["hits"] for p in paging), sum(p["misses"] for p in paging)
+    return {
+        "capacity": capacity, "generation_tps": statistics.median(tps), "trials": tps,
+        "hit_rate": hits / (hits + misses) if hits + misses else 1.0,
+        "bytes_paged_in_per_token": sum(p["bytes_paged_in"] for p in paging) / (args.batch * args.generation_tokens),
+        "page_in_seconds": sum(p["page_in_seconds"] for p in paging),
+        "expert_gb_per_rank": [s["weights_gb"]["expert"] for s in stats],
+    }
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    import mlxdist
+
+    p = argparse.ArgumentParser(prog="python -m mlxdist.bench.capacity", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True)
+    p.add_argument("-c", "--capacities", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4, 8])
+    p.add_argument("--dispatch", default="collective", choices=("collective", "p2p", "dp", "auto"))
+    p.add_argument("-b", "--batch", type=int, default=8)
+    p.add_argument("-p", "--prompt-tokens", type=int, default=32)
+    p.add_argument("-g", "--generation-tokens", type=int, default=32)
+    p.add_argument("-n", "--num-trials", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    with mlxdist.init(timeout=600) as cluster:
+        rows = [measure(cluster, args.model, None, args)]
+        rows += [measure(cluster, args.model, c, args) for c in args.capacities]
+        report = {"model": args.model, "ranks": cluster.world.size, "dispatch": args.dispatch, "batch": args.batch,
+                  "prompt_tokens": args.prompt_tokens, "generation_tokens": args.generation_tokens, "rows": rows}
+    if args.json:
+        print(json.dumps(report))
+    else:
+        for r in rows:
+            print(f"capacity {r['capacity'] or 'all':>4}: {r['generation_tps']:7.1f} tok/s, hit rate "
+                  f"{r['hit_rate']:.2f}, {r['bytes_paged_in_per_token'] / 1e6:.2f} MB paged in per token")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
