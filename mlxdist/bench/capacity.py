@@ -2,6 +2,7 @@
 paging hit rate against ``--expert-capacity``, one load per capacity.
 
     launch/mpirun -np 2 python -m mlxdist.bench.capacity --model DIR -c 1,2,4,8,16 [-b 8 -p 32 -g 32 --json]
+    python -m mlxdist.bench.capacity --plot curve.png np2.json np4.json   # the curves of saved --json reports
 
 Each capacity: a warm-up generation, then the median of ``-n`` timed batch
 generations of ``-b`` random prompts, then the paging counters of one more
@@ -41,8 +42,36 @@ def measure(cluster, model: str, capacity: Optional[int], args) -> Dict[str, Any
     }
 
 
+def plot(reports: List[Dict[str, Any]], path: str) -> None:
+    """tok/s and hit rate against capacity, one line per world size."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    for report in reports:
+        rows = [r for r in report["rows"] if r["capacity"] is not None]
+        label = f"N = {report['ranks']}"
+        line = a.plot([r["capacity"] for r in rows], [r["generation_tps"] for r in rows], marker="o", label=label)
+        a.axhline(report["rows"][0]["generation_tps"], color=line[0].get_color(), linestyle=":", linewidth=1)
+        b.plot([r["capacity"] for r in rows], [r["hit_rate"] for r in rows], marker="o", label=label)
+    a.set(xlabel="--expert-capacity (experts resident per layer and rank)", ylabel="generation tok/s",
+          title="tok/s (dotted: every owned expert resident)")
+    b.set(xlabel="--expert-capacity", ylabel="hit rate", title="paging hit rate", ylim=(0, 1.05))
+    for ax in (a, b):
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     import mlxdist
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--plot"]:
+        plot([json.loads(open(f).read().splitlines()[-1]) for f in argv[2:]], argv[1])
+        return 0
 
     p = argparse.ArgumentParser(prog="python -m mlxdist.bench.capacity", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True)
