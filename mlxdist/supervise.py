@@ -28,6 +28,8 @@ from typing import List, Optional, Tuple
 
 from .jobs import finished_ids
 
+LAUNCHER_FAILURE = "The PMIx server's listener thread failed to start"
+
 
 def _job_ids(path: str) -> List[str]:
     import json
@@ -99,7 +101,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         p.error("the mlxdist.run options after -- must include --jobs and --out")
     wanted = set(_job_ids(jobs))
     hosts = read_hostfile(args.hostfile) if args.hostfile else None
-    ranks, restarts = args.ranks, []
+    ranks, restarts, launcher_retries = args.ranks, [], 0
     failed_at: Optional[float] = None
     while True:
         cmd = [args.mpirun, "-np", str(ranks), "--oversubscribe", "--bind-to", "none"]
@@ -128,6 +130,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                       f"first result {r.get('resumed_after_s', float('nan')):.1f} s after the failure",
                       file=sys.stderr, flush=True)
             return code if left else 0
+        if LAUNCHER_FAILURE in "".join(stderr_lines) and launcher_retries < 3:
+            launcher_retries += 1  # Open MPI's launcher failed before any rank ran: not a lost rank
+            continue
         lost = lost_ranks("".join(stderr_lines)) or [ranks - 1]
         if ranks - len(lost) < args.min_ranks:
             print(f"mlxdist.supervise: error: {len(left)} jobs left and only {ranks - len(lost)} ranks would remain "

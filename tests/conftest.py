@@ -31,9 +31,22 @@ def mpirun_env() -> dict:
     return env
 
 
+# Open MPI's launcher sometimes fails before starting any rank ("ptl_tool:
+# problems getting address"; open-mpi reports of the same in other projects' CI).
+# Nothing of ours ran, so such a launch is tried again, once.
+LAUNCHER_FAILURE = "The PMIx server's listener thread failed to start"
+
+
 def launch(np_: int, args, timeout: float = 120, input: str = None, module: str = "mlxdist.run", env: dict = None):
     """Run ``python -m module args`` (a script where module is None) on
     ``np_`` ranks (no mpirun for np_ = 0)."""
+    proc = _launch(np_, args, timeout, input, module, env)
+    if proc.returncode != 0 and LAUNCHER_FAILURE in proc.stderr:
+        proc = _launch(np_, args, timeout, input, module, env)
+    return proc
+
+
+def _launch(np_: int, args, timeout: float, input: str, module: str, env: dict):
     cmd = [sys.executable, *(["-m", module] if module else []), *map(str, args)]
     env = {**mpirun_env(), **(env or {})}
     if np_ > 0:
