@@ -218,7 +218,7 @@ class CommandExecutor:
             if engine.paging is not None:
                 mine["paging"] = engine.paging.as_dict()
                 if args.get("reset"):
-                    engine.paging.__init__()
+                    engine.paging.reset()
             mine["experts_held"] = held
             if args.get("reset"):
                 counters.reset()

@@ -31,6 +31,10 @@ class PagingStats:
     seconds: float = 0.0  # reading and placing paged-in experts
     calls: int = 0
 
+    def reset(self) -> None:
+        self.hits = self.misses = self.bytes_in = self.calls = 0
+        self.seconds = 0.0
+
     def as_dict(self) -> Dict[str, float]:
         uses = self.hits + self.misses
         return {"hits": self.hits, "misses": self.misses, "hit_rate": self.hits / uses if uses else 1.0,

@@ -46,9 +46,11 @@ def test_job_file_records(checkpoint, tmp_path):
 
 def _run_until_killed(args, out, min_records):
     """Start the job, SIGKILL every process of it once ``out`` holds at least
-    ``min_records`` lines."""
+    ``min_records`` lines. Rank 0 stalls at the start of the next job (a
+    test fault), so the job cannot finish before the kill on a busy machine."""
     cmd = [MPIRUN, "-np", "2", "--oversubscribe", "--bind-to", "none", sys.executable, "-m", "mlxdist.run", *map(str, args)]
-    proc = subprocess.Popen(cmd, env=mpirun_env(), cwd=ROOT, start_new_session=True,
+    env = {**mpirun_env(), "MLXDIST_FAULT": f"sleep:rank=0,layer=1,step=1,skip={min_records},seconds=600"}
+    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 120
     while time.time() < deadline and proc.poll() is None:
