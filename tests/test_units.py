@@ -95,6 +95,8 @@ def test_ownership_local_index_is_position_in_owner_stack():
     ownership = LayerOwnership.build(3, [0, 1, 1, 0, 2, 1], rank=1)
     assert ownership.owned_experts.tolist() == [1, 2, 5]
     assert ownership.local_index.tolist() == [0, 0, 1, 1, 0, 2]
+    local, owned = ownership.masked_table()  # experts held elsewhere point at local 0, masked off
+    assert local.tolist() == [0, 0, 1, 0, 0, 2] and owned.tolist() == [False, True, True, False, False, True]
 
 
 def test_pack_layout():

@@ -62,11 +62,8 @@ class CollectiveDispatcher:
     def _masked_table(self, ownership: LayerOwnership) -> Tuple[mx.array, mx.array]:
         """([E] local id, or 0 where held elsewhere; [E] owned by this rank)."""
         if ownership.layer not in self._tables:
-            owned = ownership.owner == ownership.rank
-            self._tables[ownership.layer] = (
-                mx.array(np.where(owned, ownership.local_index, 0)),
-                mx.array(owned),
-            )
+            local_index, owned = ownership.masked_table()
+            self._tables[ownership.layer] = (mx.array(local_index), mx.array(owned))
         return self._tables[ownership.layer]
 
     def dispatch(self, ownership: LayerOwnership, x: mx.array, inds: mx.array):

@@ -91,12 +91,10 @@ class DataParallelDispatcher:
         return self.prompt_only and layer == self.final_layer
 
     def _masked_table(self, ownership: LayerOwnership) -> Tuple[mx.array, mx.array]:
+        """([E] local id, or 0; [E] 1.0 where held here, to weight by)."""
         if ownership.layer not in self._tables:
-            owned = ownership.owner == ownership.rank
-            self._tables[ownership.layer] = (
-                mx.array(np.where(owned, ownership.local_index, 0)),
-                mx.array(owned.astype(np.float32)),
-            )
+            local_index, owned = ownership.masked_table()
+            self._tables[ownership.layer] = (mx.array(local_index), mx.array(owned.astype(np.float32)))
         return self._tables[ownership.layer]
 
     def dispatch(self, ownership: LayerOwnership, x: mx.array, inds: mx.array, weights: mx.array):

@@ -1,7 +1,7 @@
 """Who owns which expert of one MoE layer, as one rank sees it."""
 
 from dataclasses import dataclass
-from typing import List
+from typing import List, Tuple
 
 import numpy as np
 
@@ -34,3 +34,9 @@ class LayerOwnership:
     @property
     def num_experts(self) -> int:
         return self.owner.size
+
+    def masked_table(self) -> Tuple[np.ndarray, np.ndarray]:
+        """The masked layouts' tables: ([E] local id, or 0 where held
+        elsewhere; [E] bool, held by this rank)."""
+        owned = self.owner == self.rank
+        return np.where(owned, self.local_index, 0), owned
