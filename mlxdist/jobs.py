@@ -94,9 +94,16 @@ def finished_ids(out_path: str) -> Set[str]:
         with open(path, "r+b") as f:
             f.truncate(cut)
         print(f"mlxdist: repaired {out_path}: dropped a half-written last line", file=sys.stderr)
-        data = data[:cut]
+    return recorded_ids(out_path)
+
+
+def recorded_ids(out_path: str) -> Set[str]:
+    """Ids in the output's complete lines; reads only, so it is safe while a
+    job is appending to the file."""
+    path = Path(out_path)
+    data = path.read_bytes() if path.exists() else b""
     done = set()
-    for line in data.decode().splitlines():
+    for line in data[: data.rfind(b"\n") + 1].decode().splitlines():
         try:
             done.add(str(json.loads(line)["id"]))
         except (json.JSONDecodeError, KeyError, TypeError):

@@ -18,29 +18,23 @@ communicator, but not MLX's group); this is the next best.
 """
 
 import argparse
-import os
 import re
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import List, Optional, Tuple
+from typing import List, Optional, Set, Tuple
 
-from .jobs import finished_ids
+from .jobs import read_jobs, recorded_ids
 
+# Open MPI's launcher failing before any rank ran (not a lost rank): tried again.
 LAUNCHER_FAILURE = "The PMIx server's listener thread failed to start"
 
 
-def _job_ids(path: str) -> List[str]:
-    import json
-
-    ids = []
-    for line in Path(path).read_text().splitlines():
-        try:
-            ids.append(str(json.loads(line)["id"]))
-        except (ValueError, KeyError, TypeError):
-            continue
-    return ids
+def _job_ids(path: str) -> Set[str]:
+    """The ids the output will hold once the job file is done (a malformed
+    line's record included), as ``jobs.run_jobs`` writes them."""
+    return {item.id if kind == "job" else item["id"] for kind, item in read_jobs(path, {})}
 
 
 def _option(args: List[str], name: str) -> Optional[str]:
@@ -99,7 +93,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     jobs, out = _option(run_args, "--jobs"), _option(run_args, "--out")
     if not jobs or not out:
         p.error("the mlxdist.run options after -- must include --jobs and --out")
-    wanted = set(_job_ids(jobs))
+    wanted = _job_ids(jobs)
     hosts = read_hostfile(args.hostfile) if args.hostfile else None
     ranks, restarts, launcher_retries = args.ranks, [], 0
     failed_at: Optional[float] = None
@@ -111,19 +105,22 @@ def main(argv: Optional[List[str]] = None) -> int:
         cmd += [sys.executable, "-m", "mlxdist.run", *run_args]
         print(f"mlxdist.supervise: starting {ranks} rank{'s' if ranks > 1 else ''}", file=sys.stderr, flush=True)
         proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
-        done_before = len(finished_ids(out) & wanted) if os.path.exists(out) else 0
+        done_before = len(recorded_ids(out) & wanted)
         stderr_lines = []
+
+        def note_resume() -> None:  # the first result after a restart: how long since the failure
+            nonlocal failed_at
+            if failed_at is not None and len(recorded_ids(out) & wanted) > done_before:
+                restarts[-1]["resumed_after_s"] = time.time() - failed_at
+                failed_at = None
+
         for line in proc.stderr:
             sys.stderr.write(line)
             stderr_lines.append(line)
-            if failed_at is not None and os.path.exists(out) and len(finished_ids(out) & wanted) > done_before:
-                restarts[-1]["resumed_after_s"] = time.time() - failed_at
-                failed_at = None
+            note_resume()
         code = proc.wait()
-        if failed_at is not None and os.path.exists(out) and len(finished_ids(out) & wanted) > done_before:
-            restarts[-1]["resumed_after_s"] = time.time() - failed_at
-            failed_at = None
-        left = wanted - (finished_ids(out) if os.path.exists(out) else set())
+        note_resume()
+        left = wanted - recorded_ids(out)
         if code == 0 or not left:
             for r in restarts:
                 print(f"mlxdist.supervise: restart on {r['ranks']} ranks after losing rank(s) {r['lost']}: "
