@@ -164,8 +164,8 @@ class DataParallelGeneration:
 
     def _absorb(self, step: "Step") -> None:
         """Read one step's tokens back and record them; sequences that end
-        (EOS or max_tokens) are marked. Rows of sequences that had already
-        ended when the step was built are ignored."""
+        (EOS or max_tokens) are marked and dropped. Rows of sequences that
+        had already ended when the step was built are ignored."""
         table = step.gathered.reshape(self.world.size, -1, 2)
         token_ids = table[..., 0].view(mx.int32).tolist()
         logprob_values = table[..., 1].tolist()
@@ -181,6 +181,7 @@ class DataParallelGeneration:
                 seq.logprobs.append(logprob_values[r][i])
                 if len(seq.tokens) >= seq.max_tokens:
                     seq.finish_reason = "length"
+        self._drop_finished()
 
     def _drop_finished(self) -> None:
         """Remove ended sequences from every rank's view and from this
@@ -217,7 +218,6 @@ class DataParallelGeneration:
                 if in_flight is not None:  # who is live must be known before admitting
                     t0 = time.perf_counter()
                     self._absorb(in_flight)
-                    self._drop_finished()
                     stats.decode_time += time.perf_counter() - t0
                     in_flight = None
                 self._admit(waiting, limit, stats)
@@ -226,7 +226,6 @@ class DataParallelGeneration:
             t0 = time.perf_counter()
             if in_flight is not None and all(len(s.tokens) + 1 >= s.max_tokens for live in self.live for s in live):
                 self._absorb(in_flight)  # every live sequence ends with it: no step after
-                self._drop_finished()
                 in_flight = None
                 stats.decode_time += time.perf_counter() - t0
                 continue
@@ -234,7 +233,6 @@ class DataParallelGeneration:
             stats.generation_steps += 1
             if in_flight is not None:
                 self._absorb(in_flight)
-                self._drop_finished()
             in_flight = step
             stats.decode_time += time.perf_counter() - t0
         if in_flight is not None:  # rows of sequences already ended: run, not read

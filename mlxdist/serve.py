@@ -228,13 +228,16 @@ def make_handler(api_key: Optional[str], max_body: int):
     """mlx-lm's request handler, behind a bearer token (when given) and a body-size limit."""
 
     class Handler(lm_server.APIHandler):
-        def _refuse(self, status: int, message: str, kind: str) -> None:
-            body = json.dumps({"error": {"message": message, "type": kind, "code": status}}).encode()
+        def _send_json(self, status: int, obj: Dict[str, Any]) -> None:
+            body = json.dumps(obj).encode()
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)
+
+        def _refuse(self, status: int, message: str, kind: str) -> None:
+            self._send_json(status, {"error": {"message": message, "type": kind, "code": status}})
 
         def _allowed(self) -> bool:
             if api_key is None:
@@ -274,13 +277,8 @@ def make_handler(api_key: Optional[str], max_body: int):
         def handle_models_request(self):
             # mlx-lm lists the hub cache; this server has one model
             model = self.response_generator.cli_args.model
-            body = json.dumps({"object": "list", "data": [
-                {"id": model, "object": "model", "created": int(time.time()), "owned_by": "mlxdist"}]}).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+            self._send_json(200, {"object": "list", "data": [
+                {"id": model, "object": "model", "created": int(time.time()), "owned_by": "mlxdist"}]})
 
         def log_message(self, format, *args):  # mlx-lm logs through logging
             logging.info("%s - %s", self.address_string(), format % args)

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from mlxdist.supervise import LAUNCHER_FAILURE  # noqa: F401 (tests import it from here)
+
 ROOT = Path(__file__).resolve().parent.parent
 MPIRUN = str(Path(sys.executable).parent / "mpirun")
 if not os.path.exists(MPIRUN):
@@ -31,10 +33,9 @@ def mpirun_env() -> dict:
     return env
 
 
-# Open MPI's launcher sometimes fails before starting any rank ("ptl_tool:
-# problems getting address"; open-mpi reports of the same in other projects' CI).
+# Open MPI's launcher sometimes fails before starting any rank (LAUNCHER_FAILURE:
+# "ptl_tool: problems getting address", also seen in other projects' CI).
 # Nothing of ours ran, so such a launch is tried again, once.
-LAUNCHER_FAILURE = "The PMIx server's listener thread failed to start"
 
 
 def launch(np_: int, args, timeout: float = 120, input: str = None, module: str = "mlxdist.run", env: dict = None):
