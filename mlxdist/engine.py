@@ -14,6 +14,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx_lm.generate import (
     DEFAULT_MAX_TOKENS, BatchResponse, GenerationResponse, batch_generate, generation_stream, stream_generate,
 )
@@ -239,6 +240,30 @@ class Engine:
         mx.synchronize()
         self.dispatcher.finish()
 
+    def adopt(self, lost: List[int]) -> None:
+        """Rank 0 takes over the experts of the ``lost`` ranks, read from its
+        own copy of the checkpoint (paged as its own are, with
+        ``expert_capacity``), and computes them from now on (``survival.py``)."""
+        if not self.world.is_root:
+            return
+        if self.dispatch != "p2p":
+            raise UserError(f"lost rank{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))}: only "
+                            f"--dispatch p2p goes on without a rank ({self.dispatch} runs MLX's collectives)")
+        path = resolve_model_path(self.options.model)
+        index = read_safetensors_index(path)
+        lazy_model, _ = load_model(path, lazy=True)
+        paging = self.paging or PagingStats()
+        for rank in lost:
+            modules = {}
+            for site in find_switch_sites(lazy_model):
+                owned = [int(e) for e in np.flatnonzero(self.ownership[site.layer].owner == rank)]
+                module = _rank_experts(site, owned, index, self.options.expert_capacity, paging)
+                if module is not None:
+                    mx.eval(module.parameters())
+                    modules[site.layer] = module
+            self.dispatcher.adopted[rank] = modules
+            self.memory["expert_bytes"] += sum(nbytes(m.parameters()) for m in modules.values())
+
     def serve(self) -> None:
         """A p2p worker's part in one generation."""
         fault = configured_fault(self.world.rank)
@@ -248,6 +273,9 @@ class Engine:
 def load_engine(world: World, options: LoadOptions) -> Engine:
     """Build this rank's part of the model (see the module's docstring)."""
     options.validate()
+    if world.tolerant and world.size > 1 and options.dispatch != "p2p":
+        raise UserError(f"launch/mpirun --survive (in-job survival of a lost rank) needs --dispatch p2p; "
+                        f"{options.dispatch} runs MLX's collectives, which a lost rank stops")
     mx.reset_peak_memory()  # the load's own peak is reported (memory["load_peak_bytes"])
     path = resolve_model_path(options.model)
     check_config(path)

@@ -102,6 +102,12 @@ class CommandExecutor:
     def __init__(self, world: World):
         self.world = world
         self.engine: Optional[Engine] = None
+        world.on_loss.append(self._adopt)
+
+    def _adopt(self, lost: List[int]) -> None:
+        if self.engine is not None:
+            self.engine.adopt(lost)
+            ACTIVITY.progress()
 
     def load(self, args: Dict[str, Any]) -> Engine:
         """LOAD on every rank; raises ``LoadError`` on every rank if any failed."""
@@ -109,6 +115,8 @@ class CommandExecutor:
         engine, error = None, None
         try:
             engine = load_engine(self.world, LoadOptions(**args))
+            if self.world.lost:
+                engine.adopt(self.world.lost)
         except Exception as e:  # a corrupt file fails deep inside mlx or tokenizers
             error = one_line(e)
             if not isinstance(e, (UserError, PlacementError, CheckpointError)):

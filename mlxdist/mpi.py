@@ -26,12 +26,14 @@ import json
 import os
 import sys
 import sysconfig
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 import mlx.core as mx
 import numpy as np
+
+from . import survival
 
 
 def _launched_by_mpirun() -> int:
@@ -76,14 +78,25 @@ class World:
     mpi4py's communicator (None with one rank) for control messages."""
 
     rank: int
-    size: int
+    size: int  # at launch; ranks keep their numbers after a loss (survival.py)
     group: mx.distributed.Group
     comm: Any = None
     backend: str = "mpi"  # MLX's transport for arrays: "mpi" or "nccl"
+    tolerant: bool = False  # launched with fault tolerance: a lost rank is recovered from (survival.py)
+    alive: List[int] = field(default_factory=list)  # original ranks in the communicator, by position
+    lost: List[int] = field(default_factory=list)
+    on_loss: List[Callable[[List[int]], None]] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.alive = self.alive or list(range(self.size))
 
     @property
     def is_root(self) -> bool:
         return self.rank == 0
+
+    def peer(self, rank: int) -> Optional[int]:
+        """``rank``'s position in the communicator now; None once lost."""
+        return self.alive.index(rank) if rank in self.alive else None
 
 
 _WORLD: Optional[World] = None
@@ -150,7 +163,11 @@ def init_world(backend: Optional[str] = None) -> World:
         raise RuntimeError(
             f"MPI allows only {names.get(level, level)} thread use; mlxdist needs serialized or multiple "
             f"(MLX's collectives run on a worker thread): use Open MPI, or set OMPI_MPI_THREAD_LEVEL")
-    _WORLD = World(group.rank(), group.size(), group, comm.Dup(), backend)
+    control = comm.Dup()
+    tolerant = survival.enabled()
+    if tolerant:
+        survival.tolerate(control)
+    _WORLD = World(group.rank(), group.size(), group, control, backend, tolerant)
     sys.excepthook = _failing(sys.excepthook)
     atexit.register(_finalize_and_exit)
     return _WORLD
@@ -185,7 +202,7 @@ def _finalize_and_exit() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     MPI = _mpi()
-    if not MPI.Is_finalized():
+    if not MPI.Is_finalized() and not (_WORLD is not None and _WORLD.tolerant):  # with ULFM it hangs
         MPI.Finalize()
     os._exit(_EXIT_CODE)
 
@@ -224,43 +241,49 @@ def bcast_bytes(world: World, data: Optional[bytes]) -> bytes:
     """Rank 0's bytes on every rank (a length, then the payload)."""
     if world.size == 1:
         return data
-    n = np.array([len(data) if world.is_root else 0], dtype=np.int64)
-    world.comm.Bcast(n, root=0)
-    buf = (
-        np.frombuffer(data, dtype=np.uint8).copy()
-        if world.is_root
-        else np.empty(int(n[0]), dtype=np.uint8)
-    )
-    world.comm.Bcast(buf, root=0)
-    return buf.tobytes()
+
+    def bcast(comm) -> bytes:
+        n = np.array([len(data) if world.is_root else 0], dtype=np.int64)
+        comm.Bcast(n, root=0)
+        buf = np.frombuffer(data, dtype=np.uint8).copy() if world.is_root else np.empty(int(n[0]), dtype=np.uint8)
+        comm.Bcast(buf, root=0)
+        return buf.tobytes()
+
+    return survival.agreed(world, bcast)
 
 
 def bcast_flag(world: World, flag: Optional[bool]) -> bool:
     """Rank 0's ``flag`` on every rank (others pass None)."""
-    buf = np.array([1 if flag else 0], dtype=np.int8)
-    world.comm.Bcast(buf, root=0)
-    return bool(buf[0])
+    def bcast(comm) -> bool:
+        buf = np.array([1 if flag else 0], dtype=np.int8)
+        comm.Bcast(buf, root=0)
+        return bool(buf[0])
+
+    return survival.agreed(world, bcast)
 
 
 def allgather_json(world: World, obj: Any) -> List[Any]:
-    """Every rank's JSON-able ``obj``, in rank order, on every rank."""
+    """Every rank's JSON-able ``obj``, in rank order, on every rank (the
+    ranks alive, after a loss)."""
     if world.size == 1:
         return [obj]
     data = np.frombuffer(json.dumps(obj).encode(), dtype=np.uint8)
-    counts = np.empty(world.size, dtype=np.int64)
-    world.comm.Allgather(np.array([data.size], dtype=np.int64), counts)
-    out = np.empty(int(counts.sum()), dtype=np.uint8)
-    displs = np.concatenate([[0], np.cumsum(counts)[:-1]])
-    world.comm.Allgatherv(data, [out, counts, displs, _mpi().BYTE])
-    return [
-        json.loads(out[d : d + c].tobytes()) for d, c in zip(displs, counts)
-    ]
+
+    def gather(comm) -> List[Any]:
+        counts = np.empty(comm.Get_size(), dtype=np.int64)
+        comm.Allgather(np.array([data.size], dtype=np.int64), counts)
+        out = np.empty(int(counts.sum()), dtype=np.uint8)
+        displs = np.concatenate([[0], np.cumsum(counts)[:-1]])
+        comm.Allgatherv(data, [out, counts, displs, _mpi().BYTE])
+        return [json.loads(out[d : d + c].tobytes()) for d, c in zip(displs, counts)]
+
+    return survival.agreed(world, gather)
 
 
 def barrier(world: World) -> None:
     """Wait for every rank (control plane)."""
     if world.size > 1:
-        world.comm.Barrier()
+        survival.agreed(world, lambda comm: comm.Barrier())
 
 
 def abort(world: Optional[World], code: int = 1) -> None:

@@ -18,6 +18,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from .. import survival
 from ..mpi import World
 from ..watchdog import ACTIVITY
 from . import wire
@@ -28,12 +29,17 @@ from .stats import ExchangeStats
 
 @dataclass
 class P2PHandle:
+    ownership: LayerOwnership
+    xs: mx.array  # [T, D] the layer's token rows
+    flat: np.ndarray  # [S] expert of each slot
     out_shape: Tuple[int, ...]  # [.., K, D]
     dtype: mx.Dtype
     local_slots: np.ndarray  # [s0] flat slots rank 0 computes itself
     replies: List[Tuple[np.ndarray, np.ndarray]] = field(default_factory=list)  # (slots, [s, D] buffer)
     requests: List[Any] = field(default_factory=list)  # [send, recv] per peer
     peers: List[int] = field(default_factory=list)  # ranks whose replies are awaited
+    adopted: Dict[int, Tuple[np.ndarray, mx.array]] = field(default_factory=dict)  # lost rank -> its slots, computed here
+    posted: bool = False
 
 
 class P2PDispatcher:
@@ -42,45 +48,66 @@ class P2PDispatcher:
     def __init__(self, world: World):
         self.world = world
         self.stats = ExchangeStats()
+        self.generation = 0  # generations finished (numbers the DONE messages)
+        self.adopted: Dict[int, Dict[int, nn.Module]] = {}  # lost rank -> layer -> its experts, now rank 0's
 
     def dispatch(self, ownership: LayerOwnership, x: mx.array, inds: mx.array):
         self.stats.layers += 1
-        D, K = x.shape[-1], inds.shape[-1]
+        D = x.shape[-1]
         mx.eval(x, inds)
         xs = x.reshape(-1, D)  # [.., D] -> [T, D]
         flat = np.asarray(inds).reshape(-1)  # [.., K] -> [S]
         self.stats.count(ownership.layer, flat, ownership.num_experts)
         owner = ownership.owner[flat]  # [S]
-        local = ownership.local_index[flat]  # [S]
-        x_np = wire.to_numpy(xs)  # [T, D]
-        handle = P2PHandle(inds.shape + (D,), x.dtype, np.flatnonzero(owner == 0))
-        comm = self.world.comm
-        for rank in range(1, self.world.size):
+        handle = P2PHandle(ownership, xs, flat, inds.shape + (D,), x.dtype, np.flatnonzero(owner == 0))
+        self._post(handle)
+        self.stats.slots_local += handle.local_slots.size
+        self.stats.slots_remote += flat.size - handle.local_slots.size
+        if handle.local_slots.size == 0:
+            return None, handle
+        return self._batch(handle, handle.local_slots), handle
+
+    def _batch(self, handle: P2PHandle, slots: np.ndarray) -> ExpertBatch:
+        """The rows and local expert ids of ``slots``, for whoever owns them."""
+        K = handle.out_shape[-2]
+        local = handle.ownership.local_index[handle.flat[slots]]
+        return ExpertBatch(handle.xs[mx.array(slots // K)], mx.array(local)[:, None], handle.flat.size)  # [s, D], [s, 1]
+
+    def _post(self, handle: P2PHandle) -> None:
+        """Send each live owner its (row, local expert) batch and post the
+        receive of its reply; a lost owner's slots are computed here."""
+        K, D = handle.out_shape[-2], handle.out_shape[-1]
+        owner = handle.ownership.owner[handle.flat]
+        local = handle.ownership.local_index[handle.flat]
+        handle.requests, handle.replies, handle.peers, handle.posted = [], [], [], True
+        x_np = None
+        for rank in np.unique(owner).tolist():
             slots = np.flatnonzero(owner == rank)
-            if slots.size == 0:
+            if rank == 0 or rank in handle.adopted:
                 continue
+            if rank in self.adopted:
+                module = self.adopted[rank][handle.ownership.layer]
+                handle.adopted[rank] = (slots, run_experts(module, self._batch(handle, slots)))
+                continue
+            x_np = wire.to_numpy(handle.xs) if x_np is None else x_np  # [T, D]
             rows, slot_rows = np.unique(slots // K, return_inverse=True)  # each token once per rank
-            msg = wire.pack(wire.OP_EXPERTS, ownership.layer, x.dtype, local[slots], slot_rows, x_np[rows], ACTIVITY.step,
-                            flat.size)
-            handle.requests.append(comm.Isend(msg, dest=rank, tag=wire.TAG_EXPERTS))
+            msg = wire.pack(wire.OP_EXPERTS, handle.ownership.layer, handle.dtype, local[slots], slot_rows, x_np[rows],
+                            ACTIVITY.step, handle.flat.size)
             reply = np.empty((slots.size, D), dtype=x_np.dtype)
-            handle.requests.append(comm.Irecv(reply, source=rank, tag=wire.TAG_RESULT))
             handle.replies.append((slots, reply))
             handle.peers.append(rank)
             self.stats.bytes_sent += msg.nbytes
             self.stats.rows_sent += rows.size
             self.stats.bytes_received += reply.nbytes
-        self.stats.slots_local += handle.local_slots.size
-        self.stats.slots_remote += flat.size - handle.local_slots.size
-        if handle.local_slots.size == 0:
-            return None, handle
-        rows = mx.array(handle.local_slots // K)
-        batch = ExpertBatch(xs[rows], mx.array(local[handle.local_slots])[:, None], flat.size)  # [s0, D], [s0, 1]
-        return batch, handle
+            try:
+                dest = self.world.peer(rank)
+                handle.requests.append(self.world.comm.Isend(msg, dest=dest, tag=wire.TAG_EXPERTS))
+                handle.requests.append(self.world.comm.Irecv(reply, source=dest, tag=wire.TAG_RESULT))
+            except survival.peer_errors(self.world):  # combine recovers and posts again
+                handle.posted = False
+                return
 
     def combine(self, y: Optional[mx.array], handle: P2PHandle) -> mx.array:
-        from mpi4py import MPI
-
         D = handle.out_shape[-1]
         out = np.empty((int(np.prod(handle.out_shape[:-1])), D), dtype=wire.NUMPY_DTYPES[handle.dtype])  # [S, D]
         if y is not None:
@@ -88,7 +115,27 @@ class P2PDispatcher:
             out[handle.local_slots] = wire.to_numpy(y.reshape(-1, D))  # [s0, 1, D] -> [s0, D]
             self.stats.compute_seconds += time.perf_counter() - tic
         tic = time.perf_counter()
-        # Wait for replies as they come, so a stall names the ranks still owing one.
+        while True:
+            try:
+                if handle.posted:
+                    self._wait(handle)
+                    break
+            except survival.peer_errors(self.world):
+                pass
+            survival.recover(self.world)  # rank 0 now holds the lost ranks' experts (self.adopted)
+            self._post(handle)
+        ACTIVITY.progress()
+        self.stats.wait_seconds += time.perf_counter() - tic
+        for slots, reply in handle.replies:
+            out[slots] = reply
+        for slots, y_lost in handle.adopted.values():
+            out[slots] = wire.to_numpy(y_lost.reshape(-1, D))
+        return wire.from_numpy(out, handle.dtype).reshape(handle.out_shape)  # [S, D] -> [.., K, D]
+
+    def _wait(self, handle: P2PHandle) -> None:
+        """Wait for the replies as they come, so a stall names the ranks still owing one."""
+        from mpi4py import MPI
+
         owing = dict(enumerate(handle.peers))
         while owing:
             ACTIVITY.beat("exchange", ACTIVITY.layer, sorted(owing.values()))
@@ -96,19 +143,21 @@ class P2PDispatcher:
                 if i % 2 == 1:
                     owing.pop(i // 2, None)
         MPI.Request.Waitall(handle.requests)
-        ACTIVITY.progress()
-        self.stats.wait_seconds += time.perf_counter() - tic
-        for slots, reply in handle.replies:
-            out[slots] = reply
-        return wire.from_numpy(out, handle.dtype).reshape(handle.out_shape)  # [S, D] -> [.., K, D]
 
     def progress_after_combine(self, layer: int) -> Tuple[str, Optional[int]]:
         return ("dense", layer)  # the exchange has completed
 
     def finish(self) -> None:
         """Release the workers from ``serve`` (end of a generation)."""
-        for rank in range(1, self.world.size):
-            self.world.comm.Send(wire.done_message(), dest=rank, tag=wire.TAG_EXPERTS)
+        message = wire.done_message(self.generation)
+        while True:
+            try:
+                for peer in range(1, self.world.comm.Get_size()):
+                    self.world.comm.Send(message, dest=peer, tag=wire.TAG_EXPERTS)
+                break
+            except survival.peer_errors(self.world):  # recover and tell every survivor again
+                survival.recover(self.world)
+        self.generation += 1
 
     def serve(self, experts: Dict[int, nn.Module], ownership: Dict[int, LayerOwnership], on_layer=None) -> None:
         """A worker's part in one generation: run the owned experts on each
@@ -116,32 +165,49 @@ class P2PDispatcher:
         before each batch (the test-only fault injection)."""
         from mpi4py import MPI
 
-        comm, status, stats = self.world.comm, MPI.Status(), self.stats
+        status = MPI.Status()
         while True:
             ACTIVITY.beat("serving")
-            comm.Probe(source=0, tag=wire.TAG_EXPERTS, status=status)
-            buf = np.empty(status.Get_count(MPI.BYTE), dtype=np.uint8)
-            comm.Recv(buf, source=0, tag=wire.TAG_EXPERTS)
-            msg = wire.unpack(buf)
+            try:
+                msg = self._serve_one(experts, ownership, on_layer, status)
+            except survival.peer_errors(self.world):  # rank 0 sends the layer again
+                survival.recover(self.world)
+                continue
             if msg.op == wire.OP_DONE:
+                if msg.step < self.generation:
+                    continue  # sent again after a loss; this worker had it already
+                self.generation += 1
                 return
-            ACTIVITY.step = msg.step
-            ACTIVITY.prefill = False  # one layer's experts at a time: the plain deadline
-            ACTIVITY.beat("experts", msg.layer)
-            if on_layer is not None:
-                on_layer(msg.layer, msg.step)
-            tic = time.perf_counter()
-            rows = msg.local_ids.size
-            x = msg.x[mx.array(msg.slot_rows)]  # [u, D] -> [s, D]
-            batch = ExpertBatch(x, mx.array(msg.local_ids)[:, None], msg.total_slots)  # [s, D], [s, 1]
-            y = run_experts(experts[msg.layer], batch)  # [s, 1, D]
-            reply = wire.to_numpy(y.reshape(rows, -1))
-            stats.compute_seconds += time.perf_counter() - tic
-            comm.Send(reply, dest=0, tag=wire.TAG_RESULT)
-            ACTIVITY.progress()
-            stats.layers += 1
-            stats.slots_local += rows
-            stats.bytes_received += buf.nbytes
-            stats.bytes_sent += reply.nbytes
-            layer = ownership[msg.layer]
-            stats.count(msg.layer, layer.owned_experts[msg.local_ids], layer.num_experts)
+
+    def _serve_one(self, experts, ownership, on_layer, status) -> wire.Message:
+        """Receive one message from rank 0 and, unless it is DONE, answer it."""
+        from mpi4py import MPI
+
+        comm, stats = self.world.comm, self.stats
+        comm.Probe(source=0, tag=wire.TAG_EXPERTS, status=status)
+        buf = np.empty(status.Get_count(MPI.BYTE), dtype=np.uint8)
+        comm.Recv(buf, source=0, tag=wire.TAG_EXPERTS)
+        msg = wire.unpack(buf)
+        if msg.op == wire.OP_DONE:
+            return msg
+        ACTIVITY.step = msg.step
+        ACTIVITY.prefill = False  # one layer's experts at a time: the plain deadline
+        ACTIVITY.beat("experts", msg.layer)
+        if on_layer is not None:
+            on_layer(msg.layer, msg.step)
+        tic = time.perf_counter()
+        rows = msg.local_ids.size
+        x = msg.x[mx.array(msg.slot_rows)]  # [u, D] -> [s, D]
+        batch = ExpertBatch(x, mx.array(msg.local_ids)[:, None], msg.total_slots)  # [s, D], [s, 1]
+        y = run_experts(experts[msg.layer], batch)  # [s, 1, D]
+        reply = wire.to_numpy(y.reshape(rows, -1))
+        stats.compute_seconds += time.perf_counter() - tic
+        comm.Send(reply, dest=0, tag=wire.TAG_RESULT)
+        ACTIVITY.progress()
+        stats.layers += 1
+        stats.slots_local += rows
+        stats.bytes_received += buf.nbytes
+        stats.bytes_sent += reply.nbytes
+        layer = ownership[msg.layer]
+        stats.count(msg.layer, layer.owned_experts[msg.local_ids], layer.num_experts)
+        return msg

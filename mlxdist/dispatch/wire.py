@@ -42,10 +42,13 @@ def pack(op: int, layer: int, dtype: mx.Dtype, local_ids: np.ndarray, slot_rows:
     ])
 
 
-def done_message() -> np.ndarray:
-    """The message that ends a worker's part in one generation."""
+def done_message(generation: int) -> np.ndarray:
+    """The message that ends a worker's part in generation number
+    ``generation`` (in the step field: after a lost rank rank 0 sends it
+    again, and a worker that had it already must not take the copy for the
+    end of its next generation)."""
     empty = np.zeros(0, np.int32)
-    return pack(OP_DONE, -1, mx.float32, empty, empty, np.zeros((0, 0), np.float32))
+    return pack(OP_DONE, -1, mx.float32, empty, empty, np.zeros((0, 0), np.float32), generation)
 
 
 @dataclass(frozen=True)
