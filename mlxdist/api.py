@@ -102,6 +102,7 @@ class Cluster:
         layout: Optional[str] = None,
         stats: bool = False,
         expert_capacity: Optional[int] = None,
+        memory_budget_gb: Optional[float] = None,
     ) -> "Cluster":
         """Load ``model`` (a folder or hub id; None: the built-in random MoE)
         on every rank, releasing any model loaded before.
@@ -112,8 +113,9 @@ class Cluster:
         compact on the CPU, masked on GPUs, as rank 0 sees its device).
         ``stats``: count routed slots per expert (a cost on every MoE layer).
         ``expert_capacity``: experts each rank keeps resident per layer, the
-        rest paged in from its checkpoint copy (compact layout or p2p).
-        Raises ``UserError``/``LoadError`` with one line."""
+        rest paged in from its checkpoint copy (compact layout or p2p);
+        ``memory_budget_gb``: instead, the weight bytes each rank may hold,
+        which set its capacity. Raises ``UserError``/``LoadError`` with one line."""
         if isinstance(placement, str):
             placement = Placement.load(placement)
         if isinstance(placement, Placement):
@@ -123,7 +125,7 @@ class Cluster:
 
             model = str(default_checkpoint())
         options = LoadOptions(str(model), dispatch, layout or default_layout(), placement, rank0_experts, stats,
-                              expert_capacity)
+                              expert_capacity, memory_budget_gb)
         options.validate()
         self.executor.load(self._broadcast(Command(commands.LOAD, asdict(options))).args)
         return self

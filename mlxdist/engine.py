@@ -30,7 +30,7 @@ from .loader import (
     check_config, find_switch_sites, nbytes, read_safetensors_index, resolve_model_path, slice_experts, stacked_tensors,
     switch_extras,
 )
-from .paging import PagedExperts, PagingStats
+from .paging import PagedExperts, PagingStats, capacity_for_budget
 from .moe import DistributedSwitch, MoEBlock, Observer
 from .mpi import World
 from .placement import Placement, resolve_placement
@@ -51,14 +51,19 @@ class LoadOptions:
     rank0_experts: bool = True
     stats: bool = False  # count routed slots per expert from the start
     expert_capacity: Optional[int] = None  # experts resident per layer and rank; the rest paged in (paging.py)
+    memory_budget_gb: Optional[float] = None  # weight bytes a rank may hold: sets its expert capacity (paging.py)
 
     def validate(self) -> None:
         if self.dispatch not in DISPATCH_MODES:
             raise UserError(f"unknown dispatch mode {self.dispatch!r} (choose {', '.join(DISPATCH_MODES)})")
         if self.layout not in LAYOUTS:
             raise UserError(f"unknown layout {self.layout!r} (choose {', '.join(LAYOUTS)})")
-        if self.expert_capacity is not None:
-            if self.expert_capacity < 1:
+        if self.expert_capacity is not None and self.memory_budget_gb is not None:
+            raise UserError("give --expert-capacity or --memory-budget, not both")
+        if self.memory_budget_gb is not None and not self.memory_budget_gb > 0:
+            raise UserError(f"--memory-budget must be a positive number of GB, not {self.memory_budget_gb}")
+        if self.expert_capacity is not None or self.memory_budget_gb is not None:
+            if self.expert_capacity is not None and self.expert_capacity < 1:
                 raise UserError(f"--expert-capacity must be at least 1, not {self.expert_capacity}")
             if self.dispatch != "p2p" and self.layout != "compact":
                 raise UserError("--expert-capacity pages experts by the routing read back on the host: "
@@ -129,6 +134,7 @@ class Engine:
     fingerprint: Dict[str, Any] = field(default_factory=dict)
     kv_bytes: Optional[int] = None  # this rank's largest KV cache in the last dp generation
     strategy: str = ""  # the strategy the switches use now
+    capacity: Optional[int] = None  # experts resident per layer here (--expert-capacity or --memory-budget)
     paging: Optional[PagingStats] = None  # with --expert-capacity: hits, misses, bytes and time paged in
 
     def __post_init__(self):
@@ -257,7 +263,7 @@ class Engine:
             modules = {}
             for site in find_switch_sites(lazy_model):
                 owned = [int(e) for e in np.flatnonzero(self.ownership[site.layer].owner == rank)]
-                module = _rank_experts(site, owned, index, self.options.expert_capacity, paging)
+                module = _rank_experts(site, owned, index, self.capacity, paging)
                 if module is not None:
                     mx.eval(module.parameters())
                     modules[site.layer] = module
@@ -314,6 +320,9 @@ def load_engine(world: World, options: LoadOptions) -> Engine:
     if options.dispatch == "collective-tp" and world.size > 1:
         _shard_dense(lazy_model, sites, world, config)
 
+    capacity = options.expert_capacity
+    if options.memory_budget_gb is not None:
+        capacity = capacity_for_budget(options.memory_budget_gb * 1e9, lazy_model, sites, runs_dense)
     fault = configured_fault(world.rank)
     paging = PagingStats()
     modules = dict(lazy_model.named_modules())
@@ -322,7 +331,7 @@ def load_engine(world: World, options: LoadOptions) -> Engine:
         owns = LayerOwnership.build(site.layer, plan.layers[site.layer], world.rank)
         ownership[site.layer] = owns
         extras = {name: site.module.pop(name) for name in switch_extras(site.module)}  # the block's, kept whole
-        local = _rank_experts(site, owns.owned_experts.tolist(), index, options.expert_capacity, paging)
+        local = _rank_experts(site, owns.owned_experts.tolist(), index, capacity, paging)
         if local is not None:
             mx.eval(local.parameters())
             experts[site.layer] = local
@@ -375,7 +384,8 @@ def load_engine(world: World, options: LoadOptions) -> Engine:
         dispatchers,
         memory={"expert_bytes": expert_bytes, "dense_bytes": dense_bytes, "load_peak_bytes": mx.get_peak_memory()},
         fingerprint=fingerprint,
-        paging=paging if options.expert_capacity is not None else None,
+        capacity=capacity,
+        paging=paging if capacity is not None else None,
     )
 
 

@@ -4,7 +4,10 @@ stack of ``capacity`` slots; an expert a batch needs that is not resident is
 read from this rank's copy of the checkpoint (the loader's offset reads) into
 the least recently used slot. Results are exact: the same weights, the same
 per-row kernels. A call that needs more distinct experts than there are slots
-runs in rounds of at most ``capacity`` experts.
+runs in rounds of at most ``capacity`` experts, so any capacity of one or more
+runs (a step that needs more distinct experts than the slots is slower, not
+refused). ``--memory-budget GB`` sets each rank's capacity from its budget
+(``capacity_for_budget``).
 
 Paging needs the routing on the host, so it runs where the dispatch reads it
 back anyway: the compact layout and p2p (one expert per row).
@@ -20,7 +23,28 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from .loader import TensorEntry, read_rows
+from .errors import UserError
+from .loader import TensorEntry, nbytes, read_rows
+
+
+def capacity_for_budget(budget: float, model: nn.Module, sites, runs_dense: bool) -> int:
+    """The experts per layer a rank can keep resident within ``budget``
+    bytes of weights: what the dense weights it holds (none on p2p
+    workers) leave, over one expert of every MoE layer. Refuses, saying by
+    how much, a budget below the dense weights or without room for one
+    expert per layer. ``model`` is mlx-lm's lazy model: sizes, no reads."""
+    expert_bytes = [sum(v.nbytes for _, v in tree_flatten(s.module.parameters())) for s in sites]
+    dense = nbytes(model.parameters()) - sum(expert_bytes) if runs_dense else 0
+    one_each = sum(b / s.num_experts for b, s in zip(expert_bytes, sites))  # one expert of every layer
+    gb = 1e9
+    if budget < dense:
+        raise UserError(f"--memory-budget {budget / gb:g} GB is below the dense weights "
+                        f"({dense / gb:.3g} GB) by {(dense - budget) / gb:.3g} GB")
+    capacity = int((budget - dense) // one_each)
+    if capacity < 1:
+        raise UserError(f"--memory-budget {budget / gb:g} GB leaves no room for one expert per layer: "
+                        f"one per layer needs {(dense + one_each - budget) / gb:.3g} GB more")
+    return capacity
 
 
 @dataclass

@@ -58,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--expert-capacity", type=int, default=None,
                    help="experts each rank keeps resident per layer; the rest are read from its checkpoint copy "
                         "on demand into least-recently-used slots (needs --layout compact or --dispatch p2p)")
+    p.add_argument("--memory-budget", type=float, default=None, metavar="GB",
+                   help="weights each rank may hold, in GB: sets its expert capacity from what its dense weights "
+                        "leave (as --expert-capacity, which it replaces)")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT,
                    help="seconds without progress before a generation is declared hung (default %(default)s)")
@@ -147,6 +150,8 @@ def _run_prompt(cluster: Cluster, args, text: str, logprobs: List) -> None:
             "dispatch": engine.dispatch,
             "num_ranks": cluster.world.size,
         }
+        if cluster.world.lost:
+            record["lost_ranks"] = cluster.world.lost
         if args.stats:
             record["expert_load"] = stats["exchange"]["expert_load"]
         print(json.dumps(record), flush=True)
@@ -160,7 +165,7 @@ def command_loop(cluster: Cluster, args) -> int:
     try:
         GenerationParams(**{**generation_args(args), "seed": 0}).validate()
         cluster.load(args.model, args.dispatch, args.placement, not args.no_rank0_experts, args.layout, args.stats,
-                     args.expert_capacity)
+                     args.expert_capacity, args.memory_budget)
     except (UserError, PlacementError) as e:
         fail(str(e))
         return 1

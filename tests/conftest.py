@@ -38,20 +38,21 @@ def mpirun_env() -> dict:
 # Nothing of ours ran, so such a launch is tried again, once.
 
 
-def launch(np_: int, args, timeout: float = 120, input: str = None, module: str = "mlxdist.run", env: dict = None):
+def launch(np_: int, args, timeout: float = 120, input: str = None, module: str = "mlxdist.run", env: dict = None,
+           mpirun_args=()):
     """Run ``python -m module args`` (a script where module is None) on
     ``np_`` ranks (no mpirun for np_ = 0)."""
-    proc = _launch(np_, args, timeout, input, module, env)
+    proc = _launch(np_, args, timeout, input, module, env, mpirun_args)
     if proc.returncode != 0 and LAUNCHER_FAILURE in proc.stderr:
-        proc = _launch(np_, args, timeout, input, module, env)
+        proc = _launch(np_, args, timeout, input, module, env, mpirun_args)
     return proc
 
 
-def _launch(np_: int, args, timeout: float, input: str, module: str, env: dict):
+def _launch(np_: int, args, timeout: float, input: str, module: str, env: dict, mpirun_args):
     cmd = [sys.executable, *(["-m", module] if module else []), *map(str, args)]
     env = {**mpirun_env(), **(env or {})}
     if np_ > 0:
-        cmd = [MPIRUN, "-np", str(np_), "--oversubscribe", "--bind-to", "none", "--stdin", "none", *cmd]
+        cmd = [MPIRUN, *mpirun_args, "-np", str(np_), "--oversubscribe", "--bind-to", "none", "--stdin", "none", *cmd]
     if input is None or np_ == 0:
         return subprocess.run(
             cmd, input=input, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT

@@ -51,3 +51,29 @@ def test_plans_that_cannot_page_are_refused(checkpoint, args, message):
     proc = launch(2, ["--model", checkpoint("qwen3_moe"), "-p", "hi", "-m", 2, *args], timeout=90)
     assert proc.returncode != 0
     assert message in proc.stderr
+
+
+def test_memory_budget_sets_the_capacity(checkpoint):
+    """--memory-budget GB: what the dense weights leave, over one expert per
+    layer, is the capacity (here 2 of the 6 experts each rank owns per
+    layer); tokens unchanged; budgets that cannot hold the dense weights or
+    one expert per layer are refused, saying by how much."""
+    import json
+
+    path = checkpoint("qwen3_moe")
+    args = ["--model", path, "-p", "a budget", "-m", 8, "--json", "--layout", "compact"]
+    full = launch(2, args)
+    assert full.returncode == 0, full.stderr[-2000:]
+    weights = last_json(full.stdout)["weights_gb"][0]
+    owned = json.loads((path / "config.json").read_text())["num_experts"] // 2
+    one_each = weights["expert"] / owned  # GB for one expert of every layer
+    budget = launch(2, args + ["--memory-budget", weights["dense"] + 2.5 * one_each])
+    assert budget.returncode == 0, budget.stderr[-2000:]
+    got = last_json(budget.stdout)
+    assert got["tokens"] == last_json(full.stdout)["tokens"]
+    assert got["weights_gb"][0]["expert"] == pytest.approx(2 * one_each)
+    for gb, message in ((0.9 * weights["dense"], "is below the dense weights"),
+                        (weights["dense"] + 0.5 * one_each, "leaves no room for one expert per layer: one per layer needs")):
+        proc = launch(2, args + ["--memory-budget", gb], timeout=90)
+        assert proc.returncode != 0
+        assert f"mlxdist: error: --memory-budget {gb:g} GB {message}" in proc.stderr, proc.stderr[-2000:]

@@ -1,0 +1,36 @@
+"""Under mpirun (with or without ``--survive``): p2p generations on one
+checkpoint, with an optional loss between them; prints every result's tokens,
+the lost ranks and the stats' ranks as JSON.
+
+    python survive.py CKPT KILL_BETWEEN [CAPACITY]
+
+KILL_BETWEEN: a rank that rank 0 kills (SIGKILL) between the first stream
+and the rest, or -1. A test fault (MLXDIST_FAULT) may kill another rank
+during the first stream.
+"""
+
+import json
+import os
+import signal
+import sys
+import time
+
+import mlxdist
+from mlxdist.bench import survival  # noqa: F401 (registers the "process" probe on every rank)
+
+path, kill_between, *rest = sys.argv[1:]
+capacity = int(rest[0]) if rest else None
+with mlxdist.init() as cluster:
+    cluster.load(path, dispatch="p2p", expert_capacity=capacity)
+    processes = {p["rank"]: p["pid"] for p in cluster.probe("process")}
+    first = [p.token for p in cluster.stream(cluster.request([cluster.encode("a loss is coming")], max_tokens=24))]
+    if int(kill_between) >= 0:
+        os.kill(processes[int(kill_between)], signal.SIGKILL)
+        time.sleep(0.5)
+    second = [p.token for p in cluster.stream(cluster.request([cluster.encode("and then another")], max_tokens=16))]
+    batch = cluster.run_batch(cluster.request([cluster.encode(f"prompt {i} " * (i + 1)) for i in range(5)],
+                                              max_tokens=12))
+    stats_ranks = [s["rank"] for s in cluster.stats()]
+    out = {"first": first, "second": second, "batch": [r.tokens for r in batch], "lost": cluster.world.lost,
+           "stats_ranks": stats_ranks}
+print(json.dumps(out))

@@ -1,0 +1,93 @@
+"""Going on without a rank (launch/mpirun --survive: Open MPI's ULFM), under
+real mpirun: a p2p job that loses workers mid-generation, mid-job and
+between generations finishes with the tokens of an undisturbed run; rank 0's
+loss ends every rank with one line; other modes are refused."""
+
+import json
+
+import pytest
+
+from conftest import ROOT, last_json, launch
+from mlxdist.survival import MPIRUN_FT_FLAGS
+
+SCRIPT = str(ROOT / "tests/scripts/survive.py")
+
+
+def survive(np_, args, fault=None, module="mlxdist.run", timeout=180):
+    env = {"MLXDIST_FAULT": fault} if fault else {}
+    return launch(np_, args, timeout=timeout, env=env, module=module, mpirun_args=MPIRUN_FT_FLAGS)
+
+
+@pytest.fixture(scope="module")
+def undisturbed(checkpoint):
+    path = checkpoint("qwen3_moe")
+    proc = launch(3, [SCRIPT, path, -1], module=None)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return path, last_json(proc.stdout)
+
+
+@pytest.mark.parametrize("capacity", [None, 1], ids=["resident", "paged"])
+def test_a_worker_lost_mid_generation(undisturbed, capacity):
+    """kill -9 of rank 2 at step 5 of a stream at np = 3: rank 0 takes its
+    experts over (paged, with a capacity of 1) and every result equals the
+    undisturbed run's."""
+    path, clean = undisturbed
+    args = [SCRIPT, path, -1] + ([capacity] if capacity else [])
+    proc = survive(3, args, fault="kill:rank=2,layer=-1,step=5", module=None)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "mlxdist: warning: lost rank 2; going on with 2" in proc.stderr
+    out = last_json(proc.stdout)
+    assert out["lost"] == [2]
+    assert out["stats_ranks"] == [0, 1]
+    for key in ("first", "second", "batch"):
+        assert out[key] == clean[key], key
+
+
+def test_two_workers_lost_one_while_idle(checkpoint):
+    """np = 4: rank 3 dies during the first stream (test fault), rank 2
+    between generations (rank 0 kills it); the job goes on with ranks 0 and 1
+    and every result equals an undisturbed run's."""
+    path = checkpoint("qwen3_moe")
+    clean = launch(4, [SCRIPT, path, -1], module=None)
+    assert clean.returncode == 0, clean.stderr[-3000:]
+    proc = survive(4, [SCRIPT, path, 2], fault="kill:rank=3,layer=-1,step=4", module=None)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out, expected = last_json(proc.stdout), last_json(clean.stdout)
+    assert sorted(out["lost"]) == [2, 3]
+    for key in ("first", "second", "batch"):
+        assert out[key] == expected[key], key
+
+
+def test_a_job_file_through_a_loss(checkpoint, tmp_path):
+    """A job file at np = 3 loses rank 2 mid-batch: every id once, tokens
+    equal to an undisturbed run's."""
+    path = checkpoint("qwen3_moe")
+    jobs = tmp_path / "jobs.jsonl"
+    jobs.write_text("".join(json.dumps({"id": f"j{i}", "prompt": f"job {i} " * (i % 3 + 1), "max_tokens": 10}) + "\n"
+                            for i in range(10)))
+    outputs = {}
+    for name, fault in (("clean", None), ("lost", "kill:rank=2,layer=-1,step=3")):
+        out = tmp_path / f"{name}.jsonl"
+        args = ["--model", path, "--dispatch", "p2p", "--jobs", jobs, "--out", out, "--batch-size", 4]
+        proc = survive(3, args, fault=fault) if fault else launch(3, args)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        outputs[name] = [json.loads(line) for line in out.read_text().splitlines()]
+    assert "lost rank 2" in proc.stderr
+    clean = {r["id"]: r["tokens"] for r in outputs["clean"]}
+    assert sorted(r["id"] for r in outputs["lost"]) == sorted(clean)
+    assert all(r["tokens"] == clean[r["id"]] for r in outputs["lost"])
+
+
+def test_rank_zero_lost_ends_every_rank(checkpoint):
+    proc = survive(3, ["--model", checkpoint("qwen3_moe"), "--dispatch", "p2p", "-p", "hi", "-m", 24],
+                   fault="kill:rank=0,layer=-1,step=5", timeout=60)
+    assert proc.returncode != 0
+    lines = [l for l in proc.stderr.splitlines() if l.startswith("mlxdist: error")]
+    expected = [f"mlxdist: error: rank {r}: rank 0 was lost; the job cannot go on without it" for r in (1, 2)]
+    assert sorted(lines) == expected, proc.stderr[-2000:]
+
+
+def test_other_modes_are_refused(checkpoint):
+    proc = survive(2, ["--model", checkpoint("qwen3_moe"), "-p", "hi", "-m", 4], timeout=60)
+    assert proc.returncode != 0
+    assert "mlxdist: error: launch/mpirun --survive (in-job survival of a lost rank) needs --dispatch p2p" in proc.stderr
