@@ -12,9 +12,10 @@ output stops, so nothing is lost or written twice, and in the exact modes the
 tokens equal an undisturbed run's. Each restart is reported with the time
 from the failure to the next result written.
 
-The running job itself does not survive the loss: MLX's collectives cannot
-continue past a dead peer (a ULFM-capable MPI could shrink mpi4py's
-communicator, but not MLX's group); this is the next best.
+This is for the modes whose running job cannot survive a loss (MLX's
+collectives cannot continue past a dead peer). A p2p job launched with
+``launch/mpirun --survive`` goes on inside the running job instead
+(``survival.py``).
 """
 
 import argparse
