@@ -31,6 +31,7 @@ import sys
 import threading
 import time
 import typing
+import weakref
 from http.server import ThreadingHTTPServer
 from typing import Any, Dict, List, Optional
 
@@ -133,6 +134,22 @@ class RequestError(ValueError):
     """A request this server refuses (HTTP 400)."""
 
 
+class RankLost(RuntimeError):
+    """A rank is gone: a live request ends with HTTP 503 (an error event once streaming)."""
+
+
+class _TrackingQueue(lm_server.Queue):
+    """The generator's request queue, remembering each live request's response queue."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = weakref.WeakSet()
+
+    def put(self, item, *args, **kwargs):
+        self.live.add(item[0])
+        super().put(item, *args, **kwargs)
+
+
 _HANDLER = threading.local()  # the status a refused request should get, per handler thread
 
 
@@ -157,6 +174,7 @@ class LockstepResponseGenerator(lm_server.ResponseGenerator):
         self._stop_requested = False
         self._failed = False
         super().__init__(model_provider, prompt_cache)  # starts the generation thread
+        self.requests = _TrackingQueue()  # before any request: the thread reads it at its next poll
 
     def _share_object(self, obj):
         if self.world.size == 1:
@@ -219,6 +237,8 @@ class LockstepResponseGenerator(lm_server.ResponseGenerator):
     def fail(self) -> None:
         """A rank is gone: report unavailable, and end live requests with 503."""
         self._failed = True
+        for queue in list(self.requests.live):
+            queue.put(RankLost("the server lost a rank and is shutting down"))
 
     def generation_available(self):
         return not self._failed and super().generation_available()
@@ -267,6 +287,18 @@ def make_handler(api_key: Optional[str], max_body: int):
                 self._refuse(503, "the server lost a rank and is shutting down", "server_error")
                 return
             super().do_POST()
+
+        def handle_completion(self, request, stop_words):
+            try:
+                super().handle_completion(request, stop_words)
+            except RankLost as e:
+                error = {"error": {"message": str(e), "type": "server_error", "code": 503}}
+                if getattr(self, "_headers_buffer", None):  # not streaming: the 200 is not sent yet
+                    self._headers_buffer = []
+                    self._send_json(503, error)
+                else:
+                    self.wfile.write(f"data: {json.dumps(error)}\n\n".encode())
+                    self.wfile.flush()
 
         def _set_completion_headers(self, status_code: int = 200):
             # mlx-lm answers every failed generate() with 404: ours say what they are

@@ -164,10 +164,7 @@ class Watchdog:
         os.read(read_fd, 1)
         if ACTIVITY.phase != "exiting":  # a clean shutdown raced the launcher: nothing to report
             self.report("the job was stopped")
-        if ON_FATAL:
-            for callback in ON_FATAL:
-                callback()
-            time.sleep(FATAL_GRACE)
+        _run_on_fatal()
         os._exit(1)
 
     def _deadline(self) -> None:
@@ -180,8 +177,18 @@ class Watchdog:
                 # Ranks stalled together pass their deadlines moments apart: let
                 # the others (the one really stuck among them) speak before this
                 # exit makes mpirun stop them.
-                time.sleep(min(2.0, self.timeout))
+                if not _run_on_fatal():
+                    time.sleep(min(2.0, self.timeout))
                 os._exit(1)
+
+
+def _run_on_fatal() -> bool:
+    """Run the ``ON_FATAL`` callbacks and give them ``FATAL_GRACE``; whether there were any."""
+    for callback in ON_FATAL:
+        callback()
+    if ON_FATAL:
+        time.sleep(FATAL_GRACE)
+    return bool(ON_FATAL)
 
 
 def start_watchdog(world: World, timeout: float) -> Watchdog:

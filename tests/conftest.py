@@ -54,9 +54,11 @@ def _launch(np_: int, args, timeout: float, input: str, module: str, env: dict, 
     if np_ > 0:
         cmd = [MPIRUN, *mpirun_args, "-np", str(np_), "--oversubscribe", "--bind-to", "none", "--stdin", "none", *cmd]
     if input is None or np_ == 0:
-        return subprocess.run(
-            cmd, input=input, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT
-        )
+        try:
+            return subprocess.run(cmd, input=input, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+        except subprocess.TimeoutExpired as e:  # say what the ranks said before the limit
+            stderr = e.stderr.decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
+            raise AssertionError(f"timed out after {timeout} s: {' '.join(cmd[-12:])}\n{stderr[-4000:]}") from None
     # Open MPI 5 never forwards stdin's EOF: hand rank 0 a FIFO, as launch/mpirun does.
     with tempfile.TemporaryDirectory() as tmp:
         fifo = os.path.join(tmp, "stdin")

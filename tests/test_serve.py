@@ -283,28 +283,38 @@ def test_binding_beyond_loopback_needs_a_key(checkpoint):
 
 
 def test_a_lost_rank_ends_the_server(checkpoint):
-    """kill -9 of rank 1 while a request decodes: the request fails (503 or
-    a closed connection), and the job exits non-zero within seconds."""
+    """kill -9 of rank 1 while two requests decode: the plain one gets HTTP
+    503 with an OpenAI-style error, the streaming one (already 200) an error
+    event, new requests 503; the job exits non-zero within seconds."""
     s = Server(checkpoint("qwen3_moe"))
     try:
         ranks = s.ranks()
         assert len(ranks) == 2
         victim = ranks[1]
-        got = []
+        got = {}
 
-        def ask():
+        def ask(stream):
+            body = {"prompt": PROMPTS[0], "max_tokens": 4000, "stream": stream}
             try:
-                got.append(s.request("POST", "/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 2000}))
-            except OSError as e:  # the connection closed: also a failed request
-                got.append((None, repr(e)))
+                got[stream] = s.request("POST", "/v1/completions", body)
+            except OSError as e:
+                got[stream] = (None, repr(e))
 
-        t = threading.Thread(target=ask, daemon=True)
-        t.start()
-        time.sleep(2)
+        threads = [threading.Thread(target=ask, args=(stream,), daemon=True) for stream in (False, True)]
+        for t in threads:
+            t.start()
+        time.sleep(3)
         os.kill(victim, signal.SIGKILL)
+        for t in threads:
+            t.join(30)
         s.proc.wait(60)
         assert s.proc.returncode != 0
-        t.join(10)
-        assert not got or got[0][0] != 200
+        status, text = got[False]
+        assert status == 503, got
+        assert json.loads(text)["error"]["code"] == 503
+        status, text = got[True]
+        assert status == 200 and text.startswith("data: "), got
+        events = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+        assert events[-1]["error"]["code"] == 503, events[-1]
     finally:
         s.stop()

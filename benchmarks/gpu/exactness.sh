@@ -14,23 +14,9 @@
 set -u
 root="$(cd "$(dirname "$0")/../.." && pwd)"
 cd "$root"
-start=$(date +%s)
-OUT="${OUT:-/tmp/mlxdist-gpu-out}"; mkdir -p "$OUT"
 DEADLINE="${DEADLINE:-560}"
-MPIRUN="${MPIRUN:-/usr/bin/mpirun}"
-PY="${PY:-$(command -v python3)}"
-export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
-export NCCL_NVLS_ENABLE=0 NCCL_HOST_IP=127.0.0.1
+. benchmarks/gpu/env.sh
 log="$OUT/exactness.log"; results="$OUT/exactness.jsonl"
-say() { echo "[$(( $(date +%s) - start ))s] $*" | tee -a "$log"; }
-left() { echo $(( DEADLINE - ($(date +%s) - start) )); }
-
-synth() {  # dir preset bits dtype layers
-  [ -e "$1/.complete" ] && return
-  say "writing $1: $2 ${3:-no} bits $4 $5 layers"
-  "$PY" -m mlxdist.synth "$1" --preset "$2" ${3:+--bits $3} --dtype "$4" --layers "$5" >> "$log" 2>&1 && touch "$1/.complete"
-}
 
 check() {  # tag model dispatch layout max_tokens [env...]
   local tag=$1 model=$2 dispatch=$3 layout=$4 max=$5; shift 5

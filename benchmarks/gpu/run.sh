@@ -25,25 +25,16 @@
 set -u
 root="$(cd "$(dirname "$0")/../.." && pwd)"
 cd "$root"
-start=$(date +%s)
-OUT="${OUT:-/tmp/mlxdist-gpu-out}"; mkdir -p "$OUT"
 MODEL="${MODEL:-/tmp/q30}"
 PRESET="${PRESET:-qwen3-30b-a3b}"; BITS="${BITS-4}"; DTYPE="${DTYPE:-bfloat16}"; LAYERS="${LAYERS:-48}"
 BENCH_ARGS="${BENCH_ARGS:--p 128 -g 64 -b 1,8,32 -n 3 --warmup-tokens 16}"
 CONTENDERS="${CONTENDERS:-single replicas tensor mlxdist}"
 ROUND="${ROUND:-r1}"
 DEADLINE="${DEADLINE:-570}"
-MPIRUN="${MPIRUN:-/usr/bin/mpirun}"
-PY="${PY:-$(command -v python3)}"  # absolute: under mpirun, PATH may lead elsewhere
 GPU="${GPU:-1}"
+. benchmarks/gpu/env.sh
 log="$OUT/run.log"
 reports="$OUT/reports.jsonl"
-
-export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
-# NVLink multicast stays off (the machine's rule), also in processes we start.
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export NCCL_HOST_IP=127.0.0.1
 if [ "$GPU" = 1 ]; then
   BACKEND=nccl
   MPIFLAGS=(--allow-run-as-root --bind-to none -np 2)
@@ -52,8 +43,6 @@ else
   MPIFLAGS=(--oversubscribe --bind-to none -np 2)
 fi
 
-say() { echo "[$(( $(date +%s) - start ))s] $*" | tee -a "$log"; }
-left() { echo $(( DEADLINE - ($(date +%s) - start) )); }
 
 say "mlxdist GPU bench: round $ROUND, contenders '$CONTENDERS', model $MODEL, args $BENCH_ARGS, backend $BACKEND"
 { date -u; uname -a; nproc; command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv

@@ -68,14 +68,15 @@ class Launched:
             self.proc.wait()
 
 
-def start(contender: str, model: str, ranks: int, max_concurrent: int) -> "tuple[Launched, str]":
+def start(contender: str, args: argparse.Namespace, max_concurrent: int) -> "tuple[Launched, str]":
     port = _free_port()
     if contender == "mlx-lm server":
-        cmd = [sys.executable, "-m", "mlx_lm", "server", "--model", model, "--port", str(port),
+        cmd = [sys.executable, "-m", "mlx_lm", "server", "--model", args.model, "--port", str(port),
                "--decode-concurrency", str(max_concurrent), "--log-level", "WARNING"]
     else:
-        cmd = [_mpirun(), "-np", str(ranks), "--oversubscribe", "--bind-to", "none", "--stdin", "none",
-               sys.executable, "-m", "mlxdist.serve", "--model", model, "--port", str(port),
+        cmd = [args.mpirun or _mpirun(), "-np", str(args.ranks), "--oversubscribe", "--bind-to", "none",
+               "--stdin", "none", *(args.wrapper.split() if args.wrapper else []),
+               sys.executable, "-m", "mlxdist.serve", "--model", args.model, "--port", str(port),
                "--max-concurrent", str(max_concurrent)]
     server = Launched(contender, cmd)
     url = f"http://127.0.0.1:{port}"
@@ -157,7 +158,7 @@ def run(args) -> Dict[str, Any]:
     rounds: Dict[str, List[List[Dict[str, Any]]]] = {c: [] for c in contenders}
     for r in range(args.rounds):
         for contender in contenders if r % 2 == 0 else contenders[::-1]:
-            server, url = start(contender, args.model, args.ranks, max(args.concurrency))
+            server, url = start(contender, args, max(args.concurrency))
             try:
                 load_level(url, prompts, 1, 1, 4)  # warm-up
                 levels = [load_level(url, prompts, c, args.requests, args.generation_tokens) for c in args.concurrency]
@@ -221,6 +222,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="Folder for serve.json, serve.md and serve.png.")
+    p.add_argument("--mpirun", default=None, help="mpirun to start mlxdist with (default: this environment's).")
+    p.add_argument("--wrapper", default=None,
+                   help="Command before python on each rank, e.g. benchmarks/gpu/rank.sh (one GPU per rank).")
     return p.parse_args(argv)
 
 
