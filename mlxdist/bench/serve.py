@@ -160,7 +160,8 @@ def run(args) -> Dict[str, Any]:
         for contender in contenders if r % 2 == 0 else contenders[::-1]:
             server, url = start(contender, args, max(args.concurrency))
             try:
-                load_level(url, prompts, 1, 1, 4)  # warm-up
+                for c in args.concurrency:  # warm-up: each level's batch shapes once (CUDA compiles them)
+                    load_level(url, prompts, c, 1, 8)
                 levels = [load_level(url, prompts, c, args.requests, args.generation_tokens) for c in args.concurrency]
             finally:
                 server.stop()
