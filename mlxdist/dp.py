@@ -22,7 +22,7 @@ Prompts, caches and samplers are mlx-lm's; only the schedule is ours.
 
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import mlx.core as mx
 from mlx_lm.generate import PromptProcessingBatch, _extend_cache
@@ -41,6 +41,19 @@ class Sequence:
     tokens: List[int] = field(default_factory=list)
     logprobs: List[float] = field(default_factory=list)
     finish_reason: Optional[str] = None
+    sampler: Optional[Callable] = None  # its own (the server's requests); None: the generation's
+    processors: List[Callable] = field(default_factory=list)  # mlx-lm logits processors
+    stop: Optional[Any] = None  # a matcher of mlx-lm's StopSequences (the server's stop words)
+
+
+@dataclass
+class Event:
+    """One sequence's outcome of a decode step: its token (EOS included) and why it ended, if it did."""
+
+    seq: Sequence
+    token: int
+    logprob: float
+    finish_reason: Optional[str]
 
 
 @dataclass
@@ -147,8 +160,13 @@ class DataParallelGeneration:
         local = self.local
         if local.seqs:
             logits = self.model(local.last[:, None], cache=local.cache)[:, -1, :]
+            if any(s.processors for s in local.seqs):
+                logits = mx.concatenate([_process(s, logits[i : i + 1]) for i, s in enumerate(local.seqs)])
             logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-            tokens = sampler(logprobs)
+            if any(s.sampler is not None for s in local.seqs):
+                tokens = mx.concatenate([(s.sampler or sampler)(logprobs[i : i + 1]) for i, s in enumerate(local.seqs)])
+            else:
+                tokens = sampler(logprobs)
             chosen = mx.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
             packed = mx.stack([tokens.astype(mx.int32).view(mx.float32), chosen.astype(mx.float32)], axis=1)
             local.last = tokens
@@ -162,25 +180,38 @@ class DataParallelGeneration:
         mx.async_eval(gathered)
         return Step(snapshot, gathered)
 
-    def _absorb(self, step: "Step") -> None:
+    def _absorb(self, step: "Step") -> List[Event]:
         """Read one step's tokens back and record them; sequences that end
-        (EOS or max_tokens) are marked and dropped. Rows of sequences that
-        had already ended when the step was built are ignored."""
+        (EOS, a stop sequence or max_tokens) are marked and dropped. Rows of
+        sequences that had already ended when the step was built are ignored."""
         table = step.gathered.reshape(self.world.size, -1, 2)
         token_ids = table[..., 0].view(mx.int32).tolist()
         logprob_values = table[..., 1].tolist()
+        events = []
         for r, seqs in enumerate(step.live):
             for i, seq in enumerate(seqs):
                 if seq.finish_reason is not None:
                     continue
-                token = token_ids[r][i]
+                token, logprob = token_ids[r][i], logprob_values[r][i]
                 if token in self.eos:
                     seq.finish_reason = "stop"
-                    continue
-                seq.tokens.append(token)
-                seq.logprobs.append(logprob_values[r][i])
-                if len(seq.tokens) >= seq.max_tokens:
-                    seq.finish_reason = "length"
+                else:
+                    seq.tokens.append(token)
+                    seq.logprobs.append(logprob)
+                    if seq.stop is not None and seq.stop.advance(token):
+                        seq.finish_reason = "stop"
+                    elif len(seq.tokens) >= seq.max_tokens:
+                        seq.finish_reason = "length"
+                events.append(Event(seq, token, logprob, seq.finish_reason))
+        self._drop_finished()
+        return events
+
+    def drop(self, indices: List[int]) -> None:
+        """End the sequences numbered ``indices`` now (every rank, the same ones)."""
+        for seqs in self.live:
+            for seq in seqs:
+                if seq.index in indices:
+                    seq.finish_reason = "cancelled"
         self._drop_finished()
 
     def _drop_finished(self) -> None:
@@ -256,3 +287,11 @@ class DataParallelGeneration:
         self._prefill(joiners)
         stats.prompt_time += time.perf_counter() - t0
         stats.prompt_tokens += sum(len(s.prompt) for j in joiners for s in j)
+
+
+def _process(seq: Sequence, logits: mx.array) -> mx.array:
+    """``seq``'s logits processors (mlx-lm's: repetition penalty, logit bias, ...) on its [1, V] logits."""
+    history = mx.array(seq.prompt + seq.tokens)
+    for processor in seq.processors:
+        logits = processor(history, logits)
+    return logits

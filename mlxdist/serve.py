@@ -60,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-concurrency", type=int, default=8, help="Prompts prefilled together.")
     p.add_argument("--chat-template", default="", help="A chat template to use instead of the tokenizer's.")
     p.add_argument("--backend", choices=("mpi", "nccl"), default=None, help="MLX's transport for arrays.")
+    p.add_argument("--dispatch", choices=("collective", "dp"), default="collective",
+                   help="collective: every rank decodes every sequence (exact); dp: each rank a share of the live "
+                        "sequences (not bit-exact; no prompt cache, no top_logprobs)")
     p.add_argument("--timeout", type=float, default=None, help="Seconds without progress before a rank is declared hung.")
     p.add_argument("--log-level", default="WARNING", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     return p
@@ -201,6 +204,9 @@ class LockstepResponseGenerator(lm_server.ResponseGenerator):
                 _from_json(lm_server.GenerationArguments, shared["args"]))
 
     def _tokenize(self, tokenizer, request, args):
+        if args.top_logprobs > 0 and self.model_provider.engine.dispatch == "dp":
+            raise RequestError("top_logprobs is not available with --dispatch dp (each rank gathers only the "
+                               "sampled token's log-probability)")
         tokenized = super()._tokenize(tokenizer, request, args)
         limit = self.model_provider.engine.context_length
         if limit is not None and len(tokenized[0]) + args.max_tokens > limit:
@@ -225,6 +231,8 @@ class LockstepResponseGenerator(lm_server.ResponseGenerator):
         # that leaves lets it run to its end instead.
         if self.world.size > 1:
             request = (_Unstoppable(request[0]),) + tuple(request[1:])
+        engine = self.model_provider.engine
+        engine.use(engine.strategy_for(1))  # one sequence on every rank: the exact strategy, also under dp
         return super()._serve_single(request, stream)
 
     def stop_and_join(self):
@@ -329,8 +337,16 @@ def serve(executor, options: Dict[str, Any]) -> None:
     logging.basicConfig(level=getattr(logging, options["log_level"]), format="%(asctime)s %(levelname)s %(message)s")
     world = executor.world
     cli_args = lm_server_args(options)
-    provider = EngineModelProvider(cli_args, executor.engine)
-    generator = LockstepResponseGenerator(provider, lm_server.LRUPromptCache(cli_args.prompt_cache_size), world)
+    engine = executor.engine
+    provider = EngineModelProvider(cli_args, engine)
+    prompt_cache = lm_server.LRUPromptCache(cli_args.prompt_cache_size)
+    if engine.dispatch == "dp" and world.size > 1:
+        from .dp_batch import NoPromptCache, make_batch_generator
+
+        # mlx-lm's server builds its BatchGenerator by this name; this process serves this model only
+        lm_server.BatchGenerator = make_batch_generator(engine)
+        prompt_cache = NoPromptCache(cli_args.prompt_cache_size)
+    generator = LockstepResponseGenerator(provider, prompt_cache, world)
     if not world.is_root:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 decides when serving ends
         generator.join()
@@ -368,8 +384,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     cluster = init(timeout=args.timeout or DEFAULT_TIMEOUT, backend=args.backend)  # other ranks serve inside
     code = 0
     try:
-        cluster.load(args.model, dispatch="collective")
-        options = {k: v for k, v in vars(args).items() if k not in ("backend", "timeout")}
+        cluster.load(args.model, dispatch=args.dispatch)
+        options = {k: v for k, v in vars(args).items() if k not in ("backend", "timeout", "dispatch")}
         options["model"] = cluster.engine.options.model
         cluster.serve_http(options)
     except UserError as e:

@@ -318,3 +318,67 @@ def test_a_lost_rank_ends_the_server(checkpoint):
         assert events[-1]["error"]["code"] == 503, events[-1]
     finally:
         s.stop()
+
+
+@pytest.fixture(scope="module")
+def dp_server(checkpoint):
+    s = Server(checkpoint("qwen3_moe"), extra=["--dispatch", "dp"])
+    yield s
+    code = s.stop()
+    assert code == 0, s.proc.stderr.read()[-3000:]
+
+
+def test_dp_server_clients_get_what_they_would_alone(dp_server, checkpoint):
+    """--dispatch dp (each rank decodes a share of the live sequences): 16
+    concurrent clients x 2 requests, joining mid-decode; each greedy answer
+    (float32) equals mlx-lm's for the prompt alone, streamed ones too."""
+    path = checkpoint("qwen3_moe")
+    expected = {p: alone(path, p, 8) for p in PROMPTS}
+    results, errors = [], []
+
+    def client(i):
+        for j in range(2):
+            prompt = PROMPTS[(i + j) % len(PROMPTS)]
+            try:
+                status, body = dp_server.post("/v1/completions", {"prompt": prompt, "max_tokens": 8})
+                results.append((prompt, status, body["choices"][0]["text"] if status == 200 else body))
+            except Exception as e:  # noqa: BLE001 - reported below
+                errors.append(repr(e))
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[:3]
+    assert len(results) == 32 and all(status == 200 for _, status, _ in results), results[:3]
+    wrong = [(p, text, expected[p]) for p, _, text in results if text != expected[p]]
+    assert not wrong, wrong[:3]
+    status, text = dp_server.request("POST", "/v1/completions",
+                                     {"prompt": PROMPTS[1], "max_tokens": 8, "stream": True})
+    assert status == 200
+    streamed = "".join(json.loads(line[6:])["choices"][0]["text"] for line in text.splitlines()
+                       if line.startswith("data: {"))
+    assert streamed == expected[PROMPTS[1]]
+
+
+def test_dp_server_leaving_clients_and_refusals(dp_server):
+    """A client leaving mid-stream leaves its rank's batch and the server
+    goes on; logprobs are there, top_logprobs (not gathered in dp) a 400; a seeded request
+    (served alone, by the exact strategy) repeats."""
+    with socket.create_connection(("127.0.0.1", dp_server.port)) as s:
+        body = json.dumps({"prompt": PROMPTS[5], "max_tokens": 400, "stream": True}).encode()
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  + f"Authorization: Bearer {KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+        seen = b""
+        while seen.count(b"data: ") < 2:
+            seen += s.recv(4096)
+    assert completion(dp_server, PROMPTS[6], max_tokens=6)["choices"][0]["text"]
+    body = completion(dp_server, PROMPTS[1], max_tokens=5, logprobs=True)  # the sampled tokens' are gathered
+    assert len(body["choices"][0]["logprobs"]["content"]) == 5
+    status, body = dp_server.post("/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 4, "logprobs": True,
+                                                      "top_logprobs": 3})
+    assert status == 400 and "top_logprobs is not available with --dispatch dp" in json.dumps(body), body
+    seeded = [completion(dp_server, PROMPTS[2], max_tokens=6, temperature=1.0, seed=7)["choices"][0]["text"]
+              for _ in range(2)]
+    assert seeded[0] == seeded[1]

@@ -1,0 +1,136 @@
+"""mlx-lm's ``BatchGenerator`` interface over the data-parallel schedule, for
+the server (``python -m mlxdist.serve --dispatch dp``).
+
+mlx-lm's server runs the same generation loop on every rank with the same
+requests (rank 0 shares them); here each of its sequences lives on one rank
+(``dp.py`` admits it to the least loaded), that rank alone runs its dense
+model and KV cache, and ``next()`` returns every sequence's new token on
+every rank (the tokens are gathered), so every rank's loop stays identical
+and rank 0 answers its clients. Prefill and decode run in lockstep as in a
+``--dispatch dp`` batch; requests join at the next step and leave at once.
+
+Not carried over from mlx-lm's generator: its prompt cache (a sequence's KV
+cache lives on one rank, so the server keeps none) and top log-probabilities
+(each rank gathers only the chosen token's).
+"""
+
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple
+
+import mlx.core as mx
+from mlx_lm.generate_utils import BatchStats
+from mlx_lm.models.cache import LRUPromptCache
+
+from .dp import DataParallelGeneration, Sequence
+
+
+@dataclass
+class PromptResponse:  # as mlx-lm's PromptProcessingBatch.Response
+    uid: int
+    progress: tuple
+    end_of_segment: bool
+    end_of_prompt: bool
+
+
+@dataclass
+class TokenResponse:  # as mlx-lm's GenerationBatch.Response
+    uid: int
+    token: int
+    logprobs: "ChosenLogprob"
+    finish_reason: Optional[str]
+    prompt_cache: Optional[List[Any]]
+    all_tokens: Optional[List[int]]
+
+
+class ChosenLogprob:
+    """Stands for the log-probability vector where only the chosen token's is known."""
+
+    def __init__(self, token: int, value: float):
+        self.token, self.value = token, value
+
+    def __getitem__(self, token: int) -> mx.array:
+        if token != self.token:
+            raise IndexError("only the sampled token's log-probability is gathered in dp")
+        return mx.array(self.value)
+
+
+class DataParallelBatchGenerator:
+    """Drop-in for mlx-lm's ``BatchGenerator`` in its server; the same calls on every rank."""
+
+    def __init__(self, engine, completion_batch_size: int, prefill_step_size: int):
+        from .engine import GenerationParams
+
+        self.engine = engine
+        params = GenerationParams(prefill_step_size=prefill_step_size, completion_batch_size=completion_batch_size)
+        self.gen = DataParallelGeneration(engine, engine.dispatchers["dp"], params)
+        self.limit = completion_batch_size
+        self.waiting: List[Sequence] = []
+        self.next_uid = 0
+        self.stats = BatchStats()
+
+    def insert_segments(self, segments: List[List[List[int]]], max_tokens: Optional[List[int]] = None,
+                        caches=None, all_tokens=None, samplers=None, logits_processors=None,
+                        stop_sequences=None) -> List[int]:
+        """Queue prompts (given as segments; no prompt cache: each is whole); their uids."""
+        uids = []
+        for i, segs in enumerate(segments):
+            seq = Sequence(self.next_uid, [t for seg in segs for t in seg], (max_tokens or [128] * len(segments))[i])
+            seq.sampler = samplers[i] if samplers else None
+            seq.processors = list((logits_processors or [[]] * len(segments))[i] or [])
+            seq.stop = stop_sequences[i].matcher() if stop_sequences and stop_sequences[i] is not None else None
+            self.waiting.append(seq)
+            uids.append(self.next_uid)
+            self.next_uid += 1
+        return uids
+
+    def next(self) -> Tuple[List[PromptResponse], List[TokenResponse]]:
+        """Admit waiting prompts (a lockstep prefill), else one decode step of every live sequence."""
+        gen = self.gen
+        self.engine.use("dp")
+        live = sum(len(seqs) for seqs in gen.live)
+        if self.waiting and live < self.limit:
+            joining = self.waiting[: self.limit - live]
+            gen._admit(self.waiting, self.limit, self.stats)
+            return [PromptResponse(s.index, (len(s.prompt), len(s.prompt)), True, True) for s in joining], []
+        if not live:
+            return [], []
+        events = gen._absorb(gen._step(None))
+        return [], [TokenResponse(e.seq.index, e.token, ChosenLogprob(e.token, e.logprob), e.finish_reason, [],
+                                  e.seq.prompt + e.seq.tokens) for e in events]
+
+    def remove(self, uids: List[int], return_prompt_caches: bool = False) -> Dict[int, Any]:
+        self.waiting = [s for s in self.waiting if s.index not in uids]
+        self.gen.drop(list(uids))
+        return {}
+
+    def extract_cache(self, uids) -> Dict[int, Any]:
+        return {}
+
+    @property
+    def prompt_cache_nbytes(self) -> int:
+        return 0
+
+    def close(self) -> None:
+        self.waiting = []
+        self.gen.drop([s.index for seqs in self.gen.live for s in seqs])
+
+
+def make_batch_generator(engine):
+    """A factory with ``BatchGenerator``'s signature for mlx-lm's server:
+    the data-parallel generator over ``engine``."""
+
+    def factory(model, *, completion_batch_size: int = 32, prefill_step_size: int = 2048, **_) -> Any:
+        return DataParallelBatchGenerator(engine, completion_batch_size, prefill_step_size)
+
+    return factory
+
+
+
+class NoPromptCache(LRUPromptCache):
+    """The server's prompt cache in dp: nothing kept (a sequence's KV cache is one rank's)."""
+
+    def fetch_nearest_cache(self, model: Any, tokens: List[int]):
+        return None, tokens
+
+    def insert_cache(self, *args, **kwargs) -> None:
+        pass
