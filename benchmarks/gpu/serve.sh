@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The HTTP server on 2 x H200 against mlx_lm.server on one of them, same
-# checkpoint (python -m mlxdist.bench.serve; one rank per GPU through rank.sh).
+# checkpoint (python -m mlxdist.bench.serve; one rank per GPU through rank.sh), the
+# mlxdist server in its collective and dp modes.
 #
 #   benchmarks/gpu/serve.sh     # on the GPU machine, from the repo root (OUT, DEADLINE, MODEL, LAYERS, SERVE_ARGS)
 set -u
@@ -10,7 +11,7 @@ DEADLINE="${DEADLINE:-560}"
 . benchmarks/gpu/env.sh
 log="$OUT/serve.log"
 MODEL="${MODEL:-/tmp/q30}"; LAYERS="${LAYERS:-48}"
-SERVE_ARGS="${SERVE_ARGS:--c 1,8,32 -r 2 -g 64 -p 32}"
+SERVE_ARGS="${SERVE_ARGS:--c 1,8,32 -r 2 -g 64 -p 32 --dispatch collective,dp}"
 export CUDA_VISIBLE_DEVICES=0  # mlx_lm.server's GPU; rank.sh gives each mlxdist rank its own
 export NCCL_PORT=$(( 29400 + RANDOM % 200 ))
 { date -u; nvidia-smi --query-gpu=name,memory.total --format=csv; } >> "$log" 2>&1

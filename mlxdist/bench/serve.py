@@ -77,7 +77,7 @@ def start(contender: str, args: argparse.Namespace, max_concurrent: int) -> "tup
         cmd = [args.mpirun or _mpirun(), "-np", str(args.ranks), "--oversubscribe", "--bind-to", "none",
                "--stdin", "none", *(args.wrapper.split() if args.wrapper else []),
                sys.executable, "-m", "mlxdist.serve", "--model", args.model, "--port", str(port),
-               "--max-concurrent", str(max_concurrent)]
+               "--max-concurrent", str(max_concurrent), "--dispatch", contender.rsplit(" ", 1)[-1]]
     server = Launched(contender, cmd)
     url = f"http://127.0.0.1:{port}"
     server.wait_ready(url)
@@ -154,7 +154,7 @@ def random_prompts(n: int, words: int, seed: int = 0) -> List[str]:
 
 def run(args) -> Dict[str, Any]:
     prompts = random_prompts(64, args.prompt_words, args.seed)
-    contenders = ["mlx-lm server", f"mlxdist serve N={args.ranks}"]
+    contenders = ["mlx-lm server"] + [f"mlxdist serve N={args.ranks} {mode}" for mode in args.dispatch]
     rounds: Dict[str, List[List[Dict[str, Any]]]] = {c: [] for c in contenders}
     for r in range(args.rounds):
         for contender in contenders if r % 2 == 0 else contenders[::-1]:
@@ -223,6 +223,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="Folder for serve.json, serve.md and serve.png.")
+    p.add_argument("--dispatch", type=lambda s: s.split(","), default=["collective"],
+                   help="mlxdist server modes to run, e.g. collective,dp (one contender each)")
     p.add_argument("--mpirun", default=None, help="mpirun to start mlxdist with (default: this environment's).")
     p.add_argument("--wrapper", default=None,
                    help="Command before python on each rank, e.g. benchmarks/gpu/rank.sh (one GPU per rank).")
