@@ -151,7 +151,7 @@ class DataParallelGeneration:
         local.last = last if local.last is None else mx.concatenate([local.last, last])
         local.seqs.extend(seqs)
 
-    def _step(self, sampler) -> "Step":
+    def start_step(self, sampler) -> "Step":
         """Build one decode step for every live sequence of every rank and
         start it (``async_eval``); nothing is read back here."""
         snapshot = [list(seqs) for seqs in self.live]
@@ -180,7 +180,7 @@ class DataParallelGeneration:
         mx.async_eval(gathered)
         return Step(snapshot, gathered)
 
-    def _absorb(self, step: "Step") -> List[Event]:
+    def absorb(self, step: "Step") -> List[Event]:
         """Read one step's tokens back and record them; sequences that end
         (EOS, a stop sequence or max_tokens) are marked and dropped. Rows of
         sequences that had already ended when the step was built are ignored."""
@@ -248,22 +248,22 @@ class DataParallelGeneration:
             if waiting and sum(len(live) for live in self.live) < limit:
                 if in_flight is not None:  # who is live must be known before admitting
                     t0 = time.perf_counter()
-                    self._absorb(in_flight)
+                    self.absorb(in_flight)
                     stats.decode_time += time.perf_counter() - t0
                     in_flight = None
-                self._admit(waiting, limit, stats)
+                self.admit(waiting, limit, stats)
                 if not any(self.live):
                     continue
             t0 = time.perf_counter()
             if in_flight is not None and all(len(s.tokens) + 1 >= s.max_tokens for live in self.live for s in live):
-                self._absorb(in_flight)  # every live sequence ends with it: no step after
+                self.absorb(in_flight)  # every live sequence ends with it: no step after
                 in_flight = None
                 stats.decode_time += time.perf_counter() - t0
                 continue
-            step = self._step(sampler)
+            step = self.start_step(sampler)
             stats.generation_steps += 1
             if in_flight is not None:
-                self._absorb(in_flight)
+                self.absorb(in_flight)
             in_flight = step
             stats.decode_time += time.perf_counter() - t0
         if in_flight is not None:  # rows of sequences already ended: run, not read
@@ -274,7 +274,7 @@ class DataParallelGeneration:
         self.dispatcher.finish()
         return DPResult(seqs, stats, self.kv_bytes)
 
-    def _admit(self, waiting: List[Sequence], limit: int, stats: BatchStats) -> None:
+    def admit(self, waiting: List[Sequence], limit: int, stats: BatchStats) -> None:
         """Waiting sequences join the ranks with the fewest live ones, up to
         ``limit`` live in all, and their prompts are prefilled."""
         joiners: List[List[Sequence]] = [[] for _ in range(self.world.size)]

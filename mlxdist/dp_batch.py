@@ -42,6 +42,11 @@ class TokenResponse:  # as mlx-lm's GenerationBatch.Response
     all_tokens: Optional[List[int]]
 
 
+def greedy(logprobs: mx.array) -> mx.array:
+    """The sampler of a sequence inserted without one."""
+    return mx.argmax(logprobs, axis=-1)
+
+
 class ChosenLogprob:
     """Stands for the log-probability vector where only the chosen token's is known."""
 
@@ -90,11 +95,11 @@ class DataParallelBatchGenerator:
         live = sum(len(seqs) for seqs in gen.live)
         if self.waiting and live < self.limit:
             joining = self.waiting[: self.limit - live]
-            gen._admit(self.waiting, self.limit, self.stats)
+            gen.admit(self.waiting, self.limit, self.stats)
             return [PromptResponse(s.index, (len(s.prompt), len(s.prompt)), True, True) for s in joining], []
         if not live:
             return [], []
-        events = gen._absorb(gen._step(None))
+        events = gen.absorb(gen.start_step(greedy))
         return [], [TokenResponse(e.seq.index, e.token, ChosenLogprob(e.token, e.logprob), e.finish_reason, [],
                                   e.seq.prompt + e.seq.tokens) for e in events]
 
