@@ -154,6 +154,8 @@ def init_world(backend: Optional[str] = None) -> World:
         mpi4py.rc.finalize = False
         from mpi4py import MPI
 
+    sys.excepthook = _failing(sys.excepthook)
+    atexit.register(_finalize_and_exit)  # from here on: also when the rest of the start fails
     comm = MPI.COMM_WORLD
     if comm.Get_size() != group.size() or comm.Get_rank() != group.rank():
         raise RuntimeError("MLX and mpi4py disagree about the MPI world")
@@ -168,8 +170,6 @@ def init_world(backend: Optional[str] = None) -> World:
     if tolerant:
         survival.tolerate(control)
     _WORLD = World(group.rank(), group.size(), group, control, backend, tolerant)
-    sys.excepthook = _failing(sys.excepthook)
-    atexit.register(_finalize_and_exit)
     return _WORLD
 
 
@@ -202,7 +202,7 @@ def _finalize_and_exit() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     MPI = _mpi()
-    if not MPI.Is_finalized() and not (_WORLD is not None and _WORLD.tolerant):  # with ULFM it hangs
+    if not MPI.Is_finalized() and not survival.enabled():  # with ULFM it hangs
         MPI.Finalize()
     os._exit(_EXIT_CODE)
 
