@@ -107,4 +107,5 @@ def agreed(world, op: Callable[[Any], Any]) -> Any:
             ok = 0
         if ok:
             return result
-        recover(world, agreed=True)
+        if not recover(world, agreed=True):  # no rank lost: a real error, which retrying would repeat
+            raise RuntimeError("a control collective failed on a rank without any rank lost")
