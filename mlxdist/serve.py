@@ -378,8 +378,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     if problem:
         import os
 
-        if os.environ.get("OMPI_COMM_WORLD_RANK", "0") == "0":
-            print(f"mlxdist: error: {problem}", file=sys.stderr, flush=True)
+        if os.environ.get("OMPI_COMM_WORLD_RANK", "0") != "0":
+            return 0  # rank 0 reports and gives the job its status (were this one to exit 2 first, mpirun
+            # could stop rank 0 before it said why)
+        print(f"mlxdist: error: {problem}", file=sys.stderr, flush=True)
         return 2
     cluster = init(timeout=args.timeout or DEFAULT_TIMEOUT, backend=args.backend)  # other ranks serve inside
     code = 0
