@@ -128,6 +128,42 @@ def completion(server, prompt, max_tokens=8, **extra):
     return body
 
 
+def clients_answer_as_alone(server, clients, each, max_tokens, expected):
+    """``clients`` threads send ``each`` greedy completions at once; every
+    one is answered, and with ``expected[prompt]``, the answer alone."""
+    results, errors = [], []
+
+    def client(i):
+        for j in range(each):
+            prompt = PROMPTS[(i + j) % len(PROMPTS)]
+            try:
+                status, body = server.post("/v1/completions", {"prompt": prompt, "max_tokens": max_tokens})
+                results.append((prompt, status, body["choices"][0]["text"] if status == 200 else body))
+            except Exception as e:  # noqa: BLE001 - reported below
+                errors.append(repr(e))
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[:3]
+    assert len(results) == clients * each and all(status == 200 for _, status, _ in results), results[:3]
+    wrong = [(p, text, expected[p]) for p, _, text in results if text != expected[p]]
+    assert not wrong, wrong[:3]
+
+
+def leave_mid_stream(server):
+    """Start a long stream and close the connection after its first two events."""
+    with socket.create_connection(("127.0.0.1", server.port)) as s:
+        body = json.dumps({"prompt": PROMPTS[5], "max_tokens": 400, "stream": True}).encode()
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  + f"Authorization: Bearer {KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+        seen = b""
+        while seen.count(b"data: ") < 2:
+            seen += s.recv(4096)
+
+
 def test_health_and_models(server):
     assert server.get("/health") == (200, '{"status": "ok"}')
     status, text = server.get("/v1/models")
@@ -231,27 +267,7 @@ def test_concurrent_clients_get_what_they_would_alone(server):
     expected = {p: completion(server, p, max_tokens=6)["choices"][0]["text"] for p in PROMPTS}
 
     def burst():
-        results, errors = [], []
-
-        def client(i):
-            for j in range(4):
-                prompt = PROMPTS[(i + j) % len(PROMPTS)]
-                try:
-                    status, body = server.post("/v1/completions", {"prompt": prompt, "max_tokens": 6})
-                    results.append((prompt, status, body["choices"][0]["text"] if status == 200 else body))
-                except Exception as e:  # noqa: BLE001 - reported below
-                    errors.append(repr(e))
-
-        threads = [threading.Thread(target=client, args=(i,)) for i in range(64)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        assert not errors, errors[:3]
-        assert len(results) == 256
-        assert all(status == 200 for _, status, _ in results)
-        wrong = [(p, text) for p, _, text in results if text != expected[p]]
-        assert not wrong, wrong[:3]
+        clients_answer_as_alone(server, 64, 4, 6, expected)
         return server.rss_kb()
 
     after_first = burst()
@@ -261,13 +277,7 @@ def test_concurrent_clients_get_what_they_would_alone(server):
 def test_a_client_leaving_mid_stream(server):
     """The client closes its connection after two events of a long stream:
     the sequence leaves the batch and the next request is served as usual."""
-    with socket.create_connection(("127.0.0.1", server.port)) as s:
-        body = json.dumps({"prompt": PROMPTS[5], "max_tokens": 400, "stream": True}).encode()
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  + f"Authorization: Bearer {KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
-        seen = b""
-        while seen.count(b"data: ") < 2:
-            seen += s.recv(4096)
+    leave_mid_stream(server)
     tic = time.time()
     body = completion(server, PROMPTS[6], max_tokens=6)
     assert body["choices"][0]["text"]
@@ -334,26 +344,7 @@ def test_dp_server_clients_get_what_they_would_alone(dp_server, checkpoint):
     (float32) equals mlx-lm's for the prompt alone, streamed ones too."""
     path = checkpoint("qwen3_moe")
     expected = {p: alone(path, p, 8) for p in PROMPTS}
-    results, errors = [], []
-
-    def client(i):
-        for j in range(2):
-            prompt = PROMPTS[(i + j) % len(PROMPTS)]
-            try:
-                status, body = dp_server.post("/v1/completions", {"prompt": prompt, "max_tokens": 8})
-                results.append((prompt, status, body["choices"][0]["text"] if status == 200 else body))
-            except Exception as e:  # noqa: BLE001 - reported below
-                errors.append(repr(e))
-
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(16)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors[:3]
-    assert len(results) == 32 and all(status == 200 for _, status, _ in results), results[:3]
-    wrong = [(p, text, expected[p]) for p, _, text in results if text != expected[p]]
-    assert not wrong, wrong[:3]
+    clients_answer_as_alone(dp_server, 16, 2, 8, expected)
     status, text = dp_server.request("POST", "/v1/completions",
                                      {"prompt": PROMPTS[1], "max_tokens": 8, "stream": True})
     assert status == 200
@@ -366,13 +357,7 @@ def test_dp_server_leaving_clients_and_refusals(dp_server):
     """A client leaving mid-stream leaves its rank's batch and the server
     goes on; logprobs are there, top_logprobs (not gathered in dp) a 400; a seeded request
     (served alone, by the exact strategy) repeats."""
-    with socket.create_connection(("127.0.0.1", dp_server.port)) as s:
-        body = json.dumps({"prompt": PROMPTS[5], "max_tokens": 400, "stream": True}).encode()
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  + f"Authorization: Bearer {KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
-        seen = b""
-        while seen.count(b"data: ") < 2:
-            seen += s.recv(4096)
+    leave_mid_stream(dp_server)
     assert completion(dp_server, PROMPTS[6], max_tokens=6)["choices"][0]["text"]
     body = completion(dp_server, PROMPTS[1], max_tokens=5, logprobs=True)  # the sampled tokens' are gathered
     assert len(body["choices"][0]["logprobs"]["content"]) == 5
