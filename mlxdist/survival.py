@@ -63,6 +63,7 @@ def recover(world, agreed: bool = False) -> List[int]:
 
     tic = time.perf_counter()
     old = world.comm
+    _end_if_root_lost(world)
     old.Revoke()
     if not agreed:
         try:
@@ -76,10 +77,8 @@ def recover(world, agreed: bool = False) -> List[int]:
     lost = [r for r in world.alive if r not in alive]
     world.comm, world.alive = new, alive
     world.lost.extend(lost)
-    if 0 not in alive:  # the command loop and the dense model are gone: every survivor ends here
-        print(f"mlxdist: error: rank {world.rank}: rank 0 was lost; the job cannot go on without it",
-              file=sys.stderr, flush=True)
-        os._exit(1)
+    if 0 not in alive:
+        _root_lost(world)
     for callback in world.on_loss:
         callback(lost)
     if world.is_root and lost:
@@ -87,6 +86,25 @@ def recover(world, agreed: bool = False) -> List[int]:
         print(f"mlxdist: warning: lost rank{'s' if len(lost) > 1 else ''} {names}; going on with "
               f"{len(alive)} (recovered in {time.perf_counter() - tic:.2f} s)", file=sys.stderr, flush=True)
     return lost
+
+
+def _end_if_root_lost(world) -> None:
+    """End this rank if it knows rank 0 failed, before any agreement: Open MPI 5.0's
+    agreement was seen to crash (ftagree) when the failed process was rank 0."""
+    from mpi4py import MPI
+
+    comm = world.comm
+    failed = comm.Get_failed()
+    positions = MPI.Group.Translate_ranks(failed, list(range(failed.Get_size())), comm.Get_group())
+    if any(p != MPI.UNDEFINED and world.alive[p] == 0 for p in positions):
+        _root_lost(world)
+
+
+def _root_lost(world) -> None:
+    """The command loop and the dense model are gone: every survivor ends here, with one line."""
+    print(f"mlxdist: error: rank {world.rank}: rank 0 was lost; the job cannot go on without it",
+          file=sys.stderr, flush=True)
+    os._exit(1)
 
 
 def agreed(world, op: Callable[[Any], Any]) -> Any:
@@ -101,6 +119,7 @@ def agreed(world, op: Callable[[Any], Any]) -> Any:
             result, ok = op(world.comm), 1
         except MPI.Exception:
             result, ok = None, 0
+            _end_if_root_lost(world)
         try:
             ok = world.comm.Agree(ok)
         except MPI.Exception:  # a failure not yet acknowledged: the same answer on every survivor
