@@ -79,11 +79,12 @@ class DataParallelBatchGenerator:
         """Queue prompts (given as segments; no prompt cache: each is whole); their uids."""
         uids = []
         for i, segs in enumerate(segments):
-            seq = Sequence(self.next_uid, [t for seg in segs for t in seg], (max_tokens or [128] * len(segments))[i])
-            seq.sampler = samplers[i] if samplers else None
-            seq.processors = list((logits_processors or [[]] * len(segments))[i] or [])
-            seq.stop = stop_sequences[i].matcher() if stop_sequences and stop_sequences[i] is not None else None
-            self.waiting.append(seq)
+            stop = stop_sequences[i] if stop_sequences else None
+            self.waiting.append(Sequence(
+                self.next_uid, [t for seg in segs for t in seg], (max_tokens or [128] * len(segments))[i],
+                sampler=samplers[i] if samplers else None,
+                processors=list((logits_processors[i] if logits_processors else None) or []),
+                stop=stop.matcher() if stop is not None else None))
             uids.append(self.next_uid)
             self.next_uid += 1
         return uids
@@ -128,7 +129,6 @@ def make_batch_generator(engine):
         return DataParallelBatchGenerator(engine, completion_batch_size, prefill_step_size)
 
     return factory
-
 
 
 class NoPromptCache(LRUPromptCache):
