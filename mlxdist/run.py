@@ -94,6 +94,10 @@ def _stdin():
     return open(path) if path else sys.stdin
 
 
+def _is_mpi_error(e: Exception) -> bool:
+    return type(e).__module__.startswith("mpi4py")
+
+
 def _prompts(args) -> Iterator[str]:
     """--prompt, or one prompt per line of stdin until EOF or /exit."""
     if args.prompt is not None:
@@ -205,7 +209,7 @@ def _run(argv: Optional[List[str]]) -> int:
         world = init_world(args.backend)
     except RuntimeError as e:
         if os.environ.get("OMPI_COMM_WORLD_RANK", "0") == "0":  # no world yet: rank 0 speaks for all
-            fail(str(e))
+            fail(f"a rank failed while the job started: {e}" if _is_mpi_error(e) else str(e))
         return 1
     start_watchdog(world, args.timeout)
     if not world.is_root:

@@ -100,10 +100,19 @@ def _end_if_root_lost(world) -> None:
         _root_lost(world)
 
 
+ROOT_LOST_GRACE_S = 2.0
+
+
 def _root_lost(world) -> None:
-    """The command loop and the dense model are gone: every survivor ends here, with one line."""
-    print(f"mlxdist: error: rank {world.rank}: rank 0 was lost; the job cannot go on without it",
-          file=sys.stderr, flush=True)
+    """The command loop and the dense model are gone: every survivor ends here, with one line.
+    It waits ``ROOT_LOST_GRACE_S`` before exiting: mpirun ends the job (closing every rank's
+    output) as soon as one rank exits non-zero, and the other survivors' lines would be lost."""
+    try:
+        print(f"mlxdist: error: rank {world.rank}: rank 0 was lost; the job cannot go on without it",
+              file=sys.stderr, flush=True)
+    except OSError:  # mpirun already closed this rank's output
+        pass
+    time.sleep(ROOT_LOST_GRACE_S)
     os._exit(1)
 
 
