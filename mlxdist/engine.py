@@ -269,6 +269,8 @@ class Engine:
                     modules[site.layer] = module
             self.dispatcher.adopted[rank] = modules
             self.memory["expert_bytes"] += sum(nbytes(m.parameters()) for m in modules.values())
+        if self.memory_by_rank:  # what --json reports per rank
+            self.memory_by_rank[0] = dict(self.memory)
 
     def serve(self) -> None:
         """A p2p worker's part in one generation."""

@@ -52,6 +52,8 @@ def test_a_worker_lost_mid_generation(undisturbed, capacity):
     assert out["stats_ranks"] == [0, 1]
     for key in ("first", "second", "batch"):
         assert out[key] == clean[key], key
+    before, after = out["rank0_expert_gb"]
+    assert after > before  # rank 0 holds rank 2's experts (paged: its slots) now
 
 
 def test_two_workers_lost_one_while_idle(checkpoint):

@@ -23,6 +23,7 @@ capacity = int(rest[0]) if rest else None
 with mlxdist.init() as cluster:
     cluster.load(path, dispatch="p2p", expert_capacity=capacity)
     processes = {p["rank"]: p["pid"] for p in cluster.probe("process")}
+    expert_gb_before = cluster.stats()[0]["weights_gb"]["expert"]
     first = [p.token for p in cluster.stream(cluster.request([cluster.encode("a loss is coming")], max_tokens=24))]
     if int(kill_between) >= 0:
         os.kill(processes[int(kill_between)], signal.SIGKILL)
@@ -30,7 +31,8 @@ with mlxdist.init() as cluster:
     second = [p.token for p in cluster.stream(cluster.request([cluster.encode("and then another")], max_tokens=16))]
     batch = cluster.run_batch(cluster.request([cluster.encode(f"prompt {i} " * (i + 1)) for i in range(5)],
                                               max_tokens=12))
-    stats_ranks = [s["rank"] for s in cluster.stats()]
+    stats = cluster.stats()
     out = {"first": first, "second": second, "batch": [r.tokens for r in batch], "lost": cluster.world.lost,
-           "stats_ranks": stats_ranks}
+           "stats_ranks": [s["rank"] for s in stats],
+           "rank0_expert_gb": [expert_gb_before, stats[0]["weights_gb"]["expert"]]}
 print(json.dumps(out))
