@@ -57,6 +57,44 @@ def test_bench_rejects_unknown_dispatch(model):
     assert r.returncode != 0 and "unknown dispatch mode" in r.stderr
 
 
+def test_no_link_runs_each_rank_alone(model):
+    """--no-link: the same generations with MLX's collectives replaced by local
+    stand-ins; the rows say so and carry no floor or closeness."""
+    r = launch(2, ["--model", model, *SMALL, "--dispatch", "dp,collective", "--no-link", "--json"],
+               module="mlxdist.bench")
+    assert r.returncode == 0, r.stderr
+    report = last_json(r.stdout)
+    assert report["link"] is False
+    rows = report["results"]
+    assert [(x["dispatch"], x["batch"]) for x in rows] == [("dp", 1), ("dp", 2), ("collective", 1), ("collective", 2)]
+    for row in rows:
+        assert row["link"] is False and row["floor_us"] is None and "vs_exact" not in row
+        assert row["generation_tps"] > 0
+    refused = launch(0, ["--model", model, "--dispatch", "p2p", "--no-link"], module="mlxdist.bench")
+    assert refused.returncode != 0 and "p2p exchanges through mpi4py" in refused.stderr
+
+
+def test_no_link_stand_ins_keep_the_shapes():
+    import mlx.core as mx
+
+    from mlxdist.bench.probes import no_link
+
+    class Group:  # only the size is read
+        def size(self):
+            return 3
+
+    real = mx.distributed.all_gather
+    no_link(None, {"on": True})
+    try:
+        x = mx.arange(8, dtype=mx.float32).reshape(2, 4)
+        assert mx.distributed.all_gather(x, group=Group()).shape == (6, 4)
+        assert mx.distributed.all_sum(x, group=Group()).tolist() == x.tolist()
+        assert mx.distributed.sum_scatter(mx.concatenate([x] * 3), group=Group()).tolist() == x.tolist()
+    finally:
+        no_link(None, {"on": False})
+    assert mx.distributed.all_gather is real
+
+
 def test_compare_ratios_from_same_run(model, tmp_path):
     args = ["--model", model, *SMALL, "--ranks", "2", "--dispatch", "collective", "--out", tmp_path]
     r = launch(0, args, module="mlxdist.bench.compare", timeout=240)

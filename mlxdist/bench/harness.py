@@ -153,6 +153,11 @@ def bench_case(cluster, mode: str, prompts: List[List[int]], args) -> Dict[str, 
     row.update(breakdown(profile, row, profiled, layers, len(prompts)))
 
     strategy = engine.strategy  # what auto (or dp at b = 1) actually ran
+    row.update(dispatch=mode, strategy=strategy, batch=len(prompts), ranks=cluster.world.size, moe_layers=layers)
+    row.update(expert_balance(stats))
+    if args.no_link:  # the tokens are not the model's, and there is no transport to floor
+        row.update(link=False, floor_us=None, exchange_over_floor=None)
+        return row
     if strategy == "dp":
         row["vs_exact"] = closeness(cluster, prompts, args.generation_tokens)
     floor_args = {
@@ -168,8 +173,6 @@ def bench_case(cluster, mode: str, prompts: List[List[int]], args) -> Dict[str, 
         row["exchange_ms"] * 1e3 / row["floor_us"] if row["floor_us"] and row["exchange_ms"] else None
     )
     row["floor_bytes"] = floor_args
-    row.update(expert_balance(stats))
-    row.update(dispatch=mode, strategy=strategy, batch=len(prompts), ranks=cluster.world.size, moe_layers=layers)
     return row
 
 
@@ -179,6 +182,8 @@ def run(cluster, args) -> Dict[str, Any]:
     for mode in args.dispatch:
         cluster.load(args.model, dispatch=mode, layout=args.layout)
         cluster.probe("no_eos")
+        if args.no_link:
+            cluster.probe("no_link", on=True)
         vocab = text_config(cluster.engine.config)["vocab_size"]
         for batch in args.batch_sizes:
             prompts = random_prompts(vocab, batch, args.prompt_tokens, args.seed)
@@ -192,6 +197,7 @@ def run(cluster, args) -> Dict[str, Any]:
         "generation_tokens": args.generation_tokens,
         "num_trials": args.num_trials,
         "layout": cluster.engine.options.layout if cluster.engine is not None else args.layout,
+        "link": not args.no_link,
         "versions": versions(),
         "results": rows,
     }
@@ -213,7 +219,7 @@ def format_table(report: Dict[str, Any]) -> str:
     for r in report["results"]:
         peaks = "/".join(f"{p:.2f}" for p in r["peak_memory_gb"])
         lines.append(
-            f"{r['dispatch']:<10} {r['batch']:>2}  {r['prompt_tps']:>10.1f}  {r['generation_tps']:>7.1f}  "
+            f"{r['dispatch'] + ('*' if r.get('link') is False else ''):<10} {r['batch']:>2}  {r['prompt_tps']:>10.1f}  {r['generation_tps']:>7.1f}  "
             f"{peaks:<16} {r['layer_ms']:>7.3f}  {_fmt(r['expert_ms'], '6.3f')}  {_fmt(r['exchange_ms'], '5.3f')}  "
             f"{_fmt(r['rest_ms'], '5.3f')}  {_fmt(r['floor_us'], '8.1f')}  {_fmt(r['exchange_over_floor'], '10.2f')}  "
             f"{r['balance']:.2f}"
@@ -221,6 +227,8 @@ def format_table(report: Dict[str, Any]) -> str:
     note = (
         "\nlayer ms: timed decode step / MoE layers. expert/exch/rest: a separate profiling pass "
         "with syncs at each boundary (slower than timed). floor: bare transport, same bytes."
+        + ("\n*: --no-link, MLX's collectives replaced by local stand-ins (no transport, no waiting; "
+           "tokens not the model's)." if any(r.get("link") is False for r in report["results"]) else "")
     )
     return head + "\n".join(lines) + note
 
@@ -239,7 +247,13 @@ def parse_args(argv=None):
     parser.add_argument("--warmup-tokens", type=int, default=16, help="Tokens of the warm-up generation.")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="One JSON object on stdout.")
+    parser.add_argument("--no-link", action="store_true",
+                        help="Replace MLX's collectives by local stand-ins of the same shapes: what each step "
+                             "costs without the exchange's transport and waiting (tokens are not the model's; "
+                             "not for p2p, whose exchange is mpi4py's).")
     args = parser.parse_args(argv)
+    if args.no_link and "p2p" in args.dispatch:
+        parser.error("--no-link replaces MLX's collectives; p2p exchanges through mpi4py")
     for mode in args.dispatch:
         if mode not in DISPATCH_MODES:
             parser.error(f"unknown dispatch mode {mode!r} (choose from {', '.join(DISPATCH_MODES)})")

@@ -222,6 +222,8 @@ def main(argv=None) -> None:
         replicas = int(argv[i + 1])
         del argv[i : i + 2]
     args = _bench_args(argv)
+    if args.no_link:
+        raise SystemExit("--no-link replaces mlxdist's exchange: python -m mlxdist.bench")
     args.mode, args.replicas = mode, replicas
     args.backend = args.backend or default_backend()
     if args.model is None:

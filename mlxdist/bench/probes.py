@@ -106,6 +106,26 @@ def profile(executor: CommandExecutor, args: Dict[str, Any]) -> Dict[str, Any]:
     return _PROFILE.as_dict()
 
 
+_LINKED = {name: getattr(mx.distributed, name) for name in ("all_gather", "all_sum", "sum_scatter")}
+_LOCAL = {
+    "all_gather": lambda x, group=None, stream=None: mx.concatenate([x] * group.size()),
+    "all_sum": lambda x, group=None, stream=None: x * 1,
+    "sum_scatter": lambda x, group=None, stream=None: x.reshape(group.size(), -1, *x.shape[1:])[0] * 1,
+}
+
+
+@register_probe("no_link")
+def no_link(executor: CommandExecutor, args: Dict[str, Any]) -> Dict[str, Any]:
+    """``on=True``: MLX's collectives become local stand-ins of the same
+    shapes (one copy or elementwise kernel each), so each rank computes as if
+    the link were free and the other ranks always ready: what a step costs
+    without the exchange's transport and waiting. The tokens are not the
+    model's. ``on=False``: the real collectives again."""
+    for name, fn in (_LOCAL if args["on"] else _LINKED).items():
+        setattr(mx.distributed, name, fn)
+    return {}
+
+
 @register_probe("floor")
 def floor(executor: CommandExecutor, args: Dict[str, Any]) -> Dict[str, Any]:
     """The transport floor of one decode-step layer's bytes."""
