@@ -102,6 +102,8 @@ def _rows(report: Dict[str, Any], name: str, ranks: int) -> List[Dict[str, Any]]
     rows = []
     for r in report.get("results", []):
         label = f"mlxdist {r['dispatch']}" if name == "mlxdist" else name
+        if r.get("link") is False:  # --no-link: not comparable with the linked rows
+            label += " (no link)"
         rows.append({**r, "contender": label, "ranks": ranks})
     return rows
 

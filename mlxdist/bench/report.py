@@ -23,7 +23,7 @@ def targets(result: Dict[str, Any]) -> List[Dict[str, Any]]:
     """Each target the issue sets, checked against this run's rows."""
     out = []
     for r in result["results"]:
-        if not r["contender"].startswith("mlxdist"):
+        if not r["contender"].startswith("mlxdist") or r.get("link") is False:  # no link: no target to check
             continue
         base = {"contender": r["contender"], "ranks": r["ranks"], "batch": r["batch"]}
         if r["ranks"] == 1:
@@ -70,7 +70,7 @@ def _row(r: Dict[str, Any]) -> str:
 def _strategy(row: Dict[str, Any]) -> Optional[str]:
     name = row["contender"]
     if name.startswith("mlxdist"):
-        return row.get("strategy") or row.get("dispatch")
+        return None if row.get("link") is False else row.get("strategy") or row.get("dispatch")
     return {"mlx-lm tensor": "tensor", "mlx-lm replicas": "replicas"}.get(name)
 
 
