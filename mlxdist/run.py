@@ -208,8 +208,11 @@ def _run(argv: Optional[List[str]]) -> int:
     try:
         world = init_world(args.backend)
     except RuntimeError as e:
-        if os.environ.get("OMPI_COMM_WORLD_RANK", "0") == "0":  # no world yet: rank 0 speaks for all
-            fail(f"a rank failed while the job started: {e}" if _is_mpi_error(e) else str(e))
+        rank = os.environ.get("OMPI_COMM_WORLD_RANK", "0")
+        if _is_mpi_error(e):  # a peer failed (it may be rank 0): each rank says so
+            fail(f"rank {rank}: a rank failed while the job started: {e}")
+        elif rank == "0":  # the same problem on every rank: rank 0 speaks for all
+            fail(str(e))
         return 1
     start_watchdog(world, args.timeout)
     if not world.is_root:
