@@ -274,19 +274,23 @@ class DataParallelGeneration:
         self.dispatcher.finish()
         return DPResult(seqs, stats, self.kv_bytes)
 
-    def admit(self, waiting: List[Sequence], limit: int, stats: BatchStats) -> None:
+    def admit(self, waiting: List[Sequence], limit: int, stats: BatchStats) -> List[Sequence]:
         """Waiting sequences join the ranks with the fewest live ones, up to
-        ``limit`` live in all, and their prompts are prefilled."""
+        ``limit`` live in all, and their prompts are prefilled; the joiners,
+        in the order they left ``waiting``."""
         joiners: List[List[Sequence]] = [[] for _ in range(self.world.size)]
+        admitted: List[Sequence] = []
         load = [len(live) for live in self.live]
         while waiting and sum(load) < limit:
             rank = min(range(self.world.size), key=lambda r: (load[r], r))
-            joiners[rank].append(waiting.pop(0))
+            admitted.append(waiting.pop(0))
+            joiners[rank].append(admitted[-1])
             load[rank] += 1
         t0 = time.perf_counter()
         self._prefill(joiners)
         stats.prompt_time += time.perf_counter() - t0
-        stats.prompt_tokens += sum(len(s.prompt) for j in joiners for s in j)
+        stats.prompt_tokens += sum(len(s.prompt) for s in admitted)
+        return admitted
 
 
 def _process(seq: Sequence, logits: mx.array) -> mx.array:

@@ -95,9 +95,8 @@ class DataParallelBatchGenerator:
         self.engine.use("dp")
         live = sum(len(seqs) for seqs in gen.live)
         if self.waiting and live < self.limit:
-            joining = self.waiting[: self.limit - live]
-            gen.admit(self.waiting, self.limit, self.stats)
-            return [PromptResponse(s.index, (len(s.prompt), len(s.prompt)), True, True) for s in joining], []
+            joined = gen.admit(self.waiting, self.limit, self.stats)
+            return [PromptResponse(s.index, (len(s.prompt), len(s.prompt)), True, True) for s in joined], []
         if not live:
             return [], []
         events = gen.absorb(gen.start_step(greedy))
