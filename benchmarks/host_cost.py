@@ -1,6 +1,8 @@
 """Host (main-thread CPU) time to build and submit one decode step: mlx-lm
 alone at batch b (one process), or mlxdist's dp mode at batch b over the ranks
 (under mpirun). Thread CPU time, so waiting for the device is not counted.
+Beside it, ``step_ms``: wall time per step with one step in flight, as both
+generate (so a host time near it means the step is bound by the host).
 
     python benchmarks/host_cost.py MODEL 4 alone
     mpirun -np 2 python benchmarks/host_cost.py MODEL 8 masked
@@ -34,7 +36,8 @@ def alone(path: str, batch: int, steps: int = 30) -> dict:
     cache = make_prompt_cache(model)
     mx.eval(model(mx.array([[1] * 8] * batch), cache=cache))
     last = mx.array([[2]] * batch)
-    build, submit = [], []
+    build, submit, wall = [], [], []
+    previous, tick = None, time.perf_counter()
     for _ in range(steps):
         tic = time.thread_time()
         logits = model(last, cache=cache)[:, -1, :]
@@ -43,19 +46,25 @@ def alone(path: str, batch: int, steps: int = 30) -> dict:
         mx.async_eval(y)
         build.append(mid - tic)
         submit.append(time.thread_time() - mid)
-        mx.eval(y)
-        last = y[:, None]
-    return {"contender": "mlx-lm alone", "batch": batch, "build_ms": _median_ms(build), "submit_ms": _median_ms(submit)}
+        if previous is not None:  # one step in flight, as mlx-lm's generate_step
+            previous.tolist()
+        previous, last = y, y[:, None]
+        now = time.perf_counter()
+        wall.append(now - tick)
+        tick = now
+    return {"contender": "mlx-lm alone", "batch": batch, "build_ms": _median_ms(build),
+            "submit_ms": _median_ms(submit), "step_ms": _median_ms(wall[2:])}
 
 
 def data_parallel(path: str, batch: int, layout: str) -> dict:
     import mlxdist
     from mlxdist import dp
 
-    build, submit = [], []
+    build, submit, starts = [], [], []
     start_step = dp.DataParallelGeneration.start_step
 
     def timed(self, sampler):
+        starts.append(time.perf_counter())
         _submit["s"] = 0.0
         tic = time.thread_time()
         step = start_step(self, sampler)
@@ -72,9 +81,11 @@ def data_parallel(path: str, batch: int, layout: str) -> dict:
         for _ in range(2):  # the second generation is measured
             build.clear()
             submit.clear()
+            starts.clear()
             cluster.generate_batch(prompts, max_tokens=30)
+        wall = [b - a for a, b in zip(starts[2:], starts[3:])]
         return {"contender": f"mlxdist dp ({layout})", "batch": batch, "ranks": cluster.world.size,
-                "build_ms": _median_ms(build), "submit_ms": _median_ms(submit)}
+                "build_ms": _median_ms(build), "submit_ms": _median_ms(submit), "step_ms": _median_ms(wall)}
 
 
 if __name__ == "__main__":
