@@ -10,7 +10,7 @@ caches, samplers, detokenizers) on every rank that runs the dense model.
 import hashlib
 import json
 from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
+from typing import Any, Dict, Iterator, List, Optional, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -34,7 +34,7 @@ from .paging import PagedExperts, PagingStats, capacity_for_budget
 from .moe import DistributedSwitch, MoEBlock, Observer
 from .mpi import World
 from .placement import Placement, resolve_placement
-from .routing import RoutingWeightsNotFound, activation_dtype, find_weights_name
+from .routing import RouterWeights, RoutingWeightsNotFound, activation_dtype, find_weights_name
 from .watchdog import configured_fault
 
 __all__ = ["Engine", "GenerationParams", "LoadOptions", "UserError", "load_engine"]
@@ -311,7 +311,8 @@ def load_engine(world: World, options: LoadOptions) -> Engine:
             strategies = ["collective"]  # auto: blocks dp cannot read run collective for every batch
     dp_shape = {}
     if weights_names:
-        dp_shape = dict(top_k=next(iter(weights_names.values()))[1], dtype=activation_dtype(lazy_model))
+        router = next(iter(weights_names.values()))
+        dp_shape = dict(top_k=router.top_k, dtype=activation_dtype(lazy_model), weights_dtype=router.dtype)
     dispatchers = {
         name: make_dispatcher(name, world, options.layout, options.stats, **(dp_shape if name == "dp" else {}))
         for name in (strategies if world.size > 1 else strategies[:1])
@@ -345,7 +346,7 @@ def load_engine(world: World, options: LoadOptions) -> Engine:
         setattr(site.parent, site.attr, switch)
         switches.append(switch)
         if weights_names:  # the block's own weighting is bypassed: wrap it to add the exchange's sums
-            switch.weights_name = weights_names[type(site.parent)][0]
+            switch.weights_name = weights_names[type(site.parent)].name
             holder_path, block_attr, _ = site.path.rsplit(".", 2)
             setattr(modules[holder_path], block_attr, MoEBlock(site.parent, switch))
 
@@ -417,19 +418,20 @@ def _in_last_layer(model: nn.Module, sites) -> bool:
     return id(sites[-1].module) in inside and sum(id(s.module) in inside for s in sites) == 1
 
 
-def _find_routing_weights(model: nn.Module, sites, config: Dict[str, Any]) -> Dict[type, Tuple[str, int]]:
-    """Per MoE block class: the local its router weights are in, and top-k."""
+def _find_routing_weights(model: nn.Module, sites, config: Dict[str, Any]) -> Dict[type, RouterWeights]:
+    """Per MoE block class: the local its router weights are in, top-k and dtype."""
     cfg = config.get("text_config", config)
     dtype = activation_dtype(model)
-    found: Dict[type, Tuple[str, int]] = {}
+    found: Dict[type, RouterWeights] = {}
     try:
         for site in sites:
             if type(site.parent) not in found:
                 found[type(site.parent)] = find_weights_name(site.parent, site.attr, cfg["hidden_size"], dtype)
     except RoutingWeightsNotFound as e:
         raise UserError(f"--dispatch dp cannot run {config.get('model_type')}: {e}") from None
-    if len({k for _, k in found.values()}) > 1:
-        raise UserError(f"--dispatch dp needs one top-k in every MoE layer, found {sorted(found.values())}")
+    if len({(w.top_k, w.dtype) for w in found.values()}) > 1:
+        shapes = sorted({f"top-{w.top_k} {w.dtype}" for w in found.values()})
+        raise UserError(f"--dispatch dp needs one top-k and weight dtype in every MoE layer, found {shapes}")
     return found
 
 

@@ -84,9 +84,9 @@ class DistributedSwitch(nn.Module):
         if observer is not None:
             observer(self, "combined", (out,))
         ACTIVITY.beat(*self.dispatcher.progress_after_combine(layer))
-        if per_token:  # the block weights zeros; MoEBlock adds the combined tokens
+        if per_token:  # the block weights zeros (a broadcast: no kernel); MoEBlock adds the combined tokens
             self._combined = out
-            return mx.zeros(inds.shape + x.shape[-1:], dtype=x.dtype)
+            return mx.broadcast_to(mx.array(0, dtype=x.dtype), inds.shape + x.shape[-1:])
         return out
 
     def take_combined(self) -> Optional[mx.array]:

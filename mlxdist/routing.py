@@ -15,7 +15,7 @@ zeros; the candidate ``w`` for which ``out_zero + sum_k w_k y_k`` reproduces
 """
 
 import sys
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, NamedTuple, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -25,6 +25,14 @@ from .loader import switch_extras
 
 class RoutingWeightsNotFound(ValueError):
     pass
+
+
+class RouterWeights(NamedTuple):
+    """How a block weights its slots: the local's name, its top-k and dtype."""
+
+    name: str
+    top_k: int
+    dtype: mx.Dtype
 
 
 def weight_candidates(frame, inds: mx.array) -> Dict[str, mx.array]:
@@ -63,9 +71,10 @@ class _StandIn(nn.Module):
         return self.y
 
 
-def find_weights_name(block: nn.Module, switch_attr: str, width: int, dtype: mx.Dtype) -> Tuple[str, int]:
-    """The name of the local that ``block`` weights its slots with (see the
-    module's docstring) and its top-k. Leaves the block as it found it."""
+def find_weights_name(block: nn.Module, switch_attr: str, width: int, dtype: mx.Dtype) -> RouterWeights:
+    """The local that ``block`` weights its slots with (see the module's
+    docstring): its name, top-k and dtype with hidden states of ``dtype``.
+    Leaves the block as it found it."""
     switch = getattr(block, switch_attr)
     x = mx.random.normal((1, 4, width), key=mx.random.key(3)).astype(dtype)
     outputs = {}
@@ -90,7 +99,7 @@ def find_weights_name(block: nn.Module, switch_attr: str, width: int, dtype: mx.
     for name, w in sorted(probe.candidates.items()):
         predicted = out_zero + (probe.y.astype(mx.float32) * w.astype(mx.float32)[..., None]).sum(axis=-2)
         if mx.abs(predicted - out_y.astype(mx.float32)).max().item() <= 2e-2 * scale:
-            return name, w.shape[-1]
+            return RouterWeights(name, w.shape[-1], w.dtype)
     raise RoutingWeightsNotFound(
         f"cannot find the router weights of {type(block).__name__} (candidates: {sorted(probe.candidates) or 'none'})"
     )

@@ -94,6 +94,7 @@ def test_auto_is_exact_below_one_sequence_per_rank(checkpoint):
 
 
 def test_routing_weights_are_found_for_every_moe_preset(checkpoint):
+    import mlx.core as mx
     from mlx_lm import load
 
     from mlxdist.loader import find_switch_sites
@@ -105,9 +106,10 @@ def test_routing_weights_are_found_for_every_moe_preset(checkpoint):
         model, _ = load(str(checkpoint(preset)))
         site = find_switch_sites(model)[0]
         width = json.loads((checkpoint(preset) / "config.json").read_text())["hidden_size"]
-        found, k = find_weights_name(site.parent, site.attr, width, activation_dtype(model))
+        found, k, dtype = find_weights_name(site.parent, site.attr, width, activation_dtype(model))
         assert found == name, preset
         assert k == json.loads((checkpoint(preset) / "config.json").read_text())["num_experts_per_tok"]
+        assert mx.issubdtype(dtype, mx.floating), preset
 
 
 def test_a_block_without_router_weights_is_refused():

@@ -202,6 +202,32 @@ def test_one_rank_dispatch_is_the_identity():
         assert dispatcher.combine(y, handle) is y
 
 
+@pytest.mark.parametrize("dtype, weights_dtype, top_k", [
+    ("bfloat16", "bfloat16", 8), ("bfloat16", "float32", 8), ("float32", "bfloat16", 3), ("float32", "float32", 4)])
+def test_dp_gathers_rows_weights_and_ids_as_sent(dtype, weights_dtype, top_k):
+    """dp packs a token's row, router weights and expert ids into one row of
+    the activations' dtype: the weights travel in their own dtype (float32
+    where they would not fill whole columns), the ids as their own bits."""
+    from mlxdist.dispatch import DataParallelDispatcher, LayerOwnership
+    from mlxdist.mpi import World
+
+    dtype, weights_dtype = getattr(mx, dtype), getattr(mx, weights_dtype)
+    world = World(0, 1, mx.distributed.init(strict=False))  # a group of one: the gather returns what it sent
+    dispatcher = DataParallelDispatcher(world, "masked", top_k, dtype, weights_dtype)
+    experts = 16
+    x = mx.random.normal((2, 3, 32)).astype(dtype)
+    inds = mx.argpartition(mx.random.normal((2, 3, experts)), kth=-top_k, axis=-1)[..., -top_k:]  # uint32, as blocks route
+    weights = mx.random.uniform(shape=(2, 3, top_k)).astype(weights_dtype)
+    dispatcher.plan([6])
+    dispatcher.begin_forward()
+    batch, handle = dispatcher.dispatch(LayerOwnership.build(0, [0] * experts, 0), x, inds, weights)
+    assert mx.array_equal(batch.x, x.reshape(6, 32))
+    assert batch.inds.tolist() == inds.reshape(6, top_k).tolist()
+    fits = weights_dtype == dtype or top_k * weights_dtype.size % dtype.size == 0
+    assert handle.weights.dtype == (weights_dtype if fits else mx.float32)
+    assert mx.array_equal(handle.weights, weights.reshape(6, top_k).astype(mx.float32))
+
+
 def test_wire_traffic_model():
     from mlxdist.bench.links import LINKS, Shape, projected_tps, traffic
 
@@ -209,7 +235,7 @@ def test_wire_traffic_model():
     t = {s: traffic(s, 2, 32, shape) for s in ("collective", "dp", "tensor", "replicas")}
     assert t["collective"]["bytes_per_token_layer"] == 8 * 2048 * 2  # all_sum of K slots: K x D x s at N = 2
     assert t["tensor"]["bytes_per_token_layer"] == 2 * 2048 * 2  # two all_sums of D
-    assert t["dp"]["bytes_per_token_layer"] == (2048 * 2 + 64) / 2 + 2048 * 2  # half the rows out, the sum back
+    assert t["dp"]["bytes_per_token_layer"] == (2048 * 2 + 8 * 6) / 2 + 2048 * 2  # half the rows out, the sum back
     assert t["dp"]["bytes_per_token_layer"] < t["tensor"]["bytes_per_token_layer"]
     assert (t["dp"]["collectives_per_layer"], t["replicas"]["collectives_per_layer"]) == (2, 0)
     slow, fast = (projected_tps("dp", 2, 32, shape, 0.05, LINKS[k]) for k in ("10 GbE (TCP)", "Thunderbolt 5 (RDMA)"))

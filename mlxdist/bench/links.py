@@ -59,7 +59,7 @@ def collectives(strategy: str, n: int, b: int, shape: Shape) -> Tuple[List[Tuple
     if strategy in ("collective", "collective-tp"):
         return [ring_sum(b * k * d * s)], shape.moe_layers
     if strategy == "dp":
-        gather = ((n - 1) * b / n * (d * s + 8 * k), n - 1)
+        gather = ((n - 1) * b / n * (d * s + k * (s + 4)), n - 1)  # x, K weights (the block's dtype), K ids
         return [gather, ring_sum(b * d * s)], shape.moe_layers
     if strategy == "p2p":  # rank 0's side, uniform routing: each token reaches ~min(K, N-1) workers
         out = b * min(k, n - 1) * (n - 1) / n * d * s + b * k * 8

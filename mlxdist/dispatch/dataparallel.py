@@ -4,7 +4,7 @@ Each rank runs the dense model for its own sequences only. At each MoE layer:
 
     x_r [T_r, D], inds_r [T_r, K], w_r [T_r, K]   this rank's rows, routing, weights
     pad to T = max over ranks of T_r               (the driver announces every rank's rows)
-    all_gather([x | w | inds] as bytes)     -> [N*T, ...]   one collective
+    all_gather([x | w | inds] as x's dtype) -> [N*T, ...]   one collective
     partial = sum over owned k of w_k * expert_k(x)  -> [N*T, D]
     reduce-scatter(partial)                 -> [T, D], keep the first T_r rows
 
@@ -15,6 +15,11 @@ never K x D. On the MPI backend MLX has no reduce-scatter: an all_sum of the
 partials, then each rank keeps its rows. The ranks' partial sums add in
 another order than one process's, so results are close to, not bit-equal
 with, single-process mlx-lm.
+
+The weights travel in the block's own dtype and the expert ids as their own
+bits (a view, no conversion), and the weighting is the block's own
+arithmetic, ``(y * w[..., None]).sum(-2)``: on GPUs a decode step is bound by
+the host's cost per graph node, so the exchange adds as few nodes as it can.
 
 Layouts as in collective.py: ``masked`` computes every gathered slot with
 static shapes (GPUs), ``compact`` reads the routing back and computes only
@@ -58,7 +63,8 @@ class DataParallelDispatcher:
     name = "dp"
     combines_tokens = True  # combine returns [.., D]: the block's weighted sum, done here
 
-    def __init__(self, world: World, layout: str = "masked", top_k: int = 0, dtype: mx.Dtype = mx.float32):
+    def __init__(self, world: World, layout: str = "masked", top_k: int = 0, dtype: mx.Dtype = mx.float32,
+                 weights_dtype: mx.Dtype = mx.float32):
         if layout not in LAYOUTS:
             raise ValueError(f"unknown layout {layout!r} (choose {', '.join(LAYOUTS)})")
         self.world = world
@@ -67,6 +73,9 @@ class DataParallelDispatcher:
         # rows of this shape (found at load, checked on every call).
         self.top_k = top_k
         self.dtype = dtype
+        # Weights ride as whole columns of x's dtype: as they are, or as float32 where they would not fit.
+        fits = weights_dtype == dtype or (top_k * weights_dtype.size) % dtype.size == 0
+        self.weights_dtype = weights_dtype if fits else mx.float32
         self.stats = ExchangeStats()
         self._plans: Deque[Tuple[List[int], bool]] = deque()
         self.rows: List[int] = [0] * world.size
@@ -91,10 +100,10 @@ class DataParallelDispatcher:
         return self.prompt_only and layer == self.final_layer
 
     def _masked_table(self, ownership: LayerOwnership) -> Tuple[mx.array, mx.array]:
-        """([E] local id, or 0; [E] 1.0 where held here, to weight by)."""
+        """([E] local id, or 0; [E] 1 where held here, to weight by, in the weights' dtype)."""
         if ownership.layer not in self._tables:
             local_index, owned = ownership.masked_table()
-            self._tables[ownership.layer] = (mx.array(local_index), mx.array(owned.astype(np.float32)))
+            self._tables[ownership.layer] = (mx.array(local_index), mx.array(owned).astype(self.weights_dtype))
         return self._tables[ownership.layer]
 
     def dispatch(self, ownership: LayerOwnership, x: mx.array, inds: mx.array, weights: mx.array):
@@ -109,11 +118,10 @@ class DataParallelDispatcher:
                 f"announced {rows} of {self.dtype} with top-{self.top_k}")
         self.stats.layers += 1
         load = self.stats.count(ownership.layer, inds, ownership.num_experts)
-        # One row per token: x, then the float32 weights and int32 expert ids
-        # as x's dtype (their bits only travel): [T_r, D + 2 * 4K / itemsize].
-        packed = mx.concatenate(
-            [xs, weights.reshape(-1, K).astype(mx.float32).view(x.dtype),
-             inds.reshape(-1, K).astype(mx.int32).view(x.dtype)], axis=1)
+        # One row per token: x, then the weights and the expert ids as x's
+        # dtype (their bits only travel): [T_r, D + wcols + icols].
+        packed = mx.concatenate([xs, _as_columns(weights.reshape(-1, K).astype(self.weights_dtype), x.dtype),
+                                 _as_columns(_ids(inds.reshape(-1, K)), x.dtype)], axis=1)
         if padded > rows:  # padding rows: weight 0, expert 0
             packed = mx.concatenate([packed, mx.zeros((padded - rows, packed.shape[1]), x.dtype)])
         if load is not None:
@@ -122,10 +130,10 @@ class DataParallelDispatcher:
             packed = mx.depends(packed, self._last)
         gathered = mx.distributed.all_gather(packed, group=self.world.group)  # [N*T, D + ...]
         self.stats.bytes_sent += packed.nbytes
-        cols = 4 * K // x.dtype.size
+        wcols = K * self.weights_dtype.size // x.dtype.size
         X = gathered[:, :D]  # [N*T, D]
-        W = gathered[:, D : D + cols].view(mx.float32)  # [N*T, K]
-        I = gathered[:, D + cols :].view(mx.int32)  # [N*T, K]
+        W = _as_columns(gathered[:, D : D + wcols], self.weights_dtype)  # [N*T, K]
+        I = gathered[:, D + wcols :].view(mx.int32)  # [N*T, K]
         out_shape = x.shape
         if self.layout == "compact":
             return self._dispatch_compact(ownership, X, W, I, out_shape, rows, padded, x.dtype)
@@ -135,6 +143,7 @@ class DataParallelDispatcher:
 
     def _dispatch_compact(self, ownership, X, W, I, out_shape, rows, padded, dtype):
         K = I.shape[-1]
+        W = W.astype(mx.float32)
         mx.eval(I, W)
         flat = np.asarray(I).reshape(-1)  # [N*T*K]
         w = np.asarray(W).reshape(-1)
@@ -172,7 +181,7 @@ class DataParallelDispatcher:
         rows: serve its experts to the others."""
         x = mx.zeros((0, width), dtype=self.dtype)
         inds = mx.zeros((0, self.top_k), dtype=mx.int32)
-        batch, handle = self.dispatch(ownership, x, inds, mx.zeros((0, self.top_k), dtype=mx.float32))
+        batch, handle = self.dispatch(ownership, x, inds, mx.zeros((0, self.top_k), dtype=self.weights_dtype))
         y = run_experts(experts, batch) if batch is not None and experts is not None else None
         self.combine(y, handle)
 
@@ -190,3 +199,13 @@ class DataParallelDispatcher:
             mx.eval(self._last)
         self._last = None
         self._plans.clear()
+
+
+def _ids(inds: mx.array) -> mx.array:
+    """Expert ids as 4-byte integers (argpartition's uint32 as they are)."""
+    return inds if inds.dtype in (mx.int32, mx.uint32) else inds.astype(mx.int32)
+
+
+def _as_columns(a: mx.array, dtype: mx.Dtype) -> mx.array:
+    """[R, C] as [R, C * a.itemsize / dtype.size] of ``dtype``, the same bits (and back)."""
+    return a if a.dtype == dtype else a.view(dtype)
