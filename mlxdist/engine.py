@@ -37,7 +37,7 @@ from .placement import Placement, resolve_placement
 from .routing import RouterWeights, RoutingWeightsNotFound, activation_dtype, find_weights_name
 from .watchdog import configured_fault
 
-__all__ = ["Engine", "GenerationParams", "LoadOptions", "UserError", "load_engine"]
+__all__ = ["Engine", "GenerationParams", "LoadOptions", "UserError", "auto_strategy", "load_engine"]
 
 
 @dataclass
@@ -112,6 +112,20 @@ class GenerationParams:
         return make_sampler(self.temp, top_p=self.top_p, min_p=self.min_p, top_k=self.top_k)
 
 
+# Rows per rank from which ``auto`` runs dp. On GPUs a decode step is bound
+# by the host's cost per graph node, and dp adds about 45 nodes per MoE layer:
+# on 2 x H200 collective was faster at 4 rows per rank (b = 8) and dp at 16
+# (b = 32) (benchmarks/RESULTS.md). On CPUs dp wins once every rank has one.
+AUTO_DP_ROWS_PER_RANK = {"mpi": 1, "nccl": 8}
+
+
+def auto_strategy(batch: int, ranks: int, backend: str) -> str:
+    """``auto``'s choice for a generation of ``batch`` sequences: the
+    data-parallel mode once the batch gives every rank enough rows
+    (``AUTO_DP_ROWS_PER_RANK`` for the transport), the exact collective one below."""
+    return "dp" if batch >= ranks * AUTO_DP_ROWS_PER_RANK.get(backend, 1) else "collective"
+
+
 @dataclass
 class Engine:
     """A loaded model on one rank.
@@ -153,13 +167,12 @@ class Engine:
         return self.dispatcher
 
     def strategy_for(self, batch: int) -> str:
-        """``auto``: the data-parallel mode where the batch can be divided
-        among the ranks (batch >= ranks), the exact collective one below;
-        ``dp``: data-parallel for any batch of two or more."""
+        """``auto``: ``auto_strategy``; ``dp``: data-parallel for any batch of two or more."""
         if "dp" not in self.dispatchers:
             return next(iter(self.dispatchers))
-        need = self.world.size if self.options.dispatch == "auto" else 2
-        return "dp" if batch >= need else "collective"
+        if self.options.dispatch == "auto":
+            return auto_strategy(batch, self.world.size, self.world.backend)
+        return "dp" if batch >= 2 else "collective"
 
     @property
     def dispatch(self) -> str:

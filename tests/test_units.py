@@ -228,6 +228,16 @@ def test_dp_gathers_rows_weights_and_ids_as_sent(dtype, weights_dtype, top_k):
     assert mx.array_equal(handle.weights, weights.reshape(6, top_k).astype(mx.float32))
 
 
+@pytest.mark.parametrize("batch, ranks, backend, expect", [
+    (1, 2, "mpi", "collective"), (2, 2, "mpi", "dp"), (3, 4, "mpi", "collective"), (4, 4, "mpi", "dp"),
+    (8, 2, "nccl", "collective"), (15, 2, "nccl", "collective"), (16, 2, "nccl", "dp"), (32, 4, "nccl", "dp"),
+    (24, 4, "nccl", "collective")])
+def test_auto_runs_dp_once_every_rank_has_enough_rows(batch, ranks, backend, expect):
+    from mlxdist.engine import auto_strategy
+
+    assert auto_strategy(batch, ranks, backend) == expect
+
+
 def test_wire_traffic_model():
     from mlxdist.bench.links import LINKS, Shape, projected_tps, traffic
 

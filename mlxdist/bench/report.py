@@ -101,7 +101,7 @@ def links_section(result: Dict[str, Any]) -> List[str]:
         lines.append(f"| {r['ranks']} | {r['contender']} ({strategy}) | {r['batch']} | {t['bytes_per_token_layer']:.0f} | "
                      f"{t['collectives_per_layer']} | " + " | ".join(_f(p, ".1f") for p in proj) + " |")
     lines += ["", "Bytes a rank sends per token per layer (collectives per layer) by machine count, from the "
-              "same model; dp at b >= N is what auto runs:", "",
+              "same model; dp at b >= N is what auto runs on CPUs (b >= 8N on GPUs):", "",
               "| N | b | " + " | ".join(STRATEGIES) + " |", "|---|---|" + "---|" * len(STRATEGIES)]
     for n in (2, 4):
         for b in result["batch_sizes"]:
