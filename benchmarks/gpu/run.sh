@@ -20,7 +20,9 @@
 # results.json, results.md), MODEL (/tmp/q30, written by mlxdist.synth unless
 # MODEL/.complete exists), PRESET, BITS, DTYPE, LAYERS, BENCH_ARGS, CONTENDERS
 # ("single replicas tensor mlxdist"; also "mlxdist-compact" (the compact layout), "pipeline", and "dpclose": dp against one GPU
-# on the same prompts), DISPATCH (mlxdist's modes, "auto,collective"), ROUND (a tag stored with each report), DEADLINE
+# on the same prompts), DISPATCH (mlxdist's modes, "auto,collective"), ROUND (a tag stored with each report),
+# WARMUP (1: first a short mlx-lm generation, not recorded: on a fresh machine MLX compiles its CUDA
+# kernels for about 100 s at the first launch, which would otherwise eat the first contender's limit), DEADLINE
 # (seconds this script may run; launches are cut to fit), MPIRUN, PY, GPU.
 set -u
 root="$(cd "$(dirname "$0")/../.." && pwd)"
@@ -86,6 +88,13 @@ PYEOF
 }
 
 common=(--model "$MODEL" $BENCH_ARGS --json)
+if [ "${WARMUP:-1}" = 1 ]; then
+  say "warm-up: one short mlx-lm generation (compiles MLX's kernels into its cache)"
+  t0=$(date +%s)
+  CUDA_VISIBLE_DEVICES=0 timeout "$(( $(left) - 60 ))" "$PY" -m mlxdist.bench.mlxlm --mode single --model "$MODEL" \
+    -p 16 -g 4 -b 1,8 -n 1 --warmup-tokens 2 --json > /dev/null 2>> "$log"
+  say "warm-up: rc $? in $(( $(date +%s) - t0 )) s"
+fi
 for c in $CONTENDERS; do
   case $c in
     single) launch "mlx-lm single" 1 env CUDA_VISIBLE_DEVICES=0 "$PY" -m mlxdist.bench.mlxlm --mode single "${common[@]}" ;;
