@@ -103,6 +103,7 @@ class Cluster:
         stats: bool = False,
         expert_capacity: Optional[int] = None,
         memory_budget_gb: Optional[float] = None,
+        expert_split: str = "whole",
     ) -> "Cluster":
         """Load ``model`` (a folder or hub id; None: the built-in random MoE)
         on every rank, releasing any model loaded before.
@@ -115,7 +116,10 @@ class Cluster:
         ``expert_capacity``: experts each rank keeps resident per layer, the
         rest paged in from its checkpoint copy (compact layout or p2p);
         ``memory_budget_gb``: instead, the weight bytes each rank may hold,
-        which set its capacity. Raises ``UserError``/``LoadError`` with one line."""
+        which set its capacity. ``expert_split``: "whole" (each expert on
+        one rank) or "width" (every expert cut over the ranks, as tensor
+        parallelism cuts them: balanced, not bit-exact; dp and collective).
+        Raises ``UserError``/``LoadError`` with one line."""
         if isinstance(placement, str):
             placement = Placement.load(placement)
         if isinstance(placement, Placement):
@@ -125,7 +129,7 @@ class Cluster:
 
             model = str(default_checkpoint())
         options = LoadOptions(str(model), dispatch, layout or default_layout(), placement, rank0_experts, stats,
-                              expert_capacity, memory_budget_gb)
+                              expert_capacity, memory_budget_gb, expert_split)
         options.validate()
         self.executor.load(self._broadcast(Command(commands.LOAD, asdict(options))).args)
         return self

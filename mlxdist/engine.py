@@ -27,8 +27,8 @@ from .dispatch import DISPATCH_MODES, LAYOUTS, Dispatcher, LayerOwnership, make_
 from .dp import DataParallelGeneration
 from .errors import UserError
 from .loader import (
-    check_config, find_switch_sites, nbytes, read_safetensors_index, resolve_model_path, slice_experts, stacked_tensors,
-    switch_extras,
+    check_config, find_switch_sites, nbytes, read_safetensors_index, resolve_model_path, slice_experts,
+    split_experts_by_width, stacked_tensors, switch_extras,
 )
 from .paging import PagedExperts, PagingStats, capacity_for_budget
 from .moe import DistributedSwitch, MoEBlock, Observer
@@ -38,6 +38,9 @@ from .routing import RouterWeights, RoutingWeightsNotFound, activation_dtype, fi
 from .watchdog import configured_fault
 
 __all__ = ["Engine", "GenerationParams", "LoadOptions", "UserError", "auto_strategy", "load_engine"]
+
+
+EXPERT_SPLITS = ("whole", "width")
 
 
 @dataclass
@@ -52,6 +55,7 @@ class LoadOptions:
     stats: bool = False  # count routed slots per expert from the start
     expert_capacity: Optional[int] = None  # experts resident per layer and rank; the rest paged in (paging.py)
     memory_budget_gb: Optional[float] = None  # weight bytes a rank may hold: sets its expert capacity (paging.py)
+    expert_split: str = "whole"  # "whole": each expert on one rank; "width": every expert cut over the ranks
 
     def validate(self) -> None:
         if self.dispatch not in DISPATCH_MODES:
@@ -62,6 +66,14 @@ class LoadOptions:
             raise UserError("give --expert-capacity or --memory-budget, not both")
         if self.memory_budget_gb is not None and not self.memory_budget_gb > 0:
             raise UserError(f"--memory-budget must be a positive number of GB, not {self.memory_budget_gb}")
+        if self.expert_split not in EXPERT_SPLITS:
+            raise UserError(f"unknown expert split {self.expert_split!r} (choose {', '.join(EXPERT_SPLITS)})")
+        if self.expert_split == "width":
+            if self.dispatch not in ("auto", "dp", "collective"):
+                raise UserError(f"--expert-split width runs with --dispatch auto, dp or collective, not {self.dispatch}")
+            if self.expert_capacity is not None or self.memory_budget_gb is not None or self.placement is not None:
+                raise UserError("--expert-split width holds every expert on every rank, cut in width: "
+                                "it takes no placement, --expert-capacity or --memory-budget")
         if self.expert_capacity is not None or self.memory_budget_gb is not None:
             if self.expert_capacity is not None and self.expert_capacity < 1:
                 raise UserError(f"--expert-capacity must be at least 1, not {self.expert_capacity}")
@@ -343,11 +355,17 @@ def load_engine(world: World, options: LoadOptions) -> Engine:
     paging = PagingStats()
     modules = dict(lazy_model.named_modules())
     experts, ownership, switches = {}, {}, []
+    by_width = options.expert_split == "width"
     for site in sites:
-        owns = LayerOwnership.build(site.layer, plan.layers[site.layer], world.rank)
+        # Cut in width, every rank holds a part of every expert: to the dispatchers it owns them all.
+        owners = [world.rank] * site.num_experts if by_width else plan.layers[site.layer]
+        owns = LayerOwnership.build(site.layer, owners, world.rank)
         ownership[site.layer] = owns
         extras = {name: site.module.pop(name) for name in switch_extras(site.module)}  # the block's, kept whole
-        local = _rank_experts(site, owns.owned_experts.tolist(), index, capacity, paging)
+        if by_width:
+            local = split_experts_by_width(site, world.rank, world.size)
+        else:
+            local = _rank_experts(site, owns.owned_experts.tolist(), index, capacity, paging)
         if local is not None:
             mx.eval(local.parameters())
             experts[site.layer] = local

@@ -219,6 +219,43 @@ def slice_experts(
     return site.module
 
 
+# Expert projections by direction, for cutting experts in width: from the
+# model's width to the experts' hidden units, and back.
+INTO_HIDDEN = ("gate_proj", "up_proj", "fc1")
+FROM_HIDDEN = ("down_proj", "fc2")
+
+
+def split_experts_by_width(site: SwitchSite, rank: int, ranks: int) -> nn.Module:
+    """The site's expert module with every expert cut in width: this rank's
+    ``1/ranks`` of each expert's hidden units, as tensor parallelism cuts
+    them (mlx-lm's ``shard_inplace``). Projections into the hidden units keep
+    their rows ``[r*H/N, (r+1)*H/N)``, projections back keep those columns
+    (packed and grouped alike when quantized), and a bias on the way back is
+    divided by N, as every rank adds it before the ranks' outputs are summed."""
+    projections = _projections(site.module)
+    unknown = sorted(set(projections) - set(INTO_HIDDEN) - set(FROM_HIDDEN))
+    if unknown:
+        raise UserError(f"cannot cut {site.path}'s experts in width: unknown projection {unknown[0]!r}")
+    updates = []
+    for proj_name, proj in projections.items():
+        back = proj_name in FROM_HIDDEN
+        for name, value in tree_flatten(proj.parameters()):
+            if back and name == "bias":  # [E, D]
+                updates.append((f"{proj_name}.{name}", value / ranks))
+                continue
+            axis = -1 if back or name == "bias" else 1  # the hidden units' axis
+            size = value.shape[axis]
+            if size % ranks:
+                raise UserError(f"cannot cut {site.path}.{proj_name}.{name} in width over {ranks} ranks: "
+                                f"{size} is not a multiple of {ranks}")
+            step = size // ranks
+            index = [slice(None)] * value.ndim
+            index[axis] = slice(rank * step, (rank + 1) * step)
+            updates.append((f"{proj_name}.{name}", mx.contiguous(value[tuple(index)])))
+    site.module.update(tree_unflatten(updates))
+    return site.module
+
+
 def stacked_tensors(site: SwitchSite, index: Dict[str, TensorEntry]) -> List[Tuple[str, mx.array, Optional[TensorEntry]]]:
     """The expert module's tensors stacked by expert: (name in the module,
     the lazy value, its checkpoint entry where stored under that name and

@@ -17,7 +17,7 @@ from mlx_lm.generate import DEFAULT_MAX_TOKENS
 
 from .api import Cluster
 from .dispatch import DISPATCH_MODES, LAYOUTS
-from .engine import GenerationParams
+from .engine import EXPERT_SPLITS, GenerationParams
 from .errors import UserError
 from .executor import CommandExecutor
 from .mpi import BACKENDS, init_world, run_or_abort, set_exit_code
@@ -61,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-budget", type=float, default=None, metavar="GB",
                    help="weights each rank may hold, in GB: sets its expert capacity from what its dense weights "
                         "leave (as --expert-capacity, which it replaces)")
+    p.add_argument("--expert-split", choices=EXPERT_SPLITS, default="whole",
+                   help="whole: each expert on one rank (exact modes); width: every expert cut over the ranks as "
+                        "tensor parallelism cuts them (balanced, not bit-exact; dp and collective)")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT,
                    help="seconds without progress before a generation is declared hung (default %(default)s)")
@@ -169,7 +172,7 @@ def command_loop(cluster: Cluster, args) -> int:
     try:
         GenerationParams(**{**generation_args(args), "seed": 0}).validate()
         cluster.load(args.model, args.dispatch, args.placement, not args.no_rank0_experts, args.layout, args.stats,
-                     args.expert_capacity, args.memory_budget)
+                     args.expert_capacity, args.memory_budget, args.expert_split)
     except (UserError, PlacementError) as e:
         fail(str(e))
         return 1

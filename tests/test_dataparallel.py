@@ -80,6 +80,39 @@ def test_each_rank_holds_kv_caches_for_its_sequences_only(checkpoint, runs, case
     assert len(per_sequence) == 1, (kv, per_rank)
 
 
+WIDTH_CASES = [(2, "masked", 3, 2048), (4, "compact", 0, 4)]
+
+
+@pytest.fixture(scope="module")
+def width_runs(checkpoint):
+    return {case: run(checkpoint, case[0], "dp:width", case[1], MAX_TOKENS, case[2], case[3]) for case in WIDTH_CASES}
+
+
+@pytest.mark.parametrize("case", WIDTH_CASES, ids=lambda c: f"np{c[0]}-{c[1]}-batch{c[2] or 'all'}-prefill{c[3]}")
+@pytest.mark.parametrize("arch", ARCHS)
+def test_experts_cut_in_width_close_to_mlx_lm_batch_generate(checkpoint, width_runs, arch, case):
+    """--expert-split width: every rank holds 1/N of every expert's hidden
+    units and computes that part of every slot; the same tolerance as dp."""
+    path = str(checkpoint(arch))
+    got = width_runs[case][path]
+    ref_tokens, ref_logprobs = reference(path, len(MAX_TOKENS))
+    assert got["strategy"] == "dp"
+    assert got["tokens"] == ref_tokens
+    worst = max(abs(a - b) for g, r in zip(got["logprobs"], ref_logprobs) for a, b in zip(g, r))
+    assert worst <= TOLERANCE
+
+
+def test_experts_cut_in_width_one_prompt_runs_collective(checkpoint):
+    """One prompt under dp:width runs collective over the width-cut experts
+    (the ranks' partial slots summed): close to mlx-lm, not bit-equal."""
+    path = str(checkpoint("qwen3_moe"))
+    got = run(checkpoint, 2, "dp:width", "masked", MAX_TOKENS[:1], 0)[path]
+    ref_tokens, ref_logprobs = reference(path, len(MAX_TOKENS))
+    assert got["strategy"] == "collective"
+    assert got["tokens"] == ref_tokens[:1]
+    assert max(abs(a - b) for a, b in zip(got["logprobs"][0], ref_logprobs[0])) <= TOLERANCE
+
+
 def test_auto_is_exact_below_one_sequence_per_rank(checkpoint):
     """auto: 2 prompts on 3 ranks run the exact collective mode (bit-equal to
     mlx-lm's batch_generate); 3 prompts on 3 ranks run dp."""

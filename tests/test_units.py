@@ -287,3 +287,49 @@ def test_padded_expert_call_returns_the_same_rows():
     assert mx.allclose(padded, plain, atol=1e-6).item()
     assert run_experts(experts, ExpertBatch(x, inds, total_slots=100), pad=False).shape == (3, 1, 16)
 
+
+
+@pytest.mark.parametrize("kind", ["glu", "glu-4bit", "mlp-bias"])
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_experts_cut_in_width_sum_to_the_whole(kind, ranks):
+    """Each rank's width cut of an expert module computes its part of every
+    slot; the parts over the ranks add up to the whole module's output (a
+    bias on the way back counted once)."""
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+    from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
+
+    from mlxdist.loader import SwitchSite, split_experts_by_width
+
+    D, H, E = 64, 256, 6
+
+    def make():
+        mx.random.seed(3)
+        m = SwitchMLP(D, H, E, bias=True) if kind == "mlp-bias" else SwitchGLU(D, H, E)
+        if kind == "glu-4bit":
+            nn.quantize(m, group_size=32, bits=4)
+        mx.eval(m.parameters())
+        return m
+
+    whole = make()
+    x = mx.random.normal((5, D))
+    inds = mx.array([[e % E, (e + 2) % E] for e in range(5)], dtype=mx.uint32)
+    expected = whole(x, inds)
+    parts = []
+    for rank in range(ranks):
+        module = make()
+        split_experts_by_width(SwitchSite(0, "m", None, "m", module), rank, ranks)
+        assert all(v.shape[0] == E for _, v in tree_flatten(module.parameters()))
+        parts.append(module(x, inds))
+    assert mx.allclose(sum(parts), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_expert_split_options_refused_with_one_line():
+    from mlxdist.engine import LoadOptions, UserError
+
+    for kwargs, words in [(dict(dispatch="p2p"), "runs with --dispatch auto, dp or collective"),
+                          (dict(expert_capacity=2, layout="compact"), "takes no placement"),
+                          (dict(expert_split="diagonal"), "unknown expert split")]:
+        options = LoadOptions("m", **{"expert_split": "width", **kwargs})
+        with pytest.raises(UserError, match=words):
+            options.validate()

@@ -1,7 +1,9 @@
-"""What a decode step's expert calls cost on one GPU, by how many slots they
-compute: one GPU's whole batch, a replica's half, the dp masked layout (every
-gathered slot, the ones held elsewhere pointed at a local expert), and only the
-slots a rank owns. Qwen3-30B-A3B shapes, 4-bit, 48 layers' worth of calls.
+"""What a decode step's expert calls cost on one device, by how many slots
+they compute: one GPU's whole batch, a replica's half, the dp masked layout
+(every gathered slot, the ones held elsewhere pointed at a local expert), only
+the slots a rank owns, and every gathered slot on experts cut in width (each
+rank 1/N of every expert's hidden units, as tensor parallelism cuts them).
+Qwen3-30B-A3B shapes, 4-bit, 48 layers' worth of calls.
 
     python3 benchmarks/gpu/expert_cost.py --batch 32
 """
@@ -24,8 +26,8 @@ def main() -> None:
     D, I, E, K, N = 2048, 768, 128, 8, 2
     mx.random.seed(0)
 
-    def experts(n):
-        m = SwitchGLU(D, I, n, bias=False)
+    def experts(n, hidden=I):
+        m = SwitchGLU(D, hidden, n, bias=False)
         nn.quantize(m, group_size=64, bits=4)
         m.set_dtype(mx.bfloat16)
         mx.eval(m.parameters())
@@ -33,6 +35,7 @@ def main() -> None:
 
     full = [experts(E) for _ in range(args.distinct)]
     half = [experts(E // N) for _ in range(args.distinct)]
+    narrow = [experts(E, I // N) for _ in range(args.distinct)]
 
     def timed(build):
         ts = []
@@ -64,6 +67,7 @@ def main() -> None:
         f"replica, b={b // N} ({b // N * K} slots)": chain(full, x[: b // N], inds[: b // N]),
         f"dp masked, {b} rows ({b * K} slots, {E // N} experts)": chain(half, x, local),
         f"dp owned only ({flat.size} slots, {E // N} experts)": chain(half, xo, io),
+        f"dp experts cut in width, {b} rows ({b * K} slots, {E} experts x {I // N} hidden)": chain(narrow, x, inds),
     }
     out = {"batch": b, "layers": args.layers, "ms_per_step": {k: round(timed(v), 3) for k, v in rows.items()}}
     print(json.dumps(out), flush=True)

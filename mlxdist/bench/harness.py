@@ -180,7 +180,7 @@ def run(cluster, args) -> Dict[str, Any]:
     """Every requested dispatch mode and batch size (on rank 0)."""
     rows = []
     for mode in args.dispatch:
-        cluster.load(args.model, dispatch=mode, layout=args.layout)
+        cluster.load(args.model, dispatch=mode, layout=args.layout, expert_split=args.expert_split)
         cluster.probe("no_eos")
         if args.no_link:
             cluster.probe("no_link", on=True)
@@ -198,6 +198,7 @@ def run(cluster, args) -> Dict[str, Any]:
         "num_trials": args.num_trials,
         "layout": cluster.engine.options.layout if cluster.engine is not None else args.layout,
         "link": not args.no_link,
+        "expert_split": args.expert_split,
         "versions": versions(),
         "results": rows,
     }
@@ -247,6 +248,8 @@ def parse_args(argv=None):
     parser.add_argument("--warmup-tokens", type=int, default=16, help="Tokens of the warm-up generation.")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="One JSON object on stdout.")
+    parser.add_argument("--expert-split", choices=("whole", "width"), default="whole",
+                        help="Experts whole on one rank each, or cut in width over the ranks (dp and collective).")
     parser.add_argument("--no-link", action="store_true",
                         help="Replace MLX's collectives by local stand-ins of the same shapes: what each step "
                              "costs without the exchange's transport and waiting (tokens are not the model's; "

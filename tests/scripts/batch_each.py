@@ -1,7 +1,7 @@
 """Under mpirun: load each checkpoint in turn and generate one batch,
 printing every sequence's tokens and sampled-token log-probabilities as JSON.
 
-    python batch_each.py DISPATCH LAYOUT MAX_TOKENS COMPLETION_BATCH PREFILL_STEP CKPT [CKPT ...]
+    python batch_each.py DISPATCH[:SPLIT] LAYOUT MAX_TOKENS COMPLETION_BATCH PREFILL_STEP CKPT [CKPT ...]
 
 MAX_TOKENS is a comma-separated list, one per prompt (PROMPTS below);
 COMPLETION_BATCH 0 decodes every prompt at once.
@@ -22,11 +22,12 @@ PROMPTS = [
 
 if __name__ == "__main__":
     dispatch, layout, max_tokens, completion, prefill_step, *paths = sys.argv[1:]
+    dispatch, _, split = dispatch.partition(":")  # e.g. dp:width, experts cut in width
     max_tokens = [int(m) for m in max_tokens.split(",")]
     out = {}
     with mlxdist.init(timeout=900) as cluster:  # a first CUDA run compiles for minutes
         for path in paths:
-            cluster.load(path, dispatch=dispatch, layout=layout)
+            cluster.load(path, dispatch=dispatch, layout=layout, expert_split=split or "whole")
             request = cluster.request([cluster.encode(p) for p in PROMPTS[: len(max_tokens)]], max_tokens=max_tokens,
                                       completion_batch_size=int(completion) or None,
                                       prefill_step_size=int(prefill_step))
