@@ -63,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dispatch", choices=("collective", "dp"), default="collective",
                    help="collective: every rank decodes every sequence (exact); dp: each rank a share of the live "
                         "sequences (not bit-exact; no prompt cache, no top_logprobs)")
+    p.add_argument("--expert-split", choices=("whole", "width"), default="whole",
+                   help="Experts whole on one rank each, or cut in width over the ranks (not bit-exact).")
     p.add_argument("--timeout", type=float, default=None, help="Seconds without progress before a rank is declared hung.")
     p.add_argument("--log-level", default="WARNING", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     return p
@@ -386,8 +388,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     cluster = init(timeout=args.timeout or DEFAULT_TIMEOUT, backend=args.backend)  # other ranks serve inside
     code = 0
     try:
-        cluster.load(args.model, dispatch=args.dispatch)
-        options = {k: v for k, v in vars(args).items() if k not in ("backend", "timeout", "dispatch")}
+        cluster.load(args.model, dispatch=args.dispatch, expert_split=args.expert_split)
+        options = {k: v for k, v in vars(args).items() if k not in ("backend", "timeout", "dispatch", "expert_split")}
         options["model"] = cluster.engine.options.model
         cluster.serve_http(options)
     except UserError as e:
