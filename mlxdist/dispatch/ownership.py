@@ -35,6 +35,11 @@ class LayerOwnership:
     def num_experts(self) -> int:
         return self.owner.size
 
+    @property
+    def holds_all(self) -> bool:
+        """This rank holds (a part of) every expert: experts cut in width, or one rank."""
+        return self.owned_experts.size == self.owner.size
+
     def masked_table(self) -> Tuple[np.ndarray, np.ndarray]:
         """The masked layouts' tables: ([E] local id, or 0 where held
         elsewhere; [E] bool, held by this rank)."""
