@@ -49,16 +49,24 @@ def run(checkpoint, nranks, dispatch, layout, max_tokens, completion, prefill_st
     return last_json(proc.stdout)
 
 
+# Experts whole on their owners, and cut in width over the ranks (--expert-split width:
+# each rank holds 1/N of every expert's hidden units and computes that part of every slot).
+WIDTH_CASES = [(2, "masked", 3, 2048), (4, "compact", 0, 4)]
+RUNS = [("whole", c) for c in CASES] + [("width", c) for c in WIDTH_CASES]
+
+
 @pytest.fixture(scope="module")
 def runs(checkpoint):
-    return {case: run(checkpoint, case[0], "dp", case[1], MAX_TOKENS, case[2], case[3]) for case in CASES}
+    return {(split, case): run(checkpoint, case[0], "dp" if split == "whole" else "dp:width", case[1], MAX_TOKENS,
+                               case[2], case[3]) for split, case in RUNS}
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"np{c[0]}-{c[1]}-batch{c[2] or 'all'}-prefill{c[3]}")
+@pytest.mark.parametrize("split, case", RUNS,
+                         ids=lambda r: r if isinstance(r, str) else f"np{r[0]}-{r[1]}-batch{r[2] or 'all'}-prefill{r[3]}")
 @pytest.mark.parametrize("arch", ARCHS)
-def test_close_to_mlx_lm_batch_generate(checkpoint, runs, arch, case):
+def test_close_to_mlx_lm_batch_generate(checkpoint, runs, arch, split, case):
     path = str(checkpoint(arch))
-    got = runs[case][path]
+    got = runs[split, case][path]
     ref_tokens, ref_logprobs = reference(path, len(MAX_TOKENS))
     assert got["strategy"] == "dp"
     assert got["tokens"] == ref_tokens
@@ -72,34 +80,12 @@ def test_each_rank_holds_kv_caches_for_its_sequences_only(checkpoint, runs, case
     """Every sequence admitted at once (no joins): a rank's largest KV cache
     is its share of the sequences, each of the same size here."""
     nranks = case[0]
-    kv = runs[case][str(checkpoint("qwen3_moe"))]["kv_cache_gb"]
+    kv = runs["whole", case][str(checkpoint("qwen3_moe"))]["kv_cache_gb"]
     assert len(kv) == nranks and all(k > 0 for k in kv)
     live = len(MAX_TOKENS)
     per_rank = [len(range(r, live, nranks)) for r in range(nranks)]  # least-loaded admission
     per_sequence = {k / n for k, n in zip(kv, per_rank)}
     assert len(per_sequence) == 1, (kv, per_rank)
-
-
-WIDTH_CASES = [(2, "masked", 3, 2048), (4, "compact", 0, 4)]
-
-
-@pytest.fixture(scope="module")
-def width_runs(checkpoint):
-    return {case: run(checkpoint, case[0], "dp:width", case[1], MAX_TOKENS, case[2], case[3]) for case in WIDTH_CASES}
-
-
-@pytest.mark.parametrize("case", WIDTH_CASES, ids=lambda c: f"np{c[0]}-{c[1]}-batch{c[2] or 'all'}-prefill{c[3]}")
-@pytest.mark.parametrize("arch", ARCHS)
-def test_experts_cut_in_width_close_to_mlx_lm_batch_generate(checkpoint, width_runs, arch, case):
-    """--expert-split width: every rank holds 1/N of every expert's hidden
-    units and computes that part of every slot; the same tolerance as dp."""
-    path = str(checkpoint(arch))
-    got = width_runs[case][path]
-    ref_tokens, ref_logprobs = reference(path, len(MAX_TOKENS))
-    assert got["strategy"] == "dp"
-    assert got["tokens"] == ref_tokens
-    worst = max(abs(a - b) for g, r in zip(got["logprobs"], ref_logprobs) for a, b in zip(g, r))
-    assert worst <= TOLERANCE
 
 
 def test_experts_cut_in_width_one_prompt_runs_collective(checkpoint):
