@@ -71,9 +71,10 @@ class LoadOptions:
         if self.expert_split == "width":
             if self.dispatch not in ("auto", "dp", "collective"):
                 raise UserError(f"--expert-split width runs with --dispatch auto, dp or collective, not {self.dispatch}")
-            if self.expert_capacity is not None or self.memory_budget_gb is not None or self.placement is not None:
+            if (self.expert_capacity is not None or self.memory_budget_gb is not None or self.placement is not None
+                    or not self.rank0_experts):
                 raise UserError("--expert-split width holds every expert on every rank, cut in width: "
-                                "it takes no placement, --expert-capacity or --memory-budget")
+                                "it takes no placement, --no-rank0-experts, --expert-capacity or --memory-budget")
         if self.expert_capacity is not None or self.memory_budget_gb is not None:
             if self.expert_capacity is not None and self.expert_capacity < 1:
                 raise UserError(f"--expert-capacity must be at least 1, not {self.expert_capacity}")

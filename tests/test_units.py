@@ -329,6 +329,7 @@ def test_expert_split_options_refused_with_one_line():
 
     for kwargs, words in [(dict(dispatch="p2p"), "runs with --dispatch auto, dp or collective"),
                           (dict(expert_capacity=2, layout="compact"), "takes no placement"),
+                          (dict(rank0_experts=False), "--no-rank0-experts"),
                           (dict(expert_split="diagonal"), "unknown expert split")]:
         options = LoadOptions("m", **{"expert_split": "width", **kwargs})
         with pytest.raises(UserError, match=words):
