@@ -246,8 +246,9 @@ def split_experts_by_width(site: SwitchSite, rank: int, ranks: int) -> nn.Module
             axis = -1 if back or name == "bias" else 1  # the hidden units' axis
             size = value.shape[axis]
             if size % ranks:
-                raise UserError(f"cannot cut {site.path}.{proj_name}.{name} in width over {ranks} ranks: "
-                                f"{size} is not a multiple of {ranks}")
+                unit = "quantization groups" if name in ("scales", "biases") else "hidden units (or packed columns)"
+                raise UserError(f"cannot cut {site.path}.{proj_name} in width over {ranks} ranks: its {size} "
+                                f"{unit} per expert do not divide by {ranks}")
             step = size // ranks
             index = [slice(None)] * value.ndim
             index[axis] = slice(rank * step, (rank + 1) * step)

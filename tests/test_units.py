@@ -334,3 +334,16 @@ def test_expert_split_options_refused_with_one_line():
         options = LoadOptions("m", **{"expert_split": "width", **kwargs})
         with pytest.raises(UserError, match=words):
             options.validate()
+
+
+def test_experts_that_do_not_cut_evenly_are_refused_by_name():
+    import mlx.nn as nn
+    from mlx_lm.models.switch_layers import SwitchGLU
+
+    from mlxdist.engine import UserError
+    from mlxdist.loader import SwitchSite, split_experts_by_width
+
+    module = SwitchGLU(64, 64, 4)
+    nn.quantize(module, group_size=64, bits=4)  # one group of hidden units per row of down_proj
+    with pytest.raises(UserError, match="m.down_proj in width over 2 ranks: its 1 quantization groups"):
+        split_experts_by_width(SwitchSite(0, "m", None, "m", module), 0, 2)
