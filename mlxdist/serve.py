@@ -37,6 +37,7 @@ from typing import Any, Dict, List, Optional
 
 from mlx_lm import server as lm_server
 
+from .engine import EXPERT_SPLITS
 from .mpi import World, bcast_bytes
 from .watchdog import ON_FATAL
 
@@ -63,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dispatch", choices=("collective", "dp"), default="collective",
                    help="collective: every rank decodes every sequence (exact); dp: each rank a share of the live "
                         "sequences (not bit-exact; no prompt cache, no top_logprobs)")
-    p.add_argument("--expert-split", choices=("whole", "width"), default="whole",
+    p.add_argument("--expert-split", choices=EXPERT_SPLITS, default="whole",
                    help="Experts whole on one rank each, or cut in width over the ranks (not bit-exact).")
     p.add_argument("--timeout", type=float, default=None, help="Seconds without progress before a rank is declared hung.")
     p.add_argument("--log-level", default="WARNING", choices=("DEBUG", "INFO", "WARNING", "ERROR"))

@@ -22,6 +22,7 @@ import mlx.core as mx
 
 from . import probes  # noqa: F401  (registers the probes, on every rank)
 from ..dispatch import DISPATCH_MODES
+from ..engine import EXPERT_SPLITS
 from ..mpi import BACKENDS
 
 MODES = ("auto", "collective", "p2p")  # the default; "dp" and "collective-tp" on request (--dispatch)
@@ -248,7 +249,7 @@ def parse_args(argv=None):
     parser.add_argument("--warmup-tokens", type=int, default=16, help="Tokens of the warm-up generation.")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="One JSON object on stdout.")
-    parser.add_argument("--expert-split", choices=("whole", "width"), default="whole",
+    parser.add_argument("--expert-split", choices=EXPERT_SPLITS, default="whole",
                         help="Experts whole on one rank each, or cut in width over the ranks (dp and collective).")
     parser.add_argument("--no-link", action="store_true",
                         help="Replace MLX's collectives by local stand-ins of the same shapes: what each step "
