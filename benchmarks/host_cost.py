@@ -5,7 +5,7 @@ Beside it, ``step_ms``: wall time per step with one step in flight, as both
 generate (so a host time near it means the step is bound by the host).
 
     python benchmarks/host_cost.py MODEL 4 alone
-    mpirun -np 2 python benchmarks/host_cost.py MODEL 8 masked
+    mpirun -np 2 python benchmarks/host_cost.py MODEL 8 masked    # or compact, or width
 """
 
 import json
@@ -76,7 +76,10 @@ def data_parallel(path: str, batch: int, layout: str) -> dict:
     dp.DataParallelGeneration.start_step = timed
     dp.mx.async_eval = _async_eval
     with mlxdist.init() as cluster:
-        cluster.load(path, dispatch="dp", layout=layout)
+        if layout == "width":  # experts cut in width: whole blocks exchanged
+            cluster.load(path, dispatch="dp", expert_split="width")
+        else:
+            cluster.load(path, dispatch="dp", layout=layout)
         prompts = [f"prompt number {i} " * 4 for i in range(batch)]
         for _ in range(2):  # the second generation is measured
             build.clear()

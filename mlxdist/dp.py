@@ -100,6 +100,11 @@ class DataParallelGeneration:
     # -- forward passes ----------------------------------------------------
     def _idle_forward(self) -> None:
         """Serve this rank's experts in one forward pass it has no rows in."""
+        if self.dispatcher.wraps_blocks:  # each block gathers the others' rows and runs on them
+            empty = mx.zeros((0, 1, self.width), dtype=self.dispatcher.dtype)
+            for block in self.engine.blocks:
+                block(empty)
+            return
         self.dispatcher.begin_forward()
         for switch in self.switches:
             self.dispatcher.idle_layer(switch.ownership, switch.experts, self.width)

@@ -28,7 +28,7 @@ from .dp import DataParallelGeneration
 from .errors import UserError
 from .loader import (
     check_config, find_switch_sites, nbytes, read_safetensors_index, resolve_model_path, slice_experts,
-    split_experts_by_width, stacked_tensors, switch_extras,
+    split_experts_by_width, split_shared_by_width, stacked_tensors, switch_extras,
 )
 from .paging import PagedExperts, PagingStats, capacity_for_budget
 from .moe import DistributedSwitch, MoEBlock, Observer
@@ -156,6 +156,7 @@ class Engine:
     ownership: Dict[int, LayerOwnership]  # layer -> who owns which expert
     switches: List[DistributedSwitch]
     dispatchers: Dict[str, Dispatcher]  # strategy -> its dispatcher (auto and dp hold two)
+    blocks: List[MoEBlock] = field(default_factory=list)  # the MoE blocks, where wrapped (dp, width)
     memory: Dict[str, int] = field(default_factory=dict)
     memory_by_rank: List[Dict[str, int]] = field(default_factory=list)
     fingerprint: Dict[str, Any] = field(default_factory=dict)
@@ -339,8 +340,10 @@ def load_engine(world: World, options: LoadOptions) -> Engine:
     if weights_names:
         router = next(iter(weights_names.values()))
         dp_shape = dict(top_k=router.top_k, dtype=activation_dtype(lazy_model), weights_dtype=router.dtype)
+    by_width = options.expert_split == "width" and world.size > 1
     dispatchers = {
-        name: make_dispatcher(name, world, options.layout, options.stats, **(dp_shape if name == "dp" else {}))
+        name: make_dispatcher(name, world, options.layout, options.stats, wraps_blocks=by_width,
+                              **(dp_shape if name == "dp" else {}))
         for name in (strategies if world.size > 1 else strategies[:1])
     }
     if "dp" in dispatchers and _in_last_layer(lazy_model, sites):
@@ -355,16 +358,16 @@ def load_engine(world: World, options: LoadOptions) -> Engine:
     fault = configured_fault(world.rank)
     paging = PagingStats()
     modules = dict(lazy_model.named_modules())
-    experts, ownership, switches = {}, {}, []
-    by_width = options.expert_split == "width"
+    experts, ownership, switches, blocks = {}, {}, [], []
     for site in sites:
         # Cut in width, every rank holds a part of every expert: to the dispatchers it owns them all.
         owners = [world.rank] * site.num_experts if by_width else plan.layers[site.layer]
         owns = LayerOwnership.build(site.layer, owners, world.rank)
         ownership[site.layer] = owns
         extras = {name: site.module.pop(name) for name in switch_extras(site.module)}  # the block's, kept whole
-        if by_width:
+        if by_width:  # the block runs whole on every rank: its shared experts are cut too
             local = split_experts_by_width(site, world.rank, world.size)
+            split_shared_by_width(site, world.rank, world.size)
         else:
             local = _rank_experts(site, owns.owned_experts.tolist(), index, capacity, paging)
         if local is not None:
@@ -377,10 +380,12 @@ def load_engine(world: World, options: LoadOptions) -> Engine:
             raise UserError(f"mlxdist cannot run {config.get('model_type')}: {e}") from None
         setattr(site.parent, site.attr, switch)
         switches.append(switch)
-        if weights_names:  # the block's own weighting is bypassed: wrap it to add the exchange's sums
-            switch.weights_name = weights_names[type(site.parent)].name
+        if weights_names or by_width:  # wrapped: dp adds the exchange's sums; width exchanges the whole block
+            if weights_names:
+                switch.weights_name = weights_names[type(site.parent)].name
             holder_path, block_attr, _ = site.path.rsplit(".", 2)
-            setattr(modules[holder_path], block_attr, MoEBlock(site.parent, switch))
+            blocks.append(MoEBlock(site.parent, switch))
+            setattr(modules[holder_path], block_attr, blocks[-1])
 
     expert_bytes = sum(nbytes(e.parameters()) for e in experts.values())
     tokenizer = None
@@ -417,6 +422,7 @@ def load_engine(world: World, options: LoadOptions) -> Engine:
         ownership,
         switches,
         dispatchers,
+        blocks=blocks,
         memory={"expert_bytes": expert_bytes, "dense_bytes": dense_bytes, "load_peak_bytes": mx.get_peak_memory()},
         fingerprint=fingerprint,
         capacity=capacity,

@@ -236,25 +236,54 @@ def split_experts_by_width(site: SwitchSite, rank: int, ranks: int) -> nn.Module
     unknown = sorted(set(projections) - set(INTO_HIDDEN) - set(FROM_HIDDEN))
     if unknown:
         raise UserError(f"cannot cut {site.path}'s experts in width: unknown projection {unknown[0]!r}")
+    _cut_in_width(site.module, projections, site.path, rank, ranks)
+    return site.module
+
+
+def split_shared_by_width(site: SwitchSite, rank: int, ranks: int) -> List[str]:
+    """Cut the block's other MLPs (shared experts: children with projections
+    into and back from hidden units) in width like its experts, so that the
+    ranks' block outputs sum to the whole block's. Returns their names. A
+    child holding linear layers of which only some are known projections is
+    refused: it could not be summed over the ranks."""
+    cut = []
+    for name, child in site.parent.children().items():
+        if name == site.attr or not isinstance(child, nn.Module):
+            continue
+        linears = {k: v for k, v in child.children().items() if isinstance(v, (nn.Linear, nn.QuantizedLinear))}
+        known = {k: v for k, v in linears.items() if k in INTO_HIDDEN + FROM_HIDDEN}
+        if not known:
+            continue
+        if len(known) < len(linears) or not set(known) & set(FROM_HIDDEN) or not set(known) & set(INTO_HIDDEN):
+            raise UserError(f"cannot cut {site.path.rsplit('.', 1)[0]}.{name} in width: "
+                            f"projections {sorted(linears)} are not a known MLP's")
+        _cut_in_width(child, known, f"{site.path.rsplit('.', 1)[0]}.{name}", rank, ranks)
+        cut.append(name)
+    return cut
+
+
+def _cut_in_width(module: nn.Module, projections: Dict[str, nn.Module], path: str, rank: int, ranks: int) -> None:
+    """Keep this rank's hidden units in ``projections`` (stacked by expert or
+    not): rows of those into them, columns of those back, back biases / N."""
     updates = []
     for proj_name, proj in projections.items():
         back = proj_name in FROM_HIDDEN
         for name, value in tree_flatten(proj.parameters()):
-            if back and name == "bias":  # [E, D]
+            if back and name == "bias":  # [.., D]
                 updates.append((f"{proj_name}.{name}", value / ranks))
                 continue
-            axis = -1 if back or name == "bias" else 1  # the hidden units' axis
+            axis = -1 if back or name == "bias" else -2  # the hidden units' axis
             size = value.shape[axis]
             if size % ranks:
                 unit = "quantization groups" if name in ("scales", "biases") else "hidden units (or packed columns)"
-                raise UserError(f"cannot cut {site.path}.{proj_name} in width over {ranks} ranks: its {size} "
-                                f"{unit} per expert do not divide by {ranks}")
+                what = "per expert " if value.ndim == 3 else ""
+                raise UserError(f"cannot cut {path}.{proj_name} in width over {ranks} ranks: its {size} "
+                                f"{unit} {what}do not divide by {ranks}")
             step = size // ranks
             index = [slice(None)] * value.ndim
             index[axis] = slice(rank * step, (rank + 1) * step)
             updates.append((f"{proj_name}.{name}", mx.contiguous(value[tuple(index)])))
-    site.module.update(tree_unflatten(updates))
-    return site.module
+    module.update(tree_unflatten(updates))
 
 
 def stacked_tensors(site: SwitchSite, index: Dict[str, TensorEntry]) -> List[Tuple[str, mx.array, Optional[TensorEntry]]]:

@@ -58,7 +58,7 @@ class DistributedSwitch(nn.Module):
     def __call__(self, x: mx.array, inds: mx.array) -> mx.array:
         layer = self.ownership.layer
         per_token = getattr(self.dispatcher, "combines_tokens", False)
-        if self.first:
+        if self.first and not self.wraps_block:
             ACTIVITY.begin_forward(prefill=x.ndim >= 3 and x.shape[-2] > 1)  # [B, L, D]: L tokens each
             if per_token:
                 self.dispatcher.begin_forward()
@@ -68,6 +68,11 @@ class DistributedSwitch(nn.Module):
         observer = self.observer
         if observer is not None:
             observer(self, "input", (x, inds))
+        if self.wraps_block:  # inside exchange_block: the rows are here already, the sum comes after the block
+            y = self.experts(x, inds)
+            if observer is not None:
+                observer(self, "experts", (y,))
+            return y
         if per_token:
             weights = caller_weights(self.weights_name, inds)
             batch, handle = self.dispatcher.dispatch(self.ownership, x, inds, weights)
@@ -89,6 +94,22 @@ class DistributedSwitch(nn.Module):
             return mx.broadcast_to(mx.array(0, dtype=x.dtype), inds.shape + x.shape[-1:])
         return out
 
+    @property
+    def wraps_block(self) -> bool:
+        """Whether the dispatcher exchanges whole blocks (experts cut in width)."""
+        return getattr(self.dispatcher, "wraps_blocks", False)
+
+    def exchange_block(self, block: Callable[[mx.array], mx.array], x: mx.array) -> mx.array:
+        """``block(x)`` over every rank, when the dispatcher exchanges whole
+        blocks: it moves the rows and sums the ranks' parts around the block."""
+        if self.first:
+            ACTIVITY.begin_forward(prefill=x.ndim >= 3 and x.shape[-2] > 1)
+            if getattr(self.dispatcher, "combines_tokens", False):
+                self.dispatcher.begin_forward()
+        out = self.dispatcher.exchange_block(self.ownership.layer, block, x)
+        ACTIVITY.beat(*self.dispatcher.progress_after_combine(self.ownership.layer))
+        return out
+
     def take_combined(self) -> Optional[mx.array]:
         """The per-token combine's [.., D] result of the last call, once."""
         out, self._combined = self._combined, None
@@ -107,9 +128,13 @@ class MoEBlock(nn.Module):
     def __init__(self, block: nn.Module, switch: DistributedSwitch):
         super().__init__()
         self.block = block
-        self._take_combined = switch.take_combined  # a bound method: not a child module
+        self._take_combined = switch.take_combined  # bound methods: not a child module
+        self._exchange_block = switch.exchange_block
+        self._wraps_block = lambda: switch.wraps_block
 
     def __call__(self, x: mx.array, *args, **kwargs) -> mx.array:
+        if self._wraps_block():
+            return self._exchange_block(lambda rows: self.block(rows, *args, **kwargs), x)
         out = self.block(x, *args, **kwargs)
         combined = self._take_combined()
         # A block that routes flattened rows (olmoe, minimax_m3_vl) reshapes its output back.

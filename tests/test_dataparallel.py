@@ -50,7 +50,8 @@ def run(checkpoint, nranks, dispatch, layout, max_tokens, completion, prefill_st
 
 
 # Experts whole on their owners, and cut in width over the ranks (--expert-split width:
-# each rank holds 1/N of every expert's hidden units and computes that part of every slot).
+# each rank holds 1/N of every expert's and shared expert's hidden units and runs whole MoE blocks
+# on every rank's rows; the layout does not apply).
 WIDTH_CASES = [(2, "masked", 3, 2048), (4, "compact", 0, 4)]
 RUNS = [("whole", c) for c in CASES] + [("width", c) for c in WIDTH_CASES]
 
@@ -88,11 +89,18 @@ def test_each_rank_holds_kv_caches_for_its_sequences_only(checkpoint, runs, case
     assert len(per_sequence) == 1, (kv, per_rank)
 
 
-def test_experts_cut_in_width_one_prompt_runs_collective(checkpoint):
+@pytest.fixture(scope="module")
+def one_prompt_width(checkpoint):
+    return run(checkpoint, 2, "dp:width", "masked", MAX_TOKENS[:1], 0)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_experts_cut_in_width_one_prompt_runs_collective(checkpoint, one_prompt_width, arch):
     """One prompt under dp:width runs collective over the width-cut experts
-    (the ranks' partial slots summed): close to mlx-lm, not bit-equal."""
-    path = str(checkpoint("qwen3_moe"))
-    got = run(checkpoint, 2, "dp:width", "masked", MAX_TOKENS[:1], 0)[path]
+    (every rank runs the whole block with its part of each expert and of the
+    shared experts; all_sum adds the parts): close to mlx-lm, not bit-equal."""
+    path = str(checkpoint(arch))
+    got = one_prompt_width[path]
     ref_tokens, ref_logprobs = reference(path, len(MAX_TOKENS))
     assert got["strategy"] == "collective"
     assert got["tokens"] == ref_tokens[:1]

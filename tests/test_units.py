@@ -324,6 +324,72 @@ def test_experts_cut_in_width_sum_to_the_whole(kind, ranks):
     assert mx.allclose(sum(parts), expected, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("bits", [None, 4])
+def test_shared_experts_cut_in_width_sum_to_the_whole(bits):
+    """A block's shared expert (an MLP beside the switch) is cut like the
+    experts: the ranks' whole-block outputs add up to the whole block's; the
+    router and the switch are left to their own cuts."""
+    import mlx.nn as nn
+    from mlx_lm.models.deepseek_v3 import DeepseekV3MLP
+    from mlx_lm.models.switch_layers import SwitchGLU
+
+    from mlxdist.loader import SwitchSite, split_shared_by_width
+
+    D, H = 64, 128
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate = nn.Linear(D, 4, bias=False)
+            self.switch_mlp = SwitchGLU(D, H, 4)
+            self.shared_experts = DeepseekV3MLP(None, hidden_size=D, intermediate_size=H)
+
+        def __call__(self, x):
+            return self.gate(x).sum(-1, keepdims=True) + self.shared_experts(x)
+
+    def make():
+        mx.random.seed(5)
+        b = Block()
+        if bits:
+            nn.quantize(b, group_size=32, bits=bits)
+        mx.eval(b.parameters())
+        return b
+
+    x = mx.random.normal((3, D))
+    whole = make()
+    expected = whole.shared_experts(x)
+    parts = []
+    for rank in range(2):
+        block = make()
+        site = SwitchSite(0, "layers.0.mlp.switch_mlp", block, "switch_mlp", block.switch_mlp)
+        assert split_shared_by_width(site, rank, 2) == ["shared_experts"]
+        assert block.gate.weight.shape == whole.gate.weight.shape
+        assert block.switch_mlp.down_proj.weight.shape == whole.switch_mlp.down_proj.weight.shape
+        parts.append(block.shared_experts(x))
+    assert mx.allclose(parts[0] + parts[1], expected, atol=1e-4, rtol=1e-4)
+
+
+def test_a_shared_mlp_of_unknown_projections_is_refused():
+    import mlx.nn as nn
+    from mlx_lm.models.switch_layers import SwitchGLU
+
+    from mlxdist.engine import UserError
+    from mlxdist.loader import SwitchSite, split_shared_by_width
+
+    class Odd(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up_proj = nn.Linear(8, 16)
+            self.down_proj = nn.Linear(16, 8)
+            self.w3 = nn.Linear(8, 16)
+
+    block = nn.Module()
+    block.switch_mlp = SwitchGLU(8, 16, 2)
+    block.shared = Odd()
+    with pytest.raises(UserError, match=r"cannot cut layers.0.mlp.shared in width: projections \['down_proj', 'up_proj', 'w3'\]"):
+        split_shared_by_width(SwitchSite(0, "layers.0.mlp.switch_mlp", block, "switch_mlp", block.switch_mlp), 0, 2)
+
+
 def test_expert_split_options_refused_with_one_line():
     from mlxdist.engine import LoadOptions, UserError
 

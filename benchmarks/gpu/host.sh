@@ -7,7 +7,7 @@
 #   benchmarks/gpu/host.sh            # on the GPU machine, from the repo root
 set -u
 cd "$(cd "$(dirname "$0")/../.." && pwd)"
-MODEL="${MODEL:-/tmp/q30}"; BATCHES="${BATCHES:-8 32}"; LAYOUTS="${LAYOUTS:-masked}"
+MODEL="${MODEL:-/tmp/q30}"; BATCHES="${BATCHES:-8 32}"; LAYOUTS="${LAYOUTS:-masked width}"
 DEADLINE="${DEADLINE:-570}"
 . benchmarks/gpu/env.sh
 log="$OUT/host.log"

@@ -39,18 +39,20 @@ __all__ = [
 ]
 
 
-def make_dispatcher(mode: str, world: World, layout: str = "masked", stats: bool = False, **dp_shape) -> Dispatcher:
+def make_dispatcher(mode: str, world: World, layout: str = "masked", stats: bool = False,
+                    wraps_blocks: bool = False, **dp_shape) -> Dispatcher:
     """The one place a strategy is chosen by name. ``layout`` applies to the
     collective and dp modes; ``stats`` starts with per-expert load counting
-    on; ``dp_shape`` (top_k, dtype) describes a dp layer's input."""
+    on; ``wraps_blocks``: experts cut in width, whole MoE blocks exchanged
+    (collective and dp); ``dp_shape`` (top_k, dtype) describes a dp layer's input."""
     if mode not in DISPATCH_MODES or mode == "auto":
         raise ValueError(f"unknown dispatch mode {mode!r} (choose {', '.join(DISPATCH_MODES[1:])})")
     if mode == "collective" or world.size == 1:  # one rank: every mode is the identity
-        dispatcher = CollectiveDispatcher(world, layout)
+        dispatcher = CollectiveDispatcher(world, layout, wraps_blocks=wraps_blocks and world.size > 1)
     elif mode == "collective-tp":
         dispatcher = CollectiveDispatcher(world, layout, reduce=False)
     elif mode == "dp":
-        dispatcher = DataParallelDispatcher(world, layout, **dp_shape)
+        dispatcher = DataParallelDispatcher(world, layout, wraps_blocks=wraps_blocks, **dp_shape)
     else:
         dispatcher = P2PDispatcher(world)
     dispatcher.stats.collect_expert_load = stats

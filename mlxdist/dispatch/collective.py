@@ -18,7 +18,7 @@ experts' partial sums in the same all_sum; not bit-exact.
 """
 
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import mlx.core as mx
 import numpy as np
@@ -50,12 +50,15 @@ class CollectiveHandle:
 class CollectiveDispatcher:
     name = "collective"
 
-    def __init__(self, world: World, layout: str = "masked", reduce: bool = True):
+    def __init__(self, world: World, layout: str = "masked", reduce: bool = True, wraps_blocks: bool = False):
         if layout not in LAYOUTS:
             raise ValueError(f"unknown collective layout {layout!r} (choose {', '.join(LAYOUTS)})")
         self.world = world
         self.layout = layout
         self.reduce = reduce
+        # Experts (and shared experts) cut in width: whole MoE blocks run
+        # here and their outputs are summed (exchange_block), not slots.
+        self.wraps_blocks = wraps_blocks
         self.stats = ExchangeStats()
         self._tables: Dict[int, Tuple[mx.array, mx.array]] = {}
 
@@ -74,11 +77,24 @@ class CollectiveDispatcher:
         out_shape = inds.shape + x.shape[-1:]
         if self.layout == "compact":
             return self._dispatch_compact(ownership, x, inds, CollectiveHandle(out_shape, x.dtype, load))
-        if ownership.holds_all:  # experts cut in width: every slot is computed here, in part
+        if ownership.holds_all:  # every expert of the layer is here (a placement may say so): no table
             return ExpertBatch(x, inds), CollectiveHandle(out_shape, x.dtype, load)
         local_index, owned = self._masked_table(ownership)
         handle = CollectiveHandle(out_shape, x.dtype, load, owned_slots=owned[inds])
         return ExpertBatch(x, local_index[inds]), handle
+
+    def exchange_block(self, layer: int, block: Callable[[mx.array], mx.array], x: mx.array) -> mx.array:
+        """One MoE block with experts (and shared experts) cut in width: each
+        rank runs the model's own block on the same rows with its part of
+        every expert, and ``all_sum`` adds the parts: [.., D] on the wire
+        per layer, as tensor parallelism's MoE, where the per-slot exchange
+        sends [.., K, D]. Not bit-exact."""
+        out = block(x)
+        if self.world.size == 1:
+            return out
+        self.stats.layers += 1
+        self.stats.bytes_sent += out.nbytes
+        return mx.distributed.all_sum(out, group=self.world.group)
 
     def _dispatch_compact(self, ownership: LayerOwnership, x: mx.array, inds: mx.array, handle: CollectiveHandle):
         D, K = x.shape[-1], inds.shape[-1]

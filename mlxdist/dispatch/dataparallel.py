@@ -34,7 +34,7 @@ layer's reduce, forward after forward: every collective runs, in one order.
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Deque, Dict, List, Optional, Tuple
+from typing import Callable, Deque, Dict, List, Optional, Tuple
 
 
 import mlx.core as mx
@@ -64,7 +64,7 @@ class DataParallelDispatcher:
     combines_tokens = True  # combine returns [.., D]: the block's weighted sum, done here
 
     def __init__(self, world: World, layout: str = "masked", top_k: int = 0, dtype: mx.Dtype = mx.float32,
-                 weights_dtype: mx.Dtype = mx.float32):
+                 weights_dtype: mx.Dtype = mx.float32, wraps_blocks: bool = False):
         if layout not in LAYOUTS:
             raise ValueError(f"unknown layout {layout!r} (choose {', '.join(LAYOUTS)})")
         self.world = world
@@ -76,12 +76,16 @@ class DataParallelDispatcher:
         # Weights ride as whole columns of x's dtype: as they are, or as float32 where they would not fit.
         fits = weights_dtype == dtype or (top_k * weights_dtype.size) % dtype.size == 0
         self.weights_dtype = weights_dtype if fits else mx.float32
+        # Experts (and shared experts) cut in width: whole MoE blocks run on
+        # every rank's rows (exchange_block), not slots on their owners.
+        self.wraps_blocks = wraps_blocks
         self.stats = ExchangeStats()
         self._plans: Deque[Tuple[List[int], bool]] = deque()
         self.rows: List[int] = [0] * world.size
         self.prompt_only = False  # this forward's outputs feed only KV caches (prefill)
         self.final_layer: Optional[int] = None  # the MoE layer that is the model's last layer, if any
         self._last: Optional[mx.array] = None  # the latest reduce: the next gather waits for it
+        self._forward_starts = False  # the next gather is a forward's first
         self._tables: Dict[int, Tuple[mx.array, mx.array]] = {}
 
     def plan(self, rows_per_rank: List[int], prompt_only: bool = False) -> None:
@@ -94,6 +98,7 @@ class DataParallelDispatcher:
     def begin_forward(self) -> None:
         """Called at a forward pass's first MoE layer: take its announced rows."""
         self.rows, self.prompt_only = self._plans.popleft()
+        self._forward_starts = True
 
     def skips(self, layer: int) -> bool:
         """Whether ``layer``'s exchange is dead in this forward (same answer on every rank)."""
@@ -137,11 +142,50 @@ class DataParallelDispatcher:
         out_shape = x.shape
         if self.layout == "compact":
             return self._dispatch_compact(ownership, X, W, I, out_shape, rows, padded, x.dtype)
-        if ownership.holds_all:  # experts cut in width: every slot is computed here, in part
+        if ownership.holds_all:  # every expert of the layer is here (a placement may say so): no table
             return ExpertBatch(X, I), TokenHandle(out_shape, rows, padded, x.dtype, W)
         local_index, owned = self._masked_table(ownership)
         handle = TokenHandle(out_shape, rows, padded, x.dtype, W * owned[I])
         return ExpertBatch(X, local_index[I]), handle
+
+    def exchange_block(self, layer: int, block: Callable[[mx.array], mx.array], x: mx.array) -> mx.array:
+        """One MoE block over every rank's rows, with experts (and shared
+        experts) cut in width: gather the rows, run the model's own block on
+        all of them (its routing, its weighting: each rank adds its part of
+        every expert's output), then reduce-scatter the partial outputs so
+        each rank keeps its rows' sums. Two collectives and no routing on the
+        wire: D per token out, D back."""
+        D = x.shape[-1]
+        rows, padded = self.rows[self.world.rank], max(self.rows)
+        if self.skips(layer):
+            return mx.zeros(x.shape, dtype=x.dtype)
+        # Rows as [T_r, 1, D], a decode step's own shape: no reshape on the way (each is a graph node).
+        xs = x if x.ndim == 3 and x.shape[1] == 1 else x.reshape(-1, 1, D)
+        if xs.shape[0] != rows or x.dtype != self.dtype:
+            raise RuntimeError(f"layer {layer}: {xs.shape[0]} rows of {x.dtype}, announced {rows} of {self.dtype}")
+        self.stats.layers += 1
+        if padded > rows:
+            xs = mx.concatenate([xs, mx.zeros((padded - rows, 1, D), x.dtype)])
+        # Within a forward, rows of its own come from the previous layer's reduce already.
+        if (rows == 0 or self._forward_starts) and self._last is not None:
+            xs = mx.depends(xs, self._last)
+        self._forward_starts = False
+        gathered = mx.distributed.all_gather(xs, group=self.world.group)  # [N*T, 1, D]
+        self.stats.bytes_sent += xs.nbytes
+        partial = block(gathered).astype(x.dtype)  # [N*T, 1, D]: this rank's part of each row's output
+        mine = self._reduce_scatter(partial, padded)  # [T, 1, D]
+        self._last = mine
+        if padded > rows:
+            mine = mine[:rows]
+        return mine if mine.shape == x.shape else mine.reshape(x.shape)
+
+    def _reduce_scatter(self, partial: mx.array, padded: int) -> mx.array:
+        """[N*T, ..] partial sums -> this rank's [T, ..] rows of their sum over the ranks."""
+        self.stats.bytes_received += partial.nbytes // self.world.size
+        if self.world.backend == "nccl":
+            return mx.distributed.sum_scatter(partial, group=self.world.group)
+        rank = self.world.rank  # MPI: no reduce-scatter in MLX
+        return mx.distributed.all_sum(partial, group=self.world.group)[rank * padded : (rank + 1) * padded]
 
     def _dispatch_compact(self, ownership, X, W, I, out_shape, rows, padded, dtype):
         K = I.shape[-1]
@@ -170,11 +214,7 @@ class DataParallelDispatcher:
             partial = mx.zeros((N * T, D), dtype=handle.dtype)
         else:  # masked: [N*T, K, D]
             partial = (y * handle.weights[..., None]).sum(axis=-2).astype(handle.dtype)
-        self.stats.bytes_received += partial.nbytes // N
-        if self.world.backend == "nccl":
-            mine = mx.distributed.sum_scatter(partial, group=self.world.group)  # [T, D]
-        else:  # MPI: no reduce-scatter in MLX
-            mine = mx.distributed.all_sum(partial, group=self.world.group)[self.world.rank * T : (self.world.rank + 1) * T]
+        mine = self._reduce_scatter(partial, T)  # [T, D]
         self._last = mine
         return mine[: handle.rows].reshape(handle.out_shape)
 

@@ -37,7 +37,7 @@ class LayerOwnership:
 
     @property
     def holds_all(self) -> bool:
-        """This rank holds (a part of) every expert: experts cut in width, or one rank."""
+        """This rank holds every expert of the layer (one rank, or a placement that puts them here)."""
         return self.owned_experts.size == self.owner.size
 
     def masked_table(self) -> Tuple[np.ndarray, np.ndarray]:
