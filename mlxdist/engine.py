@@ -126,17 +126,21 @@ class GenerationParams:
 
 
 # Rows per rank from which ``auto`` runs dp. On GPUs a decode step is bound
-# by the host's cost per graph node, and dp adds about 45 nodes per MoE layer:
-# on 2 x H200 collective was faster at 4 rows per rank (b = 8) and dp at 16
-# (b = 32) (benchmarks/RESULTS.md). On CPUs dp wins once every rank has one.
+# by the host's cost per graph node; dp with whole experts adds about 45 nodes
+# per MoE layer: on 2 x H200 collective was faster at 4 rows per rank (b = 8)
+# and dp at 16 (b = 32) (benchmarks/RESULTS.md). With experts cut in width dp
+# adds two collectives per layer and ran 1.5 x collective at b = 8. On CPUs dp
+# wins once every rank has one row.
 AUTO_DP_ROWS_PER_RANK = {"mpi": 1, "nccl": 8}
 
 
-def auto_strategy(batch: int, ranks: int, backend: str) -> str:
+def auto_strategy(batch: int, ranks: int, backend: str, expert_split: str = "whole") -> str:
     """``auto``'s choice for a generation of ``batch`` sequences: the
-    data-parallel mode once the batch gives every rank enough rows
-    (``AUTO_DP_ROWS_PER_RANK`` for the transport), the exact collective one below."""
-    return "dp" if batch >= ranks * AUTO_DP_ROWS_PER_RANK.get(backend, 1) else "collective"
+    data-parallel mode once the batch gives every rank enough rows (one with
+    experts cut in width, else ``AUTO_DP_ROWS_PER_RANK`` for the transport),
+    the collective one below."""
+    rows = 1 if expert_split == "width" else AUTO_DP_ROWS_PER_RANK.get(backend, 1)
+    return "dp" if batch >= ranks * rows else "collective"
 
 
 @dataclass
@@ -185,7 +189,7 @@ class Engine:
         if "dp" not in self.dispatchers:
             return next(iter(self.dispatchers))
         if self.options.dispatch == "auto":
-            return auto_strategy(batch, self.world.size, self.world.backend)
+            return auto_strategy(batch, self.world.size, self.world.backend, self.options.expert_split)
         return "dp" if batch >= 2 else "collective"
 
     @property

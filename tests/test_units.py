@@ -238,6 +238,16 @@ def test_auto_runs_dp_once_every_rank_has_enough_rows(batch, ranks, backend, exp
     assert auto_strategy(batch, ranks, backend) == expect
 
 
+@pytest.mark.parametrize("backend", ["mpi", "nccl"])
+def test_auto_with_experts_cut_in_width_runs_dp_from_one_row_per_rank(backend):
+    from mlxdist.engine import auto_strategy
+
+    assert auto_strategy(1, 2, backend, "width") == "collective"
+    assert auto_strategy(2, 2, backend, "width") == "dp"
+    assert auto_strategy(3, 4, backend, "width") == "collective"
+    assert auto_strategy(8, 2, backend, "width") == "dp"
+
+
 def test_wire_traffic_model():
     from mlxdist.bench.links import LINKS, Shape, projected_tps, traffic
 

@@ -21,6 +21,17 @@ bits (a view, no conversion), and the weighting is the block's own
 arithmetic, ``(y * w[..., None]).sum(-2)``: on GPUs a decode step is bound by
 the host's cost per graph node, so the exchange adds as few nodes as it can.
 
+With experts cut in width (``wraps_blocks``; every rank holds 1/N of every
+expert's and shared expert's hidden units) whole MoE blocks are exchanged
+instead (``exchange_block``):
+
+    all_gather(x_r as [T, 1, D]) -> [N*T, 1, D]
+    partial = block(gathered)                 the model's own block, this rank's part of every expert
+    reduce-scatter(partial)      -> [T, 1, D], keep the first T_r rows
+
+two collectives per layer and, in a decode step, no other node: no routing
+on the wire, no weights to find.
+
 Layouts as in collective.py: ``masked`` computes every gathered slot with
 static shapes (GPUs), ``compact`` reads the routing back and computes only
 the owned slots (the CPU). A rank with no rows in a forward still takes part
@@ -28,8 +39,10 @@ the owned slots (the CPU). A rank with no rows in a forward still takes part
 
 Every rank must run the same collectives in the same order, but a rank
 evaluates only what it needs (mlx-lm's prefill evaluates the KV caches, not
-the last layer's output). So each layer's gather depends on the previous
-layer's reduce, forward after forward: every collective runs, in one order.
+the last layer's output). So every gather depends on the previous reduce,
+forward after forward: every collective runs, in one order. A rank's own
+rows carry that dependency within a forward (each layer's input comes from
+the last reduce); a forward's first gather and a rank without rows add it.
 """
 
 from collections import deque
@@ -131,8 +144,9 @@ class DataParallelDispatcher:
             packed = mx.concatenate([packed, mx.zeros((padded - rows, packed.shape[1]), x.dtype)])
         if load is not None:
             packed = mx.depends(packed, load)
-        if self._last is not None:
+        if (rows == 0 or self._forward_starts) and self._last is not None:
             packed = mx.depends(packed, self._last)
+        self._forward_starts = False
         gathered = mx.distributed.all_gather(packed, group=self.world.group)  # [N*T, D + ...]
         self.stats.bytes_sent += packed.nbytes
         wcols = K * self.weights_dtype.size // x.dtype.size
