@@ -258,8 +258,21 @@ def test_wire_traffic_model():
     assert t["dp"]["bytes_per_token_layer"] == (2048 * 2 + 8 * 6) / 2 + 2048 * 2  # half the rows out, the sum back
     assert t["dp"]["bytes_per_token_layer"] < t["tensor"]["bytes_per_token_layer"]
     assert (t["dp"]["collectives_per_layer"], t["replicas"]["collectives_per_layer"]) == (2, 0)
+    width = {s: traffic(s, 2, 32, shape)["bytes_per_token_layer"] for s in ("dp-width", "collective-width")}
+    assert width == {"dp-width": 2048 * 2 / 2 + 2048 * 2, "collective-width": 2048 * 2}  # no ids, no weights, no K
     slow, fast = (projected_tps("dp", 2, 32, shape, 0.05, LINKS[k]) for k in ("10 GbE (TCP)", "Thunderbolt 5 (RDMA)"))
     assert slow < fast < 32 / 0.05
+
+
+def test_report_counts_width_rows_as_whole_block_exchanges():
+    from mlxdist.bench.report import _strategy
+
+    row = {"contender": "mlxdist dp", "strategy": "dp", "dispatch": "auto"}
+    assert _strategy(row) == "dp"
+    assert _strategy({**row, "expert_split": "width"}) == "dp-width"
+    assert _strategy({**row, "strategy": "collective", "expert_split": "width"}) == "collective-width"
+    assert _strategy({**row, "expert_split": "width", "link": False}) is None
+    assert _strategy({"contender": "mlx-lm tensor"}) == "tensor"
 
 
 def test_nccl_rendezvous_is_per_job():

@@ -188,7 +188,7 @@ def run(cluster, args) -> Dict[str, Any]:
         vocab = text_config(cluster.engine.config)["vocab_size"]
         for batch in args.batch_sizes:
             prompts = random_prompts(vocab, batch, args.prompt_tokens, args.seed)
-            rows.append(bench_case(cluster, mode, prompts, args))
+            rows.append({**bench_case(cluster, mode, prompts, args), "expert_split": args.expert_split})
             print(f"# {mode} b={batch}: {rows[-1]['generation_tps']:.1f} gen tok/s", file=sys.stderr, flush=True)
     return {
         "contender": "mlxdist",

@@ -9,6 +9,8 @@ the wire follow the ring algorithms (all_sum of S bytes: 2(N-1)/N x S in
     collective  all_sum of every slot           [b, K, D]
     dp          all_gather of own rows          [b/N, D] + K weights and ids (4 bytes each)
                 all_sum of the partial sums     [b, D]     (NCCL: a reduce-scatter, half of it)
+    dp-width    (experts cut in width: whole blocks) all_gather [b/N, D], all_sum [b, D]
+    collective-width  all_sum of the block's partial output [b, D]
     p2p         rank 0 sends each token once to each rank it needs, gets one row per slot back
     tensor      mlx-lm's shard(): two all_sums  [b, D] in every layer (attention and MLP/MoE)
     replicas    nothing
@@ -58,6 +60,10 @@ def collectives(strategy: str, n: int, b: int, shape: Shape) -> Tuple[List[Tuple
     ring_sum = lambda size: (2 * (n - 1) / n * size, 2 * (n - 1))  # noqa: E731
     if strategy in ("collective", "collective-tp"):
         return [ring_sum(b * k * d * s)], shape.moe_layers
+    if strategy == "collective-width":
+        return [ring_sum(b * d * s)], shape.moe_layers
+    if strategy == "dp-width":
+        return [((n - 1) * b / n * d * s, n - 1), ring_sum(b * d * s)], shape.moe_layers
     if strategy == "dp":
         gather = ((n - 1) * b / n * (d * s + k * (s + 4)), n - 1)  # x, K weights (the block's dtype), K ids
         return [gather, ring_sum(b * d * s)], shape.moe_layers

@@ -70,7 +70,10 @@ def _row(r: Dict[str, Any]) -> str:
 def _strategy(row: Dict[str, Any]) -> Optional[str]:
     name = row["contender"]
     if name.startswith("mlxdist"):
-        return None if row.get("link") is False else row.get("strategy") or row.get("dispatch")
+        if row.get("link") is False:
+            return None
+        strategy = row.get("strategy") or row.get("dispatch")
+        return f"{strategy}-width" if row.get("expert_split") == "width" and strategy in ("dp", "collective") else strategy
     return {"mlx-lm tensor": "tensor", "mlx-lm replicas": "replicas"}.get(name)
 
 
@@ -101,7 +104,8 @@ def links_section(result: Dict[str, Any]) -> List[str]:
         lines.append(f"| {r['ranks']} | {r['contender']} ({strategy}) | {r['batch']} | {t['bytes_per_token_layer']:.0f} | "
                      f"{t['collectives_per_layer']} | " + " | ".join(_f(p, ".1f") for p in proj) + " |")
     lines += ["", "Bytes a rank sends per token per layer (collectives per layer) by machine count, from the "
-              "same model; dp at b >= N is what auto runs on CPUs (b >= 8N on GPUs):", "",
+              "same model; dp at b >= N is what auto runs on CPUs (b >= 8N on GPUs, b >= N with experts cut "
+              "in width: dp-width):", "",
               "| N | b | " + " | ".join(STRATEGIES) + " |", "|---|---|" + "---|" * len(STRATEGIES)]
     for n in (2, 4):
         for b in result["batch_sizes"]:
@@ -112,7 +116,7 @@ def links_section(result: Dict[str, Any]) -> List[str]:
     return lines
 
 
-STRATEGIES = ("collective", "dp", "p2p", "tensor")
+STRATEGIES = ("collective", "dp", "dp-width", "p2p", "tensor")
 
 
 def markdown(result: Dict[str, Any]) -> str:
