@@ -11,7 +11,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .dispatch import Dispatcher, LayerOwnership
-from .dispatch.base import run_experts
+from .dispatch.base import call_unsorted, run_experts
 from .routing import caller_weights
 from .watchdog import ACTIVITY, Fault
 
@@ -69,7 +69,7 @@ class DistributedSwitch(nn.Module):
         if observer is not None:
             observer(self, "input", (x, inds))
         if self.wraps_block:  # inside exchange_block: the rows are here already, the sum comes after the block
-            y = self.experts(x, inds)
+            y = call_unsorted(self.experts, x, inds)
             if observer is not None:
                 observer(self, "experts", (y,))
             return y

@@ -413,6 +413,33 @@ def test_a_shared_mlp_of_unknown_projections_is_refused():
         split_shared_by_width(SwitchSite(0, "layers.0.mlp.switch_mlp", block, "switch_mlp", block.switch_mlp), 0, 2)
 
 
+@pytest.mark.parametrize("kind", ["glu", "glu-4bit", "mlp-bias"])
+def test_experts_called_unsorted_match_mlx_lm(kind):
+    """From 64 slots mlx-lm sorts the slots by expert before its gather
+    matmuls; called without the sort the experts give the same outputs."""
+    import mlx.nn as nn
+    from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
+
+    from mlxdist.dispatch.base import call_unsorted
+
+    mx.random.seed(4)
+    m = SwitchMLP(32, 64, 8, bias=True) if kind == "mlp-bias" else SwitchGLU(32, 64, 8)
+    if kind == "glu-4bit":
+        nn.quantize(m, group_size=32, bits=4)
+    x = mx.random.normal((20, 1, 32))
+    inds = mx.random.randint(0, 8, (20, 1, 4)).astype(mx.uint32)  # 80 slots: mlx-lm sorts
+    assert mx.allclose(call_unsorted(m, x, inds), m(x, inds), atol=1e-5, rtol=1e-5)
+
+    class Own(SwitchGLU):  # a subclass may call its parts otherwise: called as it is
+        def __call__(self, x, indices):
+            return mx.zeros(indices.shape + x.shape[-1:])
+
+    own = Own(32, 64, 8)
+    assert not call_unsorted(own, x, inds).any().item()
+    big = mx.random.randint(0, 8, (20, 1, 16)).astype(mx.uint32)  # 320 slots: mlx-lm's own call, sorted
+    assert mx.allclose(call_unsorted(m, x, big), m(x, big), atol=1e-5, rtol=1e-5)
+
+
 def test_expert_split_options_refused_with_one_line():
     from mlxdist.engine import LoadOptions, UserError
 
