@@ -367,3 +367,18 @@ def test_dp_server_leaving_clients_and_refusals(dp_server):
     seeded = [completion(dp_server, PROMPTS[2], max_tokens=6, temperature=1.0, seed=7)["choices"][0]["text"]
               for _ in range(2)]
     assert seeded[0] == seeded[1]
+
+
+def test_dp_server_with_experts_cut_in_width(checkpoint):
+    """--dispatch dp --expert-split width (whole MoE blocks exchanged, not
+    bit-exact): 8 concurrent clients joining and leaving; each greedy answer
+    (float32, 8 tokens) equals mlx-lm's for the prompt alone, and the server
+    shuts down cleanly."""
+    path = checkpoint("qwen3_moe")
+    s = Server(path, extra=["--dispatch", "dp", "--expert-split", "width"])
+    try:
+        expected = {p: alone(path, p, 8) for p in PROMPTS}
+        clients_answer_as_alone(s, 8, 2, 8, expected)
+    finally:
+        code = s.stop()
+    assert code == 0, s.proc.stderr.read()[-3000:]
