@@ -16,7 +16,9 @@ from .routing import caller_weights
 from .watchdog import ACTIVITY, Fault
 
 # observer(switch, boundary, arrays): called at "input", "dispatched",
-# "experts" and "combined" of every layer while set (see ``Engine.observe``).
+# "experts" and "combined" of every layer while set (see ``Engine.observe``);
+# where whole blocks are exchanged "input" carries the rows only, and "block"
+# (the block's partial output, before the reduce) comes between the last two.
 Observer = Callable[["DistributedSwitch", str, Tuple[mx.array, ...]], None]
 
 
@@ -66,13 +68,15 @@ class DistributedSwitch(nn.Module):
         if self.fault is not None:
             self.fault.maybe_fire(layer, ACTIVITY.step)
         observer = self.observer
-        if observer is not None:
-            observer(self, "input", (x, inds))
         if self.wraps_block:  # inside exchange_block: the rows are here already, the sum comes after the block
+            if observer is not None:
+                observer(self, "dispatched", (x, inds))
             y = call_unsorted(self.experts, x, inds)
             if observer is not None:
                 observer(self, "experts", (y,))
             return y
+        if observer is not None:
+            observer(self, "input", (x, inds))
         if per_token:
             weights = caller_weights(self.weights_name, inds)
             batch, handle = self.dispatcher.dispatch(self.ownership, x, inds, weights)
@@ -106,7 +110,19 @@ class DistributedSwitch(nn.Module):
             ACTIVITY.begin_forward(prefill=x.ndim >= 3 and x.shape[-2] > 1)
             if getattr(self.dispatcher, "combines_tokens", False):
                 self.dispatcher.begin_forward()
-        out = self.dispatcher.exchange_block(self.ownership.layer, block, x)
+        observer = self.observer
+        if observer is None:
+            out = self.dispatcher.exchange_block(self.ownership.layer, block, x)
+        else:  # boundaries: input (x), dispatched and experts (in __call__), block (its output), combined
+            observer(self, "input", (x,))
+
+            def observed(rows: mx.array) -> mx.array:
+                partial = block(rows)
+                observer(self, "block", (partial,))
+                return partial
+
+            out = self.dispatcher.exchange_block(self.ownership.layer, observed, x)
+            observer(self, "combined", (out,))
         ACTIVITY.beat(*self.dispatcher.progress_after_combine(self.ownership.layer))
         return out
 

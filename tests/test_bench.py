@@ -44,6 +44,24 @@ def test_bench_json_two_ranks(model):
         assert 1.0 <= row["balance"] <= row["balance_worst"] <= 2.0
 
 
+def test_bench_json_experts_cut_in_width(model):
+    """Whole blocks exchanged: every row field is there (the profile splits
+    the block's time too) and the floor is of rows, not slots."""
+    r = launch(2, ["--model", model, *SMALL, "--dispatch", "auto", "--expert-split", "width", "--json"],
+               module="mlxdist.bench")
+    assert r.returncode == 0, r.stderr
+    rows = last_json(r.stdout)["results"]
+    assert [x["strategy"] for x in rows] == ["collective", "dp"]
+    for row in rows:
+        for key in ROW_FIELDS:
+            assert row[key] is not None, key
+        assert row["exchange_ms"] > 0 and row["expert_ms"] > 0 and row["expert_split"] == "width"
+        assert math.isclose(row["rest_ms"], row["profiled_layer_ms"] - row["expert_ms"] - row["exchange_ms"])
+        width = json.loads((model / "config.json").read_text())["hidden_size"]
+        assert row["floor_bytes"]["mode"] == f"{row['strategy']}-width"
+        assert row["floor_bytes"]["shape"] == [row["batch"] // (2 if row["strategy"] == "dp" else 1), 1, width]
+
+
 def test_bench_table_one_process(model):
     r = launch(0, ["--model", model, *SMALL, "--dispatch", "collective"], module="mlxdist.bench")
     assert r.returncode == 0, r.stderr

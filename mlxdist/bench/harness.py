@@ -161,9 +161,11 @@ def bench_case(cluster, mode: str, prompts: List[List[int]], args) -> Dict[str, 
         return row
     if strategy == "dp":
         row["vs_exact"] = closeness(cluster, prompts, args.generation_tokens)
+    width = args.expert_split == "width" and strategy in ("dp", "collective")
     floor_args = {
-        "mode": strategy,
-        "shape": list(profile["slots_shape"]) or [len(prompts), 1, cfg.get("num_experts_per_tok", 1), cfg["hidden_size"]],
+        "mode": f"{strategy}-width" if width else strategy,
+        "shape": list(profile["slots_shape"]) or [len(prompts), 1] + ([] if width else [cfg.get("num_experts_per_tok", 1)])
+        + [cfg["hidden_size"]],
         "dtype": profile["dtype"] or "float32",
         "send_bytes": profile["bytes_sent"] // max(profile["calls"], 1),
         "recv_bytes": profile["bytes_received"] // max(profile["calls"], 1),

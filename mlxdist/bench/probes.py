@@ -63,8 +63,9 @@ class Profile:
         if boundary == "input":
             self._marks = {"start": time.perf_counter()}
             self._bytes = (stats.bytes_sent, stats.bytes_received)
-            x, inds = arrays
-            self._shape, self._dtype = tuple(inds.shape) + (x.shape[-1],), str(x.dtype).split(".")[-1]
+            x = arrays[0]  # and the routing, except where whole blocks are exchanged: then the rows' shape
+            shape = tuple(arrays[1].shape) + (x.shape[-1],) if len(arrays) > 1 else tuple(x.shape)
+            self._shape, self._dtype = shape, str(x.dtype).split(".")[-1]
             self._decode = x.ndim >= 2 and x.shape[-2] == 1
         mx.eval(*arrays)
         self._marks[boundary] = time.perf_counter()
@@ -74,7 +75,8 @@ class Profile:
         self.calls += 1
         self.input_seconds += m["input"] - m["start"]
         self.expert_seconds += m["experts"] - m["dispatched"]
-        self.exchange_seconds += (m["dispatched"] - m["input"]) + (m["combined"] - m["experts"])
+        # Whole blocks: the rest of the block after the experts is not exchange.
+        self.exchange_seconds += (m["dispatched"] - m["input"]) + (m["combined"] - m.get("block", m["experts"]))
         self.slots_shape, self.dtype = self._shape, self._dtype
         self.bytes_sent += stats.bytes_sent - self._bytes[0]
         self.bytes_received += stats.bytes_received - self._bytes[1]
@@ -148,8 +150,10 @@ def measure_floor(
     if mode == "p2p":
         step = _p2p_step(world, send_bytes, recv_bytes)
     elif mode == "dp":
-        step = _dp_step(world, shape, dtype)
-    else:
+        step = _dp_step(world, int(np.prod(shape[:-2])), shape[-1], dtype, 2 * 4 * shape[-2])
+    elif mode == "dp-width":  # whole blocks: [.., D] rows, no routing on the wire
+        step = _dp_step(world, int(np.prod(shape[:-1])), shape[-1], dtype, 0)
+    else:  # collective: [.., K, D] slots; collective-width: [.., D] rows
         step = _all_sum_step(world, shape, dtype)
     for _ in range(5):
         step()
@@ -173,12 +177,11 @@ def _all_sum_step(world: World, shape: List[int], dtype: str):
     return step
 
 
-def _dp_step(world: World, shape: List[int], dtype: str):
-    """[.., K, D] slots of one rank: gather its rows, reduce the partials."""
-    k, d = shape[-2], shape[-1]
-    rows = int(np.prod(shape[:-2]))
+def _dp_step(world: World, rows: int, d: int, dtype: str, routing_bytes: int):
+    """One rank's ``rows``: gather them (D values and ``routing_bytes`` of
+    expert ids and weights each), reduce the partials."""
     dt = _DTYPES[dtype]
-    packed = mx.ones((rows, d + 2 * 4 * k // dt.size), dtype=dt)
+    packed = mx.ones((rows, d + routing_bytes // dt.size), dtype=dt)
     partial = mx.ones((world.size * rows, d), dtype=dt)
     mx.eval(packed, partial)
 
