@@ -107,6 +107,30 @@ def test_experts_cut_in_width_one_prompt_runs_collective(checkpoint, one_prompt_
     assert max(abs(a - b) for a, b in zip(got["logprobs"][0], ref_logprobs[0])) <= TOLERANCE
 
 
+@pytest.mark.parametrize("arch", ["qwen2_moe", "olmoe"])
+def test_experts_cut_in_width_more_block_shapes(checkpoint, arch):
+    """Whole blocks exchanged on two more block shapes: a shared expert scaled
+    by a gate of its own (qwen2_moe) and a block that routes flattened rows
+    (olmoe); close to mlx-lm's batch_generate, like the four above."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "tests/scripts"))
+    from batch_each import PROMPTS
+    from mlx_lm import load
+    from mlx_lm.generate import batch_generate
+
+    path = checkpoint(arch)
+    proc = launch(2, [ROOT / "tests/scripts/batch_each.py", "dp:width", "masked", ",".join(map(str, MAX_TOKENS)), 3,
+                      2048, str(path)], module=None, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = last_json(proc.stdout)[str(path)]
+    model, tokenizer = load(str(path))
+    ref = batch_generate(model, tokenizer, [tokenizer.encode(p) for p in PROMPTS[:len(MAX_TOKENS)]],
+                         max_tokens=MAX_TOKENS, return_token_ids=True, return_logprobs=True)
+    assert got["strategy"] == "dp" and got["tokens"] == ref.token_ids
+    assert max(abs(a - b) for g, r in zip(got["logprobs"], ref.logprobs) for a, b in zip(g, r)) <= TOLERANCE
+
+
 def test_auto_is_exact_below_one_sequence_per_rank(checkpoint):
     """auto: 2 prompts on 3 ranks run the exact collective mode (bit-equal to
     mlx-lm's batch_generate); 3 prompts on 3 ranks run dp."""
