@@ -77,8 +77,6 @@ class CollectiveDispatcher:
         out_shape = inds.shape + x.shape[-1:]
         if self.layout == "compact":
             return self._dispatch_compact(ownership, x, inds, CollectiveHandle(out_shape, x.dtype, load))
-        if ownership.holds_all:  # every expert of the layer is here (a placement may say so): no table
-            return ExpertBatch(x, inds), CollectiveHandle(out_shape, x.dtype, load)
         local_index, owned = self._masked_table(ownership)
         handle = CollectiveHandle(out_shape, x.dtype, load, owned_slots=owned[inds])
         return ExpertBatch(x, local_index[inds]), handle
@@ -119,8 +117,6 @@ class CollectiveDispatcher:
             out = out.reshape(handle.out_shape)  # [S, D] -> [.., K, D]
         elif y is None:  # this rank owns no expert of the layer
             out = mx.full(handle.out_shape, -0.0, dtype=handle.dtype)
-        elif handle.owned_slots is None:  # every slot computed here (in part)
-            out = y
         else:
             out = mx.where(handle.owned_slots[..., None], y, mx.array(-0.0, dtype=y.dtype))
         if handle.out_shape and self.reduce:

@@ -156,8 +156,6 @@ class DataParallelDispatcher:
         out_shape = x.shape
         if self.layout == "compact":
             return self._dispatch_compact(ownership, X, W, I, out_shape, rows, padded, x.dtype)
-        if ownership.holds_all:  # every expert of the layer is here (a placement may say so): no table
-            return ExpertBatch(X, I), TokenHandle(out_shape, rows, padded, x.dtype, W)
         local_index, owned = self._masked_table(ownership)
         handle = TokenHandle(out_shape, rows, padded, x.dtype, W * owned[I])
         return ExpertBatch(X, local_index[I]), handle

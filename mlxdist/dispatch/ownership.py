@@ -35,11 +35,6 @@ class LayerOwnership:
     def num_experts(self) -> int:
         return self.owner.size
 
-    @property
-    def holds_all(self) -> bool:
-        """This rank holds every expert of the layer (one rank, or a placement that puts them here)."""
-        return self.owned_experts.size == self.owner.size
-
     def masked_table(self) -> Tuple[np.ndarray, np.ndarray]:
         """The masked layouts' tables: ([E] local id, or 0 where held
         elsewhere; [E] bool, held by this rank)."""
