@@ -246,7 +246,7 @@ def split_shared_by_width(site: SwitchSite, rank: int, ranks: int) -> List[str]:
     ranks' block outputs sum to the whole block's. Returns their names. A
     child holding linear layers of which only some are known projections is
     refused: it could not be summed over the ranks."""
-    cut = []
+    cut, block_path = [], site.path.rsplit(".", 1)[0]
     for name, child in site.parent.children().items():
         if name == site.attr or not isinstance(child, nn.Module):
             continue
@@ -255,9 +255,9 @@ def split_shared_by_width(site: SwitchSite, rank: int, ranks: int) -> List[str]:
         if not known:
             continue
         if len(known) < len(linears) or not set(known) & set(FROM_HIDDEN) or not set(known) & set(INTO_HIDDEN):
-            raise UserError(f"cannot cut {site.path.rsplit('.', 1)[0]}.{name} in width: "
+            raise UserError(f"cannot cut {block_path}.{name} in width: "
                             f"projections {sorted(linears)} are not a known MLP's")
-        _cut_in_width(child, known, f"{site.path.rsplit('.', 1)[0]}.{name}", rank, ranks)
+        _cut_in_width(child, known, f"{block_path}.{name}", rank, ranks)
         cut.append(name)
     return cut
 

@@ -51,7 +51,7 @@ class DistributedSwitch(nn.Module):
         self.fault = fault  # test-only fault injection; None in real runs
         self.observer: Optional[Observer] = None
         self.weights_name: Optional[str] = None  # the block's router-weights local (routing.py)
-        self._combined: Optional[mx.array] = None  # a per-token combine's result, for MoEBlock
+        self._combined: Optional[mx.array] = None  # a per-token combine's result, for run_block
         for name, value in (extras or {}).items():
             if name in self or hasattr(self, name):
                 raise ValueError(f"the expert module carries {name!r}, a name DistributedSwitch uses itself")
@@ -60,10 +60,8 @@ class DistributedSwitch(nn.Module):
     def __call__(self, x: mx.array, inds: mx.array) -> mx.array:
         layer = self.ownership.layer
         per_token = getattr(self.dispatcher, "combines_tokens", False)
-        if self.first and not self.wraps_block:
-            ACTIVITY.begin_forward(prefill=x.ndim >= 3 and x.shape[-2] > 1)  # [B, L, D]: L tokens each
-            if per_token:
-                self.dispatcher.begin_forward()
+        if not self.wraps_block:  # else the forward began around the block (run_block)
+            self._maybe_begin_forward(x)
         ACTIVITY.beat("experts", layer)
         if self.fault is not None:
             self.fault.maybe_fire(layer, ACTIVITY.step)
@@ -93,23 +91,33 @@ class DistributedSwitch(nn.Module):
         if observer is not None:
             observer(self, "combined", (out,))
         ACTIVITY.beat(*self.dispatcher.progress_after_combine(layer))
-        if per_token:  # the block weights zeros (a broadcast: no kernel); MoEBlock adds the combined tokens
+        if per_token:  # the block weights zeros (a broadcast: no kernel); run_block adds the combined tokens
             self._combined = out
             return mx.broadcast_to(mx.array(0, dtype=x.dtype), inds.shape + x.shape[-1:])
         return out
+
+    def _maybe_begin_forward(self, x: mx.array) -> None:
+        """At the model's first MoE layer a forward pass begins."""
+        if self.first:
+            ACTIVITY.begin_forward(prefill=x.ndim >= 3 and x.shape[-2] > 1)  # [B, L, D]: L tokens each
+            if getattr(self.dispatcher, "combines_tokens", False):
+                self.dispatcher.begin_forward()
 
     @property
     def wraps_block(self) -> bool:
         """Whether the dispatcher exchanges whole blocks (experts cut in width)."""
         return getattr(self.dispatcher, "wraps_blocks", False)
 
-    def exchange_block(self, block: Callable[[mx.array], mx.array], x: mx.array) -> mx.array:
-        """``block(x)`` over every rank, when the dispatcher exchanges whole
-        blocks: it moves the rows and sums the ranks' parts around the block."""
-        if self.first:
-            ACTIVITY.begin_forward(prefill=x.ndim >= 3 and x.shape[-2] > 1)
-            if getattr(self.dispatcher, "combines_tokens", False):
-                self.dispatcher.begin_forward()
+    def run_block(self, block: Callable[[mx.array], mx.array], x: mx.array) -> mx.array:
+        """The MoE block around this switch, ``block(x)``: exchanged whole
+        over the ranks where the dispatcher does that (experts cut in width),
+        else run here, plus the per-token combine's sums where there are any."""
+        if not self.wraps_block:
+            out = block(x)
+            combined, self._combined = self._combined, None
+            # A block that routes flattened rows (olmoe, minimax_m3_vl) reshapes its output back.
+            return out if combined is None else out + combined.astype(out.dtype).reshape(out.shape)
+        self._maybe_begin_forward(x)
         observer = self.observer
         if observer is None:
             out = self.dispatcher.exchange_block(self.ownership.layer, block, x)
@@ -126,32 +134,21 @@ class DistributedSwitch(nn.Module):
         ACTIVITY.beat(*self.dispatcher.progress_after_combine(self.ownership.layer))
         return out
 
-    def take_combined(self) -> Optional[mx.array]:
-        """The per-token combine's [.., D] result of the last call, once."""
-        out, self._combined = self._combined, None
-        return out
-
 
 class MoEBlock(nn.Module):
-    """A model's MoE block, plus what a per-token combine computed for it.
+    """A model's MoE block, run through its switch (``run_block``).
 
-    With a per-slot dispatcher the switch returns every slot and this adds
-    nothing. With the data-parallel one (``combines_tokens``) the switch
+    With a per-slot dispatcher the switch returns every slot and nothing is
+    added. With the data-parallel one (``combines_tokens``) the switch
     returns zeros, so the block yields only what it adds itself (shared
-    experts), and the exchange's router-weighted sum is added here.
+    experts), and the exchange's router-weighted sum is added after it. With
+    experts cut in width the whole block is exchanged over the ranks.
     """
 
     def __init__(self, block: nn.Module, switch: DistributedSwitch):
         super().__init__()
         self.block = block
-        self._take_combined = switch.take_combined  # bound methods: not a child module
-        self._exchange_block = switch.exchange_block
-        self._wraps_block = lambda: switch.wraps_block
+        self._run_block = switch.run_block  # a bound method: not a child module
 
     def __call__(self, x: mx.array, *args, **kwargs) -> mx.array:
-        if self._wraps_block():
-            return self._exchange_block(lambda rows: self.block(rows, *args, **kwargs), x)
-        out = self.block(x, *args, **kwargs)
-        combined = self._take_combined()
-        # A block that routes flattened rows (olmoe, minimax_m3_vl) reshapes its output back.
-        return out if combined is None else out + combined.astype(out.dtype).reshape(out.shape)
+        return self._run_block(lambda rows: self.block(rows, *args, **kwargs), x)

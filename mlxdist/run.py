@@ -44,7 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-kv-size", type=int, default=None, help="rotating KV cache of this many tokens")
     p.add_argument("--prefill-step-size", type=int, default=2048)
     p.add_argument("--dispatch", choices=DISPATCH_MODES, default="auto",
-                   help="auto: dp for batches of at least one sequence per rank (8 on GPUs), else collective; "
+                   help="auto: dp for batches of at least one sequence per rank (8 on GPUs with whole experts), "
+                        "else collective; "
                         "dp and collective-tp are not bit-exact (see the README)")
     p.add_argument("--layout", choices=LAYOUTS, default=None,
                    help="collective modes: masked (static shapes) or compact (owned slots only, host read-back); "

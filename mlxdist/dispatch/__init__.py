@@ -48,7 +48,7 @@ def make_dispatcher(mode: str, world: World, layout: str = "masked", stats: bool
     if mode not in DISPATCH_MODES or mode == "auto":
         raise ValueError(f"unknown dispatch mode {mode!r} (choose {', '.join(DISPATCH_MODES[1:])})")
     if mode == "collective" or world.size == 1:  # one rank: every mode is the identity
-        dispatcher = CollectiveDispatcher(world, layout, wraps_blocks=wraps_blocks and world.size > 1)
+        dispatcher = CollectiveDispatcher(world, layout, wraps_blocks=wraps_blocks)
     elif mode == "collective-tp":
         dispatcher = CollectiveDispatcher(world, layout, reduce=False)
     elif mode == "dp":

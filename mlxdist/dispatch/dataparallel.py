@@ -144,9 +144,7 @@ class DataParallelDispatcher:
             packed = mx.concatenate([packed, mx.zeros((padded - rows, packed.shape[1]), x.dtype)])
         if load is not None:
             packed = mx.depends(packed, load)
-        if (rows == 0 or self._forward_starts) and self._last is not None:
-            packed = mx.depends(packed, self._last)
-        self._forward_starts = False
+        packed = self._in_order(packed, rows)
         gathered = mx.distributed.all_gather(packed, group=self.world.group)  # [N*T, D + ...]
         self.stats.bytes_sent += packed.nbytes
         wcols = K * self.weights_dtype.size // x.dtype.size
@@ -178,10 +176,7 @@ class DataParallelDispatcher:
         self.stats.layers += 1
         if padded > rows:
             xs = mx.concatenate([xs, mx.zeros((padded - rows, 1, D), x.dtype)])
-        # Within a forward, rows of its own come from the previous layer's reduce already.
-        if (rows == 0 or self._forward_starts) and self._last is not None:
-            xs = mx.depends(xs, self._last)
-        self._forward_starts = False
+        xs = self._in_order(xs, rows)
         gathered = mx.distributed.all_gather(xs, group=self.world.group)  # [N*T, 1, D]
         self.stats.bytes_sent += xs.nbytes
         partial = block(gathered).astype(x.dtype)  # [N*T, 1, D]: this rank's part of each row's output
@@ -190,6 +185,15 @@ class DataParallelDispatcher:
         if padded > rows:
             mine = mine[:rows]
         return mine if mine.shape == x.shape else mine.reshape(x.shape)
+
+    def _in_order(self, outgoing: mx.array, rows: int) -> mx.array:
+        """``outgoing``, made to wait for the last reduce where its rows do not
+        already (a forward's first gather, or no rows of this rank's own; see
+        the module's docstring)."""
+        first, self._forward_starts = self._forward_starts, False
+        if (rows == 0 or first) and self._last is not None:
+            return mx.depends(outgoing, self._last)
+        return outgoing
 
     def _reduce_scatter(self, partial: mx.array, padded: int) -> mx.array:
         """[N*T, ..] partial sums -> this rank's [T, ..] rows of their sum over the ranks."""
