@@ -108,7 +108,7 @@ class Cluster:
         """Load ``model`` (a folder or hub id; None: the built-in random MoE)
         on every rank, releasing any model loaded before.
 
-        ``dispatch``: collective, p2p or collective-tp. ``placement``: a JSON
+        ``dispatch``: auto (the default), collective, p2p, collective-tp or dp. ``placement``: a JSON
         file, a placement object or dict, or None for the even policy.
         ``layout``: the collective modes' masked or compact slots (None:
         compact on the CPU, masked on GPUs, as rank 0 sees its device).
@@ -118,7 +118,7 @@ class Cluster:
         ``memory_budget_gb``: instead, the weight bytes each rank may hold,
         which set its capacity. ``expert_split``: "whole" (each expert on
         one rank) or "width" (every expert cut over the ranks, as tensor
-        parallelism cuts them: balanced, not bit-exact; dp and collective).
+        parallelism cuts them: balanced, not bit-exact; every mode but p2p).
         Raises ``UserError``/``LoadError`` with one line."""
         if isinstance(placement, str):
             placement = Placement.load(placement)

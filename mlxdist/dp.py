@@ -85,7 +85,7 @@ class DataParallelGeneration:
 
     def __init__(self, engine, dispatcher: DataParallelDispatcher, params):
         self.engine = engine
-        self.model = engine.model
+        self.model = engine.models.get("dp", engine.model)  # auto may hold a second, sharded one
         self.world = engine.world
         self.dispatcher = dispatcher
         self.params = params

@@ -35,6 +35,7 @@ from .moe import DistributedSwitch, MoEBlock, Observer
 from .mpi import World
 from .placement import Placement, resolve_placement
 from .routing import RouterWeights, RoutingWeightsNotFound, activation_dtype, find_weights_name
+from .tensor_parallel import can_shard, own_bytes, shard_dense, tensor_parallel_twin
 from .watchdog import configured_fault
 
 __all__ = ["Engine", "GenerationParams", "LoadOptions", "UserError", "auto_strategy", "load_engine"]
@@ -69,8 +70,8 @@ class LoadOptions:
         if self.expert_split not in EXPERT_SPLITS:
             raise UserError(f"unknown expert split {self.expert_split!r} (choose {', '.join(EXPERT_SPLITS)})")
         if self.expert_split == "width":
-            if self.dispatch not in ("auto", "dp", "collective"):
-                raise UserError(f"--expert-split width runs with --dispatch auto, dp or collective, not {self.dispatch}")
+            if self.dispatch == "p2p":
+                raise UserError("--expert-split width runs with --dispatch auto, dp, collective or collective-tp, not p2p")
             if (self.expert_capacity is not None or self.memory_budget_gb is not None or self.placement is not None
                     or not self.rank0_experts):
                 raise UserError("--expert-split width holds every expert on every rank, cut in width: "
@@ -138,9 +139,13 @@ def auto_strategy(batch: int, ranks: int, backend: str, expert_split: str = "who
     """``auto``'s choice for a generation of ``batch`` sequences: the
     data-parallel mode once the batch gives every rank enough rows (one with
     experts cut in width, else ``AUTO_DP_ROWS_PER_RANK`` for the transport),
-    the collective one below."""
+    a collective one below: with experts cut in width on MPI, collective-tp
+    (attention split as tensor parallelism splits it; where the model has no
+    mlx-lm ``shard()`` the engine runs collective)."""
     rows = 1 if expert_split == "width" else AUTO_DP_ROWS_PER_RANK.get(backend, 1)
-    return "dp" if batch >= ranks * rows else "collective"
+    if batch >= ranks * rows:
+        return "dp"
+    return "collective-tp" if expert_split == "width" and backend == "mpi" else "collective"
 
 
 @dataclass
@@ -161,6 +166,7 @@ class Engine:
     switches: List[DistributedSwitch]
     dispatchers: Dict[str, Dispatcher]  # strategy -> its dispatcher (auto and dp hold two)
     blocks: List[MoEBlock] = field(default_factory=list)  # the MoE blocks, where wrapped (dp, width)
+    models: Dict[str, nn.Module] = field(default_factory=dict)  # strategy -> its own dense model (auto's twin)
     memory: Dict[str, int] = field(default_factory=dict)
     memory_by_rank: List[Dict[str, int]] = field(default_factory=list)
     fingerprint: Dict[str, Any] = field(default_factory=dict)
@@ -177,9 +183,11 @@ class Engine:
         return self.dispatchers[self.strategy]
 
     def use(self, strategy: str) -> Dispatcher:
-        """Point every MoE layer at ``strategy``'s dispatcher."""
+        """Point every MoE layer at ``strategy``'s dispatcher (and ``model``
+        at its dense model, where it has its own)."""
         if strategy != self.strategy:
             self.strategy = strategy
+            self.model = self.models.get(strategy, self.model)
             for switch in self.switches:
                 switch.dispatcher = self.dispatchers[strategy]
         return self.dispatcher
@@ -189,7 +197,8 @@ class Engine:
         if "dp" not in self.dispatchers:
             return next(iter(self.dispatchers))
         if self.options.dispatch == "auto":
-            return auto_strategy(batch, self.world.size, self.world.backend, self.options.expert_split)
+            choice = auto_strategy(batch, self.world.size, self.world.backend, self.options.expert_split)
+            return choice if choice in self.dispatchers else "collective"
         return "dp" if batch >= 2 else "collective"
 
     @property
@@ -345,6 +354,11 @@ def load_engine(world: World, options: LoadOptions) -> Engine:
         router = next(iter(weights_names.values()))
         dp_shape = dict(top_k=router.top_k, dtype=activation_dtype(lazy_model), weights_dtype=router.dtype)
     by_width = options.expert_split == "width" and world.size > 1
+    # auto, width, MPI: one-sequence batches run attention split too (collective-tp), on a twin model
+    tp_twin = (options.dispatch == "auto" and by_width and world.backend == "mpi"
+               and can_shard(lazy_model, config, world.size))
+    if tp_twin:
+        strategies = ["collective-tp" if s == "collective" else s for s in strategies]
     dispatchers = {
         name: make_dispatcher(name, world, options.layout, options.stats, wraps_blocks=by_width,
                               **(dp_shape if name == "dp" else {}))
@@ -354,7 +368,7 @@ def load_engine(world: World, options: LoadOptions) -> Engine:
         dispatchers["dp"].final_layer = sites[-1].layer  # nothing after it but the head
     runs_dense = options.dispatch != "p2p" or world.is_root
     if options.dispatch == "collective-tp" and world.size > 1:
-        _shard_dense(lazy_model, sites, world, config)
+        shard_dense(lazy_model, sites, world, config, whole_blocks=by_width)
 
     capacity = options.expert_capacity
     if options.memory_budget_gb is not None:
@@ -391,16 +405,21 @@ def load_engine(world: World, options: LoadOptions) -> Engine:
             blocks.append(MoEBlock(site.parent, switch))
             setattr(modules[holder_path], block_attr, blocks[-1])
 
+    models = {}
+    if tp_twin:
+        wrapped = {site.path.rsplit(".", 1)[0]: block for site, block in zip(sites, blocks)}
+        models = {"dp": lazy_model, "collective-tp": tensor_parallel_twin(lazy_model, path, world, config, wrapped)}
     expert_bytes = sum(nbytes(e.parameters()) for e in experts.values())
     tokenizer = None
     if runs_dense:
-        mx.eval(lazy_model.parameters())
+        mx.eval(lazy_model.parameters(), [m.parameters() for m in models.values()])
         try:
             tokenizer = load_tokenizer(path)
         except Exception as e:
             reason = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise UserError(f"cannot load the tokenizer in {path} (tokenizer.json): {reason}") from None
         dense_bytes = nbytes(lazy_model.parameters()) - expert_bytes
+        dense_bytes += sum(own_bytes(m, lazy_model) for m in models.values())
     else:
         lazy_model, dense_bytes = None, 0
     options_seen = {**asdict(options), "model": None, "placement": None}  # paths may differ per rank
@@ -427,6 +446,7 @@ def load_engine(world: World, options: LoadOptions) -> Engine:
         switches,
         dispatchers,
         blocks=blocks,
+        models=models,
         memory={"expert_bytes": expert_bytes, "dense_bytes": dense_bytes, "load_peak_bytes": mx.get_peak_memory()},
         fingerprint=fingerprint,
         capacity=capacity,
@@ -475,27 +495,6 @@ def _find_routing_weights(model: nn.Module, sites, config: Dict[str, Any]) -> Di
         shapes = sorted({f"top-{w.top_k} {w.dtype}" for w in found.values()})
         raise UserError(f"--dispatch dp needs one top-k and weight dtype in every MoE layer, found {shapes}")
     return found
-
-
-def _shard_dense(model: nn.Module, sites, world: World, config: Dict[str, Any]) -> None:
-    """mlx-lm's own tensor parallelism for everything but the routed experts:
-    ``shard()`` splits attention, dense and shared-expert layers (and makes
-    each MoE block sum its output over the ranks); the routed experts keep
-    their full, unsharded parameters for expert parallelism."""
-    if not hasattr(model, "shard"):
-        raise UserError(
-            f"{config.get('model_type')} has no tensor-parallel shard() in mlx-lm: "
-            f"use --dispatch collective or p2p"
-        )
-    cfg = config.get("text_config", config)
-    for key in ("num_attention_heads", "num_key_value_heads"):
-        heads = cfg.get(key)
-        if heads is not None and heads % world.size:
-            raise UserError(f"{key} = {heads} does not split over {world.size} ranks")
-    full = [site.module.parameters() for site in sites]
-    model.shard(world.group)
-    for site, params in zip(sites, full):
-        site.module.update(params)
 
 
 def sample_digest(files, sample: int = 1 << 16) -> str:

@@ -64,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "leave (as --expert-capacity, which it replaces)")
     p.add_argument("--expert-split", choices=EXPERT_SPLITS, default="whole",
                    help="whole: each expert on one rank (exact modes); width: every expert cut over the ranks as "
-                        "tensor parallelism cuts them (balanced, not bit-exact; dp and collective)")
+                        "tensor parallelism cuts them (balanced, not bit-exact; every mode but p2p)")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT,
                    help="seconds without progress before a generation is declared hung (default %(default)s)")

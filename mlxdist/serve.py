@@ -236,6 +236,7 @@ class LockstepResponseGenerator(lm_server.ResponseGenerator):
             request = (_Unstoppable(request[0]),) + tuple(request[1:])
         engine = self.model_provider.engine
         engine.use(engine.strategy_for(1))  # one sequence on every rank: the exact strategy, also under dp
+        self.model_provider.model = engine.model
         return super()._serve_single(request, stream)
 
     def stop_and_join(self):

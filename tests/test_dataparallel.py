@@ -181,3 +181,57 @@ def test_a_block_without_router_weights_is_refused():
 
     with pytest.raises(RoutingWeightsNotFound, match="cannot find the router weights of Unweighted"):
         find_weights_name(Unweighted(), "switch", 8, mx.float32)
+
+
+# With experts cut in width, attention can be split too (mlx-lm's shard() on
+# the dense layers, the MoE block summed over the ranks): tensor parallelism
+# with mlxdist's experts. auto on MPI runs it for batches below one sequence
+# per rank, on a second model that shares everything but the split layers.
+TP_ARCHS = ["qwen3_moe", "deepseek_v3", "gpt_oss"]  # mlx-lm has shard() for these
+AUTO_BATCHES = [MAX_TOKENS, MAX_TOKENS[:1], MAX_TOKENS[:3]]
+
+
+@pytest.fixture(scope="module")
+def split_attention_runs(checkpoint):
+    paths = [str(checkpoint(a)) for a in TP_ARCHS + ["mixtral"]]
+    runs = {}
+    for dispatch, batches in (("collective-tp:width", [MAX_TOKENS]), ("auto:width", AUTO_BATCHES)):
+        lengths = "/".join(",".join(map(str, b)) for b in batches)
+        proc = launch(2, [ROOT / "tests/scripts/batch_each.py", dispatch, "masked", lengths, 3, 2048,
+                          *(paths if dispatch.startswith("auto") else paths[:-1])], module=None, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[dispatch] = last_json(proc.stdout)
+    return runs
+
+
+@pytest.mark.parametrize("arch", TP_ARCHS)
+def test_collective_tp_with_experts_cut_in_width_is_close_to_mlx_lm(checkpoint, split_attention_runs, arch):
+    """Ragged batch with joins, every rank on every row, attention split."""
+    path = str(checkpoint(arch))
+    got = split_attention_runs["collective-tp:width"][path]
+    ref_tokens, ref_logprobs = reference(path, len(MAX_TOKENS))
+    assert got["strategy"] == "collective-tp" and got["tokens"] == ref_tokens
+    assert max(abs(a - b) for g, r in zip(got["logprobs"], ref_logprobs) for a, b in zip(g, r)) <= TOLERANCE
+
+
+@pytest.mark.parametrize("arch", TP_ARCHS + ["mixtral"])
+def test_auto_with_width_splits_attention_for_one_prompt_and_back(checkpoint, split_attention_runs, arch):
+    """auto:width on one load: a batch (dp, whole model), one prompt (collective-tp,
+    the twin; mixtral, without shard() in mlx-lm: collective), a batch again."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "tests/scripts"))
+    from batch_each import PROMPTS
+    from mlx_lm import load
+    from mlx_lm.generate import batch_generate
+
+    path = str(checkpoint(arch))
+    runs = split_attention_runs["auto:width"][path]
+    alone = "collective" if arch == "mixtral" else "collective-tp"
+    assert [r["strategy"] for r in runs] == ["dp", alone, "dp"]
+    model, tokenizer = load(path)
+    for got, lengths in zip(runs, AUTO_BATCHES):
+        ref = batch_generate(model, tokenizer, [tokenizer.encode(p) for p in PROMPTS[:len(lengths)]],
+                             max_tokens=lengths, return_token_ids=True, return_logprobs=True)
+        assert got["tokens"] == ref.token_ids
+        assert max(abs(a - b) for g, r in zip(got["logprobs"], ref.logprobs) for a, b in zip(g, r)) <= TOLERANCE

@@ -238,13 +238,15 @@ def test_auto_runs_dp_once_every_rank_has_enough_rows(batch, ranks, backend, exp
     assert auto_strategy(batch, ranks, backend) == expect
 
 
-@pytest.mark.parametrize("backend", ["mpi", "nccl"])
-def test_auto_with_experts_cut_in_width_runs_dp_from_one_row_per_rank(backend):
+@pytest.mark.parametrize("backend, below", [("mpi", "collective-tp"), ("nccl", "collective")])
+def test_auto_with_experts_cut_in_width_runs_dp_from_one_row_per_rank(backend, below):
+    """Below one row per rank: attention split too on MPI (tensor parallel
+    there), not on NCCL, where each collective costs host time per step."""
     from mlxdist.engine import auto_strategy
 
-    assert auto_strategy(1, 2, backend, "width") == "collective"
+    assert auto_strategy(1, 2, backend, "width") == below
     assert auto_strategy(2, 2, backend, "width") == "dp"
-    assert auto_strategy(3, 4, backend, "width") == "collective"
+    assert auto_strategy(3, 4, backend, "width") == below
     assert auto_strategy(8, 2, backend, "width") == "dp"
 
 
@@ -260,6 +262,7 @@ def test_wire_traffic_model():
     assert (t["dp"]["collectives_per_layer"], t["replicas"]["collectives_per_layer"]) == (2, 0)
     width = {s: traffic(s, 2, 32, shape)["bytes_per_token_layer"] for s in ("dp-width", "collective-width")}
     assert width == {"dp-width": 2048 * 2 / 2 + 2048 * 2, "collective-width": 2048 * 2}  # no ids, no weights, no K
+    assert traffic("collective-tp-width", 2, 32, shape) == t["tensor"]  # attention split too: tensor parallelism
     slow, fast = (projected_tps("dp", 2, 32, shape, 0.05, LINKS[k]) for k in ("10 GbE (TCP)", "Thunderbolt 5 (RDMA)"))
     assert slow < fast < 32 / 0.05
 
@@ -271,6 +274,7 @@ def test_report_counts_width_rows_as_whole_block_exchanges():
     assert _strategy(row) == "dp"
     assert _strategy({**row, "expert_split": "width"}) == "dp-width"
     assert _strategy({**row, "strategy": "collective", "expert_split": "width"}) == "collective-width"
+    assert _strategy({**row, "strategy": "collective-tp", "expert_split": "width"}) == "collective-tp-width"
     assert _strategy({**row, "expert_split": "width", "link": False}) is None
     assert _strategy({"contender": "mlx-lm tensor"}) == "tensor"
 
@@ -443,7 +447,7 @@ def test_experts_called_unsorted_match_mlx_lm(kind):
 def test_expert_split_options_refused_with_one_line():
     from mlxdist.engine import LoadOptions, UserError
 
-    for kwargs, words in [(dict(dispatch="p2p"), "runs with --dispatch auto, dp or collective"),
+    for kwargs, words in [(dict(dispatch="p2p"), "runs with --dispatch auto, dp, collective or collective-tp, not p2p"),
                           (dict(expert_capacity=2, layout="compact"), "takes no placement"),
                           (dict(rank0_experts=False), "--no-rank0-experts"),
                           (dict(expert_split="diagonal"), "unknown expert split")]:

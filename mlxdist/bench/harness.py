@@ -24,6 +24,7 @@ from . import probes  # noqa: F401  (registers the probes, on every rank)
 from ..dispatch import DISPATCH_MODES
 from ..engine import EXPERT_SPLITS
 from ..mpi import BACKENDS
+from .links import WIDTH_STRATEGIES
 
 MODES = ("auto", "collective", "p2p")  # the default; "dp" and "collective-tp" on request (--dispatch)
 
@@ -161,7 +162,7 @@ def bench_case(cluster, mode: str, prompts: List[List[int]], args) -> Dict[str, 
         return row
     if strategy == "dp":
         row["vs_exact"] = closeness(cluster, prompts, args.generation_tokens)
-    width = args.expert_split == "width" and strategy in ("dp", "collective")
+    width = args.expert_split == "width" and strategy in WIDTH_STRATEGIES
     floor_args = {
         "mode": f"{strategy}-width" if width else strategy,
         "shape": list(profile["slots_shape"]) or [len(prompts), 1] + ([] if width else [cfg.get("num_experts_per_tok", 1)])
@@ -252,7 +253,7 @@ def parse_args(argv=None):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="One JSON object on stdout.")
     parser.add_argument("--expert-split", choices=EXPERT_SPLITS, default="whole",
-                        help="Experts whole on one rank each, or cut in width over the ranks (dp and collective).")
+                        help="Experts whole on one rank each, or cut in width over the ranks (every mode but p2p).")
     parser.add_argument("--no-link", action="store_true",
                         help="Replace MLX's collectives by local stand-ins of the same shapes: what each step "
                              "costs without the exchange's transport and waiting (tokens are not the model's; "

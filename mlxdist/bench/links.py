@@ -53,6 +53,10 @@ class Shape:
     itemsize: int  # bytes per activation value
 
 
+# Strategies whose rows change with --expert-split width (named "<strategy>-width").
+WIDTH_STRATEGIES = ("dp", "collective", "collective-tp")
+
+
 def collectives(strategy: str, n: int, b: int, shape: Shape) -> Tuple[List[Tuple[float, int]], int]:
     """([(bytes a rank sends, hops)] per exchanging layer, exchanging layers)
     for one decode step of ``b`` tokens."""
@@ -71,7 +75,7 @@ def collectives(strategy: str, n: int, b: int, shape: Shape) -> Tuple[List[Tuple
         out = b * min(k, n - 1) * (n - 1) / n * d * s + b * k * 8
         back = b * k * (n - 1) / n * d * s
         return [(out + back, 2)], shape.moe_layers
-    if strategy == "tensor":
+    if strategy in ("tensor", "collective-tp-width"):  # attention's all_sum and the MoE block's, every layer
         return [ring_sum(b * d * s), ring_sum(b * d * s)], shape.layers
     return [], 0
 

@@ -3,6 +3,8 @@
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+from .links import WIDTH_STRATEGIES
+
 # (what, threshold): generation tok/s ratios and the exchange over its floor.
 TARGET_SINGLE = 0.95  # np=1 vs mlx-lm single process
 TARGET_TP_B1 = 0.95  # np>1, batch 1, vs mlx-lm tensor parallel
@@ -73,7 +75,7 @@ def _strategy(row: Dict[str, Any]) -> Optional[str]:
         if row.get("link") is False:
             return None
         strategy = row.get("strategy") or row.get("dispatch")
-        return f"{strategy}-width" if row.get("expert_split") == "width" and strategy in ("dp", "collective") else strategy
+        return f"{strategy}-width" if row.get("expert_split") == "width" and strategy in WIDTH_STRATEGIES else strategy
     return {"mlx-lm tensor": "tensor", "mlx-lm replicas": "replicas"}.get(name)
 
 

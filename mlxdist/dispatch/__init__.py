@@ -16,7 +16,8 @@ One strategy per module, chosen by name in ``make_dispatcher``:
     p2p            p2p.py           rank 0 runs the dense model, sends slots to owners
     dp             dataparallel.py  each rank its own sequences; per-token combine (not bit-exact)
 
-``auto`` (the engine's choice per batch) holds both collective and dp.
+``auto`` (the engine's choice per batch) holds both collective and dp (with
+experts cut in width on MPI: collective-tp and dp).
 
 ``ownership.py`` holds the per-layer expert-to-rank map, ``stats.py`` the
 counters, ``wire.py`` the p2p message format. With one rank every strategy
@@ -49,8 +50,8 @@ def make_dispatcher(mode: str, world: World, layout: str = "masked", stats: bool
         raise ValueError(f"unknown dispatch mode {mode!r} (choose {', '.join(DISPATCH_MODES[1:])})")
     if mode == "collective" or world.size == 1:  # one rank: every mode is the identity
         dispatcher = CollectiveDispatcher(world, layout, wraps_blocks=wraps_blocks)
-    elif mode == "collective-tp":
-        dispatcher = CollectiveDispatcher(world, layout, reduce=False)
+    elif mode == "collective-tp":  # whole experts: each MoE block sums its output itself (mlx-lm's shard())
+        dispatcher = CollectiveDispatcher(world, layout, reduce=wraps_blocks, wraps_blocks=wraps_blocks)
     elif mode == "dp":
         dispatcher = DataParallelDispatcher(world, layout, wraps_blocks=wraps_blocks, **dp_shape)
     else:

@@ -4,7 +4,9 @@ printing every sequence's tokens and sampled-token log-probabilities as JSON.
     python batch_each.py DISPATCH[:SPLIT] LAYOUT MAX_TOKENS COMPLETION_BATCH PREFILL_STEP CKPT [CKPT ...]
 
 MAX_TOKENS is a comma-separated list, one per prompt (PROMPTS below);
-COMPLETION_BATCH 0 decodes every prompt at once.
+several lists joined by "/" run one batch after another on the same load
+(the JSON then holds a list of results per checkpoint); COMPLETION_BATCH 0
+decodes every prompt at once.
 """
 
 import json
@@ -23,19 +25,22 @@ PROMPTS = [
 if __name__ == "__main__":
     dispatch, layout, max_tokens, completion, prefill_step, *paths = sys.argv[1:]
     dispatch, _, split = dispatch.partition(":")  # e.g. dp:width, experts cut in width
-    max_tokens = [int(m) for m in max_tokens.split(",")]
+    batches = [[int(m) for m in group.split(",")] for group in max_tokens.split("/")]
     out = {}
     with mlxdist.init(timeout=900) as cluster:  # a first CUDA run compiles for minutes
         for path in paths:
             cluster.load(path, dispatch=dispatch, layout=layout, expert_split=split or "whole")
-            request = cluster.request([cluster.encode(p) for p in PROMPTS[: len(max_tokens)]], max_tokens=max_tokens,
-                                      completion_batch_size=int(completion) or None,
-                                      prefill_step_size=int(prefill_step))
-            results = cluster.run_batch(request)
-            out[path] = {
-                "tokens": [r.tokens for r in results],
-                "logprobs": [r.logprobs for r in results],
-                "strategy": cluster.engine.strategy,
-                "kv_cache_gb": results[0].stats.get("kv_cache_gb"),
-            }
+            runs = []
+            for lengths in batches:
+                request = cluster.request([cluster.encode(p) for p in PROMPTS[: len(lengths)]], max_tokens=lengths,
+                                          completion_batch_size=int(completion) or None,
+                                          prefill_step_size=int(prefill_step))
+                results = cluster.run_batch(request)
+                runs.append({
+                    "tokens": [r.tokens for r in results],
+                    "logprobs": [r.logprobs for r in results],
+                    "strategy": cluster.engine.strategy,
+                    "kv_cache_gb": results[0].stats.get("kv_cache_gb"),
+                })
+            out[path] = runs if len(batches) > 1 else runs[0]
     print(json.dumps(out))

@@ -1,0 +1,96 @@
+"""mlx-lm's own tensor parallelism (its models' ``shard()``) for the dense
+layers, around mlxdist's experts.
+
+``shard_dense``: ``--dispatch collective-tp`` splits attention, dense and
+shared-expert layers over the ranks in the loaded model itself.
+``tensor_parallel_twin``: ``auto`` with experts cut in width keeps the model
+whole for ``dp`` and adds a second, sharded model for one-sequence batches
+that shares the MoE blocks, embedding, norms and head with the first; only
+the split layers (attention, dense MLPs: about 1/N of their weights) are new.
+"""
+
+from pathlib import Path
+from typing import Any, Dict, List
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_map, tree_unflatten
+from mlx_lm.utils import load_model
+
+from .errors import UserError
+from .loader import SwitchSite
+from .mpi import World
+
+__all__ = ["can_shard", "own_bytes", "shard_dense", "tensor_parallel_twin"]
+
+
+def can_shard(model: nn.Module, config: Dict[str, Any], ranks: int) -> bool:
+    """Whether mlx-lm has a ``shard()`` for this model and its heads divide by ``ranks``."""
+    return hasattr(model, "shard") and not _heads_left_over(config, ranks)
+
+
+def shard_dense(model: nn.Module, sites: List[SwitchSite], world: World, config: Dict[str, Any],
+                whole_blocks: bool = False) -> None:
+    """``model.shard()`` for everything but the routed experts, which keep
+    their full, unsharded parameters for expert parallelism (each MoE block
+    sums its output over the ranks, as mlx-lm made it). With ``whole_blocks``
+    (experts cut in width by mlxdist) every MoE block is left as it was, its
+    sum over the ranks to the dispatcher."""
+    _check_shardable(model, config, world.size)
+    kept = [site.parent if whole_blocks else site.module for site in sites]
+    # shard() divides some tensors in place (gpt_oss: the experts' bias /= N),
+    # which would reach a saved reference: keep new arrays on the same buffers.
+    full = [tree_map(mx.stop_gradient, module.parameters()) for module in kept]
+    kinds = [[type(m) for _, m in module.named_modules()] for module in kept]
+    model.shard(world.group)
+    for module, params, before in zip(kept, full, kinds):
+        if [type(m) for _, m in module.named_modules()] != before:
+            raise UserError(f"{config.get('model_type')}'s shard() replaces modules inside its MoE blocks: "
+                            f"--dispatch collective-tp cannot keep their experts whole")
+        module.update(params)
+        if whole_blocks and getattr(module, "sharding_group", None) is not None:
+            module.sharding_group = None
+
+
+def tensor_parallel_twin(model: nn.Module, path: Path, world: World, config: Dict[str, Any],
+                         blocks: Dict[str, nn.Module]) -> nn.Module:
+    """A second copy of ``model`` built by mlx-lm's ``shard()``, whose MoE
+    blocks are ``model``'s own (``blocks``: path -> the wrapped block) and
+    whose every other tensor that ``shard()`` left at its shape is
+    ``model``'s array (the same buffer). Only the split tensors are its own."""
+    _check_shardable(model, config, world.size)
+    twin, _ = load_model(path, lazy=True)
+    twin.shard(world.group)
+    twin_modules = dict(twin.named_modules())
+    for block_path, block in blocks.items():
+        holder, attr = block_path.rsplit(".", 1)
+        setattr(twin_modules[holder], attr, block)
+    own = dict(tree_flatten(model.parameters()))
+    shared = [(name, own[name]) for name, value in tree_flatten(twin.parameters())
+              if name in own and own[name].shape == value.shape and own[name].dtype == value.dtype]
+    twin.update(tree_unflatten(shared))
+    held = {id(v) for _, v in shared}
+    for _, value in tree_flatten(twin.parameters()):
+        if id(value) not in held:
+            mx.eval(value)  # one at a time: each split reads its whole tensor once
+    return twin
+
+
+def own_bytes(twin: nn.Module, model: nn.Module) -> int:
+    """Bytes of the twin's arrays that ``model`` does not hold."""
+    held = {id(v) for _, v in tree_flatten(model.parameters())}
+    return sum(v.nbytes for _, v in tree_flatten(twin.parameters()) if id(v) not in held)
+
+
+def _heads_left_over(config: Dict[str, Any], ranks: int) -> List[str]:
+    cfg = config.get("text_config", config)
+    return [f"{key} = {cfg[key]}" for key in ("num_attention_heads", "num_key_value_heads")
+            if cfg.get(key) is not None and cfg[key] % ranks]
+
+
+def _check_shardable(model: nn.Module, config: Dict[str, Any], ranks: int) -> None:
+    if not hasattr(model, "shard"):
+        raise UserError(f"{config.get('model_type')} has no tensor-parallel shard() in mlx-lm: "
+                        f"use --dispatch collective or p2p")
+    for heads in _heads_left_over(config, ranks):
+        raise UserError(f"{heads} does not split over {ranks} ranks")
