@@ -51,7 +51,8 @@ def test_bench_json_experts_cut_in_width(model):
                module="mlxdist.bench")
     assert r.returncode == 0, r.stderr
     rows = last_json(r.stdout)["results"]
-    assert [x["strategy"] for x in rows] == ["collective", "dp"]
+    assert [x["strategy"] for x in rows] == ["collective-tp", "dp"]  # b = 1: attention split too (MPI)
+    assert rows[1]["vs_exact"]["reference"] == "collective-tp"  # dp's closeness, against what auto loaded beside it
     for row in rows:
         for key in ROW_FIELDS:
             assert row[key] is not None, key

@@ -235,3 +235,16 @@ def test_auto_with_width_splits_attention_for_one_prompt_and_back(checkpoint, sp
                              max_tokens=lengths, return_token_ids=True, return_logprobs=True)
         assert got["tokens"] == ref.token_ids
         assert max(abs(a - b) for g, r in zip(got["logprobs"], ref.logprobs) for a, b in zip(g, r)) <= TOLERANCE
+
+
+@pytest.mark.parametrize("arch", TP_ARCHS)
+def test_auto_twin_holds_only_the_split_layers(checkpoint, runs, split_attention_runs, arch):
+    """The sharded twin shares the MoE blocks, embedding, norms and head with
+    the whole model: auto holds what dp holds plus the split layers, i.e.
+    exactly what splitting saved collective-tp (dense bytes, every rank)."""
+    path = str(checkpoint(arch))
+    whole = runs["width", WIDTH_CASES[0]][path]["dense_bytes"]
+    split = split_attention_runs["collective-tp:width"][path]["dense_bytes"]
+    both = split_attention_runs["auto:width"][path][0]["dense_bytes"]
+    assert all(s < w for s, w in zip(split, whole))
+    assert both == [w + (w - s) for w, s in zip(whole, split)]

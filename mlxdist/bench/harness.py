@@ -87,19 +87,22 @@ def _generate(cluster, prompts: List[List[int]], max_tokens: int) -> Dict[str, A
 
 
 def closeness(cluster, prompts: List[List[int]], max_tokens: int) -> Dict[str, Any]:
-    """dp against the exact collective strategy on the same prompts: the
-    share of sequences whose tokens are all equal, the first step where any
-    differs, and the largest |difference| of the sampled tokens'
-    log-probabilities while the tokens agree."""
+    """dp against the other strategy loaded beside it (collective, exact
+    with whole experts; collective-tp under auto's twin) on the same
+    prompts: the share of sequences whose tokens are all equal, the first
+    step where any differs, and the largest |difference| of the sampled
+    tokens' log-probabilities while the tokens agree."""
+    reference = next(s for s in cluster.engine.dispatchers if s != "dp")
     runs = [cluster.run_batch(cluster.request(prompts, strategy=s, max_tokens=max_tokens, seed=0))
-            for s in ("dp", "collective")]
+            for s in ("dp", reference)]
     first, worst, equal = max_tokens, 0.0, 0
     for a, b in zip(*runs):
         n = next((i for i, (x, y) in enumerate(zip(a.tokens, b.tokens)) if x != y), len(a.tokens))
         equal += n == len(a.tokens)
         first = min(first, n)
         worst = max([worst] + [abs(x - y) for x, y in zip(a.logprobs[:n], b.logprobs[:n])])
-    return {"equal_sequences": equal / len(prompts), "first_difference": first, "max_logprob_diff": worst}
+    return {"reference": reference, "equal_sequences": equal / len(prompts), "first_difference": first,
+            "max_logprob_diff": worst}
 
 
 def expert_balance(stats: List[Dict[str, Any]]) -> Dict[str, float]:

@@ -145,8 +145,10 @@ def markdown(result: Dict[str, Any]) -> str:
     ]
     close = [r for r in result["results"] if r.get("vs_exact")]
     if close:
-        lines += ["", "dp against the exact `collective` strategy on the same prompts (greedy):", ""]
-        lines += [f"- {r['contender']} N={r['ranks']} b={r['batch']}: {100 * r['vs_exact']['equal_sequences']:.0f} % of "
+        lines += ["", "dp against the strategy loaded beside it (`collective`, exact with whole experts) on the same "
+                      "prompts (greedy):", ""]
+        lines += [f"- {r['contender']} N={r['ranks']} b={r['batch']} against "
+                  f"{r['vs_exact'].get('reference', 'collective')}: {100 * r['vs_exact']['equal_sequences']:.0f} % of "
                   f"sequences token-equal, first difference at step {r['vs_exact']['first_difference']}, "
                   f"max |logprob diff| {r['vs_exact']['max_logprob_diff']:.2e} before it" for r in close]
     if result["unsupported"]:

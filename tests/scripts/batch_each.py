@@ -41,6 +41,7 @@ if __name__ == "__main__":
                     "logprobs": [r.logprobs for r in results],
                     "strategy": cluster.engine.strategy,
                     "kv_cache_gb": results[0].stats.get("kv_cache_gb"),
+                    "dense_bytes": [m["dense_bytes"] for m in cluster.engine.memory_by_rank],
                 })
             out[path] = runs if len(batches) > 1 else runs[0]
     print(json.dumps(out))
