@@ -20,7 +20,7 @@ from . import commands
 from .commands import Command
 from .dispatch import default_layout
 from .engine import Engine, GenerationParams, LoadOptions
-from .errors import UserError
+from .errors import UserError, say_error
 from .executor import PROBES, CommandExecutor, LoadError
 from .mpi import World, abort, init_world, run_or_abort, set_exit_code
 from .placement import Placement
@@ -78,7 +78,7 @@ class Cluster:
 
             traceback.print_exception(exc_type, exc, tb)
             text = str(exc).splitlines()[0] if str(exc) else ""
-            print(f"mlxdist: error: rank {self.world.rank}: {exc_type.__name__}: {text}", file=sys.stderr, flush=True)
+            say_error(f"rank {self.world.rank}: {exc_type.__name__}: {text}")
             abort(self.world, 1)
         self.shutdown(1 if exc_type is not None else 0)
 

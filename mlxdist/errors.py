@@ -12,6 +12,13 @@ class UserError(Exception):
     """A problem with the user's input (arguments, model, prompt)."""
 
 
+def say_error(message: str) -> None:
+    """``mlxdist: error: <message>`` on stderr in one write: print() writes
+    the text and its newline apart on an unbuffered stream, and Open MPI's
+    own output, or another rank's, could land between them."""
+    os.write(sys.stderr.fileno(), f"mlxdist: error: {message}\n".encode())
+
+
 def keep_traceback(rank: int) -> Optional[str]:
     """Write the exception being handled, with its traceback, to this rank's
     log file and return the file's path (None if it cannot be written).

@@ -34,6 +34,7 @@ import mlx.core as mx
 import numpy as np
 
 from . import survival
+from .errors import keep_traceback, say_error
 
 
 def _launched_by_mpirun() -> int:
@@ -309,12 +310,10 @@ def run_or_abort(world: World, fn, *args):
     except KeyboardInterrupt:
         abort(world, 130)
     except Exception as e:
-        from .errors import keep_traceback
-
         text = str(e).splitlines()[0] if str(e) else ""
         path = keep_traceback(world.rank)
         where = f" (traceback: {path})" if path else ""
-        print(f"mlxdist: error: rank {world.rank}: {type(e).__name__}: {text}{where}", file=sys.stderr, flush=True)
+        say_error(f"rank {world.rank}: {type(e).__name__}: {text}{where}")
         abort(world, 1)
 
 

@@ -18,7 +18,7 @@ from mlx_lm.generate import DEFAULT_MAX_TOKENS
 from .api import Cluster
 from .dispatch import DISPATCH_MODES, LAYOUTS
 from .engine import EXPERT_SPLITS, GenerationParams
-from .errors import UserError
+from .errors import UserError, say_error
 from .executor import CommandExecutor
 from .mpi import BACKENDS, init_world, run_or_abort, set_exit_code
 from .placement import PlacementError
@@ -87,7 +87,7 @@ def generation_args(args) -> dict:
 
 
 def fail(message: str) -> None:
-    print(f"mlxdist: error: {message}", file=sys.stderr, flush=True)
+    say_error(message)
 
 
 def _stdin():

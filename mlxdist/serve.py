@@ -37,6 +37,7 @@ from typing import Any, Dict, List, Optional
 
 from mlx_lm import server as lm_server
 
+from .errors import say_error
 from .engine import EXPERT_SPLITS
 from .mpi import World, bcast_bytes
 from .watchdog import ON_FATAL
@@ -385,7 +386,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         if os.environ.get("OMPI_COMM_WORLD_RANK", "0") != "0":
             return 0  # rank 0 reports and gives the job its status (were this one to exit 2 first, mpirun
             # could stop rank 0 before it said why)
-        print(f"mlxdist: error: {problem}", file=sys.stderr, flush=True)
+        say_error(problem)
         return 2
     cluster = init(timeout=args.timeout or DEFAULT_TIMEOUT, backend=args.backend)  # other ranks serve inside
     code = 0
@@ -395,7 +396,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         options["model"] = cluster.engine.options.model
         cluster.serve_http(options)
     except UserError as e:
-        print(f"mlxdist: error: {e}", file=sys.stderr, flush=True)
+        say_error(str(e))
         code = 1
     cluster.shutdown(code)
     set_exit_code(code)

@@ -28,6 +28,8 @@ import sys
 import time
 from typing import Any, Callable, List
 
+from .errors import say_error
+
 # The failure detector runs in MPI's progress engine, not a thread of its own: with
 # mpi_ft_detector_thread on, a rank crashed inside MPI's start-up in 5 of 40 launches here
 # (a null function call), 0 of 40 without it.
@@ -111,8 +113,7 @@ def _root_lost(world) -> None:
     It waits ``ROOT_LOST_GRACE_S`` before exiting: mpirun ends the job (closing every rank's
     output) as soon as one rank exits non-zero, and the other survivors' lines would be lost."""
     try:
-        print(f"mlxdist: error: rank {world.rank}: rank 0 was lost; the job cannot go on without it",
-              file=sys.stderr, flush=True)
+        say_error(f"rank {world.rank}: rank 0 was lost; the job cannot go on without it")
     except OSError:  # mpirun already closed this rank's output
         pass
     time.sleep(ROOT_LOST_GRACE_S)

@@ -29,12 +29,12 @@ that step; ``skip=K``: the (K+1)-th time, i.e. in a later generation).
 import os
 import signal
 import socket
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Tuple
 
+from .errors import say_error
 from .mpi import World, allgather_json
 
 DEFAULT_TIMEOUT = 120.0
@@ -155,10 +155,10 @@ class Watchdog:
         a = ACTIVITY
         gone = self.gone()
         waiting = f" on rank{'s' if len(a.waiting_on) > 1 else ''} {', '.join(map(str, a.waiting_on))}" if a.waiting_on else ""
-        line = f"mlxdist: error: rank {self.world.rank}: {headline} while {a.describe()}{waiting}"
+        line = f"rank {self.world.rank}: {headline} while {a.describe()}{waiting}"
         if gone:
             line += f"; rank{'s' if len(gone) > 1 else ''} {', '.join(map(str, gone))} stopped (process gone)"
-        print(line, file=sys.stderr, flush=True)
+        say_error(line)
 
     def _on_signal(self, read_fd: int) -> None:
         os.read(read_fd, 1)

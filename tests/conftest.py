@@ -79,6 +79,12 @@ def _launch(np_: int, args, timeout: float, input: str, module: str, env: dict, 
                     pass
 
 
+def error_lines(stderr: str, start: str = "mlxdist: error") -> list:
+    """stderr's lines that start with ``start``; Open MPI's abort output may
+    leave NUL bytes before such a line."""
+    return [l for l in (line.lstrip("\0") for line in stderr.splitlines()) if l.startswith(start)]
+
+
 def last_json(stdout: str) -> dict:
     lines = [l for l in stdout.splitlines() if l.startswith("{")]
     assert lines, f"no JSON in output:\n{stdout}"

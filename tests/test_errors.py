@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from conftest import launch
+from conftest import error_lines, launch
 
 NP = 2
 
@@ -14,7 +14,7 @@ def run_bad(args, nranks=NP, timeout=90):
     proc = launch(nranks, args, timeout=timeout)
     assert proc.returncode != 0, proc.stdout
     assert "Traceback" not in proc.stderr, proc.stderr
-    errors = [l for l in proc.stderr.splitlines() if l.startswith("mlxdist: error:")]
+    errors = error_lines(proc.stderr, "mlxdist: error:")
     assert len(errors) == 1, proc.stderr
     return errors[0]
 

@@ -13,7 +13,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from conftest import ROOT, last_json, launch
+from conftest import ROOT, error_lines, last_json, launch
 from mlxdist.synth import TINY_MODELS, TINY_PREFIX, write_checkpoint
 
 PROMPT = "The quick brown fox jumps over the lazy dog because"
@@ -91,7 +91,7 @@ def test_matches_mlx_lm(references, distributed, model_type, mode):
 def test_refused_at_load(checkpoints, model_type):
     proc = launch(0, ["--model", checkpoints[model_type], "--prompt", PROMPT, "--max-tokens", 2])
     assert proc.returncode != 0
-    errors = [l for l in proc.stderr.splitlines() if l.startswith("mlxdist: error:")]
+    errors = error_lines(proc.stderr, "mlxdist: error:")
     assert len(errors) == 1 and REFUSED[model_type] in errors[0], proc.stderr[-2000:]
 
 
@@ -127,7 +127,7 @@ def test_auto_runs_collective_where_dp_cannot_read_the_block(checkpoints):
 def test_dp_refuses_a_block_it_cannot_read_by_name(checkpoints):
     proc = launch(2, ["--model", checkpoints["gemma4_text"], "--prompt", PROMPT, "--dispatch", "dp"])
     assert proc.returncode != 0
-    errors = {l for l in proc.stderr.splitlines() if l.startswith("mlxdist: error:")}
+    errors = set(error_lines(proc.stderr, "mlxdist: error:"))
     assert errors == {"mlxdist: error: --dispatch dp cannot run gemma4_text: Experts cannot be probed as block(x) "
                       "(TypeError: Experts.__call__() missing 2 required positional arguments: 'top_k_indices' "
                       "and 'top_k_weights')"}, proc.stderr[-2000:]

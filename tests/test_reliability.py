@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from conftest import MPIRUN, ROOT, last_json, launch, mpirun_env
+from conftest import MPIRUN, ROOT, error_lines, last_json, launch, mpirun_env
 
 import subprocess
 
@@ -33,7 +33,7 @@ def test_a_rank_dies(checkpoint, dispatch, victim):
     proc, elapsed = run_with_fault(path, f"kill:rank={victim},layer=1,step=3", dispatch)
     assert proc.returncode != 0
     assert elapsed < 30
-    reports = [l for l in proc.stderr.splitlines() if l.startswith("mlxdist: error: rank")]
+    reports = error_lines(proc.stderr, "mlxdist: error: rank")
     assert reports, proc.stderr
     assert all(f"rank {victim} stopped (process gone)" in l for l in reports), reports
     assert all("step 3" in l for l in reports), reports
@@ -60,7 +60,7 @@ def test_a_rank_hangs(checkpoint, dispatch):
     proc, elapsed = run_with_fault(path, "sleep:rank=2,layer=1,step=3,seconds=600", dispatch, "3")
     assert proc.returncode != 0
     assert elapsed < 30
-    reports = [l for l in proc.stderr.splitlines() if l.startswith("mlxdist: error: rank")]
+    reports = error_lines(proc.stderr, "mlxdist: error: rank")
     assert any(
         l.startswith("mlxdist: error: rank 2: no progress for 3 s while computing its experts during layer 1 of step 3")
         for l in reports
@@ -83,7 +83,7 @@ def _mpmd(contexts, timeout=90):
 def _one_error(proc) -> str:
     assert proc.returncode != 0
     assert "Traceback" not in proc.stderr, proc.stderr
-    errors = [l for l in proc.stderr.splitlines() if l.startswith("mlxdist: error:")]
+    errors = error_lines(proc.stderr, "mlxdist: error:")
     assert len(errors) == 1, proc.stderr
     return errors[0]
 
@@ -194,7 +194,9 @@ def test_an_unexpected_error_keeps_its_traceback(checkpoint, tmp_path, dispatch)
     proc = launch(2, ["--model", checkpoint("qwen3_moe"), "--prompt", "a fault is coming", "-m", 8,
                       "--dispatch", dispatch], timeout=90, env=env)
     assert proc.returncode != 0
-    line = next(l for l in proc.stderr.splitlines() if l.startswith("mlxdist: error: rank 1: RuntimeError"))
+    lines = error_lines(proc.stderr, "mlxdist: error: rank 1: RuntimeError")
+    assert lines, [l for l in proc.stderr.splitlines() if "RuntimeError" in l]
+    line = lines[0]
     assert "injected fault at layer 1 of step 2 (traceback: " in line
     path = line.split("(traceback: ")[1].rstrip(")")
     text = open(path).read()

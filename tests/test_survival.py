@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from conftest import ROOT, last_json, launch
+from conftest import ROOT, error_lines, last_json, launch
 from mlxdist.survival import MPIRUN_FT_FLAGS
 
 SCRIPT = str(ROOT / "tests/scripts/survive.py")
@@ -95,7 +95,7 @@ def test_rank_zero_lost_ends_every_rank(checkpoint):
     proc = survive(3, ["--model", checkpoint("qwen3_moe"), "--dispatch", "p2p", "-p", "hi", "-m", 24],
                    fault="kill:rank=0,layer=-1,step=5", timeout=60)
     assert proc.returncode != 0
-    lines = [l for l in proc.stderr.splitlines() if l.startswith("mlxdist: error")]
+    lines = error_lines(proc.stderr, "mlxdist: error")
     expected = [f"mlxdist: error: rank {r}: rank 0 was lost; the job cannot go on without it" for r in (1, 2)]
     assert sorted(lines) == expected, proc.stderr[-2000:]
 
