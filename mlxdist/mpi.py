@@ -107,6 +107,10 @@ BACKENDS = ("mpi", "nccl")
 # against NCCL's default (23.0 against 39.0 and 46.6 ms, b = 8;
 # benchmarks/gpu/nccl_env.sh). A value in the environment wins.
 NCCL_MAX_NCHANNELS = "2"
+# Open MPI's launcher sometimes fails before starting any rank, with this on
+# stderr; nothing of ours ran, so the launch may be tried again.
+LAUNCHER_FAILURE = "The PMIx server's listener thread failed to start"
+LAUNCHER_RETRIES = 3
 
 
 def default_backend() -> str:

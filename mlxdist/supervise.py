@@ -27,9 +27,9 @@ from pathlib import Path
 from typing import List, Optional, Set, Tuple
 
 from .jobs import read_jobs, recorded_ids
+from .mpi import LAUNCHER_FAILURE, LAUNCHER_RETRIES
 
 # Open MPI's launcher failing before any rank ran (not a lost rank): tried again.
-LAUNCHER_FAILURE = "The PMIx server's listener thread failed to start"
 
 
 def _job_ids(path: str) -> Set[str]:
@@ -128,7 +128,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                       f"first result {r.get('resumed_after_s', float('nan')):.1f} s after the failure",
                       file=sys.stderr, flush=True)
             return code if left else 0
-        if LAUNCHER_FAILURE in "".join(stderr_lines) and launcher_retries < 3:
+        if LAUNCHER_FAILURE in "".join(stderr_lines) and launcher_retries < LAUNCHER_RETRIES:
             launcher_retries += 1  # Open MPI's launcher failed before any rank ran: not a lost rank
             continue
         lost = lost_ranks("".join(stderr_lines)) or [ranks - 1]

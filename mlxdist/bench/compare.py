@@ -22,6 +22,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+from ..mpi import LAUNCHER_FAILURE, LAUNCHER_RETRIES
 from .harness import median_row, versions
 from .report import plot, write_markdown
 
@@ -84,11 +85,15 @@ def launch(contender: Dict[str, Any], common: List[str], timeout: float, log) ->
     cmd = command(contender.get("processes", contender["ranks"]), contender["module"], common + contender["extra"])
     print(" ".join(cmd), file=log, flush=True)
     tic = time.perf_counter()
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env(), cwd=ROOT)
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {timeout:.0f} s"}
-    log.write(proc.stderr)
+    for _ in range(LAUNCHER_RETRIES + 1):
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env(), cwd=ROOT)
+        except subprocess.TimeoutExpired:
+            return {"error": f"timed out after {timeout:.0f} s"}
+        log.write(proc.stderr)
+        if proc.returncode == 0 or LAUNCHER_FAILURE not in proc.stderr:
+            break
+        time.sleep(1)  # Open MPI's launcher failed before any rank ran: launch again
     lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
     if proc.returncode != 0 or not lines:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
