@@ -262,7 +262,8 @@ def test_wire_traffic_model():
     assert (t["dp"]["collectives_per_layer"], t["replicas"]["collectives_per_layer"]) == (2, 0)
     width = {s: traffic(s, 2, 32, shape)["bytes_per_token_layer"] for s in ("dp-width", "collective-width")}
     assert width == {"dp-width": 2048 * 2 / 2 + 2048 * 2, "collective-width": 2048 * 2}  # no ids, no weights, no K
-    assert traffic("collective-tp-width", 2, 32, shape) == t["tensor"]  # attention split too: tensor parallelism
+    for split_attention in ("collective-tp", "collective-tp-width"):  # the block sums [.., D]: tensor parallelism's
+        assert traffic(split_attention, 2, 32, shape) == t["tensor"]
     slow, fast = (projected_tps("dp", 2, 32, shape, 0.05, LINKS[k]) for k in ("10 GbE (TCP)", "Thunderbolt 5 (RDMA)"))
     assert slow < fast < 32 / 0.05
 

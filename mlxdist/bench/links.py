@@ -62,7 +62,7 @@ def collectives(strategy: str, n: int, b: int, shape: Shape) -> Tuple[List[Tuple
     for one decode step of ``b`` tokens."""
     d, k, s = shape.hidden, shape.top_k, shape.itemsize
     ring_sum = lambda size: (2 * (n - 1) / n * size, 2 * (n - 1))  # noqa: E731
-    if strategy in ("collective", "collective-tp"):
+    if strategy == "collective":
         return [ring_sum(b * k * d * s)], shape.moe_layers
     if strategy == "collective-width":
         return [ring_sum(b * d * s)], shape.moe_layers
@@ -75,7 +75,8 @@ def collectives(strategy: str, n: int, b: int, shape: Shape) -> Tuple[List[Tuple
         out = b * min(k, n - 1) * (n - 1) / n * d * s + b * k * 8
         back = b * k * (n - 1) / n * d * s
         return [(out + back, 2)], shape.moe_layers
-    if strategy in ("tensor", "collective-tp-width"):  # attention's all_sum and the MoE block's, every layer
+    # collective-tp: attention's all_sum, and the MoE block's own of its weighted sum, every layer
+    if strategy in ("tensor", "collective-tp", "collective-tp-width"):
         return [ring_sum(b * d * s), ring_sum(b * d * s)], shape.layers
     return [], 0
 
