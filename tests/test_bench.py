@@ -63,6 +63,17 @@ def test_bench_json_experts_cut_in_width(model):
         assert row["floor_bytes"]["shape"] == [row["batch"] // (2 if row["strategy"] == "dp" else 1), 1, width]
 
 
+def test_bench_floor_of_collective_tp_is_the_blocks_sum(model):
+    """Whole experts with attention split: each MoE block all_sums its
+    weighted [.., D] output (mlx-lm's shard()), so the floor times that, not
+    the [.., K, D] slots."""
+    r = launch(2, ["--model", model, *SMALL, "--dispatch", "collective-tp", "--json"], module="mlxdist.bench")
+    assert r.returncode == 0, r.stderr
+    width = json.loads((model / "config.json").read_text())["hidden_size"]
+    for row in last_json(r.stdout)["results"]:
+        assert row["floor_bytes"]["shape"] == [row["batch"], 1, width]
+
+
 def test_bench_table_one_process(model):
     r = launch(0, ["--model", model, *SMALL, "--dispatch", "collective"], module="mlxdist.bench")
     assert r.returncode == 0, r.stderr

@@ -166,10 +166,13 @@ def bench_case(cluster, mode: str, prompts: List[List[int]], args) -> Dict[str, 
     if strategy == "dp":
         row["vs_exact"] = closeness(cluster, prompts, args.generation_tokens)
     width = args.expert_split == "width" and strategy in WIDTH_STRATEGIES
+    shape = list(profile["slots_shape"]) or [len(prompts), 1] + ([] if width else [cfg.get("num_experts_per_tok", 1)]) \
+        + [cfg["hidden_size"]]
+    if strategy == "collective-tp" and not width:  # the block sums its weighted [.., D] output, not the slots
+        shape = shape[:-2] + shape[-1:]
     floor_args = {
         "mode": f"{strategy}-width" if width else strategy,
-        "shape": list(profile["slots_shape"]) or [len(prompts), 1] + ([] if width else [cfg.get("num_experts_per_tok", 1)])
-        + [cfg["hidden_size"]],
+        "shape": shape,
         "dtype": profile["dtype"] or "float32",
         "send_bytes": profile["bytes_sent"] // max(profile["calls"], 1),
         "recv_bytes": profile["bytes_received"] // max(profile["calls"], 1),
