@@ -405,21 +405,21 @@ def load_engine(world: World, options: LoadOptions) -> Engine:
             blocks.append(MoEBlock(site.parent, switch))
             setattr(modules[holder_path], block_attr, blocks[-1])
 
-    models = {}
-    if tp_twin:
+    twin = None
+    if tp_twin:  # its own (split) arrays are evaluated as it is built
         wrapped = {site.path.rsplit(".", 1)[0]: block for site, block in zip(sites, blocks)}
-        models = {"dp": lazy_model, "collective-tp": tensor_parallel_twin(lazy_model, path, world, config, wrapped)}
+        twin = tensor_parallel_twin(lazy_model, path, world, config, wrapped)
     expert_bytes = sum(nbytes(e.parameters()) for e in experts.values())
     tokenizer = None
     if runs_dense:
-        mx.eval(lazy_model.parameters(), [m.parameters() for m in models.values()])
+        mx.eval(lazy_model.parameters())
         try:
             tokenizer = load_tokenizer(path)
         except Exception as e:
             reason = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise UserError(f"cannot load the tokenizer in {path} (tokenizer.json): {reason}") from None
         dense_bytes = nbytes(lazy_model.parameters()) - expert_bytes
-        dense_bytes += sum(own_bytes(m, lazy_model) for m in models.values())
+        dense_bytes += own_bytes(twin, lazy_model) if twin is not None else 0
     else:
         lazy_model, dense_bytes = None, 0
     options_seen = {**asdict(options), "model": None, "placement": None}  # paths may differ per rank
@@ -446,7 +446,7 @@ def load_engine(world: World, options: LoadOptions) -> Engine:
         switches,
         dispatchers,
         blocks=blocks,
-        models=models,
+        models={"dp": lazy_model, "collective-tp": twin} if twin is not None else {},
         memory={"expert_bytes": expert_bytes, "dense_bytes": dense_bytes, "load_peak_bytes": mx.get_peak_memory()},
         fingerprint=fingerprint,
         capacity=capacity,

@@ -86,10 +86,6 @@ def generation_args(args) -> dict:
     )
 
 
-def fail(message: str) -> None:
-    say_error(message)
-
-
 def _stdin():
     """Rank 0's standard input: the FIFO ``launch/mpirun`` hands it, where
     set, since Open MPI 5 forwards stdin lines to rank 0 but never their EOF
@@ -175,7 +171,7 @@ def command_loop(cluster: Cluster, args) -> int:
         cluster.load(args.model, args.dispatch, args.placement, not args.no_rank0_experts, args.layout, args.stats,
                      args.expert_capacity, args.memory_budget, args.expert_split)
     except (UserError, PlacementError) as e:
-        fail(str(e))
+        say_error(str(e))
         return 1
     if args.save_placement:
         cluster.engine.placement.save(args.save_placement)
@@ -188,7 +184,7 @@ def command_loop(cluster: Cluster, args) -> int:
         try:
             _run_prompt(cluster, args, text, logprobs)
         except UserError as e:
-            fail(str(e))
+            say_error(str(e))
             if args.prompt is not None:
                 return 1
     if args.logprobs_out:
@@ -214,9 +210,9 @@ def _run(argv: Optional[List[str]]) -> int:
     except RuntimeError as e:
         rank = os.environ.get("OMPI_COMM_WORLD_RANK", "0")
         if _is_mpi_error(e):  # a peer failed (it may be rank 0): each rank says so
-            fail(f"rank {rank}: a rank failed while the job started: {e}")
+            say_error(f"rank {rank}: a rank failed while the job started: {e}")
         elif rank == "0":  # the same problem on every rank: rank 0 speaks for all
-            fail(str(e))
+            say_error(str(e))
         return 1
     start_watchdog(world, args.timeout)
     if not world.is_root:

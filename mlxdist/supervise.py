@@ -29,8 +29,6 @@ from typing import List, Optional, Set, Tuple
 from .jobs import read_jobs, recorded_ids
 from .mpi import LAUNCHER_FAILURE, LAUNCHER_RETRIES
 
-# Open MPI's launcher failing before any rank ran (not a lost rank): tried again.
-
 
 def _job_ids(path: str) -> Set[str]:
     """The ids the output will hold once the job file is done (a malformed

@@ -69,17 +69,19 @@ def tensor_parallel_twin(model: nn.Module, path: Path, world: World, config: Dic
     shared = [(name, own[name]) for name, value in tree_flatten(twin.parameters())
               if name in own and own[name].shape == value.shape and own[name].dtype == value.dtype]
     twin.update(tree_unflatten(shared))
-    held = {id(v) for _, v in shared}
-    for _, value in tree_flatten(twin.parameters()):
-        if id(value) not in held:
-            mx.eval(value)  # one at a time: each split reads its whole tensor once
+    for value in _own_arrays(twin, model):
+        mx.eval(value)  # one at a time: each split reads its whole tensor once
     return twin
 
 
 def own_bytes(twin: nn.Module, model: nn.Module) -> int:
     """Bytes of the twin's arrays that ``model`` does not hold."""
+    return sum(v.nbytes for v in _own_arrays(twin, model))
+
+
+def _own_arrays(twin: nn.Module, model: nn.Module) -> List[mx.array]:
     held = {id(v) for _, v in tree_flatten(model.parameters())}
-    return sum(v.nbytes for _, v in tree_flatten(twin.parameters()) if id(v) not in held)
+    return [v for _, v in tree_flatten(twin.parameters()) if id(v) not in held]
 
 
 def _heads_left_over(config: Dict[str, Any], ranks: int) -> List[str]:

@@ -17,7 +17,7 @@ import urllib.request
 
 import pytest
 
-from conftest import LAUNCHER_FAILURE, MPIRUN, ROOT, mpirun_env
+from conftest import LAUNCHER_FAILURE, LAUNCHER_RETRIES, MPIRUN, ROOT, mpirun_env
 
 KEY = "test-key-123"
 PROMPTS = [f"Request {i}: " + "tokens " * (i % 5) for i in range(8)]
@@ -31,12 +31,13 @@ def free_port() -> int:
 
 class Server:
     def __init__(self, path, nranks=2, extra=()):
-        try:
-            self._start(path, nranks, extra)
-        except RuntimeError as e:
-            if LAUNCHER_FAILURE not in str(e):
-                raise
-            self._start(path, nranks, extra)  # Open MPI's launcher failed before any rank ran: once more
+        for attempt in range(LAUNCHER_RETRIES + 1):  # Open MPI's launcher may fail before any rank ran
+            try:
+                return self._start(path, nranks, extra)
+            except RuntimeError as e:
+                if LAUNCHER_FAILURE not in str(e) or attempt == LAUNCHER_RETRIES:
+                    raise
+                time.sleep(1)
 
     def _start(self, path, nranks, extra):
         self.model = path
