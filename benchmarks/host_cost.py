@@ -4,12 +4,19 @@ alone at batch b (one process), or mlxdist's dp mode at batch b over the ranks
 Beside it, ``step_ms``: wall time per step with one step in flight, as both
 generate (so a host time near it means the step is bound by the host).
 
-    python benchmarks/host_cost.py MODEL 4 alone
-    mpirun -np 2 python benchmarks/host_cost.py MODEL 8 masked    # or compact, or width
+``--sync`` evaluates every step before building the next (no overlap), so
+``step_ms`` is then host plus device: less the host times, what the device
+(and, for dp, the wait for the other ranks) takes. ``--no-link`` (dp): MLX's
+collectives replaced by the benchmark's local stand-ins of the same shapes
+(no transport, no waiting). ``--compile-blocks`` (width): each layer's MoE
+block ``mx.compile``d for decode steps (an experiment; mlxdist does not).
+
+    python benchmarks/host_cost.py MODEL 4 alone [--sync]
+    mpirun -np 2 python benchmarks/host_cost.py MODEL 8 masked    # or compact, or width [--no-link]
 """
 
+import argparse
 import json
-import sys
 import time
 
 import mlx.core as mx
@@ -28,7 +35,7 @@ def _median_ms(values):
     return round(1e3 * sorted(values)[len(values) // 2], 3)
 
 
-def alone(path: str, batch: int, steps: int = 30) -> dict:
+def alone(path: str, batch: int, sync: bool = False, steps: int = 30) -> dict:
     from mlx_lm import load
     from mlx_lm.models.cache import make_prompt_cache
 
@@ -44,6 +51,8 @@ def alone(path: str, batch: int, steps: int = 30) -> dict:
         y = mx.argmax(logits - mx.logsumexp(logits, axis=-1, keepdims=True), axis=-1)
         mid = time.thread_time()
         mx.async_eval(y)
+        if sync:
+            mx.eval(y)
         build.append(mid - tic)
         submit.append(time.thread_time() - mid)
         if previous is not None:  # one step in flight, as mlx-lm's generate_step
@@ -52,13 +61,16 @@ def alone(path: str, batch: int, steps: int = 30) -> dict:
         now = time.perf_counter()
         wall.append(now - tick)
         tick = now
-    return {"contender": "mlx-lm alone", "batch": batch, "build_ms": _median_ms(build),
+    return {"contender": "mlx-lm alone" + (" (sync)" if sync else ""), "batch": batch, "build_ms": _median_ms(build),
             "submit_ms": _median_ms(submit), "step_ms": _median_ms(wall[2:])}
 
 
-def data_parallel(path: str, batch: int, layout: str) -> dict:
+def data_parallel(path: str, batch: int, layout: str, sync: bool = False, no_link: bool = False,
+                  compile_blocks: bool = False) -> dict:
     import mlxdist
     from mlxdist import dp
+    from mlxdist.bench import probes  # noqa: F401 (registers no_link on every rank)
+    from mlxdist.dispatch.dataparallel import DataParallelDispatcher
 
     build, submit, starts = [], [], []
     start_step = dp.DataParallelGeneration.start_step
@@ -68,6 +80,8 @@ def data_parallel(path: str, batch: int, layout: str) -> dict:
         _submit["s"] = 0.0
         tic = time.thread_time()
         step = start_step(self, sampler)
+        if sync:
+            mx.eval(step.gathered)
         total = time.thread_time() - tic
         build.append(total - _submit["s"])
         submit.append(_submit["s"])
@@ -75,22 +89,45 @@ def data_parallel(path: str, batch: int, layout: str) -> dict:
 
     dp.DataParallelGeneration.start_step = timed
     dp.mx.async_eval = _async_eval
+    if compile_blocks:
+        exchange, compiled = DataParallelDispatcher.exchange_block, {}
+
+        def exchange_compiled(self, layer, block, x):
+            if x.ndim == 3 and x.shape[1] == 1:  # decode rows: one compiled block per layer
+                block = compiled.setdefault(layer, mx.compile(block))
+            return exchange(self, layer, block, x)
+
+        DataParallelDispatcher.exchange_block = exchange_compiled
     with mlxdist.init() as cluster:
         if layout == "width":  # experts cut in width: whole blocks exchanged
             cluster.load(path, dispatch="dp", expert_split="width")
         else:
             cluster.load(path, dispatch="dp", layout=layout)
         prompts = [f"prompt number {i} " * 4 for i in range(batch)]
+        if no_link:
+            cluster.probe("no_link", on=True)  # on every rank (the others run the command loop)
         for _ in range(2):  # the second generation is measured
             build.clear()
             submit.clear()
             starts.clear()
             cluster.generate_batch(prompts, max_tokens=30)
         wall = [b - a for a, b in zip(starts[2:], starts[3:])]
-        return {"contender": f"mlxdist dp ({layout})", "batch": batch, "ranks": cluster.world.size,
+        extras = [n for n, on in (("sync", sync), ("no link", no_link), ("compiled blocks", compile_blocks)) if on]
+        return {"contender": f"mlxdist dp ({', '.join([layout] + extras)})", "batch": batch, "ranks": cluster.world.size,
                 "build_ms": _median_ms(build), "submit_ms": _median_ms(submit), "step_ms": _median_ms(wall)}
 
 
 if __name__ == "__main__":
-    path, batch, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-    print(json.dumps(alone(path, batch) if mode == "alone" else data_parallel(path, batch, mode)), flush=True)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("model")
+    p.add_argument("batch", type=int)
+    p.add_argument("mode", choices=("alone", "masked", "compact", "width"))
+    p.add_argument("--sync", action="store_true", help="no step in flight: step_ms is host plus device")
+    p.add_argument("--no-link", action="store_true", help="dp: local stand-ins for MLX's collectives")
+    p.add_argument("--compile-blocks", action="store_true", help="width: mx.compile each MoE block for decode")
+    a = p.parse_args()
+    if a.mode == "alone":
+        result = alone(a.model, a.batch, a.sync)
+    else:
+        result = data_parallel(a.model, a.batch, a.mode, a.sync, a.no_link, a.compile_blocks)
+    print(json.dumps(result), flush=True)

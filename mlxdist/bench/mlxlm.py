@@ -25,6 +25,7 @@ from typing import Any, Dict, List, Optional
 import mlx.core as mx
 
 from ..mpi import default_backend
+from ..overlap import decode_steps, overlaps_decode
 from .harness import median_row, parse_args as _bench_args, random_prompts, text_config, versions
 
 MODES = ("single", "tensor", "pipeline", "replicas")
@@ -116,18 +117,19 @@ def generate(model, tokenizer, prompts: List[List[int]], max_tokens: int, group)
     from mlx_lm.generate import batch_generate, stream_generate
 
     mx.reset_peak_memory()
-    if len(prompts) == 1:
-        for response in stream_generate(model, tokenizer, prompts[0], max_tokens=max_tokens):
-            pass
-        stats = response
-        tokens = response.generation_tokens
-    else:
-        b = len(prompts)
-        stats = batch_generate(
-            model, tokenizer, prompts, max_tokens=max_tokens,
-            completion_batch_size=b, prefill_batch_size=b,
-        ).stats
-        tokens = stats.generation_tokens
+    with decode_steps(overlaps_decode(default_backend())):  # as mlxdist's engine decodes on this backend
+        if len(prompts) == 1:
+            for response in stream_generate(model, tokenizer, prompts[0], max_tokens=max_tokens):
+                pass
+            stats = response
+            tokens = response.generation_tokens
+        else:
+            b = len(prompts)
+            stats = batch_generate(
+                model, tokenizer, prompts, max_tokens=max_tokens,
+                completion_batch_size=b, prefill_batch_size=b,
+            ).stats
+            tokens = stats.generation_tokens
     return {
         "prompt_tps": stats.prompt_tps,
         "generation_tps": stats.generation_tps,
