@@ -33,7 +33,6 @@ from .loader import (
 from .paging import PagedExperts, PagingStats, capacity_for_budget
 from .moe import DistributedSwitch, MoEBlock, Observer
 from .mpi import World
-from .overlap import decode_steps, overlaps_decode
 from .placement import Placement, resolve_placement
 from .routing import RouterWeights, RoutingWeightsNotFound, activation_dtype, find_weights_name
 from .tensor_parallel import can_shard, own_bytes, shard_dense, tensor_parallel_twin
@@ -231,16 +230,15 @@ class Engine:
         self.use(self.strategy_for(1))
         mx.random.seed(params.seed if params.seed is not None else 0)
         try:
-            with decode_steps(overlaps_decode(self.world.backend)):
-                yield from stream_generate(
-                    self.model,
-                    self.tokenizer,
-                    mx.array(prompt),
-                    max_tokens=params.max_tokens_each(1)[0],
-                    sampler=params.sampler(),
-                    prefill_step_size=params.prefill_step_size,
-                    max_kv_size=params.max_kv_size,
-                )
+            yield from stream_generate(
+                self.model,
+                self.tokenizer,
+                mx.array(prompt),
+                max_tokens=params.max_tokens_each(1)[0],
+                sampler=params.sampler(),
+                prefill_step_size=params.prefill_step_size,
+                max_kv_size=params.max_kv_size,
+            )
         finally:
             self._end_generation()
 
@@ -255,34 +253,29 @@ class Engine:
         mx.random.seed(params.seed if params.seed is not None else 0)
         batch_size = params.completion_batch_size or max(len(prompts), 1)
         try:
-            with decode_steps(overlaps_decode(self.world.backend)):
-                return self._generate_batch(prompts, params, strategy, dispatcher, batch_size)
+            if strategy == "dp":
+                result = DataParallelGeneration(self, dispatcher, params).run(
+                    prompts, params.max_tokens_each(len(prompts)), params.sampler())
+                self.kv_bytes = result.kv_bytes
+                seqs = result.sequences
+                return BatchResponse(
+                    [self.tokenizer.decode(s.tokens) for s in seqs], result.stats, None,
+                    [s.tokens for s in seqs], [s.logprobs for s in seqs])
+            return batch_generate(
+                self.model,
+                self.tokenizer,
+                prompts,
+                max_tokens=params.max_tokens,
+                sampler=params.sampler(),
+                prefill_step_size=params.prefill_step_size,
+                max_kv_size=params.max_kv_size,
+                completion_batch_size=batch_size,
+                prefill_batch_size=batch_size,
+                return_token_ids=True,
+                return_logprobs=True,
+            )
         finally:
             self._end_generation()
-
-    def _generate_batch(self, prompts: List[List[int]], params: GenerationParams, strategy: str,
-                        dispatcher: Dispatcher, batch_size: int) -> BatchResponse:
-        if strategy == "dp":
-            result = DataParallelGeneration(self, dispatcher, params).run(
-                prompts, params.max_tokens_each(len(prompts)), params.sampler())
-            self.kv_bytes = result.kv_bytes
-            seqs = result.sequences
-            return BatchResponse(
-                [self.tokenizer.decode(s.tokens) for s in seqs], result.stats, None,
-                [s.tokens for s in seqs], [s.logprobs for s in seqs])
-        return batch_generate(
-            self.model,
-            self.tokenizer,
-            prompts,
-            max_tokens=params.max_tokens,
-            sampler=params.sampler(),
-            prefill_step_size=params.prefill_step_size,
-            max_kv_size=params.max_kv_size,
-            completion_batch_size=batch_size,
-            prefill_batch_size=batch_size,
-            return_token_ids=True,
-            return_logprobs=True,
-        )
 
     def _end_generation(self) -> None:
         # mlx-lm keeps the next step in flight (mx.async_eval on its own

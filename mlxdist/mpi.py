@@ -105,7 +105,8 @@ BACKENDS = ("mpi", "nccl")
 # Decode exchanges a few hundred KB per collective, 96 of them per step on a
 # 48-layer model: on 2 x H200 two NCCL channels halved dp's decode step
 # against NCCL's default (23.0 against 39.0 and 46.6 ms, b = 8;
-# benchmarks/gpu/nccl_env.sh). A value in the environment wins.
+# benchmarks/gpu/nccl_env.sh); one or four did no better at b = 32. The
+# benchmark gives mlx-lm's tensor parallelism the same. The environment wins.
 NCCL_MAX_NCHANNELS = "2"
 # Open MPI's launcher sometimes fails before starting any rank, with this on
 # stderr; nothing of ours ran, so the launch may be tried again.

@@ -24,8 +24,7 @@ from typing import Any, Dict, List, Optional
 
 import mlx.core as mx
 
-from ..mpi import default_backend
-from ..overlap import decode_steps, overlaps_decode
+from ..mpi import NCCL_MAX_NCHANNELS, default_backend
 from .harness import median_row, parse_args as _bench_args, random_prompts, text_config, versions
 
 MODES = ("single", "tensor", "pipeline", "replicas")
@@ -43,6 +42,9 @@ def _group(mode: str, backend: str) -> Optional[mx.distributed.Group]:
                 os.environ.setdefault(var, os.environ[ompi])
         os.environ.setdefault("NCCL_HOST_IP", "127.0.0.1")
         os.environ.setdefault("NCCL_PORT", "29517")
+        # mlxdist's NCCL setting (mpi.py), so that the contenders differ in how
+        # they split the model, not in NCCL's tuning.
+        os.environ.setdefault("NCCL_MAX_NCHANNELS", NCCL_MAX_NCHANNELS)
         group = mx.distributed.init(backend="nccl", strict=True)
     else:
         from ..mpi import find_libmpi
@@ -117,19 +119,18 @@ def generate(model, tokenizer, prompts: List[List[int]], max_tokens: int, group)
     from mlx_lm.generate import batch_generate, stream_generate
 
     mx.reset_peak_memory()
-    with decode_steps(overlaps_decode(default_backend())):  # as mlxdist's engine decodes on this backend
-        if len(prompts) == 1:
-            for response in stream_generate(model, tokenizer, prompts[0], max_tokens=max_tokens):
-                pass
-            stats = response
-            tokens = response.generation_tokens
-        else:
-            b = len(prompts)
-            stats = batch_generate(
-                model, tokenizer, prompts, max_tokens=max_tokens,
-                completion_batch_size=b, prefill_batch_size=b,
-            ).stats
-            tokens = stats.generation_tokens
+    if len(prompts) == 1:
+        for response in stream_generate(model, tokenizer, prompts[0], max_tokens=max_tokens):
+            pass
+        stats = response
+        tokens = response.generation_tokens
+    else:
+        b = len(prompts)
+        stats = batch_generate(
+            model, tokenizer, prompts, max_tokens=max_tokens,
+            completion_batch_size=b, prefill_batch_size=b,
+        ).stats
+        tokens = stats.generation_tokens
     return {
         "prompt_tps": stats.prompt_tps,
         "generation_tps": stats.generation_tps,
