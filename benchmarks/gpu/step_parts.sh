@@ -12,36 +12,22 @@ set -u
 cd "$(cd "$(dirname "$0")/../.." && pwd)"
 MODEL="${MODEL:-/tmp/q30}"; B="${B:-32}"; DEADLINE="${DEADLINE:-570}"
 . benchmarks/gpu/env.sh
-log="$OUT/step_parts.log"
+. benchmarks/gpu/host_cost.sh
+log="$OUT/step_parts.log"; JSONL="$OUT/step_parts.jsonl"
 synth "$MODEL" qwen3-30b-a3b 4 bfloat16 48
-tag() { "$PY" -c 'import json, sys; r = json.loads(sys.stdin.readline()); r["settings"] = sys.argv[1]; print(json.dumps(r))' "$1"; }
-alone() {  # batch flags...
-  local b=$1; shift
-  say "mlx-lm alone b=$b $*"
-  CUDA_VISIBLE_DEVICES=0 timeout "$(left)" "$PY" benchmarks/host_cost.py "$MODEL" "$b" alone "$@" 2>> "$log" \
-    | tag "${*:-default}" >> "$OUT/step_parts.jsonl"
-}
-dp() {  # batch env-settings... -- flags...
-  local b=$1; shift; local settings=()
-  while [ $# -gt 0 ] && [ "$1" != -- ]; do settings+=("$1"); shift; done; [ $# -gt 0 ] && shift
-  say "dp width b=$b ${settings[*]} $*"
-  env "${settings[@]}" NCCL_PORT=$(( 29600 + RANDOM % 200 )) timeout "$(left)" "$MPIRUN" --allow-run-as-root --bind-to none -np 2 \
-    benchmarks/gpu/rank.sh "$PY" benchmarks/host_cost.py "$MODEL" "$b" width "$@" 2>> "$log" \
-    | tag "${settings[*]} $*" >> "$OUT/step_parts.jsonl"
-}
 h=$(( B / 2 ))
-alone $h                                # first: MLX compiles its kernels
-alone $h --sync
-dp $B
-dp $B -- --sync
-dp $B -- --no-link
-dp $B -- --no-link --sync
-dp $B NCCL_MAX_NCHANNELS=1
-dp $B NCCL_MAX_NCHANNELS=4
-dp $B -- --compile-blocks
-alone 4
-dp 8
-dp 8 -- --compile-blocks
-alone $h
-cat "$OUT/step_parts.jsonl"
+alone -- $h                             # first: MLX compiles its kernels
+alone -- $h --sync
+dp -- $B
+dp -- $B --sync
+dp -- $B --no-link
+dp -- $B --no-link --sync
+dp NCCL_MAX_NCHANNELS=1 -- $B
+dp NCCL_MAX_NCHANNELS=4 -- $B
+dp -- $B --compile-blocks
+alone -- 4
+dp -- 8
+dp -- 8 --compile-blocks
+alone -- $h
+cat "$JSONL"
 say done

@@ -1,0 +1,23 @@
+# Sourced by the GPU scripts after env.sh: launches of benchmarks/host_cost.py,
+# one JSON line each appended to $JSONL, tagged with its settings and flags.
+#   alone [VAR=value ...] -- BATCH [flags]     mlx-lm alone on GPU 0
+#   dp    [VAR=value ...] -- BATCH [flags]     dp with experts cut in width on two GPUs
+tag() { "$PY" -c 'import json, sys; r = json.loads(sys.stdin.readline()); r["settings"] = sys.argv[1]; print(json.dumps(r))' "$1"; }
+_split() {  # sets settings=(VAR=value ...) and rest=(BATCH flags...)
+  settings=(); rest=()
+  while [ $# -gt 0 ] && [ "$1" != -- ]; do settings+=("$1"); shift; done
+  [ $# -gt 0 ] && shift; rest=("$@")
+}
+alone() {
+  _split "$@"
+  say "mlx-lm alone b=${rest[*]} ${settings[*]}"
+  env "${settings[@]}" CUDA_VISIBLE_DEVICES=0 timeout "$(left)" "$PY" benchmarks/host_cost.py "$MODEL" "${rest[0]}" alone \
+    "${rest[@]:1}" 2>> "$log" | tag "$(echo ${settings[*]} ${rest[*]:1})" >> "$JSONL"
+}
+dp() {
+  _split "$@"
+  say "dp width b=${rest[*]} ${settings[*]}"
+  env "${settings[@]}" NCCL_PORT=$(( 29600 + RANDOM % 200 )) timeout "$(left)" "$MPIRUN" --allow-run-as-root --bind-to none -np 2 \
+    benchmarks/gpu/rank.sh "$PY" benchmarks/host_cost.py "$MODEL" "${rest[0]}" width "${rest[@]:1}" 2>> "$log" \
+    | tag "$(echo ${settings[*]} ${rest[*]:1})" >> "$JSONL"
+}
