@@ -1,6 +1,7 @@
 """Host (main-thread CPU) time to build and submit one decode step: mlx-lm
-alone at batch b (one process), or mlxdist's dp mode at batch b over the ranks
-(under mpirun). Thread CPU time, so waiting for the device is not counted.
+alone at batch b (one process; ``alone``: the model called with one plain KV
+cache, ``batch``: mlx-lm's BatchGenerator, as batch_generate and the replicas
+decode), or mlxdist's dp mode at batch b over the ranks (under mpirun). Thread CPU time, so waiting for the device is not counted.
 Beside it, ``step_ms``: wall time per step with one step in flight, as both
 generate (so a host time near it means the step is bound by the host).
 
@@ -11,7 +12,7 @@ collectives replaced by the benchmark's local stand-ins of the same shapes
 (no transport, no waiting). ``--compile-blocks`` (width): each layer's MoE
 block ``mx.compile``d for decode steps (an experiment; mlxdist does not).
 
-    python benchmarks/host_cost.py MODEL 4 alone [--sync]
+    python benchmarks/host_cost.py MODEL 4 alone [--sync]    # or batch
     mpirun -np 2 python benchmarks/host_cost.py MODEL 8 masked    # or compact, or width [--no-link]
 """
 
@@ -63,6 +64,39 @@ def alone(path: str, batch: int, sync: bool = False, steps: int = 30) -> dict:
         tick = now
     return {"contender": "mlx-lm alone" + (" (sync)" if sync else ""), "batch": batch, "build_ms": _median_ms(build),
             "submit_ms": _median_ms(submit), "step_ms": _median_ms(wall[2:])}
+
+
+def batch_generator(path: str, batch: int, sync: bool = False, steps: int = 30) -> dict:
+    """mlx-lm's ``BatchGenerator``, as ``batch_generate`` (and so the
+    replicas) decode: batch caches with their masks, per-sequence sampling
+    and stop checks, one step in flight. One ``next_generated()`` per step."""
+    from mlx_lm import load
+    from mlx_lm.generate import BatchGenerator
+
+    model, tokenizer = load(path)
+    prompts = [tokenizer.encode(f"prompt number {i} " * 4) for i in range(batch)]
+    real = mx.async_eval
+    mx.async_eval = _async_eval if not sync else lambda *a: (_async_eval(*a), mx.eval(*a))
+    try:
+        gen = BatchGenerator(model, max_tokens=steps + 8, completion_batch_size=batch, prefill_batch_size=batch)
+        gen.insert(prompts, [steps + 8] * batch)
+        build, submit, starts = [], [], []
+        while True:
+            _submit["s"] = 0.0
+            starts.append(time.perf_counter())
+            tic = time.thread_time()
+            if not gen.next_generated():
+                break
+            total = time.thread_time() - tic
+            build.append(total - _submit["s"])
+            submit.append(_submit["s"])
+        gen.close()
+    finally:
+        mx.async_eval = real
+    wall = [b - a for a, b in zip(starts, starts[1:])]
+    # One entry per step; the first includes the prompt.
+    return {"contender": "mlx-lm BatchGenerator" + (" (sync)" if sync else ""), "batch": batch,
+            "build_ms": _median_ms(build[2:]), "submit_ms": _median_ms(submit[2:]), "step_ms": _median_ms(wall[2:])}
 
 
 def data_parallel(path: str, batch: int, layout: str, sync: bool = False, no_link: bool = False,
@@ -121,13 +155,15 @@ if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("model")
     p.add_argument("batch", type=int)
-    p.add_argument("mode", choices=("alone", "masked", "compact", "width"))
+    p.add_argument("mode", choices=("alone", "batch", "masked", "compact", "width"))
     p.add_argument("--sync", action="store_true", help="no step in flight: step_ms is host plus device")
     p.add_argument("--no-link", action="store_true", help="dp: local stand-ins for MLX's collectives")
     p.add_argument("--compile-blocks", action="store_true", help="width: mx.compile each MoE block for decode")
     a = p.parse_args()
     if a.mode == "alone":
         result = alone(a.model, a.batch, a.sync)
+    elif a.mode == "batch":
+        result = batch_generator(a.model, a.batch, a.sync)
     else:
         result = data_parallel(a.model, a.batch, a.mode, a.sync, a.no_link, a.compile_blocks)
     print(json.dumps(result), flush=True)

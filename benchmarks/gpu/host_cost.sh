@@ -1,6 +1,7 @@
 # Sourced by the GPU scripts after env.sh: launches of benchmarks/host_cost.py,
 # one JSON line each appended to $JSONL, tagged with its settings and flags.
-#   alone [VAR=value ...] -- BATCH [flags]     mlx-lm alone on GPU 0
+#   alone [VAR=value ...] -- BATCH [flags]     mlx-lm alone on GPU 0 (one plain KV cache)
+#   batchgen [VAR=value ...] -- BATCH [flags]  mlx-lm's BatchGenerator on GPU 0 (as the replicas)
 #   dp    [VAR=value ...] -- BATCH [flags]     dp with experts cut in width on two GPUs
 tag() { "$PY" -c 'import json, sys; r = json.loads(sys.stdin.readline()); r["settings"] = sys.argv[1]; print(json.dumps(r))' "$1"; }
 _split() {  # sets settings=(VAR=value ...) and rest=(BATCH flags...)
@@ -8,12 +9,14 @@ _split() {  # sets settings=(VAR=value ...) and rest=(BATCH flags...)
   while [ $# -gt 0 ] && [ "$1" != -- ]; do settings+=("$1"); shift; done
   [ $# -gt 0 ] && shift; rest=("$@")
 }
-alone() {
-  _split "$@"
-  say "mlx-lm alone b=${rest[*]} ${settings[*]}"
-  env "${settings[@]}" CUDA_VISIBLE_DEVICES=0 timeout "$(left)" "$PY" benchmarks/host_cost.py "$MODEL" "${rest[0]}" alone \
+one() {  # MODE [VAR=value ...] -- BATCH [flags]: host_cost.py's alone or batch mode on GPU 0
+  local mode=$1; shift; _split "$@"
+  say "mlx-lm $mode b=${rest[*]} ${settings[*]}"
+  env "${settings[@]}" CUDA_VISIBLE_DEVICES=0 timeout "$(left)" "$PY" benchmarks/host_cost.py "$MODEL" "${rest[0]}" "$mode" \
     "${rest[@]:1}" 2>> "$log" | tag "$(echo ${settings[*]} ${rest[*]:1})" >> "$JSONL"
 }
+alone() { one alone "$@"; }
+batchgen() { one batch "$@"; }
 dp() {
   _split "$@"
   say "dp width b=${rest[*]} ${settings[*]}"

@@ -4,7 +4,8 @@
 # none (--sync: host plus device), with the real collectives and with local
 # stand-ins (--no-link: no transport, no waiting), under NCCL channel counts,
 # and with each MoE block mx.compile'd; mlx-lm alone at b/2 (one replica's
-# share) beside it, first and last (the host's speed drifts). One JSON line per
+# share) beside it, first and last (the host's speed drifts), and mlx-lm's
+# BatchGenerator at b/2 (a replica's step as batch_generate takes it). One JSON line per
 # launch in $OUT/step_parts.jsonl, tagged with its settings.
 #
 #   benchmarks/gpu/step_parts.sh        # on the GPU machine, from the repo root
@@ -18,6 +19,7 @@ synth "$MODEL" qwen3-30b-a3b 4 bfloat16 48
 h=$(( B / 2 ))
 alone -- $h                             # first: MLX compiles its kernels
 alone -- $h --sync
+batchgen -- $h                          # a replica's step as batch_generate takes it
 dp -- $B
 dp -- $B --sync
 dp -- $B --no-link
