@@ -1,8 +1,14 @@
-# Sourced by the GPU scripts after env.sh: launches of benchmarks/host_cost.py,
-# one JSON line each appended to $JSONL, tagged with its settings and flags.
+# Sourced by the GPU scripts that launch benchmarks/host_cost.py, with NAME set:
+# the environment (env.sh), the 48-layer checkpoint at $MODEL, and launch
+# helpers, each appending one JSON line to $OUT/$NAME.jsonl, tagged with its
+# settings and flags (the log: $OUT/$NAME.log).
 #   alone [VAR=value ...] -- BATCH [flags]     mlx-lm alone on GPU 0 (one plain KV cache)
 #   batchgen [VAR=value ...] -- BATCH [flags]  mlx-lm's BatchGenerator on GPU 0 (as the replicas)
 #   dp    [VAR=value ...] -- BATCH [flags]     dp with experts cut in width on two GPUs
+MODEL="${MODEL:-/tmp/q30}"; DEADLINE="${DEADLINE:-570}"
+. benchmarks/gpu/env.sh
+log="$OUT/$NAME.log"; JSONL="$OUT/$NAME.jsonl"
+synth "$MODEL" qwen3-30b-a3b 4 bfloat16 48
 tag() { "$PY" -c 'import json, sys; r = json.loads(sys.stdin.readline()); r["settings"] = sys.argv[1]; print(json.dumps(r))' "$1"; }
 _split() {  # sets settings=(VAR=value ...) and rest=(BATCH flags...)
   settings=(); rest=()

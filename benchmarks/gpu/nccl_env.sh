@@ -9,11 +9,8 @@
 #   benchmarks/gpu/nccl_env.sh        # on the GPU machine, from the repo root
 set -u
 cd "$(cd "$(dirname "$0")/../.." && pwd)"
-MODEL="${MODEL:-/tmp/q30}"; B="${B:-8}"; DEADLINE="${DEADLINE:-570}"
-. benchmarks/gpu/env.sh
+NAME=nccl_env; B="${B:-8}"
 . benchmarks/gpu/host_cost.sh
-log="$OUT/nccl_env.log"; JSONL="$OUT/nccl_env.jsonl"
-synth "$MODEL" qwen3-30b-a3b 4 bfloat16 48
 h=$(( B / 2 ))
 alone -- $h                            # first: MLX compiles its kernels
 dp -- $B

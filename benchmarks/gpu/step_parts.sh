@@ -11,11 +11,8 @@
 #   benchmarks/gpu/step_parts.sh        # on the GPU machine, from the repo root
 set -u
 cd "$(cd "$(dirname "$0")/../.." && pwd)"
-MODEL="${MODEL:-/tmp/q30}"; B="${B:-32}"; DEADLINE="${DEADLINE:-570}"
-. benchmarks/gpu/env.sh
+NAME=step_parts; B="${B:-32}"
 . benchmarks/gpu/host_cost.sh
-log="$OUT/step_parts.log"; JSONL="$OUT/step_parts.jsonl"
-synth "$MODEL" qwen3-30b-a3b 4 bfloat16 48
 h=$(( B / 2 ))
 alone -- $h                             # first: MLX compiles its kernels
 alone -- $h --sync
