@@ -41,10 +41,11 @@ def reference(path, n):
     return _REFERENCE[path]
 
 
-def run(checkpoint, nranks, dispatch, layout, max_tokens, completion, prefill_step=2048):
+def run(checkpoint, nranks, dispatch, layout, max_tokens, completion, prefill_step=2048, env=None):
     paths = [str(checkpoint(a)) for a in ARCHS]
     proc = launch(nranks, [ROOT / "tests/scripts/batch_each.py", dispatch, layout,
-                           ",".join(map(str, max_tokens)), completion, prefill_step, *paths], module=None, timeout=300)
+                           ",".join(map(str, max_tokens)), completion, prefill_step, *paths], module=None, timeout=300,
+                  env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return last_json(proc.stdout)
 

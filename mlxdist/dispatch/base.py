@@ -7,6 +7,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 
+from ..grouped import call_grouped, groups
 from .ownership import LayerOwnership
 from .stats import ExchangeStats
 
@@ -47,10 +48,15 @@ def run_experts(experts: nn.Module, batch: ExpertBatch, pad: Optional[bool] = No
     s = batch.x.shape[0]
     target = padded_slots(s, batch.total_slots) if pad and batch.total_slots else s
     if target == s:
-        return experts(batch.x, batch.inds)
+        return call_experts(experts, batch.x, batch.inds)
     x = mx.concatenate([batch.x, mx.zeros((target - s,) + batch.x.shape[1:], batch.x.dtype)])
     inds = mx.concatenate([batch.inds, mx.zeros((target - s,) + batch.inds.shape[1:], batch.inds.dtype)])
-    return experts(x, inds)[:s]
+    return call_experts(experts, x, inds)[:s]
+
+
+def call_experts(experts: nn.Module, x: mx.array, inds: mx.array) -> mx.array:
+    """``experts(x, inds)``, grouped by expert where that pays (``grouped.py``)."""
+    return call_grouped(experts, x, inds) if groups(experts, inds) else experts(x, inds)
 
 
 # Slots up to which the experts run unsorted (call_unsorted): the range measured.
@@ -64,7 +70,10 @@ def call_unsorted(experts: nn.Module, x: mx.array, inds: mx.array) -> mx.array:
     host's time per node, and on one H200 the width-cut experts of a
     48-layer step ran 0.9 to 1.6 ms faster unsorted at 64 and 256 slots
     (benchmarks/gpu/expert_cost.py); on the CPU it made no difference.
-    Larger calls (prefill) and other expert modules are called as they are."""
+    Calls that group by expert (``grouped.py``: from two slots per expert on
+    GPUs) do that; larger ones and other expert modules are called as they are."""
+    if groups(experts, inds):
+        return call_grouped(experts, x, inds)
     if inds.size > UNSORTED_MAX_SLOTS or type(experts) not in (SwitchGLU, SwitchMLP):  # a subclass may differ
         return experts(x, inds)
     x = mx.expand_dims(x, (-2, -3))
