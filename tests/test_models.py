@@ -1,6 +1,7 @@
 """Every MoE model type the installed mlx-lm ships, as a tiny random checkpoint
 (``synth.tiny_config``): distributed greedy generation in the exact modes
-(collective in both layouts, p2p) equals mlx-lm's own stream_generate in this
+(collective in both layouts, p2p, collective with every expert call grouped by
+expert) equals mlx-lm's own stream_generate in this
 process, token for token and log-probability for log-probability. One mpirun
 launch per mode loads every checkpoint in turn. A type that mlx-lm itself
 cannot run here is skipped with mlx-lm's own error; one that mlxdist cannot
@@ -18,7 +19,10 @@ from mlxdist.synth import TINY_MODELS, TINY_PREFIX, write_checkpoint
 
 PROMPT = "The quick brown fox jumps over the lazy dog because"
 MAX_TOKENS = 8
-MODES = ["collective", "collective-compact", "p2p"]  # compact: the collective layout that computes owned slots only
+# compact: the collective layout that computes owned slots only; grouped: every expert call grouped by expert
+# (grouped.py, forced on the CPU as GPUs do from two slots per expert)
+MODES = ["collective", "collective-compact", "p2p", "collective-grouped"]
+GROUPED = {"MLXDIST_GROUPED_EXPERTS": "1"}
 REFUSED = {"dbrx": "(dbrx) has no MoE layers with SwitchGLU/SwitchMLP experts"}
 RUNNABLE = [t for t in sorted(TINY_MODELS) if t not in REFUSED]
 
@@ -63,8 +67,10 @@ def distributed(checkpoints, references, tmp_path_factory):
             types = [t for t in RUNNABLE if not isinstance(references[t], str)]
             out = tmp_path_factory.mktemp(mode)
             dispatch, _, layout = mode.partition("-")
-            proc = launch(2, [ROOT / "tests/scripts/generate_each.py", out, dispatch, layout or "masked", PROMPT,
-                              MAX_TOKENS, *(checkpoints[t] for t in types)], module=None, timeout=300)
+            env = GROUPED if layout == "grouped" else None
+            layout = "masked" if layout in ("", "grouped") else layout
+            proc = launch(2, [ROOT / "tests/scripts/generate_each.py", out, dispatch, layout, PROMPT,
+                              MAX_TOKENS, *(checkpoints[t] for t in types)], module=None, timeout=300, env=env)
             assert proc.returncode == 0, proc.stderr[-3000:]
             summary = json.loads((out / "summary.json").read_text())
             runs[mode] = {t: (summary[str(checkpoints[t])]["tokens"], np.load(out / f"{i}.npy"))

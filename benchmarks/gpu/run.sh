@@ -19,7 +19,8 @@
 # Environment (defaults for 2 x H200): OUT (results: run.log, reports.jsonl,
 # results.json, results.md), MODEL (/tmp/q30, written by mlxdist.synth unless
 # MODEL/.complete exists), PRESET, BITS, DTYPE, LAYERS, BENCH_ARGS, CONTENDERS
-# ("single replicas tensor mlxdist"; also "mlxdist-compact" (the compact layout), "pipeline", and "dpclose": dp against one GPU
+# ("single replicas tensor mlxdist"; also "mlxdist-compact" (the compact layout), "pipeline", "mlxdist1" and
+# "mlxdist1-ungrouped" (mlxdist on one GPU, its expert calls grouped by expert as by default, and not), and "dpclose": dp against one GPU
 # on the same prompts), DISPATCH (mlxdist's modes, "auto,collective"), ROUND (a tag stored with each report),
 # WARMUP (1: first a short mlx-lm generation, not recorded: on a fresh machine MLX compiles its CUDA
 # kernels for about 100 s at the first launch, which would otherwise eat the first contender's limit), DEADLINE
@@ -104,6 +105,9 @@ for c in $CONTENDERS; do
               benchmarks/gpu/rank.sh "$PY" -m mlxdist.bench.mlxlm --mode pipeline --backend $BACKEND "${common[@]}" ;;
     mlxdist) launch "mlxdist" 2 "$MPIRUN" "${MPIFLAGS[@]}" \
               benchmarks/gpu/rank.sh "$PY" -m mlxdist.bench --backend $BACKEND --dispatch ${DISPATCH:-auto,collective} "${common[@]}" ;;
+    mlxdist1) launch "mlxdist np=1" 1 env CUDA_VISIBLE_DEVICES=0 "$PY" -m mlxdist.bench --dispatch collective "${common[@]}" ;;
+    mlxdist1-ungrouped) launch "mlxdist np=1 ungrouped" 1 env CUDA_VISIBLE_DEVICES=0 MLXDIST_GROUPED_EXPERTS=0 \
+              "$PY" -m mlxdist.bench --dispatch collective "${common[@]}" ;;
     mlxdist-compact) launch "mlxdist compact" 2 "$MPIRUN" "${MPIFLAGS[@]}" \
               benchmarks/gpu/rank.sh "$PY" -m mlxdist.bench --backend $BACKEND --layout compact --dispatch ${DISPATCH:-auto,collective} "${common[@]}" ;;
     replicas) launch "mlx-lm replicas" 2 "$PY" -m mlxdist.bench.mlxlm --mode replicas --replicas 2 "${common[@]}" ;;
