@@ -16,12 +16,13 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx_lm.generate import (
-    DEFAULT_MAX_TOKENS, BatchResponse, GenerationResponse, batch_generate, generation_stream, stream_generate,
+    DEFAULT_MAX_TOKENS, BatchResponse, GenerationResponse, generation_stream, stream_generate,
 )
 from mlx_lm.sample_utils import make_sampler
 from mlx_lm.utils import load_model, load_tokenizer
 
 from . import __version__
+from .batch import batch_generate
 from .commands import PROTOCOL_VERSION
 from .dispatch import DISPATCH_MODES, LAYOUTS, Dispatcher, LayerOwnership, make_dispatcher
 from .dp import DataParallelGeneration
@@ -244,7 +245,7 @@ class Engine:
 
     def generate_batch(self, prompts: List[List[int]], params: GenerationParams,
                        strategy: Optional[str] = None) -> BatchResponse:
-        """Several prompts at once: mlx-lm's ``batch_generate`` (finished
+        """Several prompts at once: mlx-lm's ``batch_generate`` (``batch.py``; finished
         sequences leave the batch) through the distributed experts, or under
         the data-parallel strategy each rank its share of the sequences
         (``dp.py``)."""
@@ -271,8 +272,6 @@ class Engine:
                 max_kv_size=params.max_kv_size,
                 completion_batch_size=batch_size,
                 prefill_batch_size=batch_size,
-                return_token_ids=True,
-                return_logprobs=True,
             )
         finally:
             self._end_generation()
