@@ -3,8 +3,7 @@
 mlx-lm's SwitchGLU computes each (token, expert) slot as its own one-row
 product (on CUDA, a 16-row tile per slot), so a layer reads an expert's
 weights once per slot routed to it. Grouping the slots by expert into chunks
-of ROWS rows reads them once per chunk: at most min(E, S) + S / ROWS chunks
-for S slots, a static shape, no slot ever dropped. Qwen3-30B-A3B's expert
+of 16 rows (mlxdist/grouped.py) reads them once per chunk. Qwen3-30B-A3B's expert
 shapes, 4-bit, L layers each with its own routing, one evaluation per
 forward; prints ms per layer.
 
@@ -18,9 +17,10 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.switch_layers import SwitchGLU
 
+from mlxdist.grouped import call_grouped, project
+
 D, I, E, K = int(os.environ.get("D", 2048)), int(os.environ.get("I", 768)), int(os.environ.get("E", 128)), 8
 L = int(os.environ.get("LAYERS", 48))
-ROWS = int(os.environ.get("ROWS", 16))
 dt = mx.bfloat16 if mx.default_device() == mx.gpu else mx.float32
 
 
@@ -41,37 +41,7 @@ def norm(x):
 
 
 def unsorted(s, x, inds):
-    x = mx.expand_dims(x, (-2, -3))
-    return s.down_proj(s.activation(s.up_proj(x, inds), s.gate_proj(x, inds)), inds).squeeze(-2)
-
-
-def chunk_map(inds, rows=ROWS):
-    """(dest [S]: each slot's row in the chunks, src [C*rows]: each chunk row's token (T: none),
-    chunk_expert [C, 1])."""
-    T, k = inds.shape
-    S = T * k
-    n = min(E, S) + (S + rows - 1) // rows
-    flat = inds.reshape(-1)
-    onehot = (flat[:, None] == mx.arange(E, dtype=flat.dtype)[None, :]).astype(mx.int32)
-    pos = (mx.cumsum(onehot, axis=0) * onehot).sum(-1) - 1
-    per_expert = (onehot.sum(0) + rows - 1) // rows
-    ends = mx.cumsum(per_expert)
-    dest = ((ends - per_expert)[flat] + pos // rows) * rows + pos % rows
-    src = mx.full((n * rows,), T, dtype=mx.int32)
-    src[dest] = mx.arange(S, dtype=mx.int32) // k
-    chunk_expert = mx.minimum((ends[None, :] <= mx.arange(n)[:, None]).sum(-1), E - 1).astype(mx.uint32)
-    return dest, src, chunk_expert[:, None]
-
-
-compiled_map = mx.compile(chunk_map)
-
-
-def grouped(s, x, inds, mapper=chunk_map, rows=ROWS):
-    T, k = inds.shape
-    dest, src, ce = mapper(inds)
-    blocks = mx.concatenate([x, mx.zeros((1, x.shape[-1]), x.dtype)])[src].reshape(-1, 1, rows, x.shape[-1])
-    h = s.down_proj(s.activation(s.up_proj(blocks, ce), s.gate_proj(blocks, ce)), ce)
-    return h.reshape(-1, x.shape[-1])[dest].reshape(T, k, -1)
+    return project(s, mx.expand_dims(x, (-2, -3)), inds).squeeze(-2)
 
 
 def forward(layers, x, routes, call):
@@ -92,8 +62,7 @@ def timeit(f, n=int(os.environ.get("REPEAT", 10))):
 CALLS = {
     "sorted (mlx-lm)": lambda s, x, i: s(x, i),
     "unsorted": unsorted,
-    "grouped": grouped,
-    "grouped, compiled map": lambda s, x, i: grouped(s, x, i, compiled_map),
+    "grouped (mlxdist)": call_grouped,
 }
 
 

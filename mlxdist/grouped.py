@@ -14,7 +14,7 @@ Grouping pays from about two slots per expert (a decode step of a large
 batch, every prefill); below that the chunks outnumber the slots. On the CPU
 the products cost by rows, so padding only costs: there the call is left as
 it is. ``MLXDIST_GROUPED_EXPERTS=0`` never groups, ``=1`` always does (any
-device, any size: the tests run it on the CPU).
+device, any size: the tests run it on the CPU); read once, at import.
 """
 
 import os
@@ -26,6 +26,19 @@ from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 
 CHUNK_ROWS = 16  # MLX's smallest CUDA gather-matmul tile (rows)
 MIN_SLOTS_PER_EXPERT = 2  # group from this many slots per expert on average
+OVERRIDE = os.environ.get("MLXDIST_GROUPED_EXPERTS", "").strip()  # "0", "1", or anything else: choose
+
+
+def project(experts: nn.Module, x: mx.array, inds: mx.array) -> mx.array:
+    """SwitchGLU's / SwitchMLP's own products on ``x`` [.., 1, R, D] (R rows
+    each) with expert ``inds`` [..], without the sort by expert their call does."""
+    if type(experts) is SwitchGLU:
+        return experts.down_proj(experts.activation(experts.up_proj(x, inds), experts.gate_proj(x, inds)), inds)
+    return experts.fc2(experts.activation(experts.fc1(x, inds)), inds)
+
+
+def _num_experts(experts: nn.Module) -> int:
+    return (experts.gate_proj if type(experts) is SwitchGLU else experts.fc1).num_experts
 
 
 def chunk_map(inds: mx.array, num_experts: int, rows: int = CHUNK_ROWS) -> Tuple[mx.array, mx.array, mx.array]:
@@ -59,27 +72,19 @@ def groups(experts: nn.Module, inds: mx.array) -> bool:
     ``MIN_SLOTS_PER_EXPERT`` or more (``MLXDIST_GROUPED_EXPERTS`` overrides)."""
     if type(experts) not in (SwitchGLU, SwitchMLP):
         return False
-    setting = os.environ.get("MLXDIST_GROUPED_EXPERTS", "").strip()
-    if setting in ("0", "1"):
-        return setting == "1"
+    if OVERRIDE in ("0", "1"):
+        return OVERRIDE == "1"
     if mx.default_device() != mx.gpu:
         return False
-    first = experts.gate_proj if type(experts) is SwitchGLU else experts.fc1
-    return inds.size >= MIN_SLOTS_PER_EXPERT * first.num_experts
+    return inds.size >= MIN_SLOTS_PER_EXPERT * _num_experts(experts)
 
 
 def call_grouped(experts: nn.Module, x: mx.array, inds: mx.array) -> mx.array:
     """``experts(x, inds)`` ([.., D], [.., K] -> [.., K, D]) for mlx-lm's
     SwitchGLU / SwitchMLP, one product per chunk of slots of one expert."""
-    first = experts.gate_proj if type(experts) is SwitchGLU else experts.fc1
     d, k = x.shape[-1], inds.shape[-1]
     rows = x.reshape(-1, d)
-    dest, src, chunk_experts = _compiled_map(inds.reshape(-1, k), first.num_experts)
+    dest, src, chunk_experts = _compiled_map(inds.reshape(-1, k), _num_experts(experts))
     blocks = mx.concatenate([rows, mx.zeros((1, d), rows.dtype)])[src].reshape(-1, 1, CHUNK_ROWS, d)
-    if type(experts) is SwitchGLU:
-        h = experts.down_proj(
-            experts.activation(experts.up_proj(blocks, chunk_experts), experts.gate_proj(blocks, chunk_experts)),
-            chunk_experts)
-    else:
-        h = experts.fc2(experts.activation(experts.fc1(blocks, chunk_experts)), chunk_experts)
+    h = project(experts, blocks, chunk_experts)
     return h.reshape(-1, h.shape[-1])[dest].reshape(*inds.shape, h.shape[-1])

@@ -11,6 +11,7 @@ import pytest
 from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 
 from conftest import ROOT, launch
+from mlxdist import grouped
 from mlxdist.grouped import CHUNK_ROWS, call_grouped, chunk_map, groups
 
 FORCED = {"MLXDIST_GROUPED_EXPERTS": "1"}
@@ -64,14 +65,14 @@ def test_chunk_map_places_every_slot_once_with_its_expert():
 
 def test_grouping_is_chosen_on_gpus_from_two_slots_per_expert(monkeypatch):
     glu = experts_module("glu", None)
-    monkeypatch.delenv("MLXDIST_GROUPED_EXPERTS", raising=False)
+    monkeypatch.setattr(grouped, "OVERRIDE", "")  # MLXDIST_GROUPED_EXPERTS, as read at import
     many = mx.zeros((16, 2), mx.uint32)  # 32 slots over 16 experts
     assert groups(glu, many) == (mx.default_device() == mx.gpu)
     assert not groups(glu, mx.zeros((15, 2), mx.uint32))
-    monkeypatch.setenv("MLXDIST_GROUPED_EXPERTS", "1")
+    monkeypatch.setattr(grouped, "OVERRIDE", "1")
     assert groups(glu, mx.zeros((1, 1), mx.uint32))
     assert not groups(type("Sub", (SwitchGLU,), {})(8, 8, 4), many)  # a subclass may compute otherwise
-    monkeypatch.setenv("MLXDIST_GROUPED_EXPERTS", "0")
+    monkeypatch.setattr(grouped, "OVERRIDE", "0")
     assert not groups(glu, many)
 
 

@@ -7,7 +7,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 
-from ..grouped import call_grouped, groups
+from ..grouped import call_grouped, groups, project
 from .ownership import LayerOwnership
 from .stats import ExchangeStats
 
@@ -76,12 +76,7 @@ def call_unsorted(experts: nn.Module, x: mx.array, inds: mx.array) -> mx.array:
         return call_grouped(experts, x, inds)
     if inds.size > UNSORTED_MAX_SLOTS or type(experts) not in (SwitchGLU, SwitchMLP):  # a subclass may differ
         return experts(x, inds)
-    x = mx.expand_dims(x, (-2, -3))
-    if type(experts) is SwitchGLU:
-        y = experts.down_proj(experts.activation(experts.up_proj(x, inds), experts.gate_proj(x, inds)), inds)
-    else:
-        y = experts.fc2(experts.activation(experts.fc1(x, inds)), inds)
-    return y.squeeze(-2)
+    return project(experts, mx.expand_dims(x, (-2, -3)), inds).squeeze(-2)
 
 
 class Dispatcher(Protocol):
