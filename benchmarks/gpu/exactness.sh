@@ -7,16 +7,21 @@
 #   Qwen3-30B-A3B-shaped bf16 4-bit checkpoint, one prompt and four: every
 #   token and log-probability must be equal;
 #   dp (not bit-exact by design) on a float32 4-layer checkpoint with MLX's
-#   TF32 matmuls on (MLX's default on CUDA) and off (MLX_ENABLE_TF32=0).
+#   TF32 matmuls on (MLX's default on CUDA) and off (MLX_ENABLE_TF32=0);
+#   the "-grouped" cases force the expert calls grouped by expert
+#   (MLXDIST_GROUPED_EXPERTS=1: on by itself only from two slots per expert),
+#   "dpw" cases cut the experts in width (dp:width).
 #
 #   benchmarks/gpu/exactness.sh            # on the GPU machine, from the repo root (OUT, DEADLINE,
 #                                          # CASES: a subset of the tags below, default all)
+#   SHARE_GPU=0 benchmarks/gpu/exactness.sh    # both ranks on GPU 0 (a one-GPU machine), MPI backend
 set -u
 root="$(cd "$(dirname "$0")/../.." && pwd)"
 cd "$root"
 DEADLINE="${DEADLINE:-560}"
 . benchmarks/gpu/env.sh
 log="$OUT/exactness.log"; results="$OUT/exactness.jsonl"
+[ -n "${SHARE_GPU:-}" ] && export SHARE_GPU MLXDIST_BACKEND=mpi  # NCCL refuses two ranks on one GPU
 
 check() {  # tag model dispatch layout max_tokens [env...]
   local tag=$1 model=$2 dispatch=$3 layout=$4 max=$5; shift 5
@@ -39,13 +44,17 @@ check() {  # tag model dispatch layout max_tokens [env...]
 
 { date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   "$PY" -c 'import mlx.core as mx, mlx_lm; print("mlx", mx.__version__, "mlx-lm", mlx_lm.__version__, mx.default_device())'; } >> "$log" 2>&1
-case "${CASES:-dp-f32}" in *dp-f32*) synth /tmp/q4f32 qwen3-30b-a3b "" float32 4 ;; esac
+case "${CASES:-dp-f32}" in *dp-f32*|*dpw-f32*) synth /tmp/q4f32 qwen3-30b-a3b "" float32 4 ;; esac
 check dp-f32-tf32-on /tmp/q4f32 dp masked 24,24,24,24
 check dp-f32-tf32-off /tmp/q4f32 dp masked 24,24,24,24 MLX_ENABLE_TF32=0
+check dp-f32-grouped /tmp/q4f32 dp masked 24,24,24,24 MLX_ENABLE_TF32=0 MLXDIST_GROUPED_EXPERTS=1
+check dpw-f32-grouped /tmp/q4f32 dp:width masked 24,24,24,24 MLX_ENABLE_TF32=0 MLXDIST_GROUPED_EXPERTS=1
 synth /tmp/q30 qwen3-30b-a3b 4 bfloat16 48
 check p2p-1 /tmp/q30 p2p masked 24
 check p2p-4 /tmp/q30 p2p masked 24,24,24,24
 check collective-1 /tmp/q30 collective masked 24
 check compact-4 /tmp/q30 collective compact 24,24,24,24
 check collective-4 /tmp/q30 collective masked 24,24,24,24
+check collective-4-grouped /tmp/q30 collective masked 24,24,24,24 MLXDIST_GROUPED_EXPERTS=1
+check dpw-4 /tmp/q30 dp:width masked 24,24,24,24
 say "done"

@@ -6,10 +6,12 @@ printing every sequence's tokens and sampled-token log-probabilities as JSON.
 MAX_TOKENS is a comma-separated list, one per prompt (PROMPTS below);
 several lists joined by "/" run one batch after another on the same load
 (the JSON then holds a list of results per checkpoint); COMPLETION_BATCH 0
-decodes every prompt at once.
+decodes every prompt at once. MLXDIST_BACKEND picks MLX's transport
+("mpi" or "nccl"; default: nccl on CUDA, else mpi).
 """
 
 import json
+import os
 import sys
 
 import mlxdist
@@ -27,7 +29,7 @@ if __name__ == "__main__":
     dispatch, _, split = dispatch.partition(":")  # e.g. dp:width, experts cut in width
     batches = [[int(m) for m in group.split(",")] for group in max_tokens.split("/")]
     out = {}
-    with mlxdist.init(timeout=900) as cluster:  # a first CUDA run compiles for minutes
+    with mlxdist.init(timeout=900, backend=os.environ.get("MLXDIST_BACKEND")) as cluster:  # a first CUDA run compiles for minutes
         for path in paths:
             cluster.load(path, dispatch=dispatch, layout=layout, expert_split=split or "whole")
             runs = []
