@@ -12,7 +12,8 @@ collectives replaced by the benchmark's local stand-ins of the same shapes
 (no transport, no waiting). ``--compile-blocks`` (width): each layer's MoE
 block ``mx.compile``d for decode steps (an experiment; mlxdist does not).
 
-    python benchmarks/host_cost.py MODEL 4 alone [--sync]    # or batch
+    python benchmarks/host_cost.py MODEL 4 alone [--sync] [--grouped]    # or batch
+    python benchmarks/host_cost.py MODEL 32 one    # mlxdist's batches, collective (mpirun for more ranks)
     mpirun -np 2 python benchmarks/host_cost.py MODEL 8 masked    # or compact, or width [--no-link]
 """
 
@@ -99,6 +100,44 @@ def batch_generator(path: str, batch: int, sync: bool = False, steps: int = 30) 
             "build_ms": _median_ms(build[2:]), "submit_ms": _median_ms(submit[2:]), "step_ms": _median_ms(wall[2:])}
 
 
+def one_rank(path: str, batch: int, sync: bool = False, steps: int = 30) -> dict:
+    """mlxdist's batches under ``collective`` on this job's ranks (``mlxdist/batch.py``
+    over mlx-lm's BatchGenerator), timed per ``next_generated()`` as ``batch_generator``."""
+    import mlxdist
+    from mlx_lm.generate import BatchGenerator
+
+    build, submit, starts = [], [], []
+    next_generated = BatchGenerator.next_generated
+
+    def timed(self):
+        starts.append(time.perf_counter())
+        _submit["s"] = 0.0
+        tic = time.thread_time()
+        responses = next_generated(self)
+        build.append(time.thread_time() - tic - _submit["s"])
+        submit.append(_submit["s"])
+        return responses
+
+    BatchGenerator.next_generated = timed
+    real = mx.async_eval
+    mx.async_eval = _async_eval if not sync else lambda *a: (_async_eval(*a), mx.eval(*a))
+    try:
+        with mlxdist.init() as cluster:
+            cluster.load(path, dispatch="collective")
+            prompts = [f"prompt number {i} " * 4 for i in range(batch)]
+            for _ in range(2):  # the second generation is measured
+                build.clear()
+                submit.clear()
+                starts.clear()
+                cluster.generate_batch(prompts, max_tokens=steps + 8)
+            ranks = cluster.world.size
+    finally:
+        mx.async_eval = real
+    wall = [b - a for a, b in zip(starts, starts[1:])]
+    return {"contender": "mlxdist collective" + (" (sync)" if sync else ""), "batch": batch, "ranks": ranks,
+            "build_ms": _median_ms(build[2:-1]), "submit_ms": _median_ms(submit[2:-1]), "step_ms": _median_ms(wall[2:])}
+
+
 def data_parallel(path: str, batch: int, layout: str, sync: bool = False, no_link: bool = False,
                   compile_blocks: bool = False) -> dict:
     import mlxdist
@@ -155,15 +194,23 @@ if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("model")
     p.add_argument("batch", type=int)
-    p.add_argument("mode", choices=("alone", "batch", "masked", "compact", "width"))
+    p.add_argument("mode", choices=("alone", "batch", "one", "masked", "compact", "width"))
     p.add_argument("--sync", action="store_true", help="no step in flight: step_ms is host plus device")
     p.add_argument("--no-link", action="store_true", help="dp: local stand-ins for MLX's collectives")
     p.add_argument("--compile-blocks", action="store_true", help="width: mx.compile each MoE block for decode")
+    p.add_argument("--grouped", action="store_true",
+                   help="alone, batch: mlx-lm's expert calls grouped by expert (mlxdist.grouped, as on GPUs)")
     a = p.parse_args()
+    if a.grouped:
+        from grouped_single import grouping  # this script's folder
+
+        grouping(True)
     if a.mode == "alone":
         result = alone(a.model, a.batch, a.sync)
     elif a.mode == "batch":
         result = batch_generator(a.model, a.batch, a.sync)
+    elif a.mode == "one":
+        result = one_rank(a.model, a.batch, a.sync)
     else:
         result = data_parallel(a.model, a.batch, a.mode, a.sync, a.no_link, a.compile_blocks)
     print(json.dumps(result), flush=True)

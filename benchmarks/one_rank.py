@@ -1,7 +1,9 @@
 """Where mlxdist on one rank loses to mlx-lm on a GPU: in one process, on one
 checkpoint, interleaved, generation tok/s of mlx-lm's ``batch_generate`` as the
 benchmark's mlx-lm contender calls it, the same asking for log-probabilities
-(as mlxdist's engine does), and mlxdist's own batch (``run_batch``) on one rank;
+(as mlxdist's engine did before ``mlxdist/batch.py``), the same with its expert
+calls grouped by expert (``mlxdist.grouped``, as mlxdist's are on GPUs from two
+slots per expert), and mlxdist's own batch (``run_batch``) on one rank;
 at b = 1, ``stream_generate`` against ``Cluster.stream``. Both hold the same
 graph per step (``benchmarks/node_count.py``), so a gap is host time.
 
@@ -16,6 +18,7 @@ from mlx_lm import load
 from mlx_lm.generate import batch_generate, stream_generate
 
 import mlxdist
+from grouped_single import grouping  # this script's folder
 
 
 def main():
@@ -49,9 +52,17 @@ def main():
                     return stats["generation_tps"]
                 return cluster.run_batch(request)[0].stats["generation_tps"]
 
+            def grouped(call):
+                grouping(True)
+                try:
+                    return call()
+                finally:
+                    grouping(False)
+
             runs = {"mlx-lm": lambda g: mlx_lm(False, g), "mlxdist np=1": mlxdist_one}
             if b > 1:
                 runs["mlx-lm with logprobs"] = lambda g: mlx_lm(True, g)
+                runs["mlx-lm grouped"] = lambda g: grouped(lambda: mlx_lm(False, g))
             for run in runs.values():  # warm-up
                 run(4)
             tps = {name: [] for name in runs}
