@@ -33,14 +33,20 @@ def run(model, tokenizer, prompts, gen):
             "wall_s": time.perf_counter() - tic}, r.token_ids
 
 
-def main():
+def arguments(batches: str) -> argparse.Namespace:
+    """MODEL, -b batch sizes (default ``batches``), -p prompt tokens, -g generated
+    tokens, -n rounds: this script's and ``one_rank.py``'s command line."""
     p = argparse.ArgumentParser()
     p.add_argument("model")
-    p.add_argument("-b", default="8,32,64")
+    p.add_argument("-b", default=batches)
     p.add_argument("-p", type=int, default=128)
     p.add_argument("-g", type=int, default=32)
     p.add_argument("-n", type=int, default=2)
-    a = p.parse_args()
+    return p.parse_args()
+
+
+def main():
+    a = arguments("8,32,64")
     model, tokenizer = load(a.model)
     for b in map(int, a.b.split(",")):
         prompts = [[(7 * i + 13 * j) % 1000 + 10 for j in range(a.p)] for i in range(b)]

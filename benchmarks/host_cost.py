@@ -18,6 +18,7 @@ block ``mx.compile``d for decode steps (an experiment; mlxdist does not).
 """
 
 import argparse
+import contextlib
 import json
 import time
 
@@ -35,6 +36,36 @@ def _async_eval(*arrays):
 
 def _median_ms(values):
     return round(1e3 * sorted(values)[len(values) // 2], 3)
+
+
+@contextlib.contextmanager
+def _submits_counted(sync: bool):
+    """``mx.async_eval`` timed into ``_submit`` (and, with ``sync``, waited for) while inside."""
+    real = mx.async_eval
+    mx.async_eval = _async_eval if not sync else lambda *a: (_async_eval(*a), mx.eval(*a))
+    try:
+        yield
+    finally:
+        mx.async_eval = real
+
+
+def _timed(call, build, submit, starts, then=None):
+    """``call`` timed as one step per call: when it started, and its host
+    thread time less (``build``) and inside (``submit``) ``mx.async_eval``;
+    ``then(result)`` runs inside the timing."""
+
+    def timed(*args):
+        starts.append(time.perf_counter())
+        _submit["s"] = 0.0
+        tic = time.thread_time()
+        result = call(*args)
+        if then is not None:
+            then(result)
+        build.append(time.thread_time() - tic - _submit["s"])
+        submit.append(_submit["s"])
+        return result
+
+    return timed
 
 
 def alone(path: str, batch: int, sync: bool = False, steps: int = 30) -> dict:
@@ -76,28 +107,18 @@ def batch_generator(path: str, batch: int, sync: bool = False, steps: int = 30) 
 
     model, tokenizer = load(path)
     prompts = [tokenizer.encode(f"prompt number {i} " * 4) for i in range(batch)]
-    real = mx.async_eval
-    mx.async_eval = _async_eval if not sync else lambda *a: (_async_eval(*a), mx.eval(*a))
-    try:
+    build, submit, starts = [], [], []
+    with _submits_counted(sync):
         gen = BatchGenerator(model, max_tokens=steps + 8, completion_batch_size=batch, prefill_batch_size=batch)
         gen.insert(prompts, [steps + 8] * batch)
-        build, submit, starts = [], [], []
-        while True:
-            _submit["s"] = 0.0
-            starts.append(time.perf_counter())
-            tic = time.thread_time()
-            if not gen.next_generated():
-                break
-            total = time.thread_time() - tic
-            build.append(total - _submit["s"])
-            submit.append(_submit["s"])
+        step = _timed(gen.next_generated, build, submit, starts)
+        while step():
+            pass
         gen.close()
-    finally:
-        mx.async_eval = real
     wall = [b - a for a, b in zip(starts, starts[1:])]
-    # One entry per step; the first includes the prompt.
+    # One entry per step; the first includes the prompt, the last (empty: the end) is dropped.
     return {"contender": "mlx-lm BatchGenerator" + (" (sync)" if sync else ""), "batch": batch,
-            "build_ms": _median_ms(build[2:]), "submit_ms": _median_ms(submit[2:]), "step_ms": _median_ms(wall[2:])}
+            "build_ms": _median_ms(build[2:-1]), "submit_ms": _median_ms(submit[2:-1]), "step_ms": _median_ms(wall[2:])}
 
 
 def one_rank(path: str, batch: int, sync: bool = False, steps: int = 30) -> dict:
@@ -107,21 +128,8 @@ def one_rank(path: str, batch: int, sync: bool = False, steps: int = 30) -> dict
     from mlx_lm.generate import BatchGenerator
 
     build, submit, starts = [], [], []
-    next_generated = BatchGenerator.next_generated
-
-    def timed(self):
-        starts.append(time.perf_counter())
-        _submit["s"] = 0.0
-        tic = time.thread_time()
-        responses = next_generated(self)
-        build.append(time.thread_time() - tic - _submit["s"])
-        submit.append(_submit["s"])
-        return responses
-
-    BatchGenerator.next_generated = timed
-    real = mx.async_eval
-    mx.async_eval = _async_eval if not sync else lambda *a: (_async_eval(*a), mx.eval(*a))
-    try:
+    BatchGenerator.next_generated = _timed(BatchGenerator.next_generated, build, submit, starts)
+    with _submits_counted(sync):
         with mlxdist.init() as cluster:
             cluster.load(path, dispatch="collective")
             prompts = [f"prompt number {i} " * 4 for i in range(batch)]
@@ -131,8 +139,6 @@ def one_rank(path: str, batch: int, sync: bool = False, steps: int = 30) -> dict
                 starts.clear()
                 cluster.generate_batch(prompts, max_tokens=steps + 8)
             ranks = cluster.world.size
-    finally:
-        mx.async_eval = real
     wall = [b - a for a, b in zip(starts, starts[1:])]
     return {"contender": "mlxdist collective" + (" (sync)" if sync else ""), "batch": batch, "ranks": ranks,
             "build_ms": _median_ms(build[2:-1]), "submit_ms": _median_ms(submit[2:-1]), "step_ms": _median_ms(wall[2:])}
@@ -146,21 +152,8 @@ def data_parallel(path: str, batch: int, layout: str, sync: bool = False, no_lin
     from mlxdist.dispatch.dataparallel import DataParallelDispatcher
 
     build, submit, starts = [], [], []
-    start_step = dp.DataParallelGeneration.start_step
-
-    def timed(self, sampler):
-        starts.append(time.perf_counter())
-        _submit["s"] = 0.0
-        tic = time.thread_time()
-        step = start_step(self, sampler)
-        if sync:
-            mx.eval(step.gathered)
-        total = time.thread_time() - tic
-        build.append(total - _submit["s"])
-        submit.append(_submit["s"])
-        return step
-
-    dp.DataParallelGeneration.start_step = timed
+    wait = (lambda step: mx.eval(step.gathered)) if sync else None
+    dp.DataParallelGeneration.start_step = _timed(dp.DataParallelGeneration.start_step, build, submit, starts, wait)
     dp.mx.async_eval = _async_eval
     if compile_blocks:
         exchange, compiled = DataParallelDispatcher.exchange_block, {}

@@ -10,7 +10,6 @@ graph per step (``benchmarks/node_count.py``), so a gap is host time.
     python benchmarks/one_rank.py MODEL [-b 1,32] [-p 128] [-g 32] [-n 2]
 """
 
-import argparse
 import json
 
 import mlx.core as mx
@@ -18,17 +17,11 @@ from mlx_lm import load
 from mlx_lm.generate import batch_generate, stream_generate
 
 import mlxdist
-from grouped_single import grouping  # this script's folder
+from grouped_single import arguments, grouping  # this script's folder
 
 
 def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("model")
-    p.add_argument("-b", default="1,32")
-    p.add_argument("-p", type=int, default=128)
-    p.add_argument("-g", type=int, default=32)
-    p.add_argument("-n", type=int, default=2)
-    a = p.parse_args()
+    a = arguments("1,32")
     model, tokenizer = load(a.model)
     with mlxdist.init() as cluster:
         cluster.load(a.model, dispatch="collective")
