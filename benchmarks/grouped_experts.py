@@ -17,7 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.switch_layers import SwitchGLU
 
-from mlxdist.grouped import call_grouped, project
+from mlxdist.model.grouped import call_grouped, project
 
 D, I, E, K = int(os.environ.get("D", 2048)), int(os.environ.get("I", 768)), int(os.environ.get("E", 128)), 8
 L = int(os.environ.get("LAYERS", 48))

@@ -14,7 +14,7 @@ from mlx_lm import load
 from mlx_lm.generate import batch_generate
 from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 
-from mlxdist.grouped import call_grouped, groups
+from mlxdist.model.grouped import call_grouped, groups
 
 STOCK = {cls: cls.__call__ for cls in (SwitchGLU, SwitchMLP)}
 

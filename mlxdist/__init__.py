@@ -13,15 +13,15 @@ __all__ = ["init", "Cluster", "Result", "Piece", "Placement", "UserError"]
 def __getattr__(name):
     # Lazy, so that `import mlxdist` stays cheap for tools that need none of it.
     if name in ("init", "Cluster", "Result", "Piece"):
-        from . import api
+        from mlxdist import api
 
         return getattr(api, name)
     if name == "Placement":
-        from .placement import Placement
+        from mlxdist.model.placement import Placement
 
         return Placement
     if name == "UserError":
-        from .errors import UserError
+        from mlxdist.errors import UserError
 
         return UserError
     raise AttributeError(f"module 'mlxdist' has no attribute {name!r}")

@@ -16,15 +16,15 @@ import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
 
-from . import commands
-from .commands import Command
-from .dispatch import default_layout
-from .engine import Engine, GenerationParams, LoadOptions
-from .errors import UserError, say_error
-from .executor import PROBES, CommandExecutor, LoadError
-from .mpi import World, abort, init_world, run_or_abort, set_exit_code
-from .placement import Placement
-from .watchdog import ACTIVITY, DEFAULT_TIMEOUT, start_watchdog
+from mlxdist.runtime import control as commands
+from mlxdist.runtime.control import Command
+from mlxdist.dispatch import default_layout
+from mlxdist.engine.engine import Engine, GenerationParams, LoadOptions
+from mlxdist.errors import UserError, say_error
+from mlxdist.executor import PROBES, CommandExecutor, LoadError
+from mlxdist.runtime.world import World, abort, init_world, run_or_abort, set_exit_code
+from mlxdist.model.placement import Placement
+from mlxdist.runtime.watchdog import ACTIVITY, DEFAULT_TIMEOUT, start_watchdog
 
 __all__ = ["Cluster", "LoadError", "Piece", "Result", "UserError", "init"]
 
@@ -125,7 +125,7 @@ class Cluster:
         if isinstance(placement, Placement):
             placement = placement.to_json()
         if model is None:
-            from .synth import default_checkpoint
+            from mlxdist.synth import default_checkpoint
 
             model = str(default_checkpoint())
         options = LoadOptions(str(model), dispatch, layout or default_layout(), placement, rank0_experts, stats,

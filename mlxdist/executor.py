@@ -9,14 +9,14 @@ from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import mlx.core as mx
 
-from . import commands
-from .commands import Command
-from .engine import Engine, GenerationParams, LoadOptions, load_engine
-from .errors import UserError, keep_traceback
-from .loader import CheckpointError
-from .mpi import World, allgather_json, bcast_flag
-from .placement import PlacementError
-from .watchdog import ACTIVITY
+from mlxdist.runtime import control as commands
+from mlxdist.runtime.control import Command
+from mlxdist.engine.engine import Engine, GenerationParams, LoadOptions, load_engine
+from mlxdist.errors import UserError, keep_traceback
+from mlxdist.model.checkpoint import CheckpointError
+from mlxdist.runtime.world import World, allgather_json, bcast_flag
+from mlxdist.model.placement import PlacementError
+from mlxdist.runtime.watchdog import ACTIVITY
 
 
 class LoadError(UserError):
@@ -236,7 +236,7 @@ class CommandExecutor:
 
     def serve_http(self, args: Dict[str, Any]) -> None:
         """SERVE on every rank: the OpenAI-compatible server (``serve.py``)."""
-        from .serve import serve
+        from mlxdist.serving.server import serve
 
         serve(self, args)
 

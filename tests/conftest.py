@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from mlxdist.mpi import LAUNCHER_FAILURE, LAUNCHER_RETRIES
+from mlxdist.runtime.world import LAUNCHER_FAILURE, LAUNCHER_RETRIES
 
 ROOT = Path(__file__).resolve().parent.parent
 MPIRUN = str(Path(sys.executable).parent / "mpirun")

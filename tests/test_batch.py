@@ -5,7 +5,7 @@ the same result, value for value."""
 from mlx_lm import load
 from mlx_lm.generate import batch_generate as mlx_lm_batch_generate
 
-from mlxdist.batch import batch_generate
+from mlxdist.engine.batch import batch_generate
 
 PROMPTS = ["The quick brown fox", "Mixture of experts", "a", "one two three four five six"]
 

@@ -62,7 +62,7 @@ def test_max_kv_size_is_a_rotating_cache(checkpoint):
 def test_defaults_follow_mlx_lm():
     from mlx_lm.generate import DEFAULT_MAX_TOKENS
 
-    from mlxdist.run import build_parser
+    from mlxdist.cli.run import build_parser
 
     args = build_parser().parse_args([])
     assert args.max_tokens == DEFAULT_MAX_TOKENS

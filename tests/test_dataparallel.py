@@ -149,8 +149,8 @@ def test_routing_weights_are_found_for_every_moe_preset(checkpoint):
     import mlx.core as mx
     from mlx_lm import load
 
-    from mlxdist.loader import find_switch_sites
-    from mlxdist.routing import activation_dtype, find_weights_name
+    from mlxdist.model.checkpoint import find_switch_sites
+    from mlxdist.model.routing import activation_dtype, find_weights_name
 
     expected = {"qwen3_moe": "scores", "mixtral": "scores", "deepseek_v3": "scores", "gpt_oss": "expert_weights",
                 "qwen2_moe": "scores", "olmoe": "scores"}
@@ -168,7 +168,7 @@ def test_a_block_without_router_weights_is_refused():
     import mlx.core as mx
     import mlx.nn as nn
 
-    from mlxdist.routing import RoutingWeightsNotFound, find_weights_name
+    from mlxdist.model.routing import RoutingWeightsNotFound, find_weights_name
 
     class Unweighted(nn.Module):  # sums its slots: no weights to find
         def __init__(self):

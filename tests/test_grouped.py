@@ -11,8 +11,8 @@ import pytest
 from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 
 from conftest import ROOT, launch
-from mlxdist import grouped
-from mlxdist.grouped import CHUNK_ROWS, call_grouped, chunk_map, groups
+from mlxdist.model import grouped
+from mlxdist.model.grouped import CHUNK_ROWS, call_grouped, chunk_map, groups
 
 FORCED = {"MLXDIST_GROUPED_EXPERTS": "1"}
 

@@ -145,7 +145,7 @@ def test_layers_found_by_structure(model_type):
     model's list of layers, whatever the list is called."""
     from mlx_lm.utils import _get_classes
 
-    from mlxdist.loader import find_switch_sites
+    from mlxdist.model.checkpoint import find_switch_sites
     from mlxdist.synth import tiny_config
 
     config = tiny_config(model_type)
@@ -163,7 +163,7 @@ def test_layer_numbers_stay_distinct():
     import mlx.nn as nn
     from mlx_lm.models.switch_layers import SwitchGLU
 
-    from mlxdist.loader import find_switch_sites
+    from mlxdist.model.checkpoint import find_switch_sites
 
     class Block(nn.Module):
         def __init__(self, switches: int):
@@ -189,10 +189,10 @@ def test_what_the_block_reads_from_its_expert_module_stays_whole(checkpoints):
     the module's place exposes it under the same name."""
     from mlx_lm.utils import load_model
 
-    from mlxdist.engine import LoadOptions, load_engine
-    from mlxdist.loader import find_switch_sites, read_safetensors_index, slice_experts
-    from mlxdist.moe import DistributedSwitch
-    from mlxdist.mpi import World
+    from mlxdist.engine.engine import LoadOptions, load_engine
+    from mlxdist.model.checkpoint import find_switch_sites, read_safetensors_index, slice_experts
+    from mlxdist.model.switch import DistributedSwitch
+    from mlxdist.runtime.world import World
 
     path = checkpoints["muse_spark"]
     index = read_safetensors_index(path)
@@ -218,8 +218,8 @@ def test_what_the_block_reads_from_its_expert_module_stays_whole(checkpoints):
 
 def test_an_expert_module_extra_named_like_the_switchs_own_is_refused():
     from mlxdist.dispatch import LayerOwnership, make_dispatcher
-    from mlxdist.moe import DistributedSwitch
-    from mlxdist.mpi import World
+    from mlxdist.model.switch import DistributedSwitch
+    from mlxdist.runtime.world import World
 
     owns = LayerOwnership.build(0, [0, 0], 0)
     with pytest.raises(ValueError, match="'first'"):

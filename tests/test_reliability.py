@@ -171,7 +171,7 @@ def test_a_script_that_fails_ends_every_rank(checkpoint):
 
 def test_mpi_allows_threads_and_control_has_its_own_communicator():
     proc = launch(2, ["-c", (
-        "from mlxdist.mpi import init_world; w = init_world('mpi'); from mpi4py import MPI; "
+        "from mlxdist.runtime.world import init_world; w = init_world('mpi'); from mpi4py import MPI; "
         "print(MPI.Query_thread() >= MPI.THREAD_SERIALIZED, MPI.Comm.Compare(w.comm, MPI.COMM_WORLD) == MPI.CONGRUENT)")],
         module=None, timeout=60)
     assert proc.returncode == 0, proc.stderr[-2000:]

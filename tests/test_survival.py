@@ -8,7 +8,7 @@ import json
 import pytest
 
 from conftest import ROOT, error_lines, last_json, launch
-from mlxdist.survival import MPIRUN_FT_FLAGS
+from mlxdist.runtime.survival import MPIRUN_FT_FLAGS
 
 SCRIPT = str(ROOT / "tests/scripts/survive.py")
 

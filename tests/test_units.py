@@ -7,14 +7,14 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlxdist import commands
-from mlxdist.commands import Command, ProtocolError
+from mlxdist.runtime import control as commands
+from mlxdist.runtime.control import Command, ProtocolError
 from mlxdist.dispatch import LayerOwnership
 from mlxdist.dispatch.base import ExpertBatch, padded_slots, run_experts
 from mlxdist.dispatch.wire import from_numpy, pack, to_numpy, unpack
-from mlxdist.loader import CheckpointError, read_rows, read_safetensors_index
-from mlxdist.mpi import find_libmpi
-from mlxdist.placement import Placement, PlacementError, resolve_placement
+from mlxdist.model.checkpoint import CheckpointError, read_rows, read_safetensors_index
+from mlxdist.runtime.world import find_libmpi
+from mlxdist.model.placement import Placement, PlacementError, resolve_placement
 
 
 def test_even_placement_spreads_contiguous_blocks():
@@ -154,7 +154,7 @@ def test_fingerprint_mismatch_names_what_differs():
 
 
 def test_load_options_are_checked():
-    from mlxdist.engine import LoadOptions
+    from mlxdist.engine.engine import LoadOptions
     from mlxdist.errors import UserError
 
     LoadOptions("m", "p2p", "compact").validate()
@@ -165,7 +165,7 @@ def test_load_options_are_checked():
 
 
 def test_fault_injection_is_off_unless_it_names_this_rank(monkeypatch):
-    from mlxdist.watchdog import configured_fault
+    from mlxdist.runtime.watchdog import configured_fault
 
     monkeypatch.delenv("MLXDIST_FAULT", raising=False)
     assert configured_fault(0) is None
@@ -190,7 +190,7 @@ def test_expert_load_is_counted_only_when_asked():
 
 def test_one_rank_dispatch_is_the_identity():
     from mlxdist.dispatch import DISPATCH_MODES, LayerOwnership, make_dispatcher
-    from mlxdist.mpi import World
+    from mlxdist.runtime.world import World
 
     world = World(0, 1, None)
     x, inds = mx.random.normal((2, 3, 8)), mx.array([[[0, 1]] * 3] * 2)
@@ -209,7 +209,7 @@ def test_dp_gathers_rows_weights_and_ids_as_sent(dtype, weights_dtype, top_k):
     the activations' dtype: the weights travel in their own dtype (float32
     where they would not fill whole columns), the ids as their own bits."""
     from mlxdist.dispatch import DataParallelDispatcher, LayerOwnership
-    from mlxdist.mpi import World
+    from mlxdist.runtime.world import World
 
     dtype, weights_dtype = getattr(mx, dtype), getattr(mx, weights_dtype)
     world = World(0, 1, mx.distributed.init(strict=False))  # a group of one: the gather returns what it sent
@@ -233,7 +233,7 @@ def test_dp_gathers_rows_weights_and_ids_as_sent(dtype, weights_dtype, top_k):
     (8, 2, "nccl", "collective"), (15, 2, "nccl", "collective"), (16, 2, "nccl", "dp"), (32, 4, "nccl", "dp"),
     (24, 4, "nccl", "collective")])
 def test_auto_runs_dp_once_every_rank_has_enough_rows(batch, ranks, backend, expect):
-    from mlxdist.engine import auto_strategy
+    from mlxdist.engine.engine import auto_strategy
 
     assert auto_strategy(batch, ranks, backend) == expect
 
@@ -242,7 +242,7 @@ def test_auto_runs_dp_once_every_rank_has_enough_rows(batch, ranks, backend, exp
 def test_auto_with_experts_cut_in_width_runs_dp_from_one_row_per_rank(backend, below):
     """Below one row per rank: attention split too on MPI (tensor parallel
     there), not on NCCL, where each collective costs host time per step."""
-    from mlxdist.engine import auto_strategy
+    from mlxdist.engine.engine import auto_strategy
 
     assert auto_strategy(1, 2, backend, "width") == below
     assert auto_strategy(2, 2, backend, "width") == "dp"
@@ -327,7 +327,7 @@ def test_experts_cut_in_width_sum_to_the_whole(kind, ranks):
     from mlx.utils import tree_flatten
     from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 
-    from mlxdist.loader import SwitchSite, split_experts_by_width
+    from mlxdist.model.checkpoint import SwitchSite, split_experts_by_width
 
     D, H, E = 64, 256, 6
 
@@ -361,7 +361,7 @@ def test_shared_experts_cut_in_width_sum_to_the_whole(bits):
     from mlx_lm.models.deepseek_v3 import DeepseekV3MLP
     from mlx_lm.models.switch_layers import SwitchGLU
 
-    from mlxdist.loader import SwitchSite, split_shared_by_width
+    from mlxdist.model.checkpoint import SwitchSite, split_shared_by_width
 
     D, H = 64, 128
 
@@ -401,8 +401,8 @@ def test_a_shared_mlp_of_unknown_projections_is_refused():
     import mlx.nn as nn
     from mlx_lm.models.switch_layers import SwitchGLU
 
-    from mlxdist.engine import UserError
-    from mlxdist.loader import SwitchSite, split_shared_by_width
+    from mlxdist.engine.engine import UserError
+    from mlxdist.model.checkpoint import SwitchSite, split_shared_by_width
 
     class Odd(nn.Module):
         def __init__(self):
@@ -446,7 +446,7 @@ def test_experts_called_unsorted_match_mlx_lm(kind):
 
 
 def test_expert_split_options_refused_with_one_line():
-    from mlxdist.engine import LoadOptions, UserError
+    from mlxdist.engine.engine import LoadOptions, UserError
 
     for kwargs, words in [(dict(dispatch="p2p"), "runs with --dispatch auto, dp, collective or collective-tp, not p2p"),
                           (dict(expert_capacity=2, layout="compact"), "takes no placement"),
@@ -461,8 +461,8 @@ def test_experts_that_do_not_cut_evenly_are_refused_by_name():
     import mlx.nn as nn
     from mlx_lm.models.switch_layers import SwitchGLU
 
-    from mlxdist.engine import UserError
-    from mlxdist.loader import SwitchSite, split_experts_by_width
+    from mlxdist.engine.engine import UserError
+    from mlxdist.model.checkpoint import SwitchSite, split_experts_by_width
 
     module = SwitchGLU(64, 64, 4)
     nn.quantize(module, group_size=64, bits=4)  # one group of hidden units per row of down_proj

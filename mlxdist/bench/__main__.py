@@ -1,3 +1,3 @@
-from .harness import main
+from mlxdist.bench.harness import main
 
 main()

@@ -16,7 +16,7 @@ import statistics
 import sys
 from typing import Any, Dict, List, Optional
 
-from .harness import random_prompts, text_config
+from mlxdist.bench.harness import random_prompts, text_config
 
 
 def measure(cluster, model: str, capacity: Optional[int], args) -> Dict[str, Any]:

@@ -22,9 +22,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from ..mpi import LAUNCHER_FAILURE, LAUNCHER_RETRIES
-from .harness import median_row, versions
-from .report import plot, write_markdown
+from mlxdist.runtime.world import LAUNCHER_FAILURE, LAUNCHER_RETRIES
+from mlxdist.bench.harness import median_row, versions
+from mlxdist.bench.report import plot, write_markdown
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -33,7 +33,7 @@ def checkpoint(args) -> str:
     """The model to run: ``--model``, or a synthetic one written once under --out."""
     if args.model:
         return args.model
-    from ..synth import write_checkpoint
+    from mlxdist.synth import write_checkpoint
 
     layers = f"-l{args.layers}" if args.layers else ""
     path = Path(args.out) / f"checkpoint-{args.preset}-{args.bits or 'f32'}{layers}"
@@ -130,8 +130,8 @@ def aggregate(trials: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
 def model_shape(model: str, rows: List[Dict[str, Any]]):
     """What the traffic model needs (links.Shape), from the checkpoint's
     config and the mlxdist rows (MoE layer count, activation dtype)."""
-    from ..loader import resolve_model_path
-    from .links import Shape
+    from mlxdist.model.checkpoint import resolve_model_path
+    from mlxdist.bench.links import Shape
 
     try:
         config = json.loads((resolve_model_path(model) / "config.json").read_text())

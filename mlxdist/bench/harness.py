@@ -20,11 +20,11 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import mlx.core as mx
 
-from . import probes  # noqa: F401  (registers the probes, on every rank)
-from ..dispatch import DISPATCH_MODES
-from ..engine import EXPERT_SPLITS
-from ..mpi import BACKENDS
-from .links import WIDTH_STRATEGIES
+from mlxdist.bench import probes  # noqa: F401  (registers the probes, on every rank)
+from mlxdist.dispatch import DISPATCH_MODES
+from mlxdist.engine.engine import EXPERT_SPLITS
+from mlxdist.runtime.world import BACKENDS
+from mlxdist.bench.links import WIDTH_STRATEGIES
 
 MODES = ("auto", "collective", "p2p")  # the default; "dp" and "collective-tp" on request (--dispatch)
 
@@ -277,12 +277,12 @@ def parse_args(argv=None):
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    from ..api import init
-    from ..mpi import run_or_abort
+    from mlxdist.api import init
+    from mlxdist.runtime.world import run_or_abort
 
     cluster = init(backend=args.backend)  # ranks other than 0 serve here and exit
     if args.model is None:
-        from ..synth import default_checkpoint
+        from mlxdist.synth import default_checkpoint
 
         args.model = str(default_checkpoint())
     with cluster:

@@ -24,8 +24,8 @@ from typing import Any, Dict, List, Optional
 
 import mlx.core as mx
 
-from ..mpi import NCCL_MAX_NCHANNELS, default_backend
-from .harness import median_row, parse_args as _bench_args, random_prompts, text_config, versions
+from mlxdist.runtime.world import NCCL_MAX_NCHANNELS, default_backend
+from mlxdist.bench.harness import median_row, parse_args as _bench_args, random_prompts, text_config, versions
 
 MODES = ("single", "tensor", "pipeline", "replicas")
 
@@ -47,7 +47,7 @@ def _group(mode: str, backend: str) -> Optional[mx.distributed.Group]:
         os.environ.setdefault("NCCL_MAX_NCHANNELS", NCCL_MAX_NCHANNELS)
         group = mx.distributed.init(backend="nccl", strict=True)
     else:
-        from ..mpi import find_libmpi
+        from mlxdist.runtime.world import find_libmpi
 
         # MLX's MPI backend alone, as mlx_lm.benchmark under mpirun (no mpi4py).
         os.environ.setdefault("MLX_MPI_LIBNAME", find_libmpi() or "libmpi.so.40")
@@ -88,7 +88,7 @@ def load(model: str, mode: str, backend: str):
     from mlx_lm import load as mlx_load
     from mlx_lm.utils import sharded_load
 
-    from ..loader import resolve_model_path
+    from mlxdist.model.checkpoint import resolve_model_path
 
     path = resolve_model_path(model)
     group = _group(mode, backend)
@@ -230,7 +230,7 @@ def main(argv=None) -> None:
     args.mode, args.replicas = mode, replicas
     args.backend = args.backend or default_backend()
     if args.model is None:
-        from ..synth import default_checkpoint
+        from mlxdist.synth import default_checkpoint
 
         args.model = str(default_checkpoint())
         argv += ["--model", args.model]

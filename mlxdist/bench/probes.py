@@ -35,9 +35,9 @@ from typing import Any, Dict, List, Tuple
 import mlx.core as mx
 import numpy as np
 
-from ..executor import CommandExecutor, register_probe
-from ..moe import DistributedSwitch
-from ..mpi import World, barrier
+from mlxdist.executor import CommandExecutor, register_probe
+from mlxdist.model.switch import DistributedSwitch
+from mlxdist.runtime.world import World, barrier
 
 _DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 

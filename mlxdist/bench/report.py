@@ -3,7 +3,7 @@
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from .links import WIDTH_STRATEGIES
+from mlxdist.bench.links import WIDTH_STRATEGIES
 
 # (what, threshold): generation tok/s ratios and the exchange over its floor.
 TARGET_SINGLE = 0.95  # np=1 vs mlx-lm single process
@@ -82,7 +82,7 @@ def _strategy(row: Dict[str, Any]) -> Optional[str]:
 def links_section(result: Dict[str, Any]) -> List[str]:
     """Bytes and collectives per token per layer, and tok/s projected over
     links between machines (``links.py``), for this run's rows."""
-    from .links import LINKS, Shape, projected_tps, traffic
+    from mlxdist.bench.links import LINKS, Shape, projected_tps, traffic
 
     if not result.get("shape"):
         return []

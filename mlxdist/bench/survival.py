@@ -21,8 +21,8 @@ import sys
 import time
 from typing import Any, Dict, List, Optional
 
-from ..executor import register_probe
-from .harness import random_prompts, text_config
+from mlxdist.executor import register_probe
+from mlxdist.bench.harness import random_prompts, text_config
 
 
 @register_probe("process")

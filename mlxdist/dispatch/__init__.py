@@ -24,13 +24,13 @@ counters, ``wire.py`` the p2p message format. With one rank every strategy
 is an identity: the expert module sees the layer's input as is.
 """
 
-from ..mpi import World
-from .base import Dispatcher, ExpertBatch
-from .collective import LAYOUTS, CollectiveDispatcher, default_layout
-from .dataparallel import DataParallelDispatcher
-from .ownership import LayerOwnership
-from .p2p import P2PDispatcher
-from .stats import ExchangeStats
+from mlxdist.runtime.world import World
+from mlxdist.dispatch.base import Dispatcher, ExpertBatch
+from mlxdist.dispatch.collective import LAYOUTS, CollectiveDispatcher, default_layout
+from mlxdist.dispatch.dataparallel import DataParallelDispatcher
+from mlxdist.dispatch.ownership import LayerOwnership
+from mlxdist.dispatch.p2p import P2PDispatcher
+from mlxdist.dispatch.stats import ExchangeStats
 
 DISPATCH_MODES = ("auto", "collective", "p2p", "collective-tp", "dp")
 

@@ -7,9 +7,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 
-from ..grouped import call_grouped, groups, project
-from .ownership import LayerOwnership
-from .stats import ExchangeStats
+from mlxdist.model.grouped import call_grouped, groups, project
+from mlxdist.dispatch.ownership import LayerOwnership
+from mlxdist.dispatch.stats import ExchangeStats
 
 
 @dataclass(frozen=True)

@@ -23,10 +23,10 @@ from typing import Callable, Dict, Optional, Tuple
 import mlx.core as mx
 import numpy as np
 
-from ..mpi import World
-from .base import ExpertBatch
-from .ownership import LayerOwnership
-from .stats import ExchangeStats
+from mlxdist.runtime.world import World
+from mlxdist.dispatch.base import ExpertBatch
+from mlxdist.dispatch.ownership import LayerOwnership
+from mlxdist.dispatch.stats import ExchangeStats
 
 LAYOUTS = ("masked", "compact")
 

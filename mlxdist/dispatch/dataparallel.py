@@ -54,11 +54,11 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ..mpi import World
-from .base import ExpertBatch, run_experts
-from .collective import LAYOUTS
-from .ownership import LayerOwnership
-from .stats import ExchangeStats
+from mlxdist.runtime.world import World
+from mlxdist.dispatch.base import ExpertBatch, run_experts
+from mlxdist.dispatch.collective import LAYOUTS
+from mlxdist.dispatch.ownership import LayerOwnership
+from mlxdist.dispatch.stats import ExchangeStats
 
 
 @dataclass(frozen=True)

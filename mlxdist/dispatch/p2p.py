@@ -18,13 +18,13 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from .. import survival
-from ..mpi import World
-from ..watchdog import ACTIVITY
-from . import wire
-from .base import ExpertBatch, run_experts
-from .ownership import LayerOwnership
-from .stats import ExchangeStats
+from mlxdist.runtime import survival
+from mlxdist.runtime.world import World
+from mlxdist.runtime.watchdog import ACTIVITY
+from mlxdist.dispatch import wire
+from mlxdist.dispatch.base import ExpertBatch, run_experts
+from mlxdist.dispatch.ownership import LayerOwnership
+from mlxdist.dispatch.stats import ExchangeStats
 
 
 @dataclass

@@ -8,7 +8,7 @@ import sys
 
 import mlxdist
 from mlxdist import UserError
-from mlxdist.commands import Command, ProtocolError
+from mlxdist.runtime.control import Command, ProtocolError
 
 ckpt_a, ckpt_b = sys.argv[1:3]
 PROMPTS = ["The quick brown fox", "Experts are routed by a gate", "Hello"]

@@ -7,8 +7,8 @@ import mlx.core as mx
 import numpy as np
 
 from mlxdist.dispatch import CollectiveDispatcher, LayerOwnership
-from mlxdist.mpi import init_world
-from mlxdist.watchdog import start_watchdog
+from mlxdist.runtime.world import init_world
+from mlxdist.runtime.watchdog import start_watchdog
 
 world = init_world()
 start_watchdog(world, 60)  # as every entry point does (and MPI is then finalized once, by mlxdist)

@@ -21,7 +21,7 @@ import mlx.core as mx
 from mlx_lm.generate_utils import BatchStats
 from mlx_lm.models.cache import LRUPromptCache
 
-from .dp import DataParallelGeneration, Sequence
+from mlxdist.engine.dp_schedule import DataParallelGeneration, Sequence
 
 
 @dataclass
@@ -63,7 +63,7 @@ class DataParallelBatchGenerator:
     """Drop-in for mlx-lm's ``BatchGenerator`` in its server; the same calls on every rank."""
 
     def __init__(self, engine, completion_batch_size: int, prefill_step_size: int):
-        from .engine import GenerationParams
+        from mlxdist.engine.engine import GenerationParams
 
         self.engine = engine
         params = GenerationParams(prefill_step_size=prefill_step_size, completion_batch_size=completion_batch_size)

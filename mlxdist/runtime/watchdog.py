@@ -34,8 +34,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Tuple
 
-from .errors import say_error
-from .mpi import World, allgather_json
+from mlxdist.errors import say_error
+from mlxdist.runtime.world import World, allgather_json
 
 DEFAULT_TIMEOUT = 120.0
 PREFILL_FACTOR = 10

@@ -23,8 +23,8 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from .errors import UserError
-from .loader import TensorEntry, nbytes, read_rows
+from mlxdist.errors import UserError
+from mlxdist.model.checkpoint import TensorEntry, nbytes, read_rows
 
 
 def capacity_for_budget(budget: float, model: nn.Module, sites, runs_dense: bool) -> int:

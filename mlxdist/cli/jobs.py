@@ -22,7 +22,7 @@ from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
 
 from tqdm import tqdm
 
-from .errors import UserError
+from mlxdist.errors import UserError
 
 SAMPLING_KEYS = ("max_tokens", "temp", "top_p", "top_k", "min_p", "seed")
 

@@ -21,23 +21,23 @@ from mlx_lm.generate import (
 from mlx_lm.sample_utils import make_sampler
 from mlx_lm.utils import load_model, load_tokenizer
 
-from . import __version__
-from .batch import batch_generate
-from .commands import PROTOCOL_VERSION
-from .dispatch import DISPATCH_MODES, LAYOUTS, Dispatcher, LayerOwnership, make_dispatcher
-from .dp import DataParallelGeneration
-from .errors import UserError
-from .loader import (
+from mlxdist import __version__
+from mlxdist.engine.batch import batch_generate
+from mlxdist.runtime.control import PROTOCOL_VERSION
+from mlxdist.dispatch import DISPATCH_MODES, LAYOUTS, Dispatcher, LayerOwnership, make_dispatcher
+from mlxdist.engine.dp_schedule import DataParallelGeneration
+from mlxdist.errors import UserError
+from mlxdist.model.checkpoint import (
     check_config, find_switch_sites, nbytes, read_safetensors_index, resolve_model_path, slice_experts,
     split_experts_by_width, split_shared_by_width, stacked_tensors, switch_extras,
 )
-from .paging import PagedExperts, PagingStats, capacity_for_budget
-from .moe import DistributedSwitch, MoEBlock, Observer
-from .mpi import World
-from .placement import Placement, resolve_placement
-from .routing import RouterWeights, RoutingWeightsNotFound, activation_dtype, find_weights_name
-from .tensor_parallel import can_shard, own_bytes, shard_dense, tensor_parallel_twin
-from .watchdog import configured_fault
+from mlxdist.model.paging import PagedExperts, PagingStats, capacity_for_budget
+from mlxdist.model.switch import DistributedSwitch, MoEBlock, Observer
+from mlxdist.runtime.world import World
+from mlxdist.model.placement import Placement, resolve_placement
+from mlxdist.model.routing import RouterWeights, RoutingWeightsNotFound, activation_dtype, find_weights_name
+from mlxdist.model.tensor_parallel import can_shard, own_bytes, shard_dense, tensor_parallel_twin
+from mlxdist.runtime.watchdog import configured_fault
 
 __all__ = ["Engine", "GenerationParams", "LoadOptions", "UserError", "auto_strategy", "load_engine"]
 

@@ -17,9 +17,9 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 from mlx_lm.utils import load_model
 
-from .errors import UserError
-from .loader import SwitchSite
-from .mpi import World
+from mlxdist.errors import UserError
+from mlxdist.model.checkpoint import SwitchSite
+from mlxdist.runtime.world import World
 
 __all__ = ["can_shard", "own_bytes", "shard_dense", "tensor_parallel_twin"]
 

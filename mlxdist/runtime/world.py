@@ -33,8 +33,8 @@ from typing import Any, Callable, List, Optional, Tuple
 import mlx.core as mx
 import numpy as np
 
-from . import survival
-from .errors import keep_traceback, say_error
+from mlxdist.runtime import survival
+from mlxdist.errors import keep_traceback, say_error
 
 
 def _launched_by_mpirun() -> int:

@@ -29,8 +29,8 @@ from mlx_lm.generate import PromptProcessingBatch, _extend_cache
 from mlx_lm.generate_utils import BatchStats
 from mlx_lm.models.cache import make_prompt_cache
 
-from .dispatch.dataparallel import DataParallelDispatcher
-from .moe import DistributedSwitch
+from mlxdist.dispatch.dataparallel import DataParallelDispatcher
+from mlxdist.model.switch import DistributedSwitch
 
 
 @dataclass

@@ -20,7 +20,7 @@ from typing import Any, Dict, NamedTuple, Optional
 import mlx.core as mx
 import mlx.nn as nn
 
-from .loader import switch_extras
+from mlxdist.model.checkpoint import switch_extras
 
 
 class RoutingWeightsNotFound(ValueError):

@@ -10,10 +10,10 @@ from typing import Any, Callable, Dict, Optional, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 
-from .dispatch import Dispatcher, LayerOwnership
-from .dispatch.base import call_unsorted, run_experts
-from .routing import caller_weights
-from .watchdog import ACTIVITY, Fault
+from mlxdist.dispatch import Dispatcher, LayerOwnership
+from mlxdist.dispatch.base import call_unsorted, run_experts
+from mlxdist.model.routing import caller_weights
+from mlxdist.runtime.watchdog import ACTIVITY, Fault
 
 # observer(switch, boundary, arrays): called at "input", "dispatched",
 # "experts" and "combined" of every layer while set (see ``Engine.observe``);

@@ -28,7 +28,7 @@ import sys
 import time
 from typing import Any, Callable, List
 
-from .errors import say_error
+from mlxdist.errors import say_error
 
 # The failure detector runs in MPI's progress engine, not a thread of its own: with
 # mpi_ft_detector_thread on, a rank crashed inside MPI's start-up in 5 of 40 launches here

@@ -10,7 +10,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, Optional
 
-from .mpi import World, bcast_bytes
+from mlxdist.runtime.world import World, bcast_bytes
 
 PROTOCOL_VERSION = 3
 

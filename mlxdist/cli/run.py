@@ -1,0 +1,227 @@
+"""Entry point: ``mpirun -np N python -m mlxdist.run --model M -p PROMPT``.
+
+Rank 0 runs the command loop (LOAD, then GENERATE per prompt, SHUTDOWN)
+through ``Cluster``; every other rank serves until SHUTDOWN. Errors in the
+user's input end the job with one line on rank 0 and a non-zero exit on every
+rank; an unexpected error aborts the whole MPI job. Options follow
+``mlx_lm.generate`` where both have them.
+"""
+
+import argparse
+import json
+import os
+import sys
+from typing import Iterator, List, Optional
+
+from mlx_lm.generate import DEFAULT_MAX_TOKENS
+
+from mlxdist.api import Cluster
+from mlxdist.dispatch import DISPATCH_MODES, LAYOUTS
+from mlxdist.engine.engine import EXPERT_SPLITS, GenerationParams
+from mlxdist.errors import UserError, say_error
+from mlxdist.executor import CommandExecutor
+from mlxdist.runtime.world import BACKENDS, init_world, run_or_abort, set_exit_code
+from mlxdist.model.placement import PlacementError
+from mlxdist.runtime.watchdog import DEFAULT_TIMEOUT, start_watchdog
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m mlxdist.run", description=__doc__.splitlines()[0])
+    p.add_argument("--model", help="model folder or hub id (default: a small built-in random MoE)")
+    p.add_argument("-p", "--prompt", help="one prompt; without it, rank 0 reads one prompt per line from stdin")
+    p.add_argument("--system-prompt", help="system message for the chat template")
+    p.add_argument("--ignore-chat-template", action="store_true",
+                   help="use the raw prompt, not the tokenizer's chat template")
+    p.add_argument("--jobs", help="JSONL job file (one {id, prompt|messages, ...} per line)")
+    p.add_argument("--out", help="JSONL results file for --jobs (appended; a rerun resumes)")
+    p.add_argument("--batch-size", type=int, default=8, help="jobs decoded together with --jobs")
+    p.add_argument("-m", "--max-tokens", type=int, default=DEFAULT_MAX_TOKENS)
+    p.add_argument("--temp", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--max-kv-size", type=int, default=None, help="rotating KV cache of this many tokens")
+    p.add_argument("--prefill-step-size", type=int, default=2048)
+    p.add_argument("--dispatch", choices=DISPATCH_MODES, default="auto",
+                   help="auto: dp for batches of at least one sequence per rank (8 on GPUs with whole experts), "
+                        "else collective; "
+                        "dp and collective-tp are not bit-exact (see the README)")
+    p.add_argument("--layout", choices=LAYOUTS, default=None,
+                   help="collective modes: masked (static shapes) or compact (owned slots only, host read-back); "
+                        "default: compact on the CPU, masked on GPUs")
+    p.add_argument("--backend", choices=BACKENDS, default=None,
+                   help="MLX's transport for arrays (default: nccl where MLX runs on CUDA, else mpi)")
+    p.add_argument("--placement", help="placement JSON file (default: experts spread evenly)")
+    p.add_argument("--save-placement", help="write the placement used to this JSON file")
+    p.add_argument("--no-rank0-experts", action="store_true", help="rank 0 holds no experts")
+    p.add_argument("--stats", action="store_true", help="count routed slots per expert (printed with --json)")
+    p.add_argument("--expert-capacity", type=int, default=None,
+                   help="experts each rank keeps resident per layer; the rest are read from its checkpoint copy "
+                        "on demand into least-recently-used slots (needs --layout compact or --dispatch p2p)")
+    p.add_argument("--memory-budget", type=float, default=None, metavar="GB",
+                   help="weights each rank may hold, in GB: sets its expert capacity from what its dense weights "
+                        "leave (as --expert-capacity, which it replaces)")
+    p.add_argument("--expert-split", choices=EXPERT_SPLITS, default="whole",
+                   help="whole: each expert on one rank (exact modes); width: every expert cut over the ranks as "
+                        "tensor parallelism cuts them (balanced, not bit-exact; every mode but p2p)")
+    p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT,
+                   help="seconds without progress before a generation is declared hung (default %(default)s)")
+    p.add_argument("--logprobs-out", help="save each step's log-probabilities (.npy) for checks")
+    return p
+
+
+def generation_args(args) -> dict:
+    """The command line's ``GenerationParams`` fields."""
+    return dict(
+        max_tokens=args.max_tokens,
+        temp=args.temp,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        seed=args.seed,
+        prefill_step_size=args.prefill_step_size,
+        max_kv_size=args.max_kv_size,
+    )
+
+
+def _stdin():
+    """Rank 0's standard input: the FIFO ``launch/mpirun`` hands it, where
+    set, since Open MPI 5 forwards stdin lines to rank 0 but never their EOF
+    (with plain mpirun, end the input with a line reading /exit)."""
+    path = os.environ.get("MLXDIST_STDIN")
+    return open(path) if path else sys.stdin
+
+
+def _is_mpi_error(e: Exception) -> bool:
+    return type(e).__module__.startswith("mpi4py")
+
+
+def _prompts(args) -> Iterator[str]:
+    """--prompt, or one prompt per line of stdin until EOF or /exit."""
+    if args.prompt is not None:
+        yield args.prompt.replace("\\n", "\n").replace("\\t", "\t")
+        return
+    for line in _stdin():
+        line = line.rstrip("\n")
+        if line.strip() == "/exit":
+            return
+        if line.strip():
+            yield line
+
+
+def encode_prompt(cluster: Cluster, args, text: str) -> List[int]:
+    """As ``mlx_lm.generate``: the chat template where the tokenizer has one
+    (with ``--system-prompt``), unless ``--ignore-chat-template``."""
+    if args.ignore_chat_template or not cluster.engine.tokenizer.has_chat_template:
+        return cluster.encode(text)
+    messages = [{"role": "system", "content": args.system_prompt}] if args.system_prompt is not None else []
+    return cluster.encode(messages=[*messages, {"role": "user", "content": text}])
+
+
+def _summary(stats: dict, tokens: int) -> str:
+    peaks = ", ".join(f"{p:.3f}" for p in stats["peak_memory_gb"])
+    return (
+        f"prompt: {stats.get('prompt_tokens', 0)} tokens, {stats.get('prompt_tps', 0.0):.1f} tok/s | "
+        f"generation: {tokens} tokens, {stats.get('generation_tps', 0.0):.1f} tok/s | "
+        f"peak memory (GB) per rank: [{peaks}]"
+    )
+
+
+def _run_prompt(cluster: Cluster, args, text: str, logprobs: List) -> None:
+    stats: dict = {}
+    tokens, pieces = [], []
+    request = cluster.request([encode_prompt(cluster, args, text)], **generation_args(args))
+    for piece in cluster.stream(request, stats):
+        tokens.append(piece.token)
+        pieces.append(piece.text)
+        if args.logprobs_out:
+            logprobs.append(piece.logprobs)
+        if not args.json:
+            print(piece.text, end="", flush=True)
+    if args.json:
+        engine = cluster.engine
+        record = {
+            "text": "".join(pieces),
+            "tokens": tokens,
+            "prompt_tokens": stats.get("prompt_tokens", 0),
+            "prompt_tps": stats.get("prompt_tps", 0.0),
+            "generation_tps": stats.get("generation_tps", 0.0),
+            "finish_reason": stats.get("finish_reason"),
+            "peak_memory_gb": stats["peak_memory_gb"],
+            "weights_gb": [{k.replace("_bytes", ""): v / 1e9 for k, v in m.items()} for m in engine.memory_by_rank],
+            "dispatch": engine.dispatch,
+            "num_ranks": cluster.world.size,
+        }
+        if cluster.world.lost:
+            record["lost_ranks"] = cluster.world.lost
+        if args.stats:
+            record["expert_load"] = stats["exchange"]["expert_load"]
+        print(json.dumps(record), flush=True)
+    else:
+        print(flush=True)
+        print(_summary(stats, len(tokens)), file=sys.stderr, flush=True)
+
+
+def command_loop(cluster: Cluster, args) -> int:
+    """Rank 0: LOAD, then GENERATE each prompt (or the job file)."""
+    try:
+        GenerationParams(**{**generation_args(args), "seed": 0}).validate()
+        cluster.load(args.model, args.dispatch, args.placement, not args.no_rank0_experts, args.layout, args.stats,
+                     args.expert_capacity, args.memory_budget, args.expert_split)
+    except (UserError, PlacementError) as e:
+        say_error(str(e))
+        return 1
+    if args.save_placement:
+        cluster.engine.placement.save(args.save_placement)
+    if args.jobs:
+        from mlxdist.cli.jobs import run_jobs
+
+        return run_jobs(cluster, args.jobs, args.out, generation_args(args), args.batch_size)
+    logprobs: List = []
+    for text in _prompts(args):
+        try:
+            _run_prompt(cluster, args, text, logprobs)
+        except UserError as e:
+            say_error(str(e))
+            if args.prompt is not None:
+                return 1
+    if args.logprobs_out:
+        import numpy as np
+
+        np.save(args.logprobs_out, np.stack([np.array(l) for l in logprobs]))
+    return 0
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """The ``mlxdist-run`` console script and ``python -m mlxdist.run``."""
+    code = _run(argv)
+    set_exit_code(code)  # the status the process ends with (mpi.py finalizes and exits)
+    return code
+
+
+def _run(argv: Optional[List[str]]) -> int:
+    args = build_parser().parse_args(argv)
+    if args.jobs and not args.out:
+        build_parser().error("--jobs needs --out")
+    try:
+        world = init_world(args.backend)
+    except RuntimeError as e:
+        rank = os.environ.get("OMPI_COMM_WORLD_RANK", "0")
+        if _is_mpi_error(e):  # a peer failed (it may be rank 0): each rank says so
+            say_error(f"rank {rank}: a rank failed while the job started: {e}")
+        elif rank == "0":  # the same problem on every rank: rank 0 speaks for all
+            say_error(str(e))
+        return 1
+    start_watchdog(world, args.timeout)
+    if not world.is_root:
+        return run_or_abort(world, CommandExecutor(world).serve)
+    cluster = Cluster(world)
+    code = run_or_abort(world, command_loop, cluster, args)
+    cluster.shutdown(code)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,85 @@
+"""``python -m mlxdist.serve``: the OpenAI-compatible server's command line
+(the server itself: ``mlxdist/serving/server.py``).
+
+    launch/mpirun -np 2 python -m mlxdist.serve --model M [--host 127.0.0.1] [--port 8080]
+"""
+
+import argparse
+import os
+import sys
+from typing import List, Optional
+
+from mlxdist.api import init
+from mlxdist.engine.engine import EXPERT_SPLITS
+from mlxdist.errors import UserError, say_error
+from mlxdist.runtime.watchdog import DEFAULT_TIMEOUT
+from mlxdist.runtime.world import set_exit_code
+from mlxdist.serving.server import DEFAULT_MAX_BODY
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m mlxdist.serve", description="An OpenAI-compatible HTTP server over the distributed model.")
+    p.add_argument("--model", default=None, help="Model folder or hub id (default: the built-in random MoE).")
+    p.add_argument("--host", default="127.0.0.1", help="Address to bind (default 127.0.0.1; others need --api-key).")
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--api-key", default=None, help="Bearer token every request must carry.")
+    p.add_argument("--max-concurrent", type=int, default=32,
+                   help="Live sequences decoded together; further requests queue.")
+    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY, help="Largest request body accepted.")
+    p.add_argument("--max-tokens", type=int, default=512, help="Default max_tokens of a request.")
+    p.add_argument("--temp", type=float, default=0.0, help="Default temperature.")
+    p.add_argument("--top-p", type=float, default=1.0, help="Default top_p.")
+    p.add_argument("--prefill-step-size", type=int, default=2048)
+    p.add_argument("--prompt-concurrency", type=int, default=8, help="Prompts prefilled together.")
+    p.add_argument("--chat-template", default="", help="A chat template to use instead of the tokenizer's.")
+    p.add_argument("--backend", choices=("mpi", "nccl"), default=None, help="MLX's transport for arrays.")
+    p.add_argument("--dispatch", choices=("collective", "dp"), default="collective",
+                   help="collective: every rank decodes every sequence (exact); dp: each rank a share of the live "
+                        "sequences (not bit-exact; no prompt cache, no top_logprobs)")
+    p.add_argument("--expert-split", choices=EXPERT_SPLITS, default="whole",
+                   help="Experts whole on one rank each, or cut in width over the ranks (not bit-exact).")
+    p.add_argument("--timeout", type=float, default=None, help="Seconds without progress before a rank is declared hung.")
+    p.add_argument("--log-level", default="WARNING", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    return p
+
+
+def check_options(args: argparse.Namespace) -> Optional[str]:
+    """Why these options cannot serve, or None."""
+    if args.host not in LOOPBACK and not args.api_key:
+        return f"binding {args.host} exposes the model beyond this machine: give --api-key (see docs/SECURITY.md)"
+    if args.max_concurrent < 1:
+        return "--max-concurrent must be at least 1"
+    if args.max_body_bytes < 1024:
+        return "--max-body-bytes must be at least 1024"
+    return None
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """``python -m mlxdist.serve``."""
+    args = build_parser().parse_args(argv)
+    problem = check_options(args)
+    if problem:
+        if os.environ.get("OMPI_COMM_WORLD_RANK", "0") != "0":
+            return 0  # rank 0 reports and gives the job its status (were this one to exit 2 first, mpirun
+            # could stop rank 0 before it said why)
+        say_error(problem)
+        return 2
+    cluster = init(timeout=args.timeout or DEFAULT_TIMEOUT, backend=args.backend)  # other ranks serve inside
+    code = 0
+    try:
+        cluster.load(args.model, dispatch=args.dispatch, expert_split=args.expert_split)
+        options = {k: v for k, v in vars(args).items() if k not in ("backend", "timeout", "dispatch", "expert_split")}
+        options["model"] = cluster.engine.options.model
+        cluster.serve_http(options)
+    except UserError as e:
+        say_error(str(e))
+        code = 1
+    cluster.shutdown(code)
+    set_exit_code(code)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
