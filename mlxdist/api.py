@@ -19,7 +19,8 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
 from mlxdist.runtime import control as commands
 from mlxdist.runtime.control import Command
 from mlxdist.dispatch import default_layout
-from mlxdist.engine.engine import Engine, GenerationParams, LoadOptions
+from mlxdist.config import GenerationParams, LoadOptions
+from mlxdist.engine import Engine
 from mlxdist.errors import UserError, say_error
 from mlxdist.executor import PROBES, CommandExecutor, LoadError
 from mlxdist.runtime.world import World, abort, init_world, run_or_abort, set_exit_code

@@ -11,7 +11,8 @@ import mlx.core as mx
 
 from mlxdist.runtime import control as commands
 from mlxdist.runtime.control import Command
-from mlxdist.engine.engine import Engine, GenerationParams, LoadOptions, load_engine
+from mlxdist.config import GenerationParams, LoadOptions
+from mlxdist.engine import Engine, load_engine
 from mlxdist.errors import UserError, keep_traceback
 from mlxdist.model.checkpoint import CheckpointError
 from mlxdist.runtime.world import World, allgather_json, bcast_flag
@@ -158,7 +159,8 @@ class CommandExecutor:
             if not engine.runs_dense:
                 engine.serve()
             elif len(args["prompts"]) == 1 and not args.get("batch"):
-                yield from self._stream(engine.generate(args["prompts"][0], params), engine.dispatch != "p2p")
+                yield from self._stream(engine.generate(args["prompts"][0], params),
+                                        not engine.root_runs_dense)
             else:
                 yield engine.generate_batch(args["prompts"], params, args.get("strategy"))
         finally:
@@ -218,7 +220,7 @@ class CommandExecutor:
             counters = engine.dispatcher.stats
             mine.update(counters.as_dict())
             held = {str(l): o.owned_experts.tolist() for l, o in engine.ownership.items()}
-            if engine.dispatch != "p2p":  # every rank sees every slot: count its own
+            if not engine.root_runs_dense:  # every rank sees every slot: count its own
                 total = sum(sum(c) for c in mine["expert_load"].values())
                 mine["slots_local"] = sum(sum(c[e] for e in held[l]) for l, c in mine["expert_load"].items())
                 mine["slots_remote"] = total - mine["slots_local"]

@@ -189,7 +189,8 @@ def test_what_the_block_reads_from_its_expert_module_stays_whole(checkpoints):
     the module's place exposes it under the same name."""
     from mlx_lm.utils import load_model
 
-    from mlxdist.engine.engine import LoadOptions, load_engine
+    from mlxdist.config import LoadOptions
+    from mlxdist.engine import load_engine
     from mlxdist.model.checkpoint import find_switch_sites, read_safetensors_index, slice_experts
     from mlxdist.model.switch import DistributedSwitch
     from mlxdist.runtime.world import World

@@ -10,7 +10,8 @@ import pytest
 from mlxdist.runtime import control as commands
 from mlxdist.runtime.control import Command, ProtocolError
 from mlxdist.dispatch import LayerOwnership
-from mlxdist.dispatch.base import ExpertBatch, padded_slots, run_experts
+from mlxdist.dispatch.base import ExpertBatch
+from mlxdist.model.experts import padded_slots, run_experts
 from mlxdist.dispatch.wire import from_numpy, pack, to_numpy, unpack
 from mlxdist.model.checkpoint import CheckpointError, read_rows, read_safetensors_index
 from mlxdist.runtime.world import find_libmpi
@@ -154,7 +155,7 @@ def test_fingerprint_mismatch_names_what_differs():
 
 
 def test_load_options_are_checked():
-    from mlxdist.engine.engine import LoadOptions
+    from mlxdist.config import LoadOptions
     from mlxdist.errors import UserError
 
     LoadOptions("m", "p2p", "compact").validate()
@@ -165,14 +166,16 @@ def test_load_options_are_checked():
 
 
 def test_fault_injection_is_off_unless_it_names_this_rank(monkeypatch):
-    from mlxdist.runtime.watchdog import configured_fault
+    from mlxdist.runtime import faults
 
     monkeypatch.delenv("MLXDIST_FAULT", raising=False)
-    assert configured_fault(0) is None
+    assert faults.arm(0) is None and faults.FAULT is None
     monkeypatch.setenv("MLXDIST_FAULT", "kill:rank=1,layer=2,step=3")
-    assert configured_fault(0) is None
-    fault = configured_fault(1)
-    assert (fault.action, fault.layer, fault.step) == ("kill", 2, 3)
+    assert faults.arm(0) is None and faults.FAULT is None
+    fault = faults.arm(1)
+    assert (fault.action, fault.layer, fault.step) == ("kill", 2, 3) and faults.FAULT is fault
+    monkeypatch.delenv("MLXDIST_FAULT")
+    assert faults.arm(1) is None
 
 
 def test_expert_load_is_counted_only_when_asked():
@@ -233,7 +236,7 @@ def test_dp_gathers_rows_weights_and_ids_as_sent(dtype, weights_dtype, top_k):
     (8, 2, "nccl", "collective"), (15, 2, "nccl", "collective"), (16, 2, "nccl", "dp"), (32, 4, "nccl", "dp"),
     (24, 4, "nccl", "collective")])
 def test_auto_runs_dp_once_every_rank_has_enough_rows(batch, ranks, backend, expect):
-    from mlxdist.engine.engine import auto_strategy
+    from mlxdist.dispatch.modes import auto_strategy
 
     assert auto_strategy(batch, ranks, backend) == expect
 
@@ -242,7 +245,7 @@ def test_auto_runs_dp_once_every_rank_has_enough_rows(batch, ranks, backend, exp
 def test_auto_with_experts_cut_in_width_runs_dp_from_one_row_per_rank(backend, below):
     """Below one row per rank: attention split too on MPI (tensor parallel
     there), not on NCCL, where each collective costs host time per step."""
-    from mlxdist.engine.engine import auto_strategy
+    from mlxdist.dispatch.modes import auto_strategy
 
     assert auto_strategy(1, 2, backend, "width") == below
     assert auto_strategy(2, 2, backend, "width") == "dp"
@@ -401,7 +404,7 @@ def test_a_shared_mlp_of_unknown_projections_is_refused():
     import mlx.nn as nn
     from mlx_lm.models.switch_layers import SwitchGLU
 
-    from mlxdist.engine.engine import UserError
+    from mlxdist.errors import UserError
     from mlxdist.model.checkpoint import SwitchSite, split_shared_by_width
 
     class Odd(nn.Module):
@@ -425,7 +428,7 @@ def test_experts_called_unsorted_match_mlx_lm(kind):
     import mlx.nn as nn
     from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 
-    from mlxdist.dispatch.base import call_unsorted
+    from mlxdist.model.experts import call_unsorted
 
     mx.random.seed(4)
     m = SwitchMLP(32, 64, 8, bias=True) if kind == "mlp-bias" else SwitchGLU(32, 64, 8)
@@ -446,7 +449,8 @@ def test_experts_called_unsorted_match_mlx_lm(kind):
 
 
 def test_expert_split_options_refused_with_one_line():
-    from mlxdist.engine.engine import LoadOptions, UserError
+    from mlxdist.config import LoadOptions
+    from mlxdist.errors import UserError
 
     for kwargs, words in [(dict(dispatch="p2p"), "runs with --dispatch auto, dp, collective or collective-tp, not p2p"),
                           (dict(expert_capacity=2, layout="compact"), "takes no placement"),
@@ -461,7 +465,7 @@ def test_experts_that_do_not_cut_evenly_are_refused_by_name():
     import mlx.nn as nn
     from mlx_lm.models.switch_layers import SwitchGLU
 
-    from mlxdist.engine.engine import UserError
+    from mlxdist.errors import UserError
     from mlxdist.model.checkpoint import SwitchSite, split_experts_by_width
 
     module = SwitchGLU(64, 64, 4)

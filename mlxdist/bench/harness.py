@@ -21,10 +21,9 @@ from typing import Any, Dict, List, Optional, Sequence
 import mlx.core as mx
 
 from mlxdist.bench import probes  # noqa: F401  (registers the probes, on every rank)
-from mlxdist.dispatch import DISPATCH_MODES
-from mlxdist.engine.engine import EXPERT_SPLITS
+from mlxdist.dispatch import DISPATCH_MODES, RowDispatcher, traffic
+from mlxdist.config import EXPERT_SPLITS
 from mlxdist.runtime.world import BACKENDS
-from mlxdist.bench.links import WIDTH_STRATEGIES
 
 MODES = ("auto", "collective", "p2p")  # the default; "dp" and "collective-tp" on request (--dispatch)
 
@@ -92,9 +91,10 @@ def closeness(cluster, prompts: List[List[int]], max_tokens: int) -> Dict[str, A
     prompts: the share of sequences whose tokens are all equal, the first
     step where any differs, and the largest |difference| of the sampled
     tokens' log-probabilities while the tokens agree."""
-    reference = next(s for s in cluster.engine.dispatchers if s != "dp")
+    dispatchers = cluster.engine.dispatchers
+    reference = next(name for name, d in dispatchers.items() if not isinstance(d, RowDispatcher))
     runs = [cluster.run_batch(cluster.request(prompts, strategy=s, max_tokens=max_tokens, seed=0))
-            for s in ("dp", reference)]
+            for s in (cluster.engine.data_parallel.name, reference)]
     first, worst, equal = max_tokens, 0.0, 0
     for a, b in zip(*runs):
         n = next((i for i, (x, y) in enumerate(zip(a.tokens, b.tokens)) if x != y), len(a.tokens))
@@ -163,16 +163,15 @@ def bench_case(cluster, mode: str, prompts: List[List[int]], args) -> Dict[str, 
     if args.no_link:  # the tokens are not the model's, and there is no transport to floor
         row.update(link=False, floor_us=None, exchange_over_floor=None)
         return row
-    if strategy == "dp":
+    if isinstance(engine.dispatcher, RowDispatcher):
         row["vs_exact"] = closeness(cluster, prompts, args.generation_tokens)
-    width = args.expert_split == "width" and strategy in WIDTH_STRATEGIES
+    name = traffic.wire_name(strategy, args.expert_split)
+    width = name != strategy
     shape = list(profile["slots_shape"]) or [len(prompts), 1] + ([] if width else [cfg.get("num_experts_per_tok", 1)]) \
         + [cfg["hidden_size"]]
-    if strategy == "collective-tp" and not width:  # the block sums its weighted [.., D] output, not the slots
-        shape = shape[:-2] + shape[-1:]
     floor_args = {
-        "mode": f"{strategy}-width" if width else strategy,
-        "shape": shape,
+        "mode": name,
+        "shape": traffic.floor_shape(name, shape),
         "dtype": profile["dtype"] or "float32",
         "send_bytes": profile["bytes_sent"] // max(profile["calls"], 1),
         "recv_bytes": profile["bytes_received"] // max(profile["calls"], 1),

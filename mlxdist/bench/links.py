@@ -1,19 +1,5 @@
-"""What each strategy puts on the wire per decode step, and tok/s projected
-over a link between machines.
-
-Per MoE layer (b tokens in the step, N ranks, width D, top-k K, s bytes per
-activation value), each strategy runs these collectives; a rank's bytes on
-the wire follow the ring algorithms (all_sum of S bytes: 2(N-1)/N x S in
-2(N-1) hops; all_gather of S per rank: (N-1) x S in N-1 hops):
-
-    collective  all_sum of every slot           [b, K, D]
-    dp          all_gather of own rows          [b/N, D] + K weights and ids (4 bytes each)
-                all_sum of the partial sums     [b, D]     (NCCL: a reduce-scatter, half of it)
-    dp-width    (experts cut in width: whole blocks) all_gather [b/N, D], all_sum [b, D]
-    collective-width  all_sum of the block's partial output [b, D]
-    p2p         rank 0 sends each token once to each rank it needs, gets one row per slot back
-    tensor      mlx-lm's shard(): two all_sums  [b, D] in every layer (attention and MLP/MoE)
-    replicas    nothing
+"""Generation tok/s projected over a link between machines, from what each
+strategy puts on the wire per decode step (``dispatch/traffic.py``).
 
 A projection adds, per layer, hops x latency + bytes / bandwidth to the step
 time measured on one machine (where the ranks' exchange is loopback, small
@@ -21,7 +7,9 @@ against these links): a model, not a measurement.
 """
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Optional
+
+from mlxdist.dispatch.traffic import WIDTH_STRATEGIES, Shape, collectives, traffic  # noqa: F401 (re-exported)
 
 
 @dataclass(frozen=True)
@@ -42,51 +30,6 @@ LINKS: Dict[str, Link] = {
         "macOS 26.2 RDMA over Thunderbolt 5 (MLX's JACCL backend): 5-9 µs latency reported by "
         "users, 7.4 GB/s measured between nodes (zingnex.cn, 2026-04-07)"),
 }
-
-
-@dataclass(frozen=True)
-class Shape:
-    hidden: int  # D
-    top_k: int  # K
-    layers: int  # decoder layers
-    moe_layers: int
-    itemsize: int  # bytes per activation value
-
-
-# Strategies whose rows change with --expert-split width (named "<strategy>-width").
-WIDTH_STRATEGIES = ("dp", "collective", "collective-tp")
-
-
-def collectives(strategy: str, n: int, b: int, shape: Shape) -> Tuple[List[Tuple[float, int]], int]:
-    """([(bytes a rank sends, hops)] per exchanging layer, exchanging layers)
-    for one decode step of ``b`` tokens."""
-    d, k, s = shape.hidden, shape.top_k, shape.itemsize
-    ring_sum = lambda size: (2 * (n - 1) / n * size, 2 * (n - 1))  # noqa: E731
-    if strategy == "collective":
-        return [ring_sum(b * k * d * s)], shape.moe_layers
-    if strategy == "collective-width":
-        return [ring_sum(b * d * s)], shape.moe_layers
-    if strategy == "dp-width":
-        return [((n - 1) * b / n * d * s, n - 1), ring_sum(b * d * s)], shape.moe_layers
-    if strategy == "dp":
-        gather = ((n - 1) * b / n * (d * s + k * (s + 4)), n - 1)  # x, K weights (the block's dtype), K ids
-        return [gather, ring_sum(b * d * s)], shape.moe_layers
-    if strategy == "p2p":  # rank 0's side, uniform routing: each token reaches ~min(K, N-1) workers
-        out = b * min(k, n - 1) * (n - 1) / n * d * s + b * k * 8
-        back = b * k * (n - 1) / n * d * s
-        return [(out + back, 2)], shape.moe_layers
-    # collective-tp: attention's all_sum, and the MoE block's own of its weighted sum, every layer
-    if strategy in ("tensor", "collective-tp", "collective-tp-width"):
-        return [ring_sum(b * d * s), ring_sum(b * d * s)], shape.layers
-    return [], 0
-
-
-def traffic(strategy: str, n: int, b: int, shape: Shape) -> Dict[str, float]:
-    """Bytes a rank sends and collectives it joins, per token per layer."""
-    ops, layers = collectives(strategy, n, b, shape)
-    per_layer = sum(size for size, _ in ops)
-    return {"bytes_per_token_layer": per_layer / b if ops else 0.0, "collectives_per_layer": len(ops),
-            "exchanging_layers": layers}
 
 
 def projected_tps(strategy: str, n: int, b: int, shape: Shape, step_seconds: float, link: Link) -> Optional[float]:

@@ -35,6 +35,7 @@ from typing import Any, Dict, List, Tuple
 import mlx.core as mx
 import numpy as np
 
+from mlxdist.dispatch import traffic
 from mlxdist.executor import CommandExecutor, register_probe
 from mlxdist.model.switch import DistributedSwitch
 from mlxdist.runtime.world import World, barrier
@@ -147,11 +148,12 @@ def measure_floor(
     (0.0 with one rank). Every rank must call it with the same arguments."""
     if world.size == 1:
         return 0.0
-    if mode == "p2p":
+    kind = traffic.exchange_kind(mode)
+    if kind == "p2p":
         step = _p2p_step(world, send_bytes, recv_bytes)
-    elif mode == "dp":
+    elif kind == "gather":
         step = _dp_step(world, int(np.prod(shape[:-2])), shape[-1], dtype, 2 * 4 * shape[-2])
-    elif mode == "dp-width":  # whole blocks: [.., D] rows, no routing on the wire
+    elif kind == "gather-rows":  # whole blocks: [.., D] rows, no routing on the wire
         step = _dp_step(world, int(np.prod(shape[:-1])), shape[-1], dtype, 0)
     else:  # collective: [.., K, D] slots; collective-width: [.., D] rows
         step = _all_sum_step(world, shape, dtype)

@@ -17,7 +17,7 @@ from mlx_lm.generate import DEFAULT_MAX_TOKENS
 
 from mlxdist.api import Cluster
 from mlxdist.dispatch import DISPATCH_MODES, LAYOUTS
-from mlxdist.engine.engine import EXPERT_SPLITS, GenerationParams
+from mlxdist.config import EXPERT_SPLITS, GenerationParams
 from mlxdist.errors import UserError, say_error
 from mlxdist.executor import CommandExecutor
 from mlxdist.runtime.world import BACKENDS, init_world, run_or_abort, set_exit_code

@@ -10,7 +10,7 @@ import sys
 from typing import List, Optional
 
 from mlxdist.api import init
-from mlxdist.engine.engine import EXPERT_SPLITS
+from mlxdist.config import EXPERT_SPLITS
 from mlxdist.errors import UserError, say_error
 from mlxdist.runtime.watchdog import DEFAULT_TIMEOUT
 from mlxdist.runtime.world import set_exit_code

@@ -4,39 +4,41 @@ experts, and back.
 Notation: T rows (tokens) in the layer's input, K experts per token, D model
 width, S = T * K slots, E experts in the layer.
 
-    DistributedSwitch(x [.., D], inds [.., K])               (moe.py)
+    DistributedSwitch(x [.., D], inds [.., K])               (model/switch.py)
       batch, handle = dispatcher.dispatch(ownership, x, inds)  # this rank's share
-      y_local       = experts(batch.x, batch.inds)             # its own experts
+      y_local       = run_experts(experts, batch)              # its own experts (model/experts.py)
       y             = dispatcher.combine(y_local, handle)      # [.., K, D], every slot
 
-One strategy per module, chosen by name in ``make_dispatcher``:
+The interface (``base.py``) declares every hook and what each strategy is;
+``modes.py`` holds the modes a user picks and ``auto``'s rule. One strategy
+per module, built by name in ``make_dispatcher``:
 
     collective     collective.py    all ranks run the dense model; one all_sum per layer
     collective-tp  collective.py    the same, attention split by mlx-lm's shard() (not bit-exact)
     p2p            p2p.py           rank 0 runs the dense model, sends slots to owners
     dp             dataparallel.py  each rank its own sequences; per-token combine (not bit-exact)
 
-``auto`` (the engine's choice per batch) holds both collective and dp (with
-experts cut in width on MPI: collective-tp and dp).
+``auto`` (chosen per batch, ``modes.choose``) holds both collective and dp
+(with experts cut in width on MPI: collective-tp and dp).
 
 ``ownership.py`` holds the per-layer expert-to-rank map, ``stats.py`` the
 counters, ``wire.py`` the p2p message format. With one rank every strategy
 is an identity: the expert module sees the layer's input as is.
 """
 
-from mlxdist.runtime.world import World
-from mlxdist.dispatch.base import Dispatcher, ExpertBatch
+from mlxdist.dispatch.base import Combine, DenseRanks, Dispatcher, ExpertBatch, RowDispatcher
 from mlxdist.dispatch.collective import LAYOUTS, CollectiveDispatcher, default_layout
 from mlxdist.dispatch.dataparallel import DataParallelDispatcher
+from mlxdist.dispatch.modes import DISPATCH_MODES
 from mlxdist.dispatch.ownership import LayerOwnership
 from mlxdist.dispatch.p2p import P2PDispatcher
 from mlxdist.dispatch.stats import ExchangeStats
-
-DISPATCH_MODES = ("auto", "collective", "p2p", "collective-tp", "dp")
+from mlxdist.runtime.world import World
 
 __all__ = [
-    "DISPATCH_MODES", "LAYOUTS", "CollectiveDispatcher", "DataParallelDispatcher", "Dispatcher", "ExchangeStats",
-    "ExpertBatch", "LayerOwnership", "P2PDispatcher", "default_layout", "make_dispatcher",
+    "DISPATCH_MODES", "LAYOUTS", "CollectiveDispatcher", "Combine", "DataParallelDispatcher", "DenseRanks",
+    "Dispatcher", "ExchangeStats", "ExpertBatch", "LayerOwnership", "P2PDispatcher", "RowDispatcher",
+    "default_layout", "make_dispatcher",
 ]
 
 
@@ -51,7 +53,8 @@ def make_dispatcher(mode: str, world: World, layout: str = "masked", stats: bool
     if mode == "collective" or world.size == 1:  # one rank: every mode is the identity
         dispatcher = CollectiveDispatcher(world, layout, wraps_blocks=wraps_blocks)
     elif mode == "collective-tp":  # whole experts: each MoE block sums its output itself (mlx-lm's shard())
-        dispatcher = CollectiveDispatcher(world, layout, reduce=wraps_blocks, wraps_blocks=wraps_blocks)
+        dispatcher = CollectiveDispatcher(world, layout, reduce=wraps_blocks, wraps_blocks=wraps_blocks,
+                                          splits_attention=True)
     elif mode == "dp":
         dispatcher = DataParallelDispatcher(world, layout, wraps_blocks=wraps_blocks, **dp_shape)
     else:

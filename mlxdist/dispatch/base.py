@@ -1,13 +1,30 @@
-"""The one interface every exchange strategy implements."""
+"""The one interface every exchange strategy implements.
 
+Notation: T rows (tokens) in a layer's input, K experts per token, D model
+width, S = T * K slots, E experts in the layer, N ranks.
+
+A dispatcher moves data and nothing else: the experts run where the switch
+(``model/switch.py``) or a p2p worker's loop calls ``model/experts.py``.
+Each strategy declares what it is, and callers ask those properties, never
+a mode's name:
+
+    combines       what ``combine`` returns: every slot [.., K, D] (SLOTS),
+                   the router-weighted sum per token [.., D] (TOKENS), or
+                   whole MoE blocks exchanged by ``exchange_block`` (BLOCKS)
+    dense_ranks    who runs the dense model: every rank on every token (ALL),
+                   rank 0 alone (ROOT), each rank its own sequences (OWN)
+    exact          bit-equal to one process (else: within a tolerance)
+    survives_rank_loss   goes on when a rank is lost (ULFM, mpi4py only)
+    splits_attention     runs the dense model split by mlx-lm's ``shard()``
+"""
+
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Optional, Protocol, Tuple
+from enum import Enum
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import mlx.core as mx
-import mlx.nn as nn
-from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 
-from mlxdist.model.grouped import call_grouped, groups, project
 from mlxdist.dispatch.ownership import LayerOwnership
 from mlxdist.dispatch.stats import ExchangeStats
 
@@ -21,85 +38,103 @@ class ExpertBatch:
     total_slots: int = 0  # slots of the whole layer when this is a subset of them; 0: all of them
 
 
-# MLX chooses a gather-matmul kernel by the number of (row, expert) slots in
-# one call: on CUDA fewer than 8 take a matrix-vector kernel (quantized), and
-# from 64 mlx-lm's SwitchGLU sorts the slots (a grouped GEMM); the kernels
-# round differently. A rank that computes a subset of one process's slots
-# pads its call into the same class, so each slot runs the kernel it runs in
-# one process: the condition for bit-equal results on GPUs.
-KERNEL_CLASS_BOUNDS = (8, 64)
+class Combine(str, Enum):
+    SLOTS = "slots"  # [.., K, D]: every slot, as one process's expert module returns them
+    TOKENS = "tokens"  # [.., D]: each token's router-weighted sum over its experts
+    BLOCKS = "blocks"  # whole MoE blocks exchanged (experts cut in width)
 
 
-def padded_slots(slots: int, total: int) -> int:
-    """Slots to compute so that ``slots`` of a layer's ``total`` fall in the
-    kernel class of ``total``."""
-    for bound in reversed(KERNEL_CLASS_BOUNDS):
-        if total >= bound:
-            return max(slots, bound)
-    return slots
+class DenseRanks(str, Enum):
+    ALL = "all"  # every rank runs the dense model on every token
+    ROOT = "root"  # rank 0 alone; the other ranks hold experts only
+    OWN = "own"  # each rank its own sequences (data-parallel attention)
 
 
-def run_experts(experts: nn.Module, batch: ExpertBatch, pad: Optional[bool] = None) -> mx.array:
-    """``experts(batch.x, batch.inds)``, padded as ``padded_slots`` says when
-    the batch is a subset ([s, D], [s, 1]) and ``pad`` (default: on GPUs,
-    where the kernel classes differ; the CPU's kernels round alike)."""
-    if pad is None:
-        pad = mx.default_device() == mx.gpu
-    s = batch.x.shape[0]
-    target = padded_slots(s, batch.total_slots) if pad and batch.total_slots else s
-    if target == s:
-        return call_experts(experts, batch.x, batch.inds)
-    x = mx.concatenate([batch.x, mx.zeros((target - s,) + batch.x.shape[1:], batch.x.dtype)])
-    inds = mx.concatenate([batch.inds, mx.zeros((target - s,) + batch.inds.shape[1:], batch.inds.dtype)])
-    return call_experts(experts, x, inds)[:s]
+# ``experts(layer, batch) -> [s, k, D]`` (None: this rank holds none of the layer's)
+ExpertFn = Callable[[int, ExpertBatch], Optional[mx.array]]
+# ``on_layer(layer, step)``: called by a p2p worker before each batch (test-only fault injection)
+LayerHook = Callable[[int, int], None]
 
 
-def call_experts(experts: nn.Module, x: mx.array, inds: mx.array) -> mx.array:
-    """``experts(x, inds)``, grouped by expert where that pays (``grouped.py``)."""
-    return call_grouped(experts, x, inds) if groups(experts, inds) else experts(x, inds)
-
-
-# Slots up to which the experts run unsorted (call_unsorted): the range measured.
-UNSORTED_MAX_SLOTS = 256
-
-
-def call_unsorted(experts: nn.Module, x: mx.array, inds: mx.array) -> mx.array:
-    """``experts(x, inds)`` for mlx-lm's SwitchGLU / SwitchMLP without the
-    sort by expert they do from 64 slots (about nine graph nodes per call),
-    up to ``UNSORTED_MAX_SLOTS``: on GPUs a decode step is bound by the
-    host's time per node, and on one H200 the width-cut experts of a
-    48-layer step ran 0.9 to 1.6 ms faster unsorted at 64 and 256 slots
-    (benchmarks/gpu/expert_cost.py); on the CPU it made no difference.
-    Calls that group by expert (``grouped.py``: from two slots per expert on
-    GPUs) do that; larger ones and other expert modules are called as they are."""
-    if groups(experts, inds):
-        return call_grouped(experts, x, inds)
-    if inds.size > UNSORTED_MAX_SLOTS or type(experts) not in (SwitchGLU, SwitchMLP):  # a subclass may differ
-        return experts(x, inds)
-    return project(experts, mx.expand_dims(x, (-2, -3)), inds).squeeze(-2)
-
-
-class Dispatcher(Protocol):
+class Dispatcher(ABC):
     """Moves a layer's (row, expert) slots to the experts' owners and back.
 
     ``dispatch`` returns this rank's share of the work (None if it has none)
     and an opaque handle; ``combine`` takes the experts' output for that
-    share and the handle, and returns every slot, ``[.., K, D]``, exactly as
-    one process computes it (except where a mode says otherwise).
+    share and the handle, and returns what ``combines`` says.
     """
 
-    name: str
+    name: str  # the strategy, as ``--dispatch`` names it
+    dense_ranks: DenseRanks
+    survives_rank_loss: bool = False
+    splits_attention: bool = False
     stats: ExchangeStats
 
-    def dispatch(self, ownership: LayerOwnership, x: mx.array, inds: mx.array) -> Tuple[Optional[ExpertBatch], Any]:
-        ...
+    @property
+    @abstractmethod
+    def combines(self) -> Combine:
+        """What ``combine`` (or ``exchange_block``) returns."""
 
+    @property
+    @abstractmethod
+    def exact(self) -> bool:
+        """Whether results are bit-equal to single-process mlx-lm."""
+
+    @abstractmethod
+    def dispatch(self, ownership: LayerOwnership, x: mx.array, inds: mx.array,
+                 weights: Optional[mx.array] = None) -> Tuple[Optional[ExpertBatch], Any]:
+        """x [.., D], inds [.., K] (and, for TOKENS, the router weights [.., K])
+        -> (this rank's ExpertBatch or None, handle)."""
+
+    @abstractmethod
     def combine(self, y: Optional[mx.array], handle: Any) -> mx.array:
-        ...
+        """y [s, k, D] (the batch's expert output, None where there was none)
+        -> [.., K, D] (SLOTS) or [.., D] (TOKENS)."""
+
+    def exchange_block(self, layer: int, block: Callable[[mx.array], mx.array], x: mx.array) -> mx.array:
+        """BLOCKS: the MoE block ``block`` over every rank, x [.., D] -> [.., D]."""
+        raise NotImplementedError(f"{self.name} exchanges slots, not whole blocks")
+
+    def begin_forward(self) -> None:
+        """A forward pass begins (called at the model's first MoE layer)."""
 
     def progress_after_combine(self, layer: int) -> Tuple[str, Optional[int]]:
         """The watchdog's (phase, layer) once ``combine`` has returned."""
-        ...
+        return ("exchange", None)  # only the graph is built: it runs, and may wait, later
 
     def finish(self) -> None:
-        """End of one generation (release any rank waiting on this one)."""
+        """End of one generation (run what is pending; release waiting ranks)."""
+
+    def serve(self, experts: ExpertFn, ownership: Dict[int, LayerOwnership],
+              on_layer: Optional[LayerHook] = None) -> None:
+        """ROOT: a worker's part in one generation, computing ``experts`` on
+        what rank 0 sends until it says the generation is done."""
+        raise NotImplementedError(f"{self.name}: every rank runs the dense model; no rank serves")
+
+    def adopt(self, rank: int, experts: ExpertFn) -> None:
+        """``survives_rank_loss``: compute the lost ``rank``'s slots with ``experts`` from now on."""
+        raise NotImplementedError(f"{self.name} does not go on without a rank")
+
+
+class RowDispatcher(Dispatcher):
+    """OWN: every rank feeds its own rows, and the schedule
+    (``engine/dp_schedule.py``) announces every rank's rows for each forward
+    pass so that the collectives line up."""
+
+    dense_ranks = DenseRanks.OWN
+    dtype: mx.Dtype  # every rank's MoE-layer input dtype
+    final_layer: Optional[int] = None  # the MoE layer that is the model's last layer, if any
+
+    @abstractmethod
+    def plan(self, rows_per_rank: list, prompt_only: bool = False) -> None:
+        """Announce the rows every rank feeds to one coming forward pass."""
+
+    @property
+    @abstractmethod
+    def last(self) -> Optional[mx.array]:
+        """The latest collective built: what a rank that reads none of a
+        step's outputs makes its step depend on, so its collectives run too."""
+
+    @abstractmethod
+    def empty_input(self, width: int) -> Tuple[mx.array, mx.array, mx.array]:
+        """A rank's MoE-layer input with no rows: (x [0, D], inds [0, K], weights [0, K])."""

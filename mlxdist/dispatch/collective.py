@@ -24,7 +24,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlxdist.runtime.world import World
-from mlxdist.dispatch.base import ExpertBatch
+from mlxdist.dispatch.base import Combine, DenseRanks, Dispatcher, ExpertBatch
 from mlxdist.dispatch.ownership import LayerOwnership
 from mlxdist.dispatch.stats import ExchangeStats
 
@@ -47,20 +47,35 @@ class CollectiveHandle:
     computed_slots: Optional[mx.array] = None  # compact: [s] flat ids of the slots computed
 
 
-class CollectiveDispatcher:
-    name = "collective"
+class CollectiveDispatcher(Dispatcher):
+    """``collective`` (and, with ``splits_attention``, ``collective-tp``:
+    the dense model split by mlx-lm's ``shard()``, whose MoE block sums the
+    slots itself where ``reduce`` is off)."""
 
-    def __init__(self, world: World, layout: str = "masked", reduce: bool = True, wraps_blocks: bool = False):
+    dense_ranks = DenseRanks.ALL
+
+    def __init__(self, world: World, layout: str = "masked", reduce: bool = True, wraps_blocks: bool = False,
+                 splits_attention: bool = False):
         if layout not in LAYOUTS:
             raise ValueError(f"unknown collective layout {layout!r} (choose {', '.join(LAYOUTS)})")
         self.world = world
         self.layout = layout
         self.reduce = reduce
+        self.splits_attention = splits_attention
+        self.name = "collective-tp" if splits_attention else "collective"
         # Experts (and shared experts) cut in width: whole MoE blocks run
         # here and their outputs are summed (exchange_block), not slots.
         self.wraps_blocks = wraps_blocks
         self.stats = ExchangeStats()
         self._tables: Dict[int, Tuple[mx.array, mx.array]] = {}
+
+    @property
+    def combines(self) -> Combine:
+        return Combine.BLOCKS if self.wraps_blocks else Combine.SLOTS
+
+    @property
+    def exact(self) -> bool:
+        return self.world.size == 1 or (self.reduce and not self.wraps_blocks and not self.splits_attention)
 
     def _masked_table(self, ownership: LayerOwnership) -> Tuple[mx.array, mx.array]:
         """([E] local id, or 0 where held elsewhere; [E] owned by this rank)."""
@@ -69,7 +84,7 @@ class CollectiveDispatcher:
             self._tables[ownership.layer] = (mx.array(local_index), mx.array(owned))
         return self._tables[ownership.layer]
 
-    def dispatch(self, ownership: LayerOwnership, x: mx.array, inds: mx.array):
+    def dispatch(self, ownership: LayerOwnership, x: mx.array, inds: mx.array, weights: Optional[mx.array] = None):
         self.stats.layers += 1
         load = self.stats.count(ownership.layer, inds, ownership.num_experts)
         if self.world.size == 1:
@@ -125,10 +140,3 @@ class CollectiveDispatcher:
         if handle.expert_load is not None:  # evaluate the counters with the layer
             out = mx.depends(out, handle.expert_load)
         return out
-
-    def progress_after_combine(self, layer: int) -> Tuple[str, Optional[int]]:
-        # Only the graph is built here: it runs, and may wait in all_sum, later.
-        return ("exchange", None)
-
-    def finish(self) -> None:
-        pass

@@ -35,7 +35,7 @@ on the wire, no weights to find.
 Layouts as in collective.py: ``masked`` computes every gathered slot with
 static shapes (GPUs), ``compact`` reads the routing back and computes only
 the owned slots (the CPU). A rank with no rows in a forward still takes part
-(``idle_layer``): it serves its experts to the others.
+(the switch's ``serve_idle``): it serves its experts to the others.
 
 Every rank must run the same collectives in the same order, but a rank
 evaluates only what it needs (mlx-lm's prefill evaluates the KV caches, not
@@ -51,11 +51,10 @@ from typing import Callable, Deque, Dict, List, Optional, Tuple
 
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
 
 from mlxdist.runtime.world import World
-from mlxdist.dispatch.base import ExpertBatch, run_experts
+from mlxdist.dispatch.base import Combine, ExpertBatch, RowDispatcher
 from mlxdist.dispatch.collective import LAYOUTS
 from mlxdist.dispatch.ownership import LayerOwnership
 from mlxdist.dispatch.stats import ExchangeStats
@@ -72,9 +71,8 @@ class TokenHandle:
     skipped: bool = False  # a prefill's last layer: zeros, no exchange
 
 
-class DataParallelDispatcher:
+class DataParallelDispatcher(RowDispatcher):
     name = "dp"
-    combines_tokens = True  # combine returns [.., D]: the block's weighted sum, done here
 
     def __init__(self, world: World, layout: str = "masked", top_k: int = 0, dtype: mx.Dtype = mx.float32,
                  weights_dtype: mx.Dtype = mx.float32, wraps_blocks: bool = False):
@@ -101,6 +99,14 @@ class DataParallelDispatcher:
         self._forward_starts = False  # the next gather is a forward's first
         self._tables: Dict[int, Tuple[mx.array, mx.array]] = {}
 
+    @property
+    def combines(self) -> Combine:
+        return Combine.BLOCKS if self.wraps_blocks else Combine.TOKENS
+
+    @property
+    def exact(self) -> bool:
+        return self.world.size == 1  # the ranks' partial sums add in another order than one process's
+
     def plan(self, rows_per_rank: List[int], prompt_only: bool = False) -> None:
         """Announce the rows every rank feeds to one coming forward pass, in
         order; every rank announces the same. ``prompt_only``: a prefill
@@ -124,7 +130,7 @@ class DataParallelDispatcher:
             self._tables[ownership.layer] = (mx.array(local_index), mx.array(owned).astype(self.weights_dtype))
         return self._tables[ownership.layer]
 
-    def dispatch(self, ownership: LayerOwnership, x: mx.array, inds: mx.array, weights: mx.array):
+    def dispatch(self, ownership: LayerOwnership, x: mx.array, inds: mx.array, weights: Optional[mx.array] = None):
         D, K = x.shape[-1], inds.shape[-1]
         rows, padded = self.rows[self.world.rank], max(self.rows)
         xs = x.reshape(-1, D)  # [.., D] -> [T_r, D]
@@ -234,23 +240,15 @@ class DataParallelDispatcher:
         self._last = mine
         return mine[: handle.rows].reshape(handle.out_shape)
 
-    def idle_layer(self, ownership: LayerOwnership, experts: Optional[nn.Module], width: int) -> None:
-        """This rank's part in one MoE layer of a forward pass where it has no
-        rows: serve its experts to the others."""
-        x = mx.zeros((0, width), dtype=self.dtype)
-        inds = mx.zeros((0, self.top_k), dtype=mx.int32)
-        batch, handle = self.dispatch(ownership, x, inds, mx.zeros((0, self.top_k), dtype=self.weights_dtype))
-        y = run_experts(experts, batch) if batch is not None and experts is not None else None
-        self.combine(y, handle)
+    def empty_input(self, width: int) -> Tuple[mx.array, mx.array, mx.array]:
+        return (mx.zeros((0, width), dtype=self.dtype), mx.zeros((0, self.top_k), dtype=mx.int32),
+                mx.zeros((0, self.top_k), dtype=self.weights_dtype))
 
     @property
     def last(self) -> Optional[mx.array]:
         """The latest reduce built: what a rank that needs none of the
         outputs makes its step depend on, so its collectives run too."""
         return self._last
-
-    def progress_after_combine(self, layer: int) -> Tuple[str, Optional[int]]:
-        return ("exchange", None)
 
     def finish(self) -> None:
         if self._last is not None:  # run every collective built so far

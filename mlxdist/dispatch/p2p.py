@@ -15,14 +15,13 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
 
 from mlxdist.runtime import survival
 from mlxdist.runtime.world import World
 from mlxdist.runtime.watchdog import ACTIVITY
 from mlxdist.dispatch import wire
-from mlxdist.dispatch.base import ExpertBatch, run_experts
+from mlxdist.dispatch.base import Combine, DenseRanks, Dispatcher, ExpertBatch, ExpertFn, LayerHook
 from mlxdist.dispatch.ownership import LayerOwnership
 from mlxdist.dispatch.stats import ExchangeStats
 
@@ -42,16 +41,23 @@ class P2PHandle:
     posted: bool = False
 
 
-class P2PDispatcher:
+class P2PDispatcher(Dispatcher):
     name = "p2p"
+    dense_ranks = DenseRanks.ROOT
+    survives_rank_loss = True
+    combines = Combine.SLOTS
+    exact = True
 
     def __init__(self, world: World):
         self.world = world
         self.stats = ExchangeStats()
         self.generation = 0  # generations finished (numbers the DONE messages)
-        self.adopted: Dict[int, Dict[int, nn.Module]] = {}  # lost rank -> layer -> its experts, now rank 0's
+        self.adopted: Dict[int, ExpertFn] = {}  # lost rank -> its experts, now computed on rank 0
 
-    def dispatch(self, ownership: LayerOwnership, x: mx.array, inds: mx.array):
+    def adopt(self, rank: int, experts: ExpertFn) -> None:
+        self.adopted[rank] = experts
+
+    def dispatch(self, ownership: LayerOwnership, x: mx.array, inds: mx.array, weights: Optional[mx.array] = None):
         self.stats.layers += 1
         D = x.shape[-1]
         mx.eval(x, inds)
@@ -86,8 +92,8 @@ class P2PDispatcher:
             if rank == 0 or rank in handle.adopted:
                 continue
             if rank in self.adopted:
-                module = self.adopted[rank][handle.ownership.layer]
-                handle.adopted[rank] = (slots, run_experts(module, self._batch(handle, slots)))
+                layer = handle.ownership.layer
+                handle.adopted[rank] = (slots, self.adopted[rank](layer, self._batch(handle, slots)))
                 continue
             x_np = wire.to_numpy(handle.xs) if x_np is None else x_np  # [T, D]
             rows, slot_rows = np.unique(slots // K, return_inverse=True)  # each token once per rank
@@ -145,7 +151,7 @@ class P2PDispatcher:
         MPI.Request.Waitall(handle.requests)
 
     def progress_after_combine(self, layer: int) -> Tuple[str, Optional[int]]:
-        return ("dense", layer)  # the exchange has completed
+        return ("dense", layer)  # the exchange has completed (on the host)
 
     def finish(self) -> None:
         """Release the workers from ``serve`` (end of a generation)."""
@@ -159,8 +165,9 @@ class P2PDispatcher:
                 survival.recover(self.world)
         self.generation += 1
 
-    def serve(self, experts: Dict[int, nn.Module], ownership: Dict[int, LayerOwnership], on_layer=None) -> None:
-        """A worker's part in one generation: run the owned experts on each
+    def serve(self, experts: ExpertFn, ownership: Dict[int, LayerOwnership],
+              on_layer: Optional[LayerHook] = None) -> None:
+        """A worker's part in one generation: compute ``experts`` on each
         batch rank 0 sends, until it says DONE. ``on_layer(layer, step)`` runs
         before each batch (the test-only fault injection)."""
         from mpi4py import MPI
@@ -179,7 +186,8 @@ class P2PDispatcher:
                 self.generation += 1
                 return
 
-    def _serve_one(self, experts, ownership, on_layer, status) -> wire.Message:
+    def _serve_one(self, experts: ExpertFn, ownership: Dict[int, LayerOwnership], on_layer: Optional[LayerHook],
+                   status) -> wire.Message:
         """Receive one message from rank 0 and, unless it is DONE, answer it."""
         from mpi4py import MPI
 
@@ -199,7 +207,7 @@ class P2PDispatcher:
         rows = msg.local_ids.size
         x = msg.x[mx.array(msg.slot_rows)]  # [u, D] -> [s, D]
         batch = ExpertBatch(x, mx.array(msg.local_ids)[:, None], msg.total_slots)  # [s, D], [s, 1]
-        y = run_experts(experts[msg.layer], batch)  # [s, 1, D]
+        y = experts(msg.layer, batch)  # [s, 1, D]
         reply = wire.to_numpy(y.reshape(rows, -1))
         stats.compute_seconds += time.perf_counter() - tic
         comm.Send(reply, dest=0, tag=wire.TAG_RESULT)

@@ -21,6 +21,7 @@ import mlx.core as mx
 from mlx_lm.generate_utils import BatchStats
 from mlx_lm.models.cache import LRUPromptCache
 
+from mlxdist.config import GenerationParams
 from mlxdist.engine.dp_schedule import DataParallelGeneration, Sequence
 
 
@@ -63,11 +64,9 @@ class DataParallelBatchGenerator:
     """Drop-in for mlx-lm's ``BatchGenerator`` in its server; the same calls on every rank."""
 
     def __init__(self, engine, completion_batch_size: int, prefill_step_size: int):
-        from mlxdist.engine.engine import GenerationParams
-
         self.engine = engine
         params = GenerationParams(prefill_step_size=prefill_step_size, completion_batch_size=completion_batch_size)
-        self.gen = DataParallelGeneration(engine, engine.dispatchers["dp"], params)
+        self.gen = DataParallelGeneration(engine, engine.data_parallel, params)
         self.limit = completion_batch_size
         self.waiting: List[Sequence] = []
         self.next_uid = 0
@@ -92,7 +91,7 @@ class DataParallelBatchGenerator:
     def next(self) -> Tuple[List[PromptResponse], List[TokenResponse]]:
         """Admit waiting prompts (a lockstep prefill), else one decode step of every live sequence."""
         gen = self.gen
-        self.engine.use("dp")
+        self.engine.use(gen.dispatcher.name)
         live = sum(len(seqs) for seqs in gen.live)
         if self.waiting and live < self.limit:
             joined = gen.admit(self.waiting, self.limit, self.stats)

@@ -29,7 +29,7 @@ from mlx_lm.generate import PromptProcessingBatch, _extend_cache
 from mlx_lm.generate_utils import BatchStats
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlxdist.dispatch.dataparallel import DataParallelDispatcher
+from mlxdist.dispatch import Combine, RowDispatcher
 from mlxdist.model.switch import DistributedSwitch
 
 
@@ -83,9 +83,9 @@ class DPResult:
 class DataParallelGeneration:
     """One batched generation under the data-parallel dispatcher."""
 
-    def __init__(self, engine, dispatcher: DataParallelDispatcher, params):
+    def __init__(self, engine, dispatcher: RowDispatcher, params):
         self.engine = engine
-        self.model = engine.models.get("dp", engine.model)  # auto may hold a second, sharded one
+        self.model = engine.base_model  # auto may hold a second, sharded one for single sequences
         self.world = engine.world
         self.dispatcher = dispatcher
         self.params = params
@@ -100,14 +100,14 @@ class DataParallelGeneration:
     # -- forward passes ----------------------------------------------------
     def _idle_forward(self) -> None:
         """Serve this rank's experts in one forward pass it has no rows in."""
-        if self.dispatcher.wraps_blocks:  # each block gathers the others' rows and runs on them
+        if self.dispatcher.combines is Combine.BLOCKS:  # each block gathers the others' rows and runs on them
             empty = mx.zeros((0, 1, self.width), dtype=self.dispatcher.dtype)
             for block in self.engine.blocks:
                 block(empty)
             return
         self.dispatcher.begin_forward()
         for switch in self.switches:
-            self.dispatcher.idle_layer(switch.ownership, switch.experts, self.width)
+            switch.serve_idle(self.width)
 
     def _prefill(self, joiners: List[List[Sequence]]) -> None:
         """Every rank's joiners' prompts but their last token, as mlx-lm's

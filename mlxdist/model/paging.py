@@ -16,7 +16,7 @@ back anyway: the compact layout and p2p (one expert per row).
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -24,7 +24,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from mlxdist.errors import UserError
-from mlxdist.model.checkpoint import TensorEntry, nbytes, read_rows
+from mlxdist.model.checkpoint import TensorEntry, nbytes, read_rows, slice_experts, stacked_tensors
 
 
 def capacity_for_budget(budget: float, model: nn.Module, sites, runs_dense: bool) -> int:
@@ -142,3 +142,19 @@ def _put_rows(stack: mx.array, slots: List[int], rows: mx.array) -> mx.array:
     stack = mx.array(stack)
     stack[mx.array(slots)] = rows
     return stack
+
+
+def expert_module(site, owned: List[int], index, capacity: Optional[int], stats: PagingStats) -> Optional[nn.Module]:
+    """This rank's expert module for one layer: its owned experts, or, past
+    ``capacity``, a paged stack of that many slots (``paging.py``)."""
+    if not owned:
+        return None
+    if capacity is None or len(owned) <= capacity:
+        return slice_experts(site, owned, index)
+    stacked = stacked_tensors(site, index)
+    unpageable = [name for name, _, entry in stacked if entry is None]
+    if unpageable:
+        raise UserError(f"cannot page {site.path}: the checkpoint does not store {unpageable[0]} in mlx-lm's "
+                        f"stacked layout")
+    entries = {name: entry for name, _, entry in stacked}
+    return PagedExperts(slice_experts(site, owned[:capacity], index), owned, capacity, entries, stats)

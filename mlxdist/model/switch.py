@@ -10,10 +10,11 @@ from typing import Any, Callable, Dict, Optional, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxdist.dispatch import Dispatcher, LayerOwnership
-from mlxdist.dispatch.base import call_unsorted, run_experts
+from mlxdist.dispatch import Combine, Dispatcher, LayerOwnership, RowDispatcher
+from mlxdist.model.experts import call_unsorted, run_experts
 from mlxdist.model.routing import caller_weights
-from mlxdist.runtime.watchdog import ACTIVITY, Fault
+from mlxdist.runtime import faults
+from mlxdist.runtime.watchdog import ACTIVITY
 
 # observer(switch, boundary, arrays): called at "input", "dispatched",
 # "experts" and "combined" of every layer while set (see ``Engine.observe``);
@@ -40,7 +41,6 @@ class DistributedSwitch(nn.Module):
         experts: Optional[nn.Module],
         dispatcher: Dispatcher,
         first: bool = False,
-        fault: Optional[Fault] = None,
         extras: Optional[Dict[str, Any]] = None,
     ):
         super().__init__()
@@ -48,7 +48,6 @@ class DistributedSwitch(nn.Module):
         self.experts = experts
         self.dispatcher = dispatcher
         self.first = first
-        self.fault = fault  # test-only fault injection; None in real runs
         self.observer: Optional[Observer] = None
         self.weights_name: Optional[str] = None  # the block's router-weights local (routing.py)
         self._combined: Optional[mx.array] = None  # a per-token combine's result, for run_block
@@ -59,12 +58,12 @@ class DistributedSwitch(nn.Module):
 
     def __call__(self, x: mx.array, inds: mx.array) -> mx.array:
         layer = self.ownership.layer
-        per_token = getattr(self.dispatcher, "combines_tokens", False)
+        per_token = self.dispatcher.combines is Combine.TOKENS
         if not self.wraps_block:  # else the forward began around the block (run_block)
             self._maybe_begin_forward(x)
         ACTIVITY.beat("experts", layer)
-        if self.fault is not None:
-            self.fault.maybe_fire(layer, ACTIVITY.step)
+        if faults.FAULT is not None:
+            faults.at_layer(layer, ACTIVITY.step)
         observer = self.observer
         if self.wraps_block:  # inside exchange_block: the rows are here already, the sum comes after the block
             if observer is not None:
@@ -75,11 +74,8 @@ class DistributedSwitch(nn.Module):
             return y
         if observer is not None:
             observer(self, "input", (x, inds))
-        if per_token:
-            weights = caller_weights(self.weights_name, inds)
-            batch, handle = self.dispatcher.dispatch(self.ownership, x, inds, weights)
-        else:
-            batch, handle = self.dispatcher.dispatch(self.ownership, x, inds)
+        weights = caller_weights(self.weights_name, inds) if per_token else None
+        batch, handle = self.dispatcher.dispatch(self.ownership, x, inds, weights)
         if observer is not None:
             observer(self, "dispatched", ())
         y = None
@@ -100,13 +96,23 @@ class DistributedSwitch(nn.Module):
         """At the model's first MoE layer a forward pass begins."""
         if self.first:
             ACTIVITY.begin_forward(prefill=x.ndim >= 3 and x.shape[-2] > 1)  # [B, L, D]: L tokens each
-            if getattr(self.dispatcher, "combines_tokens", False):
-                self.dispatcher.begin_forward()
+            self.dispatcher.begin_forward()
 
     @property
     def wraps_block(self) -> bool:
         """Whether the dispatcher exchanges whole blocks (experts cut in width)."""
-        return getattr(self.dispatcher, "wraps_blocks", False)
+        return self.dispatcher.combines is Combine.BLOCKS
+
+    def serve_idle(self, width: int) -> None:
+        """This rank's part in one MoE layer of a forward pass in which it
+        has no rows of its own (a ``RowDispatcher``): serve its experts to the
+        other ranks' rows."""
+        dispatcher = self.dispatcher
+        assert isinstance(dispatcher, RowDispatcher)
+        x, inds, weights = dispatcher.empty_input(width)
+        batch, handle = dispatcher.dispatch(self.ownership, x, inds, weights)
+        y = run_experts(self.experts, batch) if batch is not None and self.experts is not None else None
+        dispatcher.combine(y, handle)
 
     def run_block(self, block: Callable[[mx.array], mx.array], x: mx.array) -> mx.array:
         """The MoE block around this switch, ``block(x)``: exchanged whole
@@ -139,7 +145,7 @@ class MoEBlock(nn.Module):
     """A model's MoE block, run through its switch (``run_block``).
 
     With a per-slot dispatcher the switch returns every slot and nothing is
-    added. With the data-parallel one (``combines_tokens``) the switch
+    added. With a per-token one (``Combine.TOKENS``) the switch
     returns zeros, so the block yields only what it adds itself (shared
     experts), and the exchange's router-weighted sum is added after it. With
     experts cut in width the whole block is exchanged over the ranks.

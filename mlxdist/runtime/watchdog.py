@@ -20,10 +20,7 @@ back. While the latest forward is a prefill (more than one token per
 sequence: one long evaluation, and a first CUDA launch compiles for minutes)
 the deadline is ``PREFILL_FACTOR`` times longer.
 
-``MLXDIST_FAULT`` injects a fault for tests, e.g. ``kill:rank=1,layer=2,step=3``,
-``sleep:rank=1,layer=2,step=3,seconds=60`` or ``raise:...`` (an unexpected
-exception): at that rank's expert step (``layer=-1``: at every MoE layer of
-that step; ``skip=K``: the (K+1)-th time, i.e. in a later generation).
+Faults for tests are injected by ``faults.py`` (``MLXDIST_FAULT``).
 """
 
 import os
@@ -84,42 +81,6 @@ ACTIVITY = Activity()
 # being stopped, e.g. the server's answer to a lost rank; given a moment to act.
 ON_FATAL: List[Callable[[], None]] = []
 FATAL_GRACE = 1.5  # seconds
-
-
-class Fault:
-    """The test-only fault of ``MLXDIST_FAULT``, if it names this rank."""
-
-    def __init__(self, spec: str, rank: int):
-        action, _, params = spec.partition(":")
-        values = dict(p.split("=", 1) for p in params.split(",") if p)
-        self.action = action
-        self.armed = int(values.get("rank", -1)) == rank
-        self.layer = int(values.get("layer", -1))
-        self.step = int(values.get("step", 0))
-        self.seconds = float(values.get("seconds", 3600))
-        self.skip = int(values.get("skip", 0))  # matching moments to let pass first (later generations)
-
-    def maybe_fire(self, layer: int, step: int) -> None:
-        if not self.armed or self.layer not in (layer, -1) or step != self.step:
-            return
-        if self.skip > 0:
-            self.skip -= 1
-            return
-        self.armed = self.layer == -1  # every layer of the step
-        if self.action == "kill":
-            os.kill(os.getpid(), signal.SIGKILL)
-        elif self.action == "raise":
-            raise RuntimeError(f"injected fault at layer {layer} of step {step}")
-        elif self.action == "sleep":
-            time.sleep(self.seconds)
-
-
-def configured_fault(rank: int) -> Optional[Fault]:
-    """The fault ``MLXDIST_FAULT`` sets for this rank, or None (always, in
-    real runs: then nothing on the hot path checks for it)."""
-    spec = os.environ.get("MLXDIST_FAULT")
-    fault = Fault(spec, rank) if spec else None
-    return fault if fault is not None and fault.armed else None
 
 
 class Watchdog:

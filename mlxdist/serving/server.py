@@ -38,7 +38,6 @@ from typing import Any, Dict, List, Optional
 from mlx_lm import server as lm_server
 
 from mlxdist.errors import say_error
-from mlxdist.engine.engine import EXPERT_SPLITS
 from mlxdist.runtime.world import World, bcast_bytes
 from mlxdist.runtime.watchdog import ON_FATAL
 
@@ -170,7 +169,7 @@ class LockstepResponseGenerator(lm_server.ResponseGenerator):
                 _from_json(lm_server.GenerationArguments, shared["args"]))
 
     def _tokenize(self, tokenizer, request, args):
-        if args.top_logprobs > 0 and self.model_provider.engine.dispatch == "dp":
+        if args.top_logprobs > 0 and self.model_provider.engine.data_parallel is not None:
             raise RequestError("top_logprobs is not available with --dispatch dp (each rank gathers only the "
                                "sampled token's log-probability)")
         tokenized = super()._tokenize(tokenizer, request, args)
@@ -307,7 +306,7 @@ def serve(executor, options: Dict[str, Any]) -> None:
     engine = executor.engine
     provider = EngineModelProvider(cli_args, engine)
     prompt_cache = lm_server.LRUPromptCache(cli_args.prompt_cache_size)
-    if engine.dispatch == "dp" and world.size > 1:
+    if engine.data_parallel is not None:  # each rank its own sequences
         from mlxdist.engine.dp_generator import NoPromptCache, make_batch_generator
 
         # mlx-lm's server builds its BatchGenerator by this name; this process serves this model only

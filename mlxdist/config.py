@@ -1,0 +1,91 @@
+"""What a user chooses: the load options LOAD carries and the generation
+parameters GENERATE carries, each checked on rank 0 before any rank acts.
+The dispatch modes themselves and ``auto``'s rule are in ``dispatch/modes.py``.
+"""
+
+from dataclasses import dataclass
+from typing import List, Optional, Union
+
+from mlx_lm.generate import DEFAULT_MAX_TOKENS
+from mlx_lm.sample_utils import make_sampler
+
+from mlxdist.dispatch import LAYOUTS, modes
+from mlxdist.errors import UserError
+
+__all__ = ["EXPERT_SPLITS", "GenerationParams", "LoadOptions"]
+
+EXPERT_SPLITS = ("whole", "width")
+
+
+@dataclass
+class LoadOptions:
+    """What LOAD carries: chosen on rank 0, broadcast, fingerprinted."""
+
+    model: str
+    dispatch: str = "auto"
+    layout: str = "masked"  # collective modes: "masked" or "compact" (see dispatch/collective.py)
+    placement: Optional[dict] = None  # a placement's JSON object; None: the even policy
+    rank0_experts: bool = True
+    stats: bool = False  # count routed slots per expert from the start
+    expert_capacity: Optional[int] = None  # experts resident per layer and rank; the rest paged in (paging.py)
+    memory_budget_gb: Optional[float] = None  # weight bytes a rank may hold: sets its expert capacity (paging.py)
+    expert_split: str = "whole"  # "whole": each expert on one rank; "width": every expert cut over the ranks
+
+    def validate(self) -> None:
+        modes.mode(self.dispatch)
+        if self.layout not in LAYOUTS:
+            raise UserError(f"unknown layout {self.layout!r} (choose {', '.join(LAYOUTS)})")
+        if self.expert_capacity is not None and self.memory_budget_gb is not None:
+            raise UserError("give --expert-capacity or --memory-budget, not both")
+        if self.memory_budget_gb is not None and not self.memory_budget_gb > 0:
+            raise UserError(f"--memory-budget must be a positive number of GB, not {self.memory_budget_gb}")
+        if self.expert_split not in EXPERT_SPLITS:
+            raise UserError(f"unknown expert split {self.expert_split!r} (choose {', '.join(EXPERT_SPLITS)})")
+        if self.expert_capacity is not None or self.memory_budget_gb is not None:
+            if self.expert_capacity is not None and self.expert_capacity < 1:
+                raise UserError(f"--expert-capacity must be at least 1, not {self.expert_capacity}")
+        pages = self.expert_capacity is not None or self.memory_budget_gb is not None
+        modes.check_options(self.dispatch, self.layout, self.expert_split, pages,
+                            placed=self.placement is not None or not self.rank0_experts)
+
+
+@dataclass
+class GenerationParams:
+    """What GENERATE carries besides the prompts; validated on rank 0.
+    ``max_tokens`` may be a list: one per prompt of a batch."""
+
+    max_tokens: Union[int, List[int]] = DEFAULT_MAX_TOKENS
+    temp: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: Optional[int] = None
+    prefill_step_size: int = 2048
+    max_kv_size: Optional[int] = None  # a rotating KV cache of this many tokens
+    completion_batch_size: Optional[int] = None  # most sequences decoded at once (None: all)
+
+    def validate(self) -> None:
+        for max_tokens in self.max_tokens if isinstance(self.max_tokens, list) else [self.max_tokens]:
+            if not (isinstance(max_tokens, int) and max_tokens >= 1):
+                raise UserError(f"max_tokens must be at least 1, got {max_tokens}")
+        if not self.temp >= 0:
+            raise UserError(f"temperature must be >= 0, got {self.temp}")
+        if not 0 < self.top_p <= 1:
+            raise UserError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not self.top_k >= 0:
+            raise UserError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise UserError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not self.prefill_step_size >= 1:
+            raise UserError(f"prefill_step_size must be >= 1, got {self.prefill_step_size}")
+        if self.max_kv_size is not None and not self.max_kv_size >= 1:
+            raise UserError(f"max_kv_size must be >= 1, got {self.max_kv_size}")
+        if self.completion_batch_size is not None and not self.completion_batch_size >= 1:
+            raise UserError(f"completion_batch_size must be >= 1, got {self.completion_batch_size}")
+
+    def max_tokens_each(self, n: int) -> List[int]:
+        """``max_tokens`` for each of ``n`` prompts."""
+        return list(self.max_tokens) if isinstance(self.max_tokens, list) else [self.max_tokens] * n
+
+    def sampler(self):
+        return make_sampler(self.temp, top_p=self.top_p, min_p=self.min_p, top_k=self.top_k)

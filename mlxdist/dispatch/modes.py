@@ -1,0 +1,140 @@
+"""The dispatch modes a user picks (``--dispatch``), what each is, and which
+strategy runs a batch: the one place a mode's name decides anything.
+
+A mode builds one or two strategies (dispatchers) at load; ``auto`` and
+``dp`` hold a data-parallel one for batches and a collective one for single
+sequences, and ``choose`` picks between them per generation.
+"""
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+from mlxdist.errors import UserError
+
+
+@dataclass(frozen=True)
+class Mode:
+    """One ``--dispatch`` choice, as the docs' table shows it."""
+
+    name: str
+    dense: str  # who runs the dense model
+    collectives: str  # what crosses the ranks per MoE layer
+    exact: bool  # bit-equal to single-process mlx-lm
+    summary: str
+    takes_width: bool = True  # runs with --expert-split width
+    routing_on_host: bool = False  # reads the routing back per layer whatever the layout (can page experts)
+    survives_rank_loss: bool = False
+
+
+MODES: Dict[str, Mode] = {m.name: m for m in (
+    Mode("auto", "collective's or dp's, per batch", "as the mode it picks", True,
+         "dp once every rank has enough rows, else collective (exact for one sequence)"),
+    Mode("collective", "every rank, every token", "one all_sum of the slots [T, K, D]", True,
+         "all ranks run the dense model; each computes its experts' slots"),
+    Mode("collective-tp", "every rank, split by mlx-lm's shard()", "tensor parallelism's all_sums", False,
+         "collective with attention and dense layers split as tensor parallelism splits them"),
+    Mode("p2p", "rank 0 only", "mpi4py sends of each owner's rows and back", True,
+         "workers hold experts only; goes on without a lost rank under launch/mpirun --survive",
+         takes_width=False, routing_on_host=True, survives_rank_loss=True),
+    Mode("dp", "each rank its own sequences", "all_gather of rows, reduce of per-token sums", False,
+         "data-parallel attention, expert-parallel experts, per-token combine"),
+)}
+DISPATCH_MODES = tuple(MODES)
+
+# Rows per rank from which ``auto`` runs dp. On GPUs a decode step is bound
+# by the host's cost per graph node and dp with whole experts adds nodes per
+# MoE layer; on CPUs dp wins once every rank has one row
+# (docs/notes/auto-rows-per-rank.md).
+AUTO_DP_ROWS_PER_RANK = {"mpi": 1, "nccl": 8}
+
+
+def mode(name: str) -> Mode:
+    if name not in MODES:
+        raise UserError(f"unknown dispatch mode {name!r} (choose {', '.join(DISPATCH_MODES)})")
+    return MODES[name]
+
+
+def check_options(name: str, layout: str, expert_split: str, pages: bool, placed: bool) -> None:
+    """Refuse combinations a mode cannot run, in one line each. ``pages``:
+    --expert-capacity or --memory-budget; ``placed``: a placement or
+    --no-rank0-experts given."""
+    m = mode(name)
+    if expert_split == "width":
+        if not m.takes_width:
+            runs = [n for n, other in MODES.items() if other.takes_width]
+            runs = ["auto", "dp"] + [n for n in runs if n not in ("auto", "dp")]  # the width modes first
+            raise UserError(f"--expert-split width runs with --dispatch {', '.join(runs[:-1])} or {runs[-1]}, "
+                            f"not {name}")
+        if pages or placed:
+            raise UserError("--expert-split width holds every expert on every rank, cut in width: "
+                            "it takes no placement, --no-rank0-experts, --expert-capacity or --memory-budget")
+    if pages and not (m.routing_on_host or layout == "compact"):
+        hosts = " or ".join(f"--dispatch {n}" for n, other in MODES.items() if other.routing_on_host)
+        raise UserError(f"--expert-capacity pages experts by the routing read back on the host: "
+                        f"use --layout compact or {hosts}")
+
+
+def check_survival(name: str, ranks: int, tolerant: bool) -> None:
+    """A job launched to survive a lost rank must run a mode that can."""
+    if tolerant and ranks > 1 and not mode(name).survives_rank_loss:
+        able = ", ".join(n for n, m in MODES.items() if m.survives_rank_loss)
+        raise UserError(f"launch/mpirun --survive (in-job survival of a lost rank) needs --dispatch {able}; "
+                        f"{name} runs MLX's collectives, which a lost rank stops")
+
+
+def strategies(name: str, by_width: bool, backend: str, shardable: bool) -> List[str]:
+    """The strategies a load of mode ``name`` builds, the first the default:
+    ``auto`` and ``dp`` hold collective and dp; ``auto`` with experts cut in
+    width on MPI runs single sequences as collective-tp where mlx-lm can
+    ``shard()`` the model (on a twin of it: ``splits_attention``)."""
+    if name not in ("auto", "dp"):
+        return [name]
+    if name == "auto" and by_width and backend == "mpi" and shardable:
+        return ["collective-tp", "dp"]
+    return ["collective", "dp"]
+
+
+def uses_router_weights(names: List[str]) -> bool:
+    """Whether one of these strategies needs each block's router weights found at load."""
+    return "dp" in names
+
+
+def without_router_weights(name: str, names: List[str], reason: UserError) -> List[str]:
+    """The strategies left when the blocks' router weights cannot be found:
+    ``dp`` itself fails with ``reason``; ``auto`` runs collective for every batch."""
+    if name == "dp":
+        raise reason
+    return [n for n in names if n != "dp"] or ["collective"]
+
+
+def auto_strategy(batch: int, ranks: int, backend: str, expert_split: str = "whole") -> str:
+    """``auto``'s choice for a generation of ``batch`` sequences: the
+    data-parallel mode once the batch gives every rank enough rows (one with
+    experts cut in width, else ``AUTO_DP_ROWS_PER_RANK`` for the transport),
+    a collective one below: with experts cut in width on MPI, collective-tp
+    (attention split as tensor parallelism splits it; where the model has no
+    mlx-lm ``shard()`` the engine runs collective)."""
+    rows = 1 if expert_split == "width" else AUTO_DP_ROWS_PER_RANK.get(backend, 1)
+    if batch >= ranks * rows:
+        return "dp"
+    return "collective-tp" if expert_split == "width" and backend == "mpi" else "collective"
+
+
+def choose(name: str, loaded: List[str], batch: int, ranks: int, backend: str, expert_split: str) -> str:
+    """Which of the ``loaded`` strategies runs a generation of ``batch``
+    sequences: ``auto``'s rule; ``dp`` for any batch of two or more."""
+    if "dp" not in loaded:
+        return loaded[0]
+    if name == "auto":
+        choice = auto_strategy(batch, ranks, backend, expert_split)
+        return choice if choice in loaded else loaded[0]
+    return "dp" if batch >= 2 else loaded[0]
+
+
+def markdown_table() -> str:
+    """The modes as a Markdown table (docs)."""
+    rows = ["| mode | dense model | per MoE layer | exact | what it is |", "|---|---|---|---|---|"]
+    for m in MODES.values():
+        exact = "yes" if m.exact else "no (within a tolerance)"
+        rows.append(f"| `{m.name}` | {m.dense} | {m.collectives} | {exact} | {m.summary} |")
+    return "\n".join(rows)

