@@ -22,8 +22,9 @@ from mlxdist.dispatch import default_layout
 from mlxdist.config import GenerationParams, LoadOptions
 from mlxdist.engine import Engine
 from mlxdist.errors import UserError, say_error
-from mlxdist.executor import PROBES, CommandExecutor, LoadError
-from mlxdist.runtime.world import World, abort, init_world, run_or_abort, set_exit_code
+from mlxdist.errors import LoadError
+from mlxdist.executor import PROBES, CommandExecutor
+from mlxdist.runtime.world import World, abort, init_world, launcher_rank, run_or_abort, set_exit_code
 from mlxdist.model.placement import Placement
 from mlxdist.runtime.watchdog import ACTIVITY, DEFAULT_TIMEOUT, start_watchdog
 
@@ -291,11 +292,29 @@ def init(timeout: float = DEFAULT_TIMEOUT, backend: Optional[str] = None) -> Clu
     """Join the job. On rank 0, returns the ``Cluster`` handle; on every
     other rank, serves rank 0's commands and exits the process at shutdown.
 
+    The one start-up path: the command line, the server, the benchmark and
+    scripts all begin here. A job that cannot start (no MPI library, a
+    peer lost while starting, a launcher mlxdist cannot run under) ends
+    with status 1 and one line (from rank 0 alone where every rank has the
+    same problem).
+
     ``timeout``: seconds a generation may make no progress (a rank hung)
     before the job is ended with a report of who was waiting on whom.
     ``backend``: MLX's transport for arrays, "mpi" or "nccl" (default: nccl
     where MLX runs on CUDA, else mpi)."""
-    world = init_world(backend)
+    try:
+        world = init_world(backend)
+    except RuntimeError as e:
+        rank = launcher_rank()
+        code = 1
+        if type(e).__module__.startswith("mpi4py"):  # a peer failed (it may be rank 0): each rank says so
+            say_error(f"rank {rank}: a rank failed while the job started: {e}")
+        elif rank == 0:  # the same problem on every rank: rank 0 speaks for all
+            say_error(str(e))
+        else:  # and gives the job its status: were this rank to fail first, its launcher could stop rank 0 unheard
+            code = 0
+        set_exit_code(code)
+        raise SystemExit(code) from None
     start_watchdog(world, timeout)
     if world.is_root:
         return Cluster(world)

@@ -8,10 +8,9 @@ and a test checks that no module reads a variable this table does not list.
 """
 
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict
 
 
 @dataclass(frozen=True)
@@ -46,8 +45,10 @@ VARIABLES: Dict[str, Variable] = {v.name: v for v in (
              "(also sleep:...,seconds=S and raise:...; layer=-1 every layer; skip=K the (K+1)-th time). "
              "Unset, it costs nothing (mlxdist/runtime/faults.py).", who="test"),
     # -- read from the launcher --------------------------------------------------------------------------
-    Variable("OMPI_COMM_WORLD_SIZE", "int", None, "Set by Open MPI's mpirun: the job's size "
-             "(also PMI_SIZE, PMIX_SIZE). Absent: one rank, no MPI."),
+    Variable("OMPI_COMM_WORLD_SIZE", "int", None, "Set by Open MPI's mpirun: the job's size. Absent (and "
+             "PMI_SIZE, PMIX_SIZE too): one rank, no MPI."),
+    Variable("PMI_SIZE", "int", None, "Set by other MPI launchers: the job's size."),
+    Variable("PMIX_SIZE", "int", None, "Set by PMIx launchers: the job's size."),
     Variable("OMPI_COMM_WORLD_RANK", "int", None, "Set by Open MPI's mpirun: this process's rank "
              "(used before MPI starts, to let rank 0 alone report a start-up error)."),
     Variable("OMPI_MCA_mpi_ft_enable", "bool", False, "Set by launch/mpirun --survive (Open MPI's ULFM fault "
@@ -97,10 +98,6 @@ def put(name: str, value: Any) -> None:
     if VARIABLES[name].who != "set":
         raise KeyError(f"{name} is not one mlxdist sets")
     os.environ[name] = str(value)
-
-
-def log_dir() -> str:
-    return str(get("MLXDIST_LOG_DIR") or tempfile.gettempdir())
 
 
 def markdown() -> str:

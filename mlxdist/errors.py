@@ -1,5 +1,19 @@
-"""Errors reported to the user in one line; the traceback of an unexpected
-one is kept in a per-rank file (and printed too with ``MLXDIST_DEBUG=1``)."""
+"""Every error mlxdist reports, under one base class, and how they are
+reported: one line on stderr; the traceback of an unexpected error (any
+exception that is not an ``MlxdistError``) is kept in a per-rank file (and
+printed too with ``MLXDIST_DEBUG=1``).
+
+    MlxdistError                 reported as its message alone
+      UserError                  the user's input: arguments, model, prompt, files
+        ModelNotFound            no such folder or hub id
+        CheckpointError          a checkpoint that cannot be read
+        PlacementError           a placement that does not fit
+        LoadError                LOAD failed on some rank (the message names them)
+        RequestError             an HTTP request the server refuses (a 4xx)
+      ProtocolError              a control message this rank cannot read
+      RoutingWeightsNotFound     a MoE block whose router weights dp cannot find
+      RankLost                   a rank was lost while serving
+"""
 
 import os
 import sys
@@ -7,9 +21,56 @@ import tempfile
 import traceback
 from typing import Optional
 
+from mlxdist import envs
 
-class UserError(Exception):
+
+class MlxdistError(Exception):
+    """Base of every error mlxdist raises on purpose; its message is the report."""
+
+
+class UserError(MlxdistError):
     """A problem with the user's input (arguments, model, prompt)."""
+
+
+class ModelNotFound(UserError):
+    pass
+
+
+class CheckpointError(UserError, RuntimeError):
+    pass
+
+
+class PlacementError(UserError, ValueError):
+    pass
+
+
+class LoadError(UserError):
+    """LOAD failed on at least one rank; the message names the ranks."""
+
+
+class RequestError(UserError, ValueError):
+    """A request the server answers with a 400 (or the status it carries)."""
+
+
+class ProtocolError(MlxdistError, RuntimeError):
+    pass
+
+
+class RoutingWeightsNotFound(MlxdistError, ValueError):
+    pass
+
+
+class RankLost(MlxdistError, RuntimeError):
+    pass
+
+
+def one_line(e: BaseException) -> str:
+    """An exception as one line: an ``MlxdistError``'s message, else its
+    type and first line."""
+    text = str(e).splitlines()[0] if str(e) else ""
+    if isinstance(e, MlxdistError):
+        return text
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
 def say_error(message: str) -> None:
@@ -24,9 +85,9 @@ def keep_traceback(rank: int) -> Optional[str]:
     log file and return the file's path (None if it cannot be written).
     ``MLXDIST_DEBUG=1`` also prints it to stderr."""
     text = traceback.format_exc()
-    if os.environ.get("MLXDIST_DEBUG") == "1":
+    if envs.get("MLXDIST_DEBUG"):
         print(text, file=sys.stderr, flush=True)
-    folder = os.environ.get("MLXDIST_LOG_DIR") or tempfile.gettempdir()
+    folder = envs.get("MLXDIST_LOG_DIR") or tempfile.gettempdir()
     path = os.path.join(folder, f"mlxdist-rank{rank}-{os.getpid()}.log")
     try:
         with open(path, "a") as f:

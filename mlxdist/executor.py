@@ -13,24 +13,9 @@ from mlxdist.runtime import control as commands
 from mlxdist.runtime.control import Command
 from mlxdist.config import GenerationParams, LoadOptions
 from mlxdist.engine import Engine, load_engine
-from mlxdist.errors import UserError, keep_traceback
-from mlxdist.model.checkpoint import CheckpointError
+from mlxdist.errors import LoadError, MlxdistError, keep_traceback, one_line
 from mlxdist.runtime.world import World, allgather_json, bcast_flag
-from mlxdist.model.placement import PlacementError
 from mlxdist.runtime.watchdog import ACTIVITY
-
-
-class LoadError(UserError):
-    """LOAD failed on at least one rank; the message names the ranks."""
-
-
-def one_line(e: BaseException) -> str:
-    """An exception as one line: the message of a user-facing error, else
-    its type and first line."""
-    text = str(e).splitlines()[0] if str(e) else ""
-    if isinstance(e, (UserError, PlacementError, CheckpointError)):
-        return text
-    return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
 def describe_errors(errors: List[Optional[str]]) -> str:
@@ -120,7 +105,7 @@ class CommandExecutor:
                 engine.adopt(self.world.lost)
         except Exception as e:  # a corrupt file fails deep inside mlx or tokenizers
             error = one_line(e)
-            if not isinstance(e, (UserError, PlacementError, CheckpointError)):
+            if not isinstance(e, MlxdistError):
                 path = keep_traceback(self.world.rank)
                 error += f" (traceback: {path})" if path else ""
         reports = allgather_json(

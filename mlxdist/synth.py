@@ -17,6 +17,8 @@ from typing import Any, Dict, Optional, Union
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
+from mlxdist import envs
+
 SYNTH_VERSION = "1"
 TOKENIZER_VOCAB = 512
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -466,7 +468,7 @@ def default_checkpoint() -> Path:
     under ``default-v<version>``. It is written into a temporary folder and
     renamed into place, so several processes may call this at once.
     """
-    root = Path(os.environ.get("MLXDIST_CACHE") or Path.home() / ".cache" / "mlxdist")
+    root = envs.get("MLXDIST_CACHE") or Path.home() / ".cache" / "mlxdist"
     final = root / f"default-v{SYNTH_VERSION}"
     if (final / _MARKER).exists():
         return final

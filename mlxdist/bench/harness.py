@@ -21,7 +21,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import mlx.core as mx
 
 from mlxdist.bench import probes  # noqa: F401  (registers the probes, on every rank)
-from mlxdist.dispatch import DISPATCH_MODES, RowDispatcher, traffic
+from mlxdist.dispatch import DISPATCH_MODES, RowDispatcher, modes, traffic
 from mlxdist.config import EXPERT_SPLITS
 from mlxdist.runtime.world import BACKENDS
 
@@ -264,11 +264,11 @@ def parse_args(argv=None):
                              "costs without the exchange's transport and waiting (tokens are not the model's; "
                              "not for p2p, whose exchange is mpi4py's).")
     args = parser.parse_args(argv)
-    if args.no_link and "p2p" in args.dispatch:
-        parser.error("--no-link replaces MLX's collectives; p2p exchanges through mpi4py")
     for mode in args.dispatch:
         if mode not in DISPATCH_MODES:
             parser.error(f"unknown dispatch mode {mode!r} (choose from {', '.join(DISPATCH_MODES)})")
+        if args.no_link and not modes.MODES[mode].mlx_collectives:
+            parser.error(f"--no-link replaces MLX's collectives; {mode} exchanges through mpi4py")
     if args.num_trials < 1 or min(args.batch_sizes) < 1:
         parser.error("-n and every batch size must be at least 1")
     return args

@@ -24,7 +24,8 @@ from typing import Any, Dict, List, Optional
 
 import mlx.core as mx
 
-from mlxdist.runtime.world import NCCL_MAX_NCHANNELS, default_backend
+from mlxdist import envs
+from mlxdist.runtime.world import default_backend
 from mlxdist.bench.harness import median_row, parse_args as _bench_args, random_prompts, text_config, versions
 
 MODES = ("single", "tensor", "pipeline", "replicas")
@@ -38,19 +39,19 @@ def _group(mode: str, backend: str) -> Optional[mx.distributed.Group]:
         # the rank comes from mpirun's environment (one GPU per rank is the
         # launcher's business: CUDA_VISIBLE_DEVICES).
         for var, ompi in (("MLX_RANK", "OMPI_COMM_WORLD_RANK"), ("MLX_WORLD_SIZE", "OMPI_COMM_WORLD_SIZE")):
-            if ompi in os.environ:
-                os.environ.setdefault(var, os.environ[ompi])
-        os.environ.setdefault("NCCL_HOST_IP", "127.0.0.1")
-        os.environ.setdefault("NCCL_PORT", "29517")
-        # mlxdist's NCCL setting (mpi.py), so that the contenders differ in how
+            if envs.is_set(ompi):
+                envs.setdefault(var, envs.get(ompi))
+        envs.setdefault("NCCL_HOST_IP", "127.0.0.1")
+        envs.setdefault("NCCL_PORT", 29517)
+        # mlxdist's NCCL setting (envs.py), so that the contenders differ in how
         # they split the model, not in NCCL's tuning.
-        os.environ.setdefault("NCCL_MAX_NCHANNELS", NCCL_MAX_NCHANNELS)
+        envs.setdefault("NCCL_MAX_NCHANNELS", envs.VARIABLES["NCCL_MAX_NCHANNELS"].default)
         group = mx.distributed.init(backend="nccl", strict=True)
     else:
         from mlxdist.runtime.world import find_libmpi
 
         # MLX's MPI backend alone, as mlx_lm.benchmark under mpirun (no mpi4py).
-        os.environ.setdefault("MLX_MPI_LIBNAME", find_libmpi() or "libmpi.so.40")
+        envs.setdefault("MLX_MPI_LIBNAME", find_libmpi() or "libmpi.so.40")
         group = mx.distributed.init(backend="mpi", strict=True)
     if group.size() == 1:
         raise ValueError(f"--mode {mode} needs mpirun with at least 2 ranks")

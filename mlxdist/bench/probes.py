@@ -149,7 +149,7 @@ def measure_floor(
     if world.size == 1:
         return 0.0
     kind = traffic.exchange_kind(mode)
-    if kind == "p2p":
+    if kind == "sendrecv":
         step = _p2p_step(world, send_bytes, recv_bytes)
     elif kind == "gather":
         step = _dp_step(world, int(np.prod(shape[:-2])), shape[-1], dtype, 2 * 4 * shape[-2])

@@ -45,8 +45,9 @@ class Launched:
 
     def __init__(self, name: str, cmd: List[str]):
         self.name = name
-        env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", HF_HUB_OFFLINE="1",
-                   PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+        env = dict(os.environ)  # the server's: this one's, able to run as root, offline, this checkout first
+        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", HF_HUB_OFFLINE="1",
+                   PYTHONPATH=f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}")
         self.proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                      text=True, start_new_session=True)
 

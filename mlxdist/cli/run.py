@@ -9,20 +9,18 @@ rank; an unexpected error aborts the whole MPI job. Options follow
 
 import argparse
 import json
-import os
 import sys
 from typing import Iterator, List, Optional
 
 from mlx_lm.generate import DEFAULT_MAX_TOKENS
 
-from mlxdist.api import Cluster
-from mlxdist.dispatch import DISPATCH_MODES, LAYOUTS
+from mlxdist import envs
+from mlxdist.api import Cluster, init
 from mlxdist.config import EXPERT_SPLITS, GenerationParams
+from mlxdist.dispatch import DISPATCH_MODES, LAYOUTS
 from mlxdist.errors import UserError, say_error
-from mlxdist.executor import CommandExecutor
-from mlxdist.runtime.world import BACKENDS, init_world, run_or_abort, set_exit_code
-from mlxdist.model.placement import PlacementError
-from mlxdist.runtime.watchdog import DEFAULT_TIMEOUT, start_watchdog
+from mlxdist.runtime.watchdog import DEFAULT_TIMEOUT
+from mlxdist.runtime.world import BACKENDS, run_or_abort, set_exit_code
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -90,12 +88,8 @@ def _stdin():
     """Rank 0's standard input: the FIFO ``launch/mpirun`` hands it, where
     set, since Open MPI 5 forwards stdin lines to rank 0 but never their EOF
     (with plain mpirun, end the input with a line reading /exit)."""
-    path = os.environ.get("MLXDIST_STDIN")
+    path = envs.get("MLXDIST_STDIN")
     return open(path) if path else sys.stdin
-
-
-def _is_mpi_error(e: Exception) -> bool:
-    return type(e).__module__.startswith("mpi4py")
 
 
 def _prompts(args) -> Iterator[str]:
@@ -170,7 +164,7 @@ def command_loop(cluster: Cluster, args) -> int:
         GenerationParams(**{**generation_args(args), "seed": 0}).validate()
         cluster.load(args.model, args.dispatch, args.placement, not args.no_rank0_experts, args.layout, args.stats,
                      args.expert_capacity, args.memory_budget, args.expert_split)
-    except (UserError, PlacementError) as e:
+    except UserError as e:
         say_error(str(e))
         return 1
     if args.save_placement:
@@ -195,31 +189,16 @@ def command_loop(cluster: Cluster, args) -> int:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    """The ``mlxdist-run`` console script and ``python -m mlxdist.run``."""
-    code = _run(argv)
-    set_exit_code(code)  # the status the process ends with (mpi.py finalizes and exits)
-    return code
-
-
-def _run(argv: Optional[List[str]]) -> int:
+    """The ``mlxdist-run`` console script and ``python -m mlxdist.run``:
+    the command line, then ``api.init`` (ranks other than 0 serve there
+    and exit), then rank 0's command loop."""
     args = build_parser().parse_args(argv)
     if args.jobs and not args.out:
         build_parser().error("--jobs needs --out")
-    try:
-        world = init_world(args.backend)
-    except RuntimeError as e:
-        rank = os.environ.get("OMPI_COMM_WORLD_RANK", "0")
-        if _is_mpi_error(e):  # a peer failed (it may be rank 0): each rank says so
-            say_error(f"rank {rank}: a rank failed while the job started: {e}")
-        elif rank == "0":  # the same problem on every rank: rank 0 speaks for all
-            say_error(str(e))
-        return 1
-    start_watchdog(world, args.timeout)
-    if not world.is_root:
-        return run_or_abort(world, CommandExecutor(world).serve)
-    cluster = Cluster(world)
-    code = run_or_abort(world, command_loop, cluster, args)
+    cluster = init(timeout=args.timeout, backend=args.backend)
+    code = run_or_abort(cluster.world, command_loop, cluster, args)
     cluster.shutdown(code)
+    set_exit_code(code)  # the status the process ends with (runtime/world.py finalizes and exits)
     return code
 
 

@@ -5,7 +5,6 @@
 """
 
 import argparse
-import os
 import sys
 from typing import List, Optional
 
@@ -13,7 +12,7 @@ from mlxdist.api import init
 from mlxdist.config import EXPERT_SPLITS
 from mlxdist.errors import UserError, say_error
 from mlxdist.runtime.watchdog import DEFAULT_TIMEOUT
-from mlxdist.runtime.world import set_exit_code
+from mlxdist.runtime.world import launcher_rank, set_exit_code
 from mlxdist.serving.server import DEFAULT_MAX_BODY
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -61,7 +60,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     problem = check_options(args)
     if problem:
-        if os.environ.get("OMPI_COMM_WORLD_RANK", "0") != "0":
+        if launcher_rank() != 0:
             return 0  # rank 0 reports and gives the job its status (were this one to exit 2 first, mpirun
             # could stop rank 0 before it said why)
         say_error(problem)

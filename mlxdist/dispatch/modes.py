@@ -24,6 +24,7 @@ class Mode:
     takes_width: bool = True  # runs with --expert-split width
     routing_on_host: bool = False  # reads the routing back per layer whatever the layout (can page experts)
     survives_rank_loss: bool = False
+    mlx_collectives: bool = True  # its exchange runs on MLX's collectives (else: mpi4py's sends)
 
 
 MODES: Dict[str, Mode] = {m.name: m for m in (
@@ -35,7 +36,7 @@ MODES: Dict[str, Mode] = {m.name: m for m in (
          "collective with attention and dense layers split as tensor parallelism splits them"),
     Mode("p2p", "rank 0 only", "mpi4py sends of each owner's rows and back", True,
          "workers hold experts only; goes on without a lost rank under launch/mpirun --survive",
-         takes_width=False, routing_on_host=True, survives_rank_loss=True),
+         takes_width=False, routing_on_host=True, survives_rank_loss=True, mlx_collectives=False),
     Mode("dp", "each rank its own sequences", "all_gather of rows, reduce of per-token sums", False,
          "data-parallel attention, expert-parallel experts, per-token combine"),
 )}

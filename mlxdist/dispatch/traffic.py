@@ -76,10 +76,10 @@ def wire_name(strategy: str, expert_split: str) -> str:
 
 def exchange_kind(name: str) -> str:
     """The bare exchange one decode-step layer of ``name`` (a ``wire_name``)
-    runs: "p2p" (sends and receives), "gather" (all_gather of rows with their
+    runs: "sendrecv" (sends and receives), "gather" (all_gather of rows with their
     routing, then a reduce), "gather-rows" (the same without routing) or
     "sum" (one all_sum)."""
-    return {"p2p": "p2p", "dp": "gather", "dp-width": "gather-rows"}.get(name, "sum")
+    return {"p2p": "sendrecv", "dp": "gather", "dp-width": "gather-rows"}.get(name, "sum")
 
 
 def floor_shape(name: str, slots_shape: List[int]) -> List[int]:

@@ -26,7 +26,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU, SwitchLinear, SwitchMLP
 
-from mlxdist.errors import UserError
+from mlxdist.errors import CheckpointError, ModelNotFound, UserError
 
 SWITCH_TYPES = (SwitchGLU, SwitchMLP)
 PROJECTION_TYPES = (SwitchLinear, QuantizedSwitchLinear)
@@ -41,14 +41,6 @@ _DTYPES = {
     "I8": (np.int8, mx.int8),
     "I64": (np.int64, mx.int64),
 }
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint file that cannot be read; the message names the file."""
-
-
-class ModelNotFound(UserError):
-    """A model path that does not exist or a hub id that cannot be fetched."""
 
 
 def resolve_model_path(model: str) -> Path:

@@ -17,16 +17,17 @@ it is. ``MLXDIST_GROUPED_EXPERTS=0`` never groups, ``=1`` always does (any
 device, any size: the tests run it on the CPU); read once, at import.
 """
 
-import os
 from typing import Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 
+from mlxdist import envs
+
 CHUNK_ROWS = 16  # MLX's smallest CUDA gather-matmul tile (rows)
 MIN_SLOTS_PER_EXPERT = 2  # group from this many slots per expert on average
-OVERRIDE = os.environ.get("MLXDIST_GROUPED_EXPERTS", "").strip()  # "0", "1", or anything else: choose
+OVERRIDE = envs.get("MLXDIST_GROUPED_EXPERTS")  # "0", "1", or anything else: choose
 
 
 def project(experts: nn.Module, x: mx.array, inds: mx.array) -> mx.array:

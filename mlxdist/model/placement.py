@@ -19,11 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Union
 
+from mlxdist.errors import PlacementError
+
 PLACEMENT_VERSION = 1
-
-
-class PlacementError(ValueError):
-    pass
 
 
 @dataclass(frozen=True)

@@ -20,11 +20,8 @@ from typing import Any, Dict, NamedTuple, Optional
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlxdist.errors import RoutingWeightsNotFound
 from mlxdist.model.checkpoint import switch_extras
-
-
-class RoutingWeightsNotFound(ValueError):
-    pass
 
 
 class RouterWeights(NamedTuple):

@@ -10,6 +10,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, Optional
 
+from mlxdist.errors import ProtocolError
 from mlxdist.runtime.world import World, bcast_bytes
 
 PROTOCOL_VERSION = 3
@@ -21,10 +22,6 @@ PROBE = "probe"
 SHUTDOWN = "shutdown"
 SERVE = "serve"
 OPS = (LOAD, GENERATE, STATS, PROBE, SHUTDOWN, SERVE)
-
-
-class ProtocolError(RuntimeError):
-    """A control message this rank cannot act on."""
 
 
 @dataclass

@@ -28,6 +28,7 @@ import sys
 import time
 from typing import Any, Callable, List
 
+from mlxdist import envs
 from mlxdist.errors import say_error
 
 # The failure detector runs in MPI's progress engine, not a thread of its own: with
@@ -39,7 +40,7 @@ MPIRUN_FT_FLAGS = ["--with-ft", "ulfm", "--mca", "mpi_ft_enable", "true", "--mca
 
 def enabled() -> bool:
     """Whether this job was launched with Open MPI's fault tolerance on."""
-    return os.environ.get("OMPI_MCA_mpi_ft_enable", "").lower() in ("1", "true", "yes")
+    return envs.get("OMPI_MCA_mpi_ft_enable")
 
 
 def tolerate(comm) -> None:

