@@ -72,10 +72,11 @@ VARIABLES: Dict[str, Variable] = {v.name: v for v in (
 
 
 def get(name: str) -> Any:
-    """``name``'s value from the environment, read as its type, else its default."""
+    """``name``'s value from the environment, read as its type, else (unset or
+    empty) its default."""
     var = VARIABLES[name]
     text = os.environ.get(name)
-    if text is None:
+    if text is None or not text.strip():
         return var.default
     return _READERS[var.kind](text)
 
