@@ -156,3 +156,18 @@ def test_compare_ratios_from_same_run(model, tmp_path):
     except ImportError:
         return
     assert (tmp_path / "generation_tps.png").stat().st_size > 0
+
+
+def test_bench_commands_and_one_rank(model):
+    """``python -m mlxdist.bench COMMAND``: an unknown command is one line; one-rank
+    prints mlxdist and mlx-lm side by side, in one process, with their ratio."""
+    bad = launch(0, ["nope"], module="mlxdist.bench")
+    assert bad.returncode != 0 and "unknown command 'nope'" in bad.stderr and bad.stderr.count("\n") == 1
+    r = launch(0, ["one-rank", model, "-b", "1,2", "-p", "8", "-g", "4", "-n", "2"], module="mlxdist.bench")
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    assert [row["batch"] for row in rows] == [1, 2]
+    for row in rows:
+        assert len(row["trials"]["mlxdist"]) == len(row["trials"]["mlx-lm"]) == 2
+        assert math.isclose(row["mlxdist_over_mlx_lm"], row["mlxdist"] / row["mlx-lm"])
+    assert "mlx-lm with logprobs" in rows[1] and "mlx-lm with logprobs" not in rows[0]

@@ -1,3 +1,38 @@
-from mlxdist.bench.harness import main
+"""``python -m mlxdist.bench [COMMAND] ...``: the benchmarks a user or a
+maintainer runs, one module per command.
 
-main()
+    (none) / run   mlxdist's tok/s per dispatch mode and batch size (harness.py)
+    compare        mlxdist against mlx-lm side by side, interleaved rounds (compare.py)
+    mlxlm          one mlx-lm contender: single, tensor, pipeline, replicas (mlxlm.py)
+    one-rank       mlxdist on one rank against mlx-lm alone, in one process (one_rank.py)
+    serve          the HTTP server under concurrent clients (serve.py)
+    capacity       expert paging under a memory budget (capacity.py)
+    survival       generation through a lost rank (survival.py)
+"""
+
+import importlib
+import sys
+
+COMMANDS = {
+    "run": "harness", "compare": "compare", "mlxlm": "mlxlm", "one-rank": "one_rank", "serve": "serve",
+    "capacity": "capacity", "survival": "survival",
+}
+
+
+def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    command = "run"
+    if argv and not argv[0].startswith("-"):
+        command = argv.pop(0)
+    elif argv and argv[0] in ("-h", "--help") and len(argv) == 1:
+        print(__doc__.strip())
+        return
+    if command not in COMMANDS:
+        sys.exit(f"python -m mlxdist.bench: unknown command {command!r} (choose {', '.join(COMMANDS)})")
+    module = importlib.import_module(f"mlxdist.bench.{COMMANDS[command]}")
+    sys.argv = [f"python -m mlxdist.bench {command}", *argv]
+    module.main(argv)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,89 @@
+"""``python -m mlxdist.bench one-rank``: mlxdist on one rank against mlx-lm
+alone, in one process, on one checkpoint, interleaved round by round (the
+fairest one-rank comparison: one launch, one warm machine for both).
+
+Per batch size: mlx-lm's ``stream_generate`` (b = 1) or ``batch_generate``
+(as the benchmark's mlx-lm contender calls it), the same asking for
+log-probabilities (b > 1), and mlxdist's ``Cluster.stream`` / ``run_batch``
+with ``--dispatch collective``. Prints one JSON line per batch size: each
+contender's median generation tok/s over the rounds, every trial, and
+mlxdist's ratio to mlx-lm.
+
+    python -m mlxdist.bench one-rank MODEL [-b 1,8,32] [-p 128] [-g 32] [-n 5]
+"""
+
+import argparse
+import json
+import statistics
+from typing import Callable, Dict, List, Optional
+
+import mlx.core as mx
+from mlx_lm import load
+from mlx_lm.generate import batch_generate, stream_generate
+
+import mlxdist
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m mlxdist.bench one-rank", description=__doc__.splitlines()[0])
+    p.add_argument("model", help="model folder or hub id")
+    p.add_argument("-b", "--batch-sizes", default="1,8,32", help="comma-separated (default %(default)s)")
+    p.add_argument("-p", "--prompt-tokens", type=int, default=128, help="prompt tokens (default %(default)s)")
+    p.add_argument("-g", "--generation-tokens", type=int, default=32, help="tokens generated (default %(default)s)")
+    p.add_argument("-n", "--rounds", type=int, default=5, help="interleaved rounds (default %(default)s)")
+    args = p.parse_args(argv)
+    try:
+        args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    except ValueError:
+        p.error(f"-b takes comma-separated integers, not {args.batch_sizes!r}")
+    if min(args.batch_sizes) < 1 or args.rounds < 1 or args.prompt_tokens < 1 or args.generation_tokens < 1:
+        p.error("-b, -p, -g and -n must be at least 1")
+    return args
+
+
+def prompts_of(batch: int, tokens: int) -> List[List[int]]:
+    """Fixed prompts (no tokenizer involved): ``batch`` sequences of ``tokens`` ids."""
+    return [[(7 * i + 13 * j) % 1000 + 10 for j in range(tokens)] for i in range(batch)]
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    args = parse_args(argv)
+    model, tokenizer = load(args.model)
+    with mlxdist.init() as cluster:
+        cluster.load(args.model, dispatch="collective")
+        for b in args.batch_sizes:
+            prompts = prompts_of(b, args.prompt_tokens)
+
+            def mlx_lm(logprobs: bool, g: int) -> float:
+                if b == 1:
+                    for r in stream_generate(model, tokenizer, mx.array(prompts[0]), max_tokens=g):
+                        pass
+                    return r.generation_tps
+                return batch_generate(model, tokenizer, prompts, max_tokens=g, completion_batch_size=b,
+                                      prefill_batch_size=b, return_logprobs=logprobs).stats.generation_tps
+
+            def mlxdist_one(g: int) -> float:
+                request = cluster.request(prompts, max_tokens=g, seed=0)
+                if b == 1:
+                    stats: Dict = {}
+                    for _ in cluster.stream(request, stats):
+                        pass
+                    return stats["generation_tps"]
+                return cluster.run_batch(request)[0].stats["generation_tps"]
+
+            runs: Dict[str, Callable[[int], float]] = {"mlx-lm": lambda g: mlx_lm(False, g), "mlxdist": mlxdist_one}
+            if b > 1:
+                runs["mlx-lm with logprobs"] = lambda g: mlx_lm(True, g)
+            for run in runs.values():  # warm-up
+                run(4)
+            trials: Dict[str, List[float]] = {name: [] for name in runs}
+            for _ in range(args.rounds):
+                for name, run in runs.items():
+                    trials[name].append(run(args.generation_tokens))
+            medians = {name: statistics.median(v) for name, v in trials.items()}
+            print(json.dumps({"batch": b, **medians, "mlxdist_over_mlx_lm": medians["mlxdist"] / medians["mlx-lm"],
+                              "trials": trials}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
