@@ -7,7 +7,7 @@
 """
 
 __version__ = "0.1.0"
-__all__ = ["init", "Cluster", "Result", "Piece", "Placement", "UserError"]
+__all__ = ["init", "Cluster", "Result", "Piece", "Placement", "MlxdistError", "UserError", "LoadError"]
 
 
 def __getattr__(name):
@@ -20,8 +20,8 @@ def __getattr__(name):
         from mlxdist.model.placement import Placement
 
         return Placement
-    if name == "UserError":
-        from mlxdist.errors import UserError
+    if name in ("MlxdistError", "UserError", "LoadError"):
+        from mlxdist import errors
 
-        return UserError
+        return getattr(errors, name)
     raise AttributeError(f"module 'mlxdist' has no attribute {name!r}")

@@ -145,3 +145,62 @@ def test_mlx_launch_is_refused_in_one_line(checkpoint):
     lines = error_lines(proc.stderr)
     assert len(lines) == 1 and "launch them with launch/mpirun -np N" in lines[0], proc.stderr[-2000:]
     assert "prompt:" not in proc.stderr and proc.stdout.strip() == "", (proc.stdout, proc.stderr)
+
+
+# The layers, bottom up; a module may import (at module level) only from its
+# own layer or below. Entry points (cli/, the shims, bench/) sit on top.
+LAYERS = [
+    {"mlxdist.envs", "mlxdist.errors", "mlxdist.synth"},
+    {"mlxdist.runtime"},
+    {"mlxdist.dispatch"},
+    {"mlxdist.model", "mlxdist.config"},
+    {"mlxdist.engine"},
+    {"mlxdist.serving", "mlxdist.executor"},
+    {"mlxdist.api"},
+    {"mlxdist.cli", "mlxdist.bench", "mlxdist.run", "mlxdist.serve", "mlxdist.supervise"},
+]
+
+
+def _layer(module: str) -> int:
+    for i, names in enumerate(LAYERS):
+        if any(module == n or module.startswith(n + ".") for n in names):
+            return i
+    raise AssertionError(f"{module} is in no layer of tests/test_shape.py")
+
+
+def _module_imports():
+    """{module: {mlxdist modules it imports at module level}} (function-level imports excluded)."""
+    graph = {}
+    for path in _modules():
+        rel = path.relative_to(ROOT).with_suffix("")
+        name = ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
+        deps = set()
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("mlxdist"):
+                for alias in node.names:  # a submodule by name, else a name of the module
+                    sub = PACKAGE.parent / f"{node.module}.{alias.name}".replace(".", "/")
+                    deps.add(f"{node.module}.{alias.name}" if sub.with_suffix(".py").exists() or sub.is_dir()
+                             else node.module)
+            elif isinstance(node, ast.Import):
+                deps.update(a.name for a in node.names if a.name.startswith("mlxdist"))
+        graph[name] = deps - {name, "mlxdist"}
+    return graph
+
+
+def test_layers_import_only_downwards_and_no_circles():
+    graph = _module_imports()
+    upward = [f"{m} -> {d}" for m, deps in graph.items() for d in deps if _layer(d) > _layer(m)]
+    assert not upward, "imports that run up a layer: " + ", ".join(sorted(upward))
+    state = {}
+
+    def visit(module, trail):
+        if state.get(module) == "done":
+            return
+        assert state.get(module) != "open", "import circle: " + " -> ".join(trail + [module])
+        state[module] = "open"
+        for dep in sorted(graph.get(module, ())):
+            visit(dep, trail + [module])
+        state[module] = "done"
+
+    for module in sorted(graph):
+        visit(module, [])
