@@ -222,7 +222,7 @@ class CommandExecutor:
         return allgather_json(self.world, mine)
 
     def serve_http(self, args: Dict[str, Any]) -> None:
-        """SERVE on every rank: the OpenAI-compatible server (``serve.py``)."""
+        """SERVE on every rank: the OpenAI-compatible server (``serving/server.py``)."""
         from mlxdist.serving.server import serve
 
         serve(self, args)

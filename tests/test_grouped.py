@@ -1,4 +1,4 @@
-"""Expert calls grouped by expert (``mlxdist/grouped.py``): the same bits as
+"""Expert calls grouped by expert (``mlxdist/model/grouped.py``): the same bits as
 mlx-lm's per-slot call, in process and under mpirun with grouping forced on
 (``MLXDIST_GROUPED_EXPERTS=1``; by default it runs on GPUs only)."""
 

@@ -14,7 +14,7 @@
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site mlx-*.whl mlx_cuda_13-*.whl mlx_lm-*.whl
 #   ln -sfn "$(python3 -c 'import nvidia; print(list(nvidia.__path__)[0])')" /tmp/site/nvidia
 #   export PYTHONPATH=/tmp/site:$PWD; benchmarks/gpu/run.sh
-# Results of 2 x H200: benchmarks/gpu/h200x2/ and benchmarks/RESULTS.md.
+# Results: benchmarks/results/h200x1.md and h200x2.md (a newer run replaces the page).
 #
 # Environment (defaults for 2 x H200): OUT (results: run.log, reports.jsonl,
 # results.json, results.md), MODEL (/tmp/q30, written by mlxdist.synth unless

@@ -32,9 +32,9 @@ LAYOUTS = ("masked", "compact")
 
 
 def default_layout() -> str:
-    """compact on the CPU, where masked slots cost real arithmetic (compact ran
-    1.2 to 1.6 x faster at N = 2); masked on GPUs, where a host read-back per
-    layer stalls the device (compact ran 0.6 to 0.7 x masked in dp on 2 x H200)."""
+    """compact on the CPU, where masked slots cost real arithmetic; masked on
+    GPUs, where a host read-back per layer stalls the device
+    (docs/notes/gpu-masked-layout.md)."""
     return "compact" if mx.default_device() == mx.cpu else "masked"
 
 

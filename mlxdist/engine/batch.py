@@ -4,9 +4,9 @@ without a host wait per sequence.
 mlx-lm's ``batch_generate(return_logprobs=True)`` reads each sequence's
 log-probability with ``.item()`` as each step's tokens come back. On a GPU
 that indexing runs behind the step already in flight, so the host waits for
-that whole step, once per step, and cannot build the next one meanwhile: on
-one H200 it cost mlx-lm 22 % of its tok/s at b = 32 (466 against 601,
-``benchmarks/one_rank.py``). Here each step's picks are gathered into one
+that whole step, once per step, and cannot build the next one meanwhile
+(``python -m mlxdist.bench one-rank`` shows the cost beside mlx-lm's plain
+call: "mlx-lm with logprobs"). Here each step's picks are gathered into one
 array that is started (``mx.async_eval``) and read once the generation ends.
 The values are mlx-lm's own (the same rows, indexed the same way).
 """

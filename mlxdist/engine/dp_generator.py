@@ -3,7 +3,7 @@ the server (``python -m mlxdist.serve --dispatch dp``).
 
 mlx-lm's server runs the same generation loop on every rank with the same
 requests (rank 0 shares them); here each of its sequences lives on one rank
-(``dp.py`` admits it to the least loaded), that rank alone runs its dense
+(``dp_schedule.py`` admits it to the least loaded), that rank alone runs its dense
 model and KV cache, and ``next()`` returns every sequence's new token on
 every rank (the tokens are gathered), so every rank's loop stays identical
 and rank 0 answers its clients. Prefill and decode run in lockstep as in a

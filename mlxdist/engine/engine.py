@@ -182,7 +182,7 @@ class Engine:
     def adopt(self, lost: List[int]) -> None:
         """Rank 0 takes over the experts of the ``lost`` ranks, read from its
         own copy of the checkpoint (paged as its own are, with
-        ``expert_capacity``), and computes them from now on (``survival.py``)."""
+        ``expert_capacity``), and computes them from now on (``runtime/survival.py``)."""
         if not self.world.is_root:
             return
         if not self.dispatcher.survives_rank_loss:

@@ -49,7 +49,7 @@ class DistributedSwitch(nn.Module):
         self.dispatcher = dispatcher
         self.first = first
         self.observer: Optional[Observer] = None
-        self.weights_name: Optional[str] = None  # the block's router-weights local (routing.py)
+        self.weights_name: Optional[str] = None  # the block's router-weights local (model/routing.py)
         self._combined: Optional[mx.array] = None  # a per-token combine's result, for run_block
         for name, value in (extras or {}).items():
             if name in self or hasattr(self, name):

@@ -28,11 +28,11 @@ OPS = (LOAD, GENERATE, STATS, PROBE, SHUTDOWN, SERVE)
 class Command:
     """One control message: ``op`` and its arguments.
 
-    LOAD: the fields of ``engine.LoadOptions``. GENERATE: prompts (lists of
-    token ids), ``engine.GenerationParams``, strategy (or None: auto's
+    LOAD: the fields of ``config.LoadOptions``. GENERATE: prompts (lists of
+    token ids), ``config.GenerationParams``, strategy (or None: auto's
     choice), batch (one batch response even for one prompt). STATS: reset, collect.
     PROBE: name and args of a registered probe (``executor.register_probe``).
-    SERVE: the HTTP server's options (``serve.py``); every rank serves until rank 0 stops.
+    SERVE: the HTTP server's options (``serving/server.py``); every rank serves until rank 0 stops.
     SHUTDOWN: exit_code.
     """
 

@@ -15,7 +15,7 @@ it:
 Progress is finished work, not graph building (MLX builds a whole step's
 graph in milliseconds and runs it later): a token read back, a p2p exchange
 answered, or a forward pass beginning, which in every generation loop here
-(mlx-lm's, dp.py) comes after the host has read the results of the step two
+(mlx-lm's, engine/dp_schedule.py) comes after the host has read the results of the step two
 back. While the latest forward is a prefill (more than one token per
 sequence: one long evaluation, and a first CUDA launch compiles for minutes)
 the deadline is ``PREFILL_FACTOR`` times longer.
