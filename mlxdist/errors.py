@@ -13,6 +13,7 @@ printed too with ``MLXDIST_DEBUG=1``).
       ProtocolError              a control message this rank cannot read
       RoutingWeightsNotFound     a MoE block whose router weights dp cannot find
       RankLost                   a rank was lost while serving
+      GenerationFailed           the server's generation loop failed under a request
 """
 
 import os
@@ -49,7 +50,12 @@ class LoadError(UserError):
 
 
 class RequestError(UserError, ValueError):
-    """A request the server answers with a 400 (or the status it carries)."""
+    """A request the server refuses: HTTP ``status`` (400), naming the field ``param``."""
+
+    def __init__(self, message: str, param: Optional[str] = None, status: int = 400):
+        super().__init__(message)
+        self.param = param
+        self.status = status
 
 
 class ProtocolError(MlxdistError, RuntimeError):
@@ -62,6 +68,10 @@ class RoutingWeightsNotFound(MlxdistError, ValueError):
 
 class RankLost(MlxdistError, RuntimeError):
     pass
+
+
+class GenerationFailed(MlxdistError, RuntimeError):
+    """The server's generation loop failed while a request was in flight (its HTTP 500)."""
 
 
 def one_line(e: BaseException) -> str:

@@ -1,15 +1,21 @@
 """Job files under real mpirun: one record per job, malformed lines become
 error records, and a job killed with SIGKILL at any point resumes to the same
-complete output with no id twice."""
+complete output with no id twice. A job file always finishes: every kind of
+bad line is an error record of its own, duplicate ids are refused before
+anything runs, --out has one writer at a time, and damaged --out lines are
+reported and their jobs redone."""
 
+import fcntl
 import json
+import os
+import re
 import subprocess
 import sys
 import time
 
 import pytest
 
-from conftest import MPIRUN, ROOT, kill_session, launch, mpirun_env
+from conftest import MPIRUN, ROOT, error_lines, kill_session, launch, mpirun_env
 
 
 def write_jobs(path, n, extra=()):
@@ -28,8 +34,7 @@ def test_job_file_records(checkpoint, tmp_path):
         json.dumps({"prompt": "no id"}),
         json.dumps({"id": "chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}),
         json.dumps({"id": "hot", "prompt": "x", "temp": -1}),
-        json.dumps({"id": "job-0", "prompt": "a duplicate id is skipped"}),
-    ]
+    ]  # a duplicate id refuses the whole file now: test_duplicate_ids_are_refused
     write_jobs(jobs, 5, extra)
     proc = launch(2, ["--model", checkpoint("qwen3_moe"), "--jobs", jobs, "--out", out, "-m", 6, "--batch-size", 3])
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -111,3 +116,151 @@ def test_supervisor_finishes_the_job_without_a_lost_rank(checkpoint, tmp_path, u
     records = read_records(out)
     assert sorted(r["id"] for r in records) == sorted(clean)
     assert all(r["tokens"] == clean[r["id"]] for r in records)
+
+
+def warned(stderr, path, lineno):
+    """Whether stderr holds the one-line warning about ``path``'s line ``lineno``."""
+    return re.search(rf"mlxdist: warning: [^\n]*{re.escape(path.name)} line {lineno}\b", stderr) is not None
+
+
+def supervise(args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "mlxdist.supervise", *map(str, args)],
+                          capture_output=True, text=True, timeout=timeout, env=mpirun_env(), cwd=ROOT)
+
+
+def test_every_kind_of_bad_line_is_an_error_record(checkpoint, tmp_path):
+    """Each of these used to end the run on every rank, identically on every
+    rerun (the huge integer crashed the supervisor too): now each is an
+    error record for its id naming its line, with one warning, and the good
+    lines run. The supervisor reads the same file without crashing and
+    starts once, with no rank blamed."""
+    jobs, out = tmp_path / "jobs.jsonl", tmp_path / "out.jsonl"
+    good = lambda i: json.dumps({"id": f"good-{i}", "prompt": f"Prompt number {i} about experts"}).encode()
+    lines = [  # (line, id of its record or None for a result, what its reason must name)
+        (good(0), None, None),
+        (json.dumps({"id": "seed-str", "prompt": "x", "seed": "abc"}).encode(), "seed-str", "seed"),
+        (b'{"id": "seed-huge", "prompt": "x", "seed": ' + b"1" * 4300 + b"}", "seed-huge", "seed"),
+        (b'{"id": "utf8", "prompt": "\xff\xfe"}', "line:4", "UTF-8"),
+        (b'{"id": "deep", "prompt": "x", "extra": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "line:5", "nests"),
+        (json.dumps({"id": "no-role", "messages": [{"content": "hi"}]}).encode(), "no-role", "role"),
+        (json.dumps({"id": "seed-64", "prompt": "x", "seed": 2**64}).encode(), "seed-64", "seed"),
+        (json.dumps({"id": "top-k-float", "prompt": "x", "top_k": 1e6}).encode(), "top-k-float", "top_k"),
+        (json.dumps({"id": "top-k-vocab", "prompt": "x", "top_k": 10**6, "temp": 0.5}).encode(), "top-k-vocab",
+         "vocabulary"),
+        (json.dumps({"id": None, "prompt": "x"}).encode(), "line:10", "null id"),
+        (json.dumps({"id": 7, "prompt": "an integer id"}).encode(), None, None),
+        (json.dumps({"id": "long", "prompt": "a" * (2 << 20)}).encode(), "line:12", "longer than"),
+        (b'{"id": "nan", "prompt": "x", "temp": NaN}', "nan", "temp"),
+        (b'{"id": "huge-max", "prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}", "huge-max", "max_tokens"),
+        (json.dumps({"id": "chat", "messages": [{"role": "user", "content": "hi"}]}).encode(), None, None),
+        (json.dumps({"id": "not-a-string", "prompt": ["x"]}).encode(), "not-a-string", "prompt"),
+        (good(2), None, None),
+    ]
+    jobs.write_bytes(b"\n".join(line for line, _, _ in lines) + b"\n")
+    args = ["--model", checkpoint("qwen3_moe"), "--jobs", jobs, "--out", out, "-m", 4, "--batch-size", 2]
+    proc = launch(2, args, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = read_records(out)
+    by_id = {r["id"]: r for r in records}
+    assert len(by_id) == len(records) == len(lines)
+    for lineno, (_, bad_id, word) in enumerate(lines, 1):
+        if bad_id is None:
+            continue
+        record = by_id[bad_id]
+        assert set(record) == {"id", "error", "line"} and record["line"] == lineno, record
+        assert f"line {lineno}" in record["error"] and word in record["error"], record
+        assert "\n" not in record["error"] and len(record["error"]) < 300, record
+        assert warned(proc.stderr, jobs, lineno), (lineno, proc.stderr[-3000:])
+    for good_id in ("good-0", "7", "chat", "good-2"):
+        assert "error" not in by_id[good_id] and 1 <= len(by_id[good_id]["tokens"]) <= 4, by_id[good_id]
+
+    again = supervise(["--ranks", 2, "--", *args])
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.stderr.count("mlxdist.supervise: starting") == 1, again.stderr[-3000:]
+    assert read_records(out) == records  # everything was done: nothing written twice
+
+
+def test_duplicate_ids_are_refused(tmp_path):
+    """The same id twice refuses the whole file at the start, naming the
+    lines, before the model loads (the model here does not exist) and
+    before --out is touched; the supervisor refuses it without starting."""
+    jobs, out = tmp_path / "jobs.jsonl", tmp_path / "out.jsonl"
+    ids = ["a", "b", "a", "c", "b", "a"]
+    jobs.write_text("".join(json.dumps({"id": i, "prompt": "x"}) + "\n" for i in ids))
+    args = ["--model", tmp_path / "no-such-model", "--jobs", jobs, "--out", out]
+    proc = launch(2, args)
+    assert proc.returncode != 0
+    (line,) = error_lines(proc.stderr)
+    assert "duplicate ids" in line and "'a' on lines 1, 3, 6" in line and "'b' on lines 2, 5" in line, line
+    assert not out.exists()
+    refused = supervise(["--ranks", 2, "--", *args], timeout=60)
+    assert refused.returncode == 2 and "starting" not in refused.stderr, refused.stderr
+    assert "mlxdist.supervise: error:" in refused.stderr and "'a' on lines 1, 3, 6" in refused.stderr
+
+
+def test_integer_and_string_ids_are_one_id(tmp_path):
+    """Ids are strings: an integer id is its str(), so 1 and "1" are the same
+    id, a duplicate (they used to collide and one was silently dropped)."""
+    jobs, out = tmp_path / "jobs.jsonl", tmp_path / "out.jsonl"
+    jobs.write_text(json.dumps({"id": 1, "prompt": "x"}) + "\n" + json.dumps({"id": "1", "prompt": "y"}) + "\n")
+    proc = launch(2, ["--model", tmp_path / "no-such-model", "--jobs", jobs, "--out", out])
+    assert proc.returncode != 0
+    (line,) = error_lines(proc.stderr)
+    assert "duplicate ids" in line and "'1' on lines 1, 2" in line, line
+
+
+def test_a_second_writer_is_refused(tmp_path):
+    """--out has one writer: with its flock held (here by the test process),
+    a run stops with one line naming the holder, before loading the model
+    (which does not exist here), and writes nothing."""
+    jobs, out = tmp_path / "jobs.jsonl", tmp_path / "out.jsonl"
+    write_jobs(jobs, 2)
+    with open(out, "a") as held:
+        fcntl.flock(held.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        proc = launch(2, ["--model", tmp_path / "no-such-model", "--jobs", jobs, "--out", out])
+    assert proc.returncode != 0
+    pid = os.getpid() if os.path.exists("/proc/locks") else "unknown"
+    assert error_lines(proc.stderr) == [f"mlxdist: error: {out} is being written by another run (pid {pid})"], \
+        proc.stderr[-2000:]
+    assert out.read_text() == ""
+
+
+def test_damaged_out_lines_are_reported_and_redone(checkpoint, tmp_path):
+    """A damaged line in the middle of --out (not JSON, or no id) is
+    reported with its line number and ignored; the job it held runs again.
+    Error records count as finished, unless --retry-errors."""
+    jobs, out = tmp_path / "jobs.jsonl", tmp_path / "out.jsonl"
+    write_jobs(jobs, 4, [json.dumps({"id": "hot", "prompt": "x", "temp": -1})])
+    args = ["--model", checkpoint("qwen3_moe"), "--jobs", jobs, "--out", out, "-m", 4, "--batch-size", 2]
+    proc = launch(2, args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    first = {r["id"]: r for r in read_records(out)}
+    lines = out.read_text().splitlines()
+    lines[[json.loads(l)["id"] for l in lines].index("job-1")] = 'this line is not JSON {"id": "job-1"'
+    lines.insert(2, json.dumps({"tokens": [1, 2, 3]}))
+    damaged = [n for n, l in enumerate(lines, 1) if l.startswith("this line") or l.startswith('{"tokens"')]
+    out.write_text("\n".join(lines) + "\n")
+    proc = launch(2, args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for n in damaged:
+        assert warned(proc.stderr, out, n), (n, proc.stderr[-3000:])
+    valid = [json.loads(l) for l in out.read_text().splitlines() if l.startswith('{"id"')]
+    assert sorted(r["id"] for r in valid) == sorted(first)  # job-1 redone; hot's error not redone
+    assert next(r for r in valid if r["id"] == "job-1")["tokens"] == first["job-1"]["tokens"]
+
+    proc = launch(2, [*args, "--retry-errors"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    hot = [r for r in read_records_lenient(out) if r.get("id") == "hot"]
+    assert len(hot) == 2 and all(r["error"] == "temperature must be >= 0, got -1" for r in hot)
+    assert sorted({r["id"] for r in read_records_lenient(out)}) == sorted(first)
+
+
+def read_records_lenient(path):
+    """The JSON lines of ``path``, skipping the ones that are not."""
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return [r for r in out if isinstance(r, dict) and "id" in r]

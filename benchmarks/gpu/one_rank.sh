@@ -19,7 +19,7 @@ fi
 export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 . benchmarks/gpu/env.sh
 log="$OUT/run.log"
-{ date -u; git rev-parse --short HEAD 2>/dev/null; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+{ date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   "$PY" -c 'import json, mlxdist.bench.harness as b; print(json.dumps(b.versions()))'; } >> "$log" 2>&1
 synth "$MODEL" qwen3-30b-a3b 4 bfloat16 "$LAYERS"
 say "one-rank: $ARGS"

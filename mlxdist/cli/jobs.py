@@ -1,191 +1,182 @@
-"""Job files: many prompts in, one result line per job out, resumable.
+"""Job files: many prompts in, one result line per job out, resumable, and
+always run to the end.
 
     mpirun -np 4 python -m mlxdist.run --model M --jobs prompts.jsonl --out results.jsonl
 
 Input: one JSON object per line with ``id`` and ``prompt`` or ``messages``,
 plus optional sampling parameters (max_tokens, temp, top_p, top_k, min_p,
-seed) overriding the command line's. Output: one JSON object per finished
-job, appended and flushed to disk as each batch finishes. A rerun skips the
-ids already in the output (a half-written last line, left by a crash, is cut
-off first), so nothing is lost and nothing is written twice. A malformed
-input line becomes a record with an ``error`` field and the run goes on.
+seed) overriding the command line's. Every line is read with bounded cost
+(``MAX_LINE_BYTES``, ``MAX_DEPTH``, ``MAX_INT_DIGITS``) and every field is
+checked on rank 0 before anything is broadcast: a bad line becomes an error
+record for its id (``{"id", "error", "line"}``), one warning on stderr, and
+the run goes on. Ids are strings (an integer id is its ``str()``); the same id
+twice refuses the whole file before anything runs.
+
+Output: one JSON object per finished job, appended and fsynced as each batch
+finishes, by one run at a time (``flock`` on the file). A rerun cuts off a
+half-written last line, reports and ignores damaged lines, and skips the ids
+already recorded (error records too, unless ``retry_errors``), so nothing is
+lost and nothing is written twice.
 """
 
-import json
-import os
 import sys
 import time
 from dataclasses import dataclass
 from itertools import groupby
-from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
+from typing import Any, Dict, List, Optional, Set, Union
 
 from tqdm import tqdm
 
-from mlxdist.errors import UserError
+from mlxdist.errors import UserError, one_line
 
-SAMPLING_KEYS = ("max_tokens", "temp", "top_p", "top_k", "min_p", "seed")
+from mlxdist.cli.job_file import INPUT_ERROR, BadLine, Entry, Job, error_record, is_integer, load_job_file, show_value
+from mlxdist.cli.job_results import ResultsFile, warn
 
+__all__ = ["INPUT_ERROR", "JobRun", "open_jobs", "run_jobs"]
+
+
+# -- the run ----------------------------------------------------------------
 
 @dataclass
-class Job:
-    id: str
-    prompt: Optional[str]
-    messages: Optional[list]
-    sampling: Dict[str, Any]
+class JobRun:
+    """A job file ready to run: its entries read and checked, its output
+    locked. Made before the model is loaded, so a refused file costs nothing."""
 
-    def sampling_key(self) -> Tuple:
-        return tuple(sorted(self.sampling.items()))
-
-
-def parse_job(line: str, lineno: int, defaults: Dict[str, Any]) -> Job:
-    """One input line as a job; raises ValueError with the reason."""
-    try:
-        obj = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"line {lineno} is not JSON: {e.msg}") from None
-    if not isinstance(obj, dict):
-        raise ValueError(f"line {lineno} is not a JSON object")
-    if "id" not in obj:
-        raise ValueError(f"line {lineno} has no id")
-    prompt, messages = obj.get("prompt"), obj.get("messages")
-    if (prompt is None) == (messages is None):
-        raise ValueError(f"job {obj['id']!r} needs exactly one of prompt or messages")
-    if prompt is not None and not isinstance(prompt, str):
-        raise ValueError(f"job {obj['id']!r}: prompt is not a string")
-    if messages is not None and not (
-        isinstance(messages, list) and all(isinstance(m, dict) and "content" in m for m in messages)
-    ):
-        raise ValueError(f"job {obj['id']!r}: messages must be a list of {{role, content}} objects")
-    sampling = dict(defaults)
-    sampling.update({k: obj[k] for k in SAMPLING_KEYS if k in obj})
-    return Job(str(obj["id"]), prompt, messages, sampling)
-
-
-def read_jobs(path: str, defaults: Dict[str, Any]) -> Iterator[Tuple[str, Any]]:
-    """("job", Job) or ("error", record) per non-blank input line."""
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                yield "job", parse_job(line, lineno, defaults)
-            except ValueError as e:
-                obj_id = _id_of(line) or f"line:{lineno}"
-                yield "error", {"id": obj_id, "error": str(e)}
-
-
-def _id_of(line: str) -> Optional[str]:
-    try:
-        obj = json.loads(line)
-        return str(obj["id"]) if isinstance(obj, dict) and "id" in obj else None
-    except json.JSONDecodeError:
-        return None
-
-
-def finished_ids(out_path: str) -> Set[str]:
-    """Ids already in the output, after cutting off a half-written last line."""
-    path = Path(out_path)
-    if not path.exists():
-        return set()
-    data = path.read_bytes()
-    if data and not data.endswith(b"\n"):
-        cut = data.rfind(b"\n") + 1
-        with open(path, "r+b") as f:
-            f.truncate(cut)
-        print(f"mlxdist: repaired {out_path}: dropped a half-written last line", file=sys.stderr)
-    return recorded_ids(out_path)
-
-
-def recorded_ids(out_path: str) -> Set[str]:
-    """Ids in the output's complete lines; reads only, so it is safe while a
-    job is appending to the file."""
-    path = Path(out_path)
-    data = path.read_bytes() if path.exists() else b""
-    done = set()
-    for line in data[: data.rfind(b"\n") + 1].decode().splitlines():
-        try:
-            done.add(str(json.loads(line)["id"]))
-        except (json.JSONDecodeError, KeyError, TypeError):
-            continue
-    return done
-
-
-class ResultWriter:
-    """Appends records and makes each one durable before the next."""
-
-    def __init__(self, out_path: str):
-        self.file = open(out_path, "a")
-
-    def write(self, record: Dict[str, Any]) -> None:
-        self.file.write(json.dumps(record) + "\n")
-        self.file.flush()
-        os.fsync(self.file.fileno())
+    jobs_path: str
+    entries: List[Entry]
+    out: ResultsFile
+    done: Set[str]
 
     def close(self) -> None:
-        self.file.close()
+        """Release the output."""
+        self.out.close()
 
 
-def run_jobs(cluster, jobs_path: str, out_path: str, defaults: Dict[str, Any], batch_size: int = 8) -> int:
-    """Run every job not yet in ``out_path``; returns the exit code."""
+def open_jobs(jobs_path: str, out_path: str, defaults: Dict[str, Any], retry_errors: bool = False) -> JobRun:
+    """Read and check the job file, then lock and read the output. Raises
+    ``UserError`` (unreadable file, duplicate ids, output held by another run)."""
+    entries = load_job_file(jobs_path, defaults)
+    out = ResultsFile(out_path)
     try:
-        entries = list(read_jobs(jobs_path, defaults))
-    except OSError as e:
-        raise UserError(f"cannot read job file {jobs_path}: {e.strerror}") from None
-    done = finished_ids(out_path)
-    writer = ResultWriter(out_path)
-    seen: Set[str] = set(done)
+        done = out.finished(retry_errors)
+    except BaseException:
+        out.close()
+        raise
+    return JobRun(jobs_path, entries, out, done)
+
+
+def _vocab_size(cluster) -> Optional[int]:
+    config = cluster.engine.config
+    size = config.get("text_config", config).get("vocab_size")
+    if isinstance(size, int):
+        return size
+    tokenizer = cluster.engine.tokenizer
+    return getattr(tokenizer, "vocab_size", None)
+
+
+def run_jobs(cluster, jobs: Union[JobRun, str], out_path: Optional[str] = None,
+             defaults: Optional[Dict[str, Any]] = None, batch_size: int = 8, retry_errors: bool = False) -> int:
+    """Run every job not yet finished in the output; returns the exit code
+    (0: every line has a record). ``jobs``: an ``open_jobs`` result, or the
+    job file's path (then ``out_path`` and ``defaults`` are opened here)."""
+    run = jobs if isinstance(jobs, JobRun) else open_jobs(jobs, out_path, defaults or {}, retry_errors)
+    try:
+        return _run(cluster, run, batch_size)
+    finally:
+        run.close()
+
+
+def _record_error(run: JobRun, job_id: str, reason: str, line: int, bar) -> None:
+    """Write a job's error record, with one warning line. Every reason names
+    its line but the ranges ``GenerationParams`` checks, kept in the words the
+    API uses (the record's ``line`` names it)."""
+    shown = reason if reason.startswith(f"line {line}") else f"line {line}: {reason}"
+    warn(f"{run.jobs_path} {shown} (recorded as an error for id {show_value(job_id)})")
+    run.out.write(error_record(job_id, reason, line))
+    bar.update(1)
+
+
+def _run(cluster, run: JobRun, batch_size: int) -> int:
     pending: List[Job] = []
-    bar = tqdm(total=len(entries), initial=0, unit="job", desc="jobs", file=sys.stderr, dynamic_ncols=True)
-    for kind, entry in entries:
-        entry_id = entry.id if kind == "job" else entry["id"]
-        if entry_id in seen:
+    bar = tqdm(total=len(run.entries), initial=0, unit="job", desc="jobs", file=sys.stderr, dynamic_ncols=True)
+    for entry in run.entries:
+        if entry.id in run.done:
             bar.update(1)
-            continue
-        seen.add(entry_id)
-        if kind == "error":
-            writer.write(entry)
-            bar.update(1)
+        elif isinstance(entry, BadLine):
+            _record_error(run, entry.id, entry.reason, entry.line, bar)
         else:
             pending.append(entry)
+    vocab = _vocab_size(cluster)
     tokens, tic = 0, time.perf_counter()
-    for _, group in groupby(sorted(pending, key=lambda j: repr(j.sampling_key())), key=lambda j: repr(j.sampling_key())):
+    key = lambda j: repr(j.sampling_key())  # noqa: E731
+    for _, group in groupby(sorted(pending, key=key), key=key):
         group = list(group)
         for start in range(0, len(group), batch_size):
-            batch = _runnable(cluster, group[start : start + batch_size], writer, bar)
-            if not batch:
-                continue
-            t0 = time.perf_counter()
-            results = cluster.generate_batch(
-                [j.messages if j.messages is not None else j.prompt for j in batch], **batch[0].sampling
-            )
-            elapsed = time.perf_counter() - t0
-            for job, result in zip(batch, results):
-                writer.write({
-                    "id": job.id,
-                    "text": result.text,
-                    "tokens": result.tokens,
-                    "prompt_tokens": result.stats.get("prompt_tokens"),
-                    "generation_tps": result.stats.get("generation_tps"),
-                    "batch_size": len(batch),
-                    "elapsed_s": round(elapsed, 4),
-                })
-                tokens += len(result.tokens)
-            bar.update(len(batch))
-            bar.set_postfix_str(f"{tokens / (time.perf_counter() - tic):.1f} tok/s")
+            batch = _runnable(cluster, run, group[start : start + batch_size], vocab, bar)
+            tokens += _generate(cluster, run, batch, bar)
+            if batch:
+                bar.set_postfix_str(f"{tokens / (time.perf_counter() - tic):.1f} tok/s")
     bar.close()
-    writer.close()
     return 0
 
 
-def _runnable(cluster, jobs: List[Job], writer: ResultWriter, bar) -> List[Job]:
-    """The jobs whose prompt and parameters are valid; the rest become error records."""
+def _generate(cluster, run: JobRun, batch: List[Job], bar) -> int:
+    """Generate ``batch`` and write its records; returns the tokens made. A
+    ``UserError`` from the cluster (raised on rank 0 before anything runs)
+    splits the batch into single jobs, and a single job's becomes its error
+    record; one raised by a lost rank ends the run, as before."""
+    if not batch:
+        return 0
+    lost = len(cluster.world.lost)
+    t0 = time.perf_counter()
+    try:
+        results = cluster.generate_batch(
+            [j.messages if j.messages is not None else j.prompt for j in batch], **batch[0].sampling
+        )
+    except UserError as e:
+        if len(cluster.world.lost) > lost:
+            raise
+        if len(batch) > 1:
+            return sum(_generate(cluster, run, [job], bar) for job in batch)
+        _record_error(run, batch[0].id, f"line {batch[0].line}: {one_line(e)}", batch[0].line, bar)
+        return 0
+    elapsed = time.perf_counter() - t0
+    tokens = 0
+    for job, result in zip(batch, results):
+        run.out.write({
+            "id": job.id,
+            "text": result.text,
+            "tokens": result.tokens,
+            "prompt_tokens": result.stats.get("prompt_tokens"),
+            "generation_tps": result.stats.get("generation_tps"),
+            "batch_size": len(batch),
+            "elapsed_s": round(elapsed, 4),
+        })
+        tokens += len(result.tokens)
+    bar.update(len(batch))
+    return tokens
+
+
+def _runnable(cluster, run: JobRun, jobs: List[Job], vocab: Optional[int], bar) -> List[Job]:
+    """The jobs whose prompt and parameters pass every check rank 0 can make
+    (the vocabulary bound on top_k, the tokenizer, the context); the rest
+    become error records."""
     ok = []
     for job in jobs:
+        top_k = job.sampling.get("top_k", 0)
+        if vocab is not None and is_integer(top_k) and top_k >= vocab:
+            _record_error(run, job.id, f"line {job.line}: top_k must be below the vocabulary size ({vocab}), "
+                                       f"got {top_k}", job.line, bar)
+            continue
         try:
-            cluster.request([cluster.encode(job.prompt, job.messages)], **job.sampling)
-            ok.append(job)
+            ids = cluster.encode(job.prompt, job.messages)
+        except Exception as e:  # the tokenizer or its chat template, on rank 0 alone: nothing broadcast
+            _record_error(run, job.id, f"line {job.line}: {one_line(e)}", job.line, bar)
+            continue
+        try:
+            cluster.request([ids], **job.sampling)
         except (UserError, TypeError, ValueError) as e:
-            writer.write({"id": job.id, "error": str(e)})
-            bar.update(1)
+            _record_error(run, job.id, f"line {job.line}: {one_line(e)}", job.line, bar)
+            continue
+        ok.append(job)
     return ok

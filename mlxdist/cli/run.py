@@ -31,8 +31,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ignore-chat-template", action="store_true",
                    help="use the raw prompt, not the tokenizer's chat template")
     p.add_argument("--jobs", help="JSONL job file (one {id, prompt|messages, ...} per line)")
-    p.add_argument("--out", help="JSONL results file for --jobs (appended; a rerun resumes)")
+    p.add_argument("--out", help="JSONL results file for --jobs (appended, one run at a time; a rerun resumes)")
     p.add_argument("--batch-size", type=int, default=8, help="jobs decoded together with --jobs")
+    p.add_argument("--retry-errors", action="store_true",
+                   help="with --jobs: run again the jobs whose only record in --out is an error record "
+                        "(without it, error records count as finished)")
     p.add_argument("-m", "--max-tokens", type=int, default=DEFAULT_MAX_TOKENS)
     p.add_argument("--temp", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -162,17 +165,32 @@ def command_loop(cluster: Cluster, args) -> int:
     """Rank 0: LOAD, then GENERATE each prompt (or the job file)."""
     try:
         GenerationParams(**{**generation_args(args), "seed": 0}).validate()
+    except UserError as e:
+        say_error(str(e))
+        return 1
+    jobs = None
+    if args.jobs:  # read, checked and --out locked before the model loads: a refused file costs nothing
+        from mlxdist.cli.jobs import INPUT_ERROR, open_jobs
+
+        try:
+            jobs = open_jobs(args.jobs, args.out, generation_args(args), args.retry_errors)
+        except UserError as e:
+            say_error(str(e))
+            return INPUT_ERROR
+    try:
         cluster.load(args.model, args.dispatch, args.placement, not args.no_rank0_experts, args.layout, args.stats,
                      args.expert_capacity, args.memory_budget, args.expert_split)
     except UserError as e:
         say_error(str(e))
+        if jobs is not None:
+            jobs.close()
         return 1
     if args.save_placement:
         cluster.engine.placement.save(args.save_placement)
-    if args.jobs:
+    if jobs is not None:
         from mlxdist.cli.jobs import run_jobs
 
-        return run_jobs(cluster, args.jobs, args.out, generation_args(args), args.batch_size)
+        return run_jobs(cluster, jobs, batch_size=args.batch_size)
     logprobs: List = []
     for text in _prompts(args):
         try:

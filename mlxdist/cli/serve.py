@@ -13,7 +13,9 @@ from mlxdist.config import EXPERT_SPLITS
 from mlxdist.errors import UserError, say_error
 from mlxdist.runtime.watchdog import DEFAULT_TIMEOUT
 from mlxdist.runtime.world import launcher_rank, set_exit_code
-from mlxdist.serving.server import DEFAULT_MAX_BODY
+from mlxdist.serving.server import (
+    DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_BODY, DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_QUEUED,
+)
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -26,7 +28,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None, help="Bearer token every request must carry.")
     p.add_argument("--max-concurrent", type=int, default=32,
                    help="Live sequences decoded together; further requests queue.")
-    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY, help="Largest request body accepted.")
+    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY,
+                   help="Largest request body accepted (default %(default)s).")
+    p.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
+                   help="Connections open at once; more are closed at once (default %(default)s).")
+    p.add_argument("--idle-timeout", type=float, default=DEFAULT_IDLE_TIMEOUT,
+                   help="Seconds a connection may send nothing before it is closed (default %(default)s).")
+    p.add_argument("--max-queued", type=int, default=DEFAULT_MAX_QUEUED,
+                   help="Requests waiting for the generation loop; more get 429 (default %(default)s).")
+    p.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
+                   help="Answer browsers' cross-origin requests from ORIGIN ('*': any); repeatable. "
+                        "Default: none (a web page the user opens cannot drive the server).")
     p.add_argument("--max-tokens", type=int, default=512, help="Default max_tokens of a request.")
     p.add_argument("--temp", type=float, default=0.0, help="Default temperature.")
     p.add_argument("--top-p", type=float, default=1.0, help="Default top_p.")
@@ -52,6 +64,10 @@ def check_options(args: argparse.Namespace) -> Optional[str]:
         return "--max-concurrent must be at least 1"
     if args.max_body_bytes < 1024:
         return "--max-body-bytes must be at least 1024"
+    if args.max_connections < 1 or args.max_queued < 1:
+        return "--max-connections and --max-queued must be at least 1"
+    if not 0 < args.idle_timeout < float("inf"):
+        return "--idle-timeout must be a positive number of seconds"
     return None
 
 

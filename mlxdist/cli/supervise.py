@@ -12,10 +12,16 @@ output stops, so nothing is lost or written twice, and in the exact modes the
 tokens equal an undisturbed run's. Each restart is reported with the time
 from the failure to the next result written.
 
+Only a lost rank is restarted. A bad line of the job file is an error
+record of its own (the run goes on); a run that refuses its input (exit
+status ``job_file.INPUT_ERROR``: bad arguments, duplicate ids, ``--out`` held by
+another run) is not started again, and duplicate ids are refused here before
+any start.
+
 This is for the modes whose running job cannot survive a loss (MLX's
 collectives cannot continue past a dead peer). A p2p job launched with
 ``launch/mpirun --survive`` goes on inside the running job instead
-(``survival.py``).
+(``runtime/survival.py``).
 """
 
 import argparse
@@ -26,14 +32,18 @@ import time
 from pathlib import Path
 from typing import List, Optional, Set, Tuple
 
-from mlxdist.cli.jobs import read_jobs, recorded_ids
+from mlxdist.cli.job_file import INPUT_ERROR, load_job_file
+from mlxdist.cli.job_results import recorded_ids
+from mlxdist.errors import UserError
 from mlxdist.runtime.world import LAUNCHER_FAILURE, LAUNCHER_RETRIES
 
 
 def _job_ids(path: str) -> Set[str]:
-    """The ids the output will hold once the job file is done (a malformed
-    line's record included), as ``jobs.run_jobs`` writes them."""
-    return {item.id if kind == "job" else item["id"] for kind, item in read_jobs(path, {})}
+    """The ids the output will hold once the job file is done (a bad line's
+    error record included), as ``jobs.run_jobs`` writes them. Reads the file
+    as the run does (bounded, never raising for a line); raises
+    ``UserError`` where the run would refuse it (unreadable, duplicate ids)."""
+    return {entry.id for entry in load_job_file(path, {})}
 
 
 def _option(args: List[str], name: str) -> Optional[str]:
@@ -92,7 +102,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     jobs, out = _option(run_args, "--jobs"), _option(run_args, "--out")
     if not jobs or not out:
         p.error("the mlxdist.run options after -- must include --jobs and --out")
-    wanted = _job_ids(jobs)
+    try:
+        wanted = _job_ids(jobs)
+    except UserError as e:  # the run would refuse it on every start: no rank to blame
+        print(f"mlxdist.supervise: error: {e}", file=sys.stderr, flush=True)
+        return INPUT_ERROR
+    retry_errors = "--retry-errors" in run_args
     hosts = read_hostfile(args.hostfile) if args.hostfile else None
     ranks, restarts, launcher_retries = args.ranks, [], 0
     failed_at: Optional[float] = None
@@ -103,13 +118,13 @@ def main(argv: Optional[List[str]] = None) -> int:
             cmd += ["--host", host_arg]
         cmd += [sys.executable, "-m", "mlxdist.run", *run_args]
         print(f"mlxdist.supervise: starting {ranks} rank{'s' if ranks > 1 else ''}", file=sys.stderr, flush=True)
-        proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
-        done_before = len(recorded_ids(out) & wanted)
+        proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, errors="replace")  # any bytes: never a crash
+        done_before = len(recorded_ids(out, retry_errors) & wanted)
         stderr_lines = []
 
         def note_resume() -> None:  # the first result after a restart: how long since the failure
             nonlocal failed_at
-            if failed_at is not None and len(recorded_ids(out) & wanted) > done_before:
+            if failed_at is not None and len(recorded_ids(out, retry_errors) & wanted) > done_before:
                 restarts[-1]["resumed_after_s"] = time.time() - failed_at
                 failed_at = None
 
@@ -119,13 +134,17 @@ def main(argv: Optional[List[str]] = None) -> int:
             note_resume()
         code = proc.wait()
         note_resume()
-        left = wanted - recorded_ids(out)
+        left = wanted - recorded_ids(out, retry_errors)
         if code == 0 or not left:
             for r in restarts:
                 print(f"mlxdist.supervise: restart on {r['ranks']} ranks after losing rank(s) {r['lost']}: "
                       f"first result {r.get('resumed_after_s', float('nan')):.1f} s after the failure",
                       file=sys.stderr, flush=True)
             return code if left else 0
+        if code == INPUT_ERROR:  # the run refused its input (arguments, job file, --out held): no rank was lost
+            print(f"mlxdist.supervise: error: the run refused its input (exit status {code}); not restarting",
+                  file=sys.stderr, flush=True)
+            return code
         if LAUNCHER_FAILURE in "".join(stderr_lines) and launcher_retries < LAUNCHER_RETRIES:
             launcher_retries += 1  # Open MPI's launcher failed before any rank ran: not a lost rank
             continue

@@ -7,7 +7,7 @@ sequences, and ``choose`` picks between them per generation.
 """
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 from mlxdist.errors import UserError
 

@@ -22,7 +22,7 @@ Prompts, caches and samplers are mlx-lm's; only the schedule is ours.
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, List, Optional
 
 import mlx.core as mx
 from mlx_lm.generate import PromptProcessingBatch, _extend_cache

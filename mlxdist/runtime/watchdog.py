@@ -48,6 +48,7 @@ class Activity:
     done: float = field(default_factory=time.monotonic)  # when work last finished
     prefill: bool = False  # the latest forward pass is a prefill
     armed: bool = False  # a generation is running: the deadline applies
+    serving_http: bool = False  # the server's loop: any step may be a long prefill (the prefill deadline)
 
     def beat(self, phase: str, layer: Optional[int] = None, waiting_on: Optional[List[int]] = None) -> None:
         """Where this rank is now (for reports); not progress."""
@@ -72,6 +73,7 @@ class Activity:
             "experts": "computing its experts",
             "dense": "running the dense layers",
             "serving": "waiting for rank 0",
+            "serving-http": "in the server's generation loop",
         }.get(self.phase, self.phase)
         return f"{what} during {where}"
 
@@ -132,7 +134,7 @@ class Watchdog:
         while True:
             time.sleep(min(0.5, self.timeout / 4))
             a = ACTIVITY
-            limit = self.timeout * (PREFILL_FACTOR if a.prefill else 1)
+            limit = self.timeout * (PREFILL_FACTOR if a.prefill or a.serving_http else 1)
             if a.armed and a.phase != "serving" and time.monotonic() - a.done > limit:
                 self.report(f"no progress for {limit:g} s")
                 # Ranks stalled together pass their deadlines moments apart: let

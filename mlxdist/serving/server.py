@@ -24,6 +24,7 @@ rank (503, then a non-zero exit).
 import argparse
 import dataclasses
 import hmac
+import io
 import json
 import logging
 import signal
@@ -33,16 +34,19 @@ import time
 import typing
 import weakref
 from http.server import ThreadingHTTPServer
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Optional
 
 from mlx_lm import server as lm_server
 
-from mlxdist.errors import say_error
-from mlxdist.errors import RankLost, RequestError
+from mlxdist.errors import GenerationFailed, RankLost, RequestError, one_line
+from mlxdist.serving.schema import RequestLimits, check_body, error_body
 from mlxdist.runtime.world import World, bcast_bytes
-from mlxdist.runtime.watchdog import ON_FATAL
+from mlxdist.runtime.watchdog import ACTIVITY, ON_FATAL
 
 DEFAULT_MAX_BODY = 4 << 20  # bytes
+DEFAULT_IDLE_TIMEOUT = 30.0  # seconds a connection may send nothing
+DEFAULT_MAX_CONNECTIONS = 256
+DEFAULT_MAX_QUEUED = 256  # requests waiting for the generation loop
 
 
 def lm_server_args(options: Dict[str, Any]) -> argparse.Namespace:
@@ -54,7 +58,8 @@ def lm_server_args(options: Dict[str, Any]) -> argparse.Namespace:
         chat_template_args={}, decode_concurrency=options["max_concurrent"],
         prompt_concurrency=options["prompt_concurrency"], prefill_step_size=options["prefill_step_size"],
         prompt_cache_size=10, prompt_cache_bytes=None, kv_bits=None, kv_group_size=64,
-        quantized_kv_start=0, pipeline=False, allowed_origins=["*"], log_level=options["log_level"],
+        quantized_kv_start=0, pipeline=False, allowed_origins=list(options.get("allow_origin") or []),
+        log_level=options["log_level"],
     )
 
 
@@ -114,16 +119,29 @@ class _TrackingQueue(lm_server.Queue):
 _HANDLER = threading.local()  # the status a refused request should get, per handler thread
 
 
-class _Unstoppable:
-    """A response queue whose generation context ignores ``stop()``."""
+class _SingleQueue:
+    """The response queue of a request served alone: each response is
+    progress for the watchdog, and (``unstoppable``) its generation context
+    ignores ``stop()``."""
 
-    def __init__(self, queue):
+    def __init__(self, queue, unstoppable: bool):
         self.queue = queue
+        self.unstoppable = unstoppable
 
     def put(self, item):
-        if isinstance(item, lm_server.GenerationContext):
+        ACTIVITY.progress()
+        if self.unstoppable and isinstance(item, lm_server.GenerationContext):
             item.stop = lambda: None
         self.queue.put(item)
+
+
+class _ProgressBudget(lm_server.TimeBudget):
+    """mlx-lm's time budget of batch steps between shared messages, telling
+    the watchdog of each step taken (a step that never ends is a hung rank)."""
+
+    def __next__(self):
+        ACTIVITY.progress()
+        return super().__next__()
 
 
 class LockstepResponseGenerator(lm_server.ResponseGenerator):
@@ -134,10 +152,13 @@ class LockstepResponseGenerator(lm_server.ResponseGenerator):
         self.world = world
         self._stop_requested = False
         self._failed = False
+        self.failures = 0  # generation loops that failed and were entered again
         super().__init__(model_provider, prompt_cache)  # starts the generation thread
+        self._time_budget = _ProgressBudget()
         self.requests = _TrackingQueue()  # before any request: the thread reads it at its next poll
 
     def _share_object(self, obj):
+        ACTIVITY.progress()  # the loop came round: this rank is not stuck
         if self.world.size == 1:
             return obj
         if self.world.is_root:
@@ -145,6 +166,7 @@ class LockstepResponseGenerator(lm_server.ResponseGenerator):
             bcast_bytes(self.world, json.dumps(message).encode())
         else:
             message = json.loads(bcast_bytes(self.world, None))
+        ACTIVITY.progress()  # every rank answered
         if message["stop"]:
             self._stop = True
             return None
@@ -153,7 +175,12 @@ class LockstepResponseGenerator(lm_server.ResponseGenerator):
     def _share_request(self, request):
         if self.world.size == 1:
             return request
-        shared = None if request is None else {"request": _to_json(request[1]), "args": _to_json(request[2])}
+        shared = None
+        if request is not None:
+            try:  # on rank 0 alone: a failure here must not leave the other ranks waiting
+                shared = {"request": _to_json(request[1]), "args": _to_json(request[2])}
+            except Exception as e:  # noqa: BLE001 - the request fails, the server goes on
+                request[0].put(RequestError(f"cannot share this request with the other ranks: {one_line(e)}"))
         shared = self._share_object(shared)
         if shared is None:
             return None
@@ -178,6 +205,9 @@ class LockstepResponseGenerator(lm_server.ResponseGenerator):
         except RequestError:
             _HANDLER.status = 400
             raise
+        except GenerationFailed:
+            _HANDLER.status = 500
+            raise
         except RuntimeError:
             if not self.generation_available():
                 _HANDLER.status = 503
@@ -187,12 +217,31 @@ class LockstepResponseGenerator(lm_server.ResponseGenerator):
         # One request alone (mlx-lm serves seeded ones so). mlx-lm cannot stop
         # it early on several ranks (it would stop on rank 0 only): a client
         # that leaves lets it run to its end instead.
-        if self.world.size > 1:
-            request = (_Unstoppable(request[0]),) + tuple(request[1:])
+        request = (_SingleQueue(request[0], unstoppable=self.world.size > 1),) + tuple(request[1:])
         engine = self.model_provider.engine
         engine.use(engine.strategy_for(1))  # one sequence on every rank: the exact strategy, also under dp
         self.model_provider.model = engine.model
         return super()._serve_single(request, stream)
+
+    def _run_generate(self):
+        """mlx-lm's generation loop, entered again after a failure: the
+        requests in flight end with a 500 and the server goes on. A failure
+        inside the lockstep loop comes from the shared requests, so every
+        rank meets it at the same step and enters the loop again with the
+        others (each rank's own failures, a lost rank, are the watchdog's)."""
+        while not self._stop:
+            try:
+                self._generate()
+            except Exception as e:  # noqa: BLE001 - reported to the requests it ends
+                if self._stop:
+                    break
+                logging.error("generation failed, requests in flight end with 500: %s", one_line(e))
+                for queue in list(self.requests.live):
+                    queue.put(GenerationFailed(f"generation failed: {one_line(e)}"))
+                self.failures += 1
+                time.sleep(0.1)  # a failure that repeats at once does not spin a core
+            else:
+                break
 
     def stop_and_join(self):
         """Stop serving on every rank: the next shared message says so."""
@@ -211,20 +260,55 @@ class LockstepResponseGenerator(lm_server.ResponseGenerator):
         return not self._failed and super().generation_available()
 
 
-def make_handler(api_key: Optional[str], max_body: int):
-    """mlx-lm's request handler, behind a bearer token (when given) and a body-size limit."""
+class _OpenAIErrors:
+    """A handler's output: the ``{"error": "text"}`` body mlx-lm writes after
+    an error status goes out in OpenAI's shape (``schema.error_body``), so
+    SDKs show the reason; everything else passes as it is."""
+
+    def __init__(self, wfile, handler):
+        self._wfile = wfile
+        self._handler = handler
+
+    def write(self, data: bytes) -> int:
+        status = self._handler.error_status
+        if status is not None and data[:1] == b"{":
+            try:
+                obj = json.loads(data)
+            except ValueError:
+                obj = None
+            if isinstance(obj, dict) and isinstance(obj.get("error"), str):
+                self._handler.error_status = None
+                kind = "invalid_request_error" if status < 500 else "server_error"
+                data = json.dumps(error_body(obj["error"], kind, None, status)).encode()
+        return self._wfile.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self._wfile, name)
+
+
+COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions", "/chat/completions")
+
+
+def make_handler(api_key: Optional[str], max_body: int, limits: RequestLimits, max_queued: int = DEFAULT_MAX_QUEUED,
+                 idle_timeout: float = DEFAULT_IDLE_TIMEOUT):
+    """mlx-lm's request handler behind a bearer token (when given), a body
+    limit, the request schema (``schema.py``), a cap on queued requests and
+    an idle timeout; every refusal in OpenAI's error shape."""
 
     class Handler(lm_server.APIHandler):
+        timeout = idle_timeout  # socket timeout: a connection that sends nothing is closed
+
         def _send_json(self, status: int, obj: Dict[str, Any]) -> None:
             body = json.dumps(obj).encode()
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(body)))
+            self._set_cors_headers()
             self.end_headers()
             self.wfile.write(body)
 
-        def _refuse(self, status: int, message: str, kind: str) -> None:
-            self._send_json(status, {"error": {"message": message, "type": kind, "code": status}})
+        def _refuse(self, status: int, message: str, kind: str, param: Optional[str] = None) -> None:
+            self._send_json(status, error_body(message, kind, param, status))
 
         def _allowed(self) -> bool:
             if api_key is None:
@@ -242,18 +326,39 @@ def make_handler(api_key: Optional[str], max_body: int):
         def do_POST(self):
             if not self._allowed():
                 return
-            try:
-                length = int(self.headers.get("Content-Length", "0"))
-            except ValueError:
-                length = 0
-            if length > max_body:
+            length = self.headers.get("Content-Length")
+            if length is None:
+                self._refuse(411, "Content-Length header is required", "invalid_request_error")
+                return
+            length = length.strip()
+            if not (length.isdigit() and len(length) <= 20):  # no sign, no spaces inside, no other digits
+                self._refuse(400, "Content-Length must be a non-negative integer", "invalid_request_error")
+                return
+            if int(length) > max_body:
                 self._refuse(413, f"request body of {length} bytes exceeds the limit of {max_body}",
                              "invalid_request_error")
                 return
             if not self.response_generator.generation_available():
                 self._refuse(503, "the server lost a rank and is shutting down", "server_error")
                 return
-            super().do_POST()
+            if self.response_generator.requests.qsize() >= max_queued:
+                self._refuse(429, f"{max_queued} requests are queued already: try again later", "rate_limit_error")
+                return
+            raw = self.rfile.read(int(length))
+            if self.path in COMPLETION_PATHS:
+                try:
+                    body = check_body(raw, limits)
+                except RequestError as e:
+                    logging.info("refused a request: %s", e)
+                    self._refuse(e.status, str(e), "invalid_request_error", e.param)
+                    return
+                raw = json.dumps(body).encode()  # what mlx-lm reads: the checked body
+            self.headers.replace_header("Content-Length", str(len(raw)))
+            connection, self.rfile = self.rfile, io.BytesIO(raw)  # mlx-lm reads the body from rfile
+            try:
+                super().do_POST()
+            finally:
+                self.rfile = connection  # the connection's next request (keep-alive)
 
         def handle_completion(self, request, stop_words):
             try:
@@ -267,11 +372,18 @@ def make_handler(api_key: Optional[str], max_body: int):
                     self.wfile.write(f"data: {json.dumps(error)}\n\n".encode())
                     self.wfile.flush()
 
+        def setup(self):
+            super().setup()
+            self.error_status: Optional[int] = None
+            self.wfile = _OpenAIErrors(self.wfile, self)
+
         def _set_completion_headers(self, status_code: int = 200):
             # mlx-lm answers every failed generate() with 404: ours say what they are
             status = getattr(_HANDLER, "status", None)
             _HANDLER.status = None
-            super()._set_completion_headers(status if status and status_code == 404 else status_code)
+            status = status if status and status_code == 404 else status_code
+            self.error_status = status if status >= 400 else None  # its body, next, in OpenAI's shape
+            super()._set_completion_headers(status)
 
         def handle_models_request(self):
             # mlx-lm lists the hub cache; this server has one model
@@ -286,8 +398,41 @@ def make_handler(api_key: Optional[str], max_body: int):
 
 
 class HTTPServer(ThreadingHTTPServer):
+    """One thread per connection, at most ``max_connections`` open at once
+    (a connection past the cap is closed at once)."""
+
     request_queue_size = 1024  # the listen backlog: the default 5 resets bursts of clients
     daemon_threads = True
+
+    def __init__(self, address, handler, max_connections: int = DEFAULT_MAX_CONNECTIONS):
+        super().__init__(address, handler)
+        self.max_connections = max_connections
+        self._open = 0
+        self._open_lock = threading.Lock()
+
+    def process_request(self, request, client_address):
+        with self._open_lock:
+            full = self._open >= self.max_connections
+            if not full:
+                self._open += 1
+        if full:
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            with self._open_lock:
+                self._open -= 1
+
+
+def _vocab_size(engine) -> int:
+    """The rows of the model's output (what a token id may index)."""
+    cfg = engine.config.get("text_config", engine.config)
+    size = cfg.get("vocab_size") or engine.config.get("vocab_size")
+    return int(size) if size else len(engine.tokenizer.vocab)
 
 
 def serve(executor, options: Dict[str, Any]) -> None:
@@ -305,15 +450,25 @@ def serve(executor, options: Dict[str, Any]) -> None:
         # mlx-lm's server builds its BatchGenerator by this name; this process serves this model only
         lm_server.BatchGenerator = make_batch_generator(engine)
         prompt_cache = NoPromptCache(cli_args.prompt_cache_size)
+    # The watchdog guards serving: a rank that stops taking part stops the loop's
+    # shared messages and steps on every rank. One step may be a long prefill,
+    # so the deadline is the prefill one (--timeout x PREFILL_FACTOR).
+    ACTIVITY.armed, ACTIVITY.serving_http = True, True
+    ACTIVITY.beat("serving-http")
+    ACTIVITY.progress()
     generator = LockstepResponseGenerator(provider, prompt_cache, world)
     if not world.is_root:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 decides when serving ends
         generator.join()
+        ACTIVITY.armed = ACTIVITY.serving_http = False
         return
     ON_FATAL.append(generator.fail)
-    handler = make_handler(options.get("api_key"), options["max_body_bytes"])
+    limits = RequestLimits(vocab_size=_vocab_size(engine), context_length=engine.context_length)
+    handler = make_handler(options.get("api_key"), options["max_body_bytes"], limits,
+                           options.get("max_queued", DEFAULT_MAX_QUEUED), options.get("idle_timeout", DEFAULT_IDLE_TIMEOUT))
     httpd = HTTPServer((options["host"], options["port"]), lambda *a, **kw: handler(
-        generator, *a, system_fingerprint=lm_server.get_system_fingerprint(), **kw))
+        generator, *a, system_fingerprint=lm_server.get_system_fingerprint(), **kw),
+        options.get("max_connections", DEFAULT_MAX_CONNECTIONS))
     print(f"mlxdist: serving {options['model']} on http://{options['host']}:{httpd.server_port} "
           f"({world.size} rank{'s' if world.size > 1 else ''})", file=sys.stderr, flush=True)
     try:
@@ -323,3 +478,4 @@ def serve(executor, options: Dict[str, Any]) -> None:
     finally:
         httpd.server_close()
         generator.stop_and_join()
+        ACTIVITY.armed = ACTIVITY.serving_http = False

@@ -1,0 +1,299 @@
+"""A job file, read on rank 0 with bounded cost and checked line by line:
+a bad line becomes an error record for its id, never the end of the run.
+
+Input: one JSON object per line with ``id`` and ``prompt`` or ``messages``,
+plus optional sampling parameters (max_tokens, temp, top_p, top_k, min_p,
+seed) overriding the command line's. Every line is read with bounded cost
+(``MAX_LINE_BYTES``, ``MAX_DEPTH``, ``MAX_INT_DIGITS``) and every field is
+checked before anything is broadcast. Ids are strings (an integer id is its
+``str()``); the same id twice refuses the whole file before anything runs.
+"""
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from typing import Any, BinaryIO, Dict, Iterator, List, Optional, Tuple, Union
+
+from mlxdist.config import GenerationParams
+from mlxdist.errors import UserError, one_line
+
+
+SAMPLING_KEYS = ("max_tokens", "temp", "top_p", "top_k", "min_p", "seed")
+MAX_LINE_BYTES = 1 << 20  # a longer line (of the job file or --out) is refused unread
+MAX_DEPTH = 64  # deepest nesting of arrays and objects in one line
+MAX_INT_DIGITS = 100  # longest integer literal (a seed needs 20 digits)
+SEED_LIMIT = 2**64  # seeds are 64-bit unsigned integers
+INPUT_ERROR = 2  # exit status of a run refused for its input; the supervisor does not restart it
+_SHOW = 60  # characters of a bad value quoted in a reason
+
+
+class Unreadable:
+    """A JSON number kept out of Python's numbers: an integer of more than
+    ``MAX_INT_DIGITS`` digits, or one that is not finite (NaN, Infinity,
+    1e400). A field that must be a number refuses it by name; elsewhere in
+    the line it is harmless."""
+
+    def __init__(self, what: str):
+        self.what = what
+
+    def __repr__(self) -> str:
+        return f"<{self.what}>"
+
+
+@dataclass
+class Job:
+    """One valid input line."""
+
+    id: str
+    prompt: Optional[str]
+    messages: Optional[list]
+    sampling: Dict[str, Any]
+    line: int = 0
+
+    def sampling_key(self) -> Tuple:
+        """What jobs decoded in one batch share."""
+        return tuple(sorted(self.sampling.items()))
+
+
+@dataclass
+class BadLine:
+    """An input line that cannot run: its id (``line:N`` where it has none)
+    and the one-line reason."""
+
+    id: str
+    reason: str
+    line: int
+
+    def record(self) -> Dict[str, Any]:
+        """Its error record in the output."""
+        return error_record(self.id, self.reason, self.line)
+
+
+Entry = Union[Job, BadLine]
+
+
+def error_record(job_id: str, reason: str, line: int) -> Dict[str, Any]:
+    """The output record of a job that cannot run."""
+    return {"id": job_id, "error": reason, "line": line}
+
+
+def placeholder_id(lineno: int) -> str:
+    """The id of the record of a line with no usable id."""
+    return f"line:{lineno}"
+
+
+def show_value(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= _SHOW else text[: _SHOW - 3] + "..."
+
+
+# -- bounded JSON -----------------------------------------------------------
+
+def _parse_int(text: str) -> Union[int, Unreadable]:
+    digits = len(text.lstrip("-"))
+    if digits > MAX_INT_DIGITS:  # counted before int(), whose cost grows with the square of the length
+        return Unreadable(f"an integer of {digits} digits")
+    return int(text)
+
+
+def _parse_float(text: str) -> Union[float, Unreadable]:
+    value = float(text)
+    return value if math.isfinite(value) else Unreadable(f"the number {text[:_SHOW]}, out of range")
+
+
+def _parse_constant(name: str) -> Unreadable:
+    return Unreadable(f"{name}, not a finite number")
+
+
+_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_BRACKET = re.compile(r"[\[\]{}]")
+
+
+def nesting_depth(text: str, limit: int = MAX_DEPTH) -> int:
+    """The deepest nesting of arrays and objects in ``text``, outside
+    strings, counted up to ``limit + 1`` (a cheap scan, no recursion)."""
+    depth = deepest = 0
+    for m in _BRACKET.finditer(_STRING.sub("", text)):
+        depth += 1 if m.group() in "[{" else -1
+        if depth > deepest:
+            deepest = depth
+            if deepest > limit:
+                break
+    return deepest
+
+
+def parse_json_line(raw: bytes) -> Any:
+    """One line (without its newline) as JSON, at bounded cost: at most
+    ``MAX_LINE_BYTES``, strict UTF-8, at most ``MAX_DEPTH`` levels; an
+    integer of more than ``MAX_INT_DIGITS`` digits or a non-finite number
+    comes back as an ``Unreadable``. Raises ValueError with the reason,
+    worded to follow "line N" ("is not JSON: ...")."""
+    if len(raw) > MAX_LINE_BYTES:
+        raise ValueError(f"is longer than {MAX_LINE_BYTES} bytes")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"is not valid UTF-8 (byte {e.start + 1})") from None
+    if nesting_depth(text) > MAX_DEPTH:
+        raise ValueError(f"nests deeper than {MAX_DEPTH} levels")
+    try:
+        return json.loads(text, parse_int=_parse_int, parse_float=_parse_float, parse_constant=_parse_constant)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"is not JSON: {e.msg} (column {e.colno})") from None
+    except RecursionError:
+        raise ValueError(f"nests deeper than {MAX_DEPTH} levels") from None
+    except ValueError as e:  # Python's own limits (int-from-str)
+        raise ValueError(f"is not JSON: {one_line(e)}") from None
+
+
+def bounded_lines(f: BinaryIO) -> Iterator[Tuple[int, bytes, bool]]:
+    """(line number, bytes without the newline, whether the newline was
+    there) per line of ``f``; a line over ``MAX_LINE_BYTES`` comes back as its
+    first ``MAX_LINE_BYTES + 1`` bytes, the rest read past in chunks, so no
+    line is ever held whole."""
+    lineno = 0
+    while True:
+        chunk = f.readline(MAX_LINE_BYTES + 1)
+        if not chunk:
+            return
+        lineno += 1
+        if chunk.endswith(b"\n"):
+            yield lineno, chunk[:-1], True
+            continue
+        ended = False
+        if len(chunk) > MAX_LINE_BYTES:  # over the cap: skip to its end
+            while True:
+                rest = f.readline(1 << 16)
+                if not rest or rest.endswith(b"\n"):
+                    ended = bool(rest)
+                    break
+        yield lineno, chunk, ended
+
+
+# -- the job file -----------------------------------------------------------
+
+def is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def is_integer(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_type(key: str, value: Any, lineno: int) -> None:
+    where = f"line {lineno}: {key}"
+    if key == "seed":
+        if value is not None and not (is_integer(value) and 0 <= value < SEED_LIMIT):
+            raise ValueError(f"{where} must be an integer from 0 to 2**64 - 1 (or null), got {show_value(value)}")
+    elif key in ("max_tokens", "top_k"):
+        if not is_integer(value):
+            raise ValueError(f"{where} must be an integer, got {show_value(value)}")
+    elif not is_number(value):
+        raise ValueError(f"{where} must be a finite number, got {show_value(value)}")
+
+
+def _check_messages(messages: Any, lineno: int) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(f"line {lineno}: messages must be a non-empty list of {{role, content}} objects")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise ValueError(f"line {lineno}: messages[{i}] is not an object")
+        for key in ("role", "content"):
+            if key not in m:
+                raise ValueError(f"line {lineno}: messages[{i}] has no {key}")
+            if not isinstance(m[key], str):
+                raise ValueError(f"line {lineno}: messages[{i}].{key} must be a string, got {show_value(m[key])}")
+
+
+def job_id(obj: Dict[str, Any], lineno: int) -> str:
+    """The id of a parsed line: a JSON string as given, or an integer's
+    ``str()``. Raises ValueError (null, another type, an empty string)."""
+    if "id" not in obj:
+        raise ValueError(f"line {lineno} has no id")
+    value = obj["id"]
+    if value is None:
+        raise ValueError(f"line {lineno} has a null id")
+    if is_integer(value):
+        return str(value)
+    if not isinstance(value, str):
+        raise ValueError(f"line {lineno}: id must be a string or an integer, got {show_value(value)}")
+    if not value:
+        raise ValueError(f"line {lineno} has an empty id")
+    return value
+
+
+def parse_job(line: Union[str, bytes], lineno: int, defaults: Dict[str, Any]) -> Entry:
+    """One input line as a ``Job``, or a ``BadLine`` with the reason: its
+    JSON (bounded, ``parse_json_line``), id, prompt or messages and sampling
+    values (types, then the ranges of ``GenerationParams``)."""
+    raw = line.encode("utf-8", "surrogateescape") if isinstance(line, str) else line
+    raw = raw.rstrip(b"\r\n")
+    try:
+        obj = parse_json_line(raw)
+    except ValueError as e:
+        return BadLine(placeholder_id(lineno), f"line {lineno} {e}", lineno)
+    if not isinstance(obj, dict):
+        return BadLine(placeholder_id(lineno), f"line {lineno} is not a JSON object", lineno)
+    try:
+        jid = job_id(obj, lineno)
+    except ValueError as e:
+        return BadLine(placeholder_id(lineno), str(e), lineno)
+    try:
+        prompt, messages = obj.get("prompt"), obj.get("messages")
+        if (prompt is None) == (messages is None):
+            raise ValueError(f"line {lineno}: needs exactly one of prompt or messages")
+        if prompt is not None and not isinstance(prompt, str):
+            raise ValueError(f"line {lineno}: prompt must be a string, got {show_value(prompt)}")
+        if messages is not None:
+            _check_messages(messages, lineno)
+        sampling = {**defaults, **{k: obj[k] for k in SAMPLING_KEYS if k in obj}}
+        for key in SAMPLING_KEYS:
+            if key in sampling:
+                _check_type(key, sampling[key], lineno)
+        params = GenerationParams(**sampling)
+        params.validate()  # the ranges, in the words the API and the command line use
+    except UserError as e:
+        return BadLine(jid, one_line(e), lineno)
+    except ValueError as e:
+        return BadLine(jid, str(e), lineno)
+    except TypeError as e:  # a defaults key GenerationParams lacks: a caller's bug, reported per line
+        return BadLine(jid, f"line {lineno}: {one_line(e)}", lineno)
+    return Job(jid, prompt, messages, sampling, lineno)
+
+
+def read_jobs(path: str, defaults: Dict[str, Any]) -> Iterator[Entry]:
+    """A ``Job`` or a ``BadLine`` per non-blank line of the job file.
+    Raises OSError where the file cannot be read."""
+    with open(path, "rb") as f:
+        for lineno, raw, _ in bounded_lines(f):
+            if not raw.strip():
+                continue
+            yield parse_job(raw, lineno, defaults)
+
+
+def check_unique(entries: List[Entry], path: str) -> None:
+    """Refuse (``UserError``, one line) a job file in which two lines have
+    the same id: an integer id is its ``str()``, so ``1`` and ``"1"`` are one
+    id, and a line without a usable id holds ``line:N``."""
+    lines: Dict[str, List[int]] = {}
+    for entry in entries:
+        lines.setdefault(entry.id, []).append(entry.line)
+    repeated = [(i, n) for i, n in lines.items() if len(n) > 1]
+    if not repeated:
+        return
+    shown = "; ".join(f"{show_value(i)} on lines {', '.join(map(str, n))}" for i, n in repeated[:5])
+    more = f"; and {len(repeated) - 5} more" if len(repeated) > 5 else ""
+    raise UserError(f"{path}: duplicate ids (ids are strings: 1 and \"1\" are one id): {shown}{more}; "
+                    f"nothing was run")
+
+
+def load_job_file(path: str, defaults: Dict[str, Any]) -> List[Entry]:
+    """Every entry of the job file, checked for duplicate ids. Raises
+    ``UserError`` (unreadable file, duplicates)."""
+    try:
+        entries = list(read_jobs(path, defaults))
+    except OSError as e:
+        raise UserError(f"cannot read job file {path}: {e.strerror}") from None
+    check_unique(entries, path)
+    return entries

@@ -1,0 +1,240 @@
+"""Nothing a client sends can hurt the job: under real mpirun (np = 2), a few
+hundred hostile requests (malformed, out of range, oversized, slow,
+disconnecting), each answered with an OpenAI-shaped 4xx where it gets an
+answer at all; then a normal request answered as mlx-lm alone answers it,
+every rank alive, the ranks' memory within a bound, and the job ending with
+status 0. The schema's checks are also tested field by field, in-process."""
+
+import json
+import select
+import socket
+import threading
+import time
+
+import pytest
+
+from test_serve import KEY, PROMPTS, Server, alone
+
+# Requests that crashed or wedged the server before the schema (each was one of those).
+HOSTILE_BODIES = [
+    {"prompt": "Hi", "max_tokens": 4, "logit_bias": {"1000000000": 100}},  # segfaulted every rank
+    {"prompt": "Hi", "max_tokens": 4, "logit_bias": {"100000": 1}},  # an out-of-bounds write
+    {"prompt": "Hi", "stop": [1]}, {"prompt": "Hi", "stop": 5}, {"prompt": "Hi", "stop": [None]},
+    {"prompt": "Hi", "stop": [[1]]}, {"prompt": "Hi", "stop": [""]},
+    {"prompt": ""},
+    {"prompt": "Hi", "top_k": 1000000, "temperature": 1},
+    {"prompt": "Hi", "xtc_threshold": 0.9, "xtc_probability": 0.5, "temperature": 1},
+    {"prompt": "Hi", "repetition_context_size": 1e20},
+    {"messages": [{"role": "user", "content": "Hi"}], "chat_template_kwargs": {"return_tensors": "np"}},
+    {"prompt": "Hi", "logit_bias": {"1e20": 1}},
+    {"messages": [{"role": "user", "content": "Hi"}],
+     "chat_template_kwargs": {"chat_template": "{% for i in range(100000) %}{% for j in range(9) %}x{% endfor %}{% endfor %}"}},
+    {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://127.0.0.1:1/x.png"}}]}]},
+    {"messages": [{"content": "no role"}]}, {"messages": []}, {"messages": "Hi"},
+    {"prompt": "Hi", "seed": 2 ** 64}, {"prompt": "Hi", "seed": -1}, {"prompt": "Hi", "n": 3},
+    {"prompt": "Hi", "max_tokens": True}, {"prompt": "Hi", "max_tokens": 0}, {"prompt": "Hi", "top_logprobs": 99},
+    {"prompt": "Hi", "temperature": "hot"}, {"prompt": "Hi", "top_p": 2}, {"prompt": "Hi", "min_p": -1},
+    {"prompt": "Hi", "stop": ["x" * 10000]}, {"prompt": "Hi", "stop": [f"s{i}" for i in range(1000)]},
+    {"prompt": ["a list"]}, {"prompt": "Hi", "stream": "yes"}, {"prompt": "Hi", "unknown_field": 1},
+]
+HOSTILE_RAW = [
+    b'{"prompt": "Hi", "temperature": NaN}', b'{"prompt": "Hi", "top_p": Infinity}',
+    b'{"prompt": ' + b"[" * 900 + b"]" * 900 + b"}",  # hit a RecursionError on rank 0 only, then hung the job
+    b"[" * 100000 + b"]" * 100000,
+    b'{"prompt": "Hi", "seed": ' + b"9" * 5000 + b"}",
+    b"\xff\xfe\x00garbage", b"{not json", b"[]", b"null", b'"just a string"',
+]
+
+
+def error_shaped(status, body) -> bool:
+    error = body.get("error") if isinstance(body, dict) else None
+    return 400 <= status < 500 and isinstance(error, dict) and {"message", "type", "param", "code"} <= set(error)
+
+
+def raw_request(port: int, head: bytes, body: bytes = b"", read: bool = True) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        s.sendall(head + body)
+        if not read:
+            return b""
+        data = b""
+        while True:
+            chunk = s.recv(65536)
+            if not chunk:
+                return data
+            data += chunk
+
+
+@pytest.fixture(scope="module")
+def hostile_server(checkpoint):
+    s = Server(checkpoint("qwen3_moe"), extra=["--idle-timeout", "2", "--max-connections", "64"])
+    yield s
+    code = s.stop()
+    assert code == 0, s.proc.stderr.read()[-3000:]
+
+
+def test_hostile_requests_leave_the_server_serving(hostile_server, checkpoint):
+    s = hostile_server
+    before = s.rss_kb()
+    statuses = []
+    for _ in range(4):  # a few hundred in all
+        for body in HOSTILE_BODIES:
+            status, answer = s.post("/v1/completions" if "prompt" in body else "/v1/chat/completions", body)
+            assert error_shaped(status, answer), (body, status, answer)
+            statuses.append(status)
+        for raw in HOSTILE_RAW:
+            status, text = s.request("POST", "/v1/completions", raw)
+            assert error_shaped(status, json.loads(text)), (raw[:60], status, text[:300])
+            statuses.append(status)
+    # Content-Length games: negative (read(-1) took the whole stream), not a number, too large, missing
+    for length in (b"-1", b"+5", b"0x10", b"1e3", b" 12 3", str(10 ** 30).encode()):
+        head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode()
+                + b"\r\nContent-Length: " + length + b"\r\n\r\n")
+        reply = raw_request(s.port, head, b'{"prompt": "Hi"}')
+        assert reply.split(b"\r\n")[0].split()[1] in (b"400", b"413"), (length, reply[:200])
+    # slow clients: a connection that sends half a header and stalls is closed by the idle timeout
+    stalled = [socket.create_connection(("127.0.0.1", s.port)) for _ in range(20)]
+    for c in stalled:
+        c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+    # clients that leave: requests abandoned before and during their answer
+    for i in range(20):
+        body = json.dumps({"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": 200, "stream": bool(i % 2)}).encode()
+        raw_request(s.port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode()
+                    + b"\r\nContent-Type: application/json\r\nContent-Length: " + str(len(body)).encode()
+                    + b"\r\n\r\n", body, read=False)
+    time.sleep(3)  # past the idle timeout
+    for c in stalled:  # closed by the server, unanswered
+        c.settimeout(5)
+        assert c.recv(4096) == b""
+        c.close()
+    # a normal request, answered as mlx-lm alone answers it
+    status, body = s.post("/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 8})
+    assert status == 200, body
+    assert body["choices"][0]["text"] == alone(checkpoint("qwen3_moe"), PROMPTS[0], 8)
+    assert s.get("/health")[0] == 200
+    assert len(s.ranks()) == 2 and s.proc.poll() is None
+    after = s.rss_kb()
+    assert after < before + 300_000, f"the ranks grew from {before} to {after} kB"
+    assert len(statuses) > 150
+
+
+def test_connections_past_the_cap_are_closed_and_the_server_goes_on(hostile_server):
+    s = hostile_server
+    held = [socket.create_connection(("127.0.0.1", s.port)) for _ in range(80)]  # past --max-connections 64
+    try:
+        time.sleep(0.5)  # well before the idle timeout (2 s) closes the ones the server holds
+        readable, _, _ = select.select(held, [], [], 0)
+        closed = sum(c.recv(1) == b"" for c in readable)
+        assert 80 - 64 <= closed <= 80 - 64 + 4, closed
+    finally:
+        for c in held:
+            c.close()
+    time.sleep(3)  # the held ones time out
+    assert s.get("/health")[0] == 200
+
+
+def test_cors_is_off_unless_asked(hostile_server):
+    head = (b"OPTIONS /v1/completions HTTP/1.1\r\nHost: x\r\nOrigin: http://evil.example\r\n"
+            b"Authorization: Bearer " + KEY.encode() + b"\r\nConnection: close\r\n\r\n")
+    reply = raw_request(hostile_server.port, head)
+    assert b"Access-Control-Allow-Origin" not in reply, reply[:500]
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"prompt": "Hi", "logit_bias": {"512": 1}}, "logit_bias"),  # the vocabulary is 512: ids 0..511
+    ({"prompt": "Hi", "logit_bias": {"5": 101}}, "logit_bias"),
+    ({"prompt": "Hi", "top_k": 513}, "top_k"),
+    ({"prompt": "Hi", "max_tokens": 10 ** 7}, "max_tokens"),
+    ({"prompt": "Hi", "xtc_threshold": 0.51}, "xtc_threshold"),
+    ({"prompt": "Hi", "presence_penalty": 1e300}, "presence_penalty"),
+    ({"prompt": "x" * ((1 << 20) + 1)}, "prompt"),
+    ({"messages": [{"role": "user", "content": "x"}] * 513}, "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "audio"}]}]}, "messages"),
+    ({"prompt": "Hi", "messages": [{"role": "user", "content": "x"}]}, "messages"),
+    ({"prompt": "Hi", "stream_options": {"include_usage": "yes"}}, "stream_options"),
+    ({"prompt": "Hi", "chat_template_kwargs": {"enable_thinking": {"nested": 1}}}, "chat_template_kwargs"),
+])
+def test_schema_field_by_field(body, param):
+    from mlxdist.errors import RequestError
+    from mlxdist.serving.schema import RequestLimits, check_body
+
+    limits = RequestLimits(vocab_size=512, context_length=4096)
+    with pytest.raises(RequestError) as e:
+        check_body(json.dumps(body).encode(), limits)
+    assert e.value.param == param and e.value.status == 400
+
+
+def test_schema_passes_what_clients_send():
+    from mlxdist.serving.schema import RequestLimits, check_body
+
+    limits = RequestLimits(vocab_size=512, context_length=4096)
+    good = [
+        {"prompt": "Hi", "max_tokens": 4, "temperature": 0.7, "top_p": 0.9, "stop": ["\n", "END"], "seed": 3},
+        {"model": "anything", "messages": [{"role": "system", "content": "Be terse."},
+                                           {"role": "user", "content": [{"type": "text", "text": "Hi"}]}],
+         "stream": True, "stream_options": {"include_usage": True}, "logprobs": True, "top_logprobs": 3,
+         "logit_bias": {"5": -100, "7": 2.5}, "xtc_probability": 0, "user": "me", "n": 1,
+         "chat_template_kwargs": {"enable_thinking": False}},
+        {"prompt": "Hi", "top_logprobs": -1, "max_completion_tokens": 16, "repetition_penalty": 1.1},
+    ]
+    for body in good:
+        checked = check_body(json.dumps(body).encode(), limits)
+        assert checked.get("prompt", checked.get("messages")) == body.get("prompt", body.get("messages"))
+    assert isinstance(check_body(json.dumps(good[1]).encode(), limits)["xtc_probability"], float)
+
+
+def test_concurrent_hostile_and_normal_clients(hostile_server, checkpoint):
+    """Normal clients are answered correctly while others send garbage at the same time."""
+    s = hostile_server
+    expected = alone(checkpoint("qwen3_moe"), PROMPTS[1], 6)
+    answers, errors = [], []
+
+    def normal():
+        for _ in range(3):
+            status, body = s.post("/v1/completions", {"prompt": PROMPTS[1], "max_tokens": 6})
+            answers.append(body["choices"][0]["text"] if status == 200 else (status, body))
+
+    def hostile():
+        for body in HOSTILE_BODIES[:12]:
+            status, answer = s.post("/v1/completions" if "prompt" in body else "/v1/chat/completions", body)
+            if not error_shaped(status, answer):
+                errors.append((body, status, answer))
+
+    threads = [threading.Thread(target=f) for f in (normal, hostile, normal, hostile)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert not errors, errors[:3]
+    assert answers == [expected] * 6, answers
+
+
+def test_a_stopped_rank_is_reported_while_serving(checkpoint):
+    """The watchdog guards serving: SIGSTOP rank 1, and a live request gets
+    503 and the job ends non-zero with a report, within the deadline
+    (--timeout 1: the serving deadline is 10 x that)."""
+    import os
+    import signal
+
+    s = Server(checkpoint("qwen3_moe"), extra=["--timeout", "1"])
+    try:
+        assert completion_ok(s)
+        victim = s.ranks()[1]
+        os.kill(victim, signal.SIGSTOP)
+        t0 = time.time()
+        status, body = s.post("/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 8})
+        assert status == 503 and isinstance(body, dict) and body["error"]["code"] == 503, (status, body)
+        s.proc.wait(60)
+        assert s.proc.returncode != 0 and time.time() - t0 < 40
+        stderr = s.proc.stderr.read()
+        assert "no progress for 10 s" in stderr, stderr[-2000:]
+    finally:
+        if s.proc.poll() is None:  # the job did not end: release and kill the ranks
+            for pid in s.ranks():
+                os.kill(pid, signal.SIGCONT)
+            os.killpg(os.getpgid(s.proc.pid), signal.SIGKILL)
+            s.proc.wait()
+
+
+def completion_ok(s) -> bool:
+    status, body = s.post("/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 4})
+    return status == 200 and bool(body["choices"][0]["text"])
