@@ -238,3 +238,25 @@ def test_a_stopped_rank_is_reported_while_serving(checkpoint):
 def completion_ok(s) -> bool:
     status, body = s.post("/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 4})
     return status == 200 and bool(body["choices"][0]["text"])
+
+
+def test_the_request_queue_counts_its_prompt_text():
+    """What --max-queued-chars bounds: the prompt text of the requests waiting, as they come and go."""
+    from queue import Queue
+
+    from mlx_lm.server import CompletionRequest
+
+    from mlxdist.serving.schema import prompt_chars
+    from mlxdist.serving.server import _TrackingQueue
+
+    q = _TrackingQueue()
+    replies = [Queue(), Queue()]
+    q.put((replies[0], CompletionRequest("text", "hello", [], None, None), None))
+    q.put((replies[1], CompletionRequest("chat", "", [{"role": "user", "content": "abc"}], None, None), None))
+    assert q.chars == 8 and q.qsize() == 2
+    q.get()
+    assert q.chars == 3
+    q.get_nowait()
+    assert q.chars == 0
+    assert prompt_chars({"messages": [{"role": "user", "content": [{"type": "text", "text": "ab"}]},
+                                      {"role": "assistant", "content": "cde"}]}) == 5

@@ -14,7 +14,7 @@ from mlxdist.errors import UserError, say_error
 from mlxdist.runtime.watchdog import DEFAULT_TIMEOUT
 from mlxdist.runtime.world import launcher_rank, set_exit_code
 from mlxdist.serving.server import (
-    DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_BODY, DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_QUEUED,
+    DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_BODY, DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_QUEUED, DEFAULT_MAX_QUEUED_CHARS,
 )
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -36,6 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Seconds a connection may send nothing before it is closed (default %(default)s).")
     p.add_argument("--max-queued", type=int, default=DEFAULT_MAX_QUEUED,
                    help="Requests waiting for the generation loop; more get 429 (default %(default)s).")
+    p.add_argument("--max-queued-chars", type=int, default=DEFAULT_MAX_QUEUED_CHARS,
+                   help="Characters of prompt text waiting for the generation loop, all requests together; "
+                        "a request past it gets 429 (default %(default)s).")
     p.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
                    help="Answer browsers' cross-origin requests from ORIGIN ('*': any); repeatable. "
                         "Default: none (a web page the user opens cannot drive the server).")
@@ -64,8 +67,8 @@ def check_options(args: argparse.Namespace) -> Optional[str]:
         return "--max-concurrent must be at least 1"
     if args.max_body_bytes < 1024:
         return "--max-body-bytes must be at least 1024"
-    if args.max_connections < 1 or args.max_queued < 1:
-        return "--max-connections and --max-queued must be at least 1"
+    if args.max_connections < 1 or args.max_queued < 1 or args.max_queued_chars < 1:
+        return "--max-connections, --max-queued and --max-queued-chars must be at least 1"
     if not 0 < args.idle_timeout < float("inf"):
         return "--idle-timeout must be a positive number of seconds"
     return None

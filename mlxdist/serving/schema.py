@@ -292,6 +292,20 @@ def _check_tool_calls(calls: Iterable[Any], i: int) -> None:
                 raise RequestError(f"messages[{i}].tool_calls: arguments must be JSON", "messages") from None
 
 
+def prompt_chars(body: Dict[str, Any]) -> int:
+    """The prompt text of a checked body, in characters (before tokenising)."""
+    if "prompt" in body:
+        return len(body["prompt"])
+    total = 0
+    for message in body.get("messages", []):
+        content = message.get("content")
+        if isinstance(content, str):
+            total += len(content)
+        elif isinstance(content, list):
+            total += sum(len(part.get("text", "")) for part in content if part.get("type") == "text")
+    return total
+
+
 def error_body(message: str, kind: str = "invalid_request_error", param: Optional[str] = None,
                code: Optional[Any] = None) -> Dict[str, Any]:
     """OpenAI's error object."""

@@ -39,7 +39,7 @@ from typing import Any, Dict, Optional
 from mlx_lm import server as lm_server
 
 from mlxdist.errors import GenerationFailed, RankLost, RequestError, one_line
-from mlxdist.serving.schema import RequestLimits, check_body, error_body
+from mlxdist.serving.schema import RequestLimits, check_body, error_body, prompt_chars
 from mlxdist.runtime.world import World, bcast_bytes
 from mlxdist.runtime.watchdog import ACTIVITY, ON_FATAL
 
@@ -47,6 +47,7 @@ DEFAULT_MAX_BODY = 4 << 20  # bytes
 DEFAULT_IDLE_TIMEOUT = 30.0  # seconds a connection may send nothing
 DEFAULT_MAX_CONNECTIONS = 256
 DEFAULT_MAX_QUEUED = 256  # requests waiting for the generation loop
+DEFAULT_MAX_QUEUED_CHARS = 8 << 20  # their prompt text, together
 
 
 def lm_server_args(options: Dict[str, Any]) -> argparse.Namespace:
@@ -105,15 +106,31 @@ def _from_json(cls: Any, data: Any) -> Any:
 
 
 class _TrackingQueue(lm_server.Queue):
-    """The generator's request queue, remembering each live request's response queue."""
+    """The generator's request queue, remembering each live request's
+    response queue and the prompt text waiting in it (``chars``)."""
 
     def __init__(self):
         super().__init__()
         self.live = weakref.WeakSet()
+        self.chars = 0
 
     def put(self, item, *args, **kwargs):
         self.live.add(item[0])
         super().put(item, *args, **kwargs)
+
+    def _put(self, item):  # under the queue's lock
+        self.chars += _request_chars(item[1])
+        super()._put(item)
+
+    def _get(self):
+        item = super()._get()
+        self.chars -= _request_chars(item[1])
+        return item
+
+
+def _request_chars(request) -> int:
+    """The prompt text of an mlx-lm ``CompletionRequest``, in characters."""
+    return len(request.prompt or "") + sum(len(str(m.get("content") or "")) for m in request.messages or [])
 
 
 _HANDLER = threading.local()  # the status a refused request should get, per handler thread
@@ -290,7 +307,7 @@ COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions", "/chat/completion
 
 
 def make_handler(api_key: Optional[str], max_body: int, limits: RequestLimits, max_queued: int = DEFAULT_MAX_QUEUED,
-                 idle_timeout: float = DEFAULT_IDLE_TIMEOUT):
+                 idle_timeout: float = DEFAULT_IDLE_TIMEOUT, max_queued_chars: int = DEFAULT_MAX_QUEUED_CHARS):
     """mlx-lm's request handler behind a bearer token (when given), a body
     limit, the request schema (``schema.py``), a cap on queued requests and
     an idle timeout; every refusal in OpenAI's error shape."""
@@ -351,6 +368,11 @@ def make_handler(api_key: Optional[str], max_body: int, limits: RequestLimits, m
                 except RequestError as e:
                     logging.info("refused a request: %s", e)
                     self._refuse(e.status, str(e), "invalid_request_error", e.param)
+                    return
+                queued = self.response_generator.requests.chars
+                if queued and queued + prompt_chars(body) > max_queued_chars:
+                    self._refuse(429, f"{queued} characters of prompts are queued already: try again later",
+                                 "rate_limit_error")
                     return
                 raw = json.dumps(body).encode()  # what mlx-lm reads: the checked body
             self.headers.replace_header("Content-Length", str(len(raw)))
@@ -465,7 +487,8 @@ def serve(executor, options: Dict[str, Any]) -> None:
     ON_FATAL.append(generator.fail)
     limits = RequestLimits(vocab_size=_vocab_size(engine), context_length=engine.context_length)
     handler = make_handler(options.get("api_key"), options["max_body_bytes"], limits,
-                           options.get("max_queued", DEFAULT_MAX_QUEUED), options.get("idle_timeout", DEFAULT_IDLE_TIMEOUT))
+                           options.get("max_queued", DEFAULT_MAX_QUEUED), options.get("idle_timeout", DEFAULT_IDLE_TIMEOUT),
+                           options.get("max_queued_chars", DEFAULT_MAX_QUEUED_CHARS))
     httpd = HTTPServer((options["host"], options["port"]), lambda *a, **kw: handler(
         generator, *a, system_fingerprint=lm_server.get_system_fingerprint(), **kw),
         options.get("max_connections", DEFAULT_MAX_CONNECTIONS))
