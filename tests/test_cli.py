@@ -76,3 +76,41 @@ def test_stats_flag_reports_expert_load(checkpoint):
     assert proc.returncode == 0, proc.stderr[-2000:]
     load = last_json(proc.stdout)["expert_load"]
     assert load and all(sum(counts) > 0 for counts in load.values())
+
+
+def test_logprobs_out_on_a_bf16_quantized_checkpoint(checkpoint, tmp_path):
+    """--logprobs-out writes bf16 log-probabilities (exact as float32), as mlx-lm's own are."""
+    import mlx.core as mx
+    import numpy as np
+    from mlx_lm import load
+    from mlx_lm.generate import stream_generate
+
+    path = checkpoint("qwen3_moe", bits=4, dtype="bfloat16")
+    out = tmp_path / "lp.npy"
+    proc = launch(2, ["--model", path, "-p", PROMPT, "-m", 6, "--ignore-chat-template", "--json",
+                      "--dispatch", "collective", "--logprobs-out", out])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    saved = np.load(out)
+    model, tokenizer = load(str(path))
+    steps = list(stream_generate(model, tokenizer, mx.array(tokenizer.encode(PROMPT)), max_tokens=6))
+    assert steps[0].logprobs.dtype == mx.bfloat16 and saved.dtype == np.float32
+    assert np.array_equal(saved, np.stack([np.array(s.logprobs.astype(mx.float32)) for s in steps]))
+    assert last_json(proc.stdout)["tokens"] == [s.token for s in steps]
+
+
+def test_mlx_lm_habits_prompt_from_stdin_verbose_and_one_argparse_error(checkpoint):
+    """-p - reads the prompt from stdin; --verbose False prints the text alone;
+    a bad option is reported once, by rank 0, whatever the number of ranks."""
+    path = checkpoint("qwen3_moe")
+    by_arg = launch(2, ["--model", path, "-p", PROMPT, "-m", 6, "--json"])
+    by_stdin = launch(2, ["--model", path, "-p", "-", "-m", 6, "--json"], input=PROMPT)
+    assert by_arg.returncode == by_stdin.returncode == 0, by_stdin.stderr[-2000:]
+    assert last_json(by_stdin.stdout)["tokens"] == last_json(by_arg.stdout)["tokens"]
+    quiet = launch(2, ["--model", path, "-p", PROMPT, "-m", 6, "--verbose", "False"])
+    loud = launch(2, ["--model", path, "-p", PROMPT, "-m", 6])
+    assert quiet.returncode == loud.returncode == 0
+    assert "generation:" in loud.stderr and "generation:" not in quiet.stderr
+    assert quiet.stdout == loud.stdout
+    bad = launch(2, ["--model", path, "-p", PROMPT, "--temp", "hot"])
+    assert bad.returncode != 0
+    assert bad.stderr.count("error: argument --temp") == 1, bad.stderr

@@ -151,6 +151,7 @@ def test_cors_is_off_unless_asked(hostile_server):
     ({"messages": [{"role": "user", "content": [{"type": "audio"}]}]}, "messages"),
     ({"prompt": "Hi", "messages": [{"role": "user", "content": "x"}]}, "messages"),
     ({"prompt": "Hi", "stream_options": {"include_usage": "yes"}}, "stream_options"),
+    ({"prompt": "Hi", "model": 7}, "model"),
     ({"prompt": "Hi", "chat_template_kwargs": {"enable_thinking": {"nested": 1}}}, "chat_template_kwargs"),
 ])
 def test_schema_field_by_field(body, param):
@@ -260,3 +261,16 @@ def test_the_request_queue_counts_its_prompt_text():
     assert q.chars == 0
     assert prompt_chars({"messages": [{"role": "user", "content": [{"type": "text", "text": "ab"}]},
                                       {"role": "assistant", "content": "cde"}]}) == 5
+
+
+def test_any_model_name_serves_the_loaded_model(hostile_server, checkpoint):
+    """OpenAI clients name a model of their own: the server answers with the one it loaded;
+    adapters and draft models it would not load are refused by name."""
+    s = hostile_server
+    expected = alone(checkpoint("qwen3_moe"), PROMPTS[2], 5)
+    for name in ("gpt-4o-mini", "default_model", "anything/at-all"):
+        status, body = s.post("/v1/completions", {"model": name, "prompt": PROMPTS[2], "max_tokens": 5})
+        assert status == 200 and body["choices"][0]["text"] == expected, (name, status, body)
+    for field in ("adapters", "draft_model"):
+        status, body = s.post("/v1/completions", {"prompt": "Hi", field: "/etc/passwd"})
+        assert status == 400 and body["error"]["param"] == field, body

@@ -12,6 +12,7 @@ import json
 import sys
 from typing import Iterator, List, Optional
 
+import mlx.core as mx
 from mlx_lm.generate import DEFAULT_MAX_TOKENS
 
 from mlxdist import envs
@@ -20,13 +21,14 @@ from mlxdist.config import EXPERT_SPLITS, GenerationParams
 from mlxdist.dispatch import DISPATCH_MODES, LAYOUTS
 from mlxdist.errors import UserError, say_error
 from mlxdist.runtime.watchdog import DEFAULT_TIMEOUT
-from mlxdist.runtime.world import BACKENDS, run_or_abort, set_exit_code
+from mlxdist.runtime.world import BACKENDS, launcher_rank, run_or_abort, set_exit_code
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m mlxdist.run", description=__doc__.splitlines()[0])
+    p = RankZeroParser(prog="python -m mlxdist.run", description=__doc__.splitlines()[0])
     p.add_argument("--model", help="model folder or hub id (default: a small built-in random MoE)")
-    p.add_argument("-p", "--prompt", help="one prompt; without it, rank 0 reads one prompt per line from stdin")
+    p.add_argument("-p", "--prompt", help="one prompt ('-': all of stdin, as mlx_lm.generate); without it, rank 0 "
+                                           "reads one prompt per line from stdin")
     p.add_argument("--system-prompt", help="system message for the chat template")
     p.add_argument("--ignore-chat-template", action="store_true",
                    help="use the raw prompt, not the tokenizer's chat template")
@@ -36,14 +38,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--retry-errors", action="store_true",
                    help="with --jobs: run again the jobs whose only record in --out is an error record "
                         "(without it, error records count as finished)")
-    p.add_argument("-m", "--max-tokens", type=int, default=DEFAULT_MAX_TOKENS)
-    p.add_argument("--temp", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("-m", "--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
+                   help="tokens to generate at most (default %(default)s)")
+    p.add_argument("--temp", type=float, default=0.0, help="sampling temperature; 0: greedy (default %(default)s)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (default %(default)s)")
+    p.add_argument("--top-k", type=int, default=0, help="sample from the k likeliest tokens; 0: all (default %(default)s)")
+    p.add_argument("--min-p", type=float, default=0.0, help="minimum probability relative to the likeliest token "
+                                                           "(default %(default)s)")
+    p.add_argument("--seed", type=int, default=None, help="random seed of the sampler (default: 0 on every rank)")
+    p.add_argument("--verbose", type=_str2bool, default=True, metavar="{True,False}",
+                   help="as mlx_lm.generate: print the summary line after the text when True, only the text "
+                        "when False (default %(default)s)")
     p.add_argument("--max-kv-size", type=int, default=None, help="rotating KV cache of this many tokens")
-    p.add_argument("--prefill-step-size", type=int, default=2048)
+    p.add_argument("--prefill-step-size", type=int, default=2048,
+                   help="prompt tokens per prefill step (default %(default)s)")
     p.add_argument("--dispatch", choices=DISPATCH_MODES, default="auto",
                    help="auto: dp for batches of at least one sequence per rank (8 on GPUs with whole experts), "
                         "else collective; "
@@ -73,6 +81,27 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+class RankZeroParser(argparse.ArgumentParser):
+    """argparse whose errors are printed by rank 0 alone (every rank parses the
+    same command line); the other ranks exit quietly and rank 0 gives the job
+    its status (were another rank to fail first, mpirun could stop rank 0
+    before it said why)."""
+
+    def error(self, message: str):
+        if launcher_rank() != 0:
+            self.exit(0)
+        super().error(message)
+
+
+def _str2bool(text: str) -> bool:
+    """mlx_lm.generate's reading of --verbose."""
+    if text.lower() in ("true", "t", "1", "yes"):
+        return True
+    if text.lower() in ("false", "f", "0", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected True or False, not {text!r}")
+
+
 def generation_args(args) -> dict:
     """The command line's ``GenerationParams`` fields."""
     return dict(
@@ -97,6 +126,9 @@ def _stdin():
 
 def _prompts(args) -> Iterator[str]:
     """--prompt, or one prompt per line of stdin until EOF or /exit."""
+    if args.prompt == "-":  # mlx_lm.generate's habit: the prompt is all of stdin
+        yield _stdin().read()
+        return
     if args.prompt is not None:
         yield args.prompt.replace("\\n", "\n").replace("\\t", "\t")
         return
@@ -158,7 +190,8 @@ def _run_prompt(cluster: Cluster, args, text: str, logprobs: List) -> None:
         print(json.dumps(record), flush=True)
     else:
         print(flush=True)
-        print(_summary(stats, len(tokens)), file=sys.stderr, flush=True)
+        if args.verbose:
+            print(_summary(stats, len(tokens)), file=sys.stderr, flush=True)
 
 
 def command_loop(cluster: Cluster, args) -> int:
@@ -202,7 +235,7 @@ def command_loop(cluster: Cluster, args) -> int:
     if args.logprobs_out:
         import numpy as np
 
-        np.save(args.logprobs_out, np.stack([np.array(l) for l in logprobs]))
+        np.save(args.logprobs_out, np.stack([np.array(l.astype(mx.float32)) for l in logprobs]))  # bf16: exact in f32
     return 0
 
 

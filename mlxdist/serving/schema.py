@@ -88,9 +88,11 @@ def check_fields(body: Dict[str, Any], limits: RequestLimits) -> None:
     if options is not None and not (isinstance(options, dict) and set(options) <= {"include_usage"}
                                     and isinstance(options.get("include_usage", False), bool)):
         raise RequestError("stream_options must be {\"include_usage\": true|false}", "stream_options")
-    for name in ("model", "adapters", "draft_model"):
-        if body.get(name) is not None and not isinstance(body[name], str):
-            raise RequestError(f"{name} must be a string", name)
+    if body.get("model") is not None and not isinstance(body["model"], str):
+        raise RequestError("model must be a string (any name: the server serves the model it loaded)", "model")
+    for name in ("adapters", "draft_model"):
+        if body.get(name) not in (None, "default_model"):
+            raise RequestError(f"{name} are not loaded by this server: it serves the one model it started with", name)
     if body.get("n") not in (None, 1):
         raise RequestError("n must be 1: one choice per request", "n")
     _integer(body, "num_draft_tokens", 0, 64)

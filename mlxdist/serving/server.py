@@ -374,6 +374,7 @@ def make_handler(api_key: Optional[str], max_body: int, limits: RequestLimits, m
                     self._refuse(429, f"{queued} characters of prompts are queued already: try again later",
                                  "rate_limit_error")
                     return
+                body["model"] = self.response_generator.cli_args.model  # any name serves the loaded model
                 raw = json.dumps(body).encode()  # what mlx-lm reads: the checked body
             self.headers.replace_header("Content-Length", str(len(raw)))
             connection, self.rfile = self.rfile, io.BytesIO(raw)  # mlx-lm reads the body from rfile

@@ -8,6 +8,7 @@ import json
 import sys
 from pathlib import Path
 
+import mlx.core as mx
 import numpy as np
 
 import mlxdist
@@ -19,6 +20,6 @@ with mlxdist.init() as cluster:
         cluster.load(path, dispatch=dispatch, layout=layout)
         request = cluster.request([cluster.encode(prompt)], max_tokens=int(max_tokens))
         pieces = list(cluster.stream(request))
-        np.save(Path(out_dir) / f"{i}.npy", np.stack([np.array(p.logprobs) for p in pieces]))
+        np.save(Path(out_dir) / f"{i}.npy", np.stack([np.array(p.logprobs.astype(mx.float32)) for p in pieces]))
         summary[path] = {"index": i, "tokens": [p.token for p in pieces], "num_ranks": cluster.world.size}
     (Path(out_dir) / "summary.json").write_text(json.dumps(summary))
