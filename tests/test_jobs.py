@@ -264,3 +264,21 @@ def read_records_lenient(path):
         except json.JSONDecodeError:
             continue
     return [r for r in out if isinstance(r, dict) and "id" in r]
+
+
+@pytest.mark.parametrize("raw", [False, True])
+def test_job_prompts_are_templated_like_p(checkpoint, tmp_path, raw):
+    """A job file's prompt line is encoded as -p's prompt is: through the chat
+    template with --system-prompt (the tokens of a job equal those of -p), or
+    raw with --ignore-chat-template."""
+    path = checkpoint("qwen3_moe")
+    prompt = "Prompt number 3 about experts"
+    flags = ["--ignore-chat-template"] if raw else ["--system-prompt", "Be brief."]
+    jobs, out = tmp_path / "jobs.jsonl", tmp_path / "out.jsonl"
+    jobs.write_text(json.dumps({"id": "a", "prompt": prompt}) + "\n" + json.dumps({"id": "b", "prompt": "other"}) + "\n")
+    by_job = launch(2, ["--model", path, "--jobs", jobs, "--out", out, "-m", 6, *flags])
+    by_p = launch(2, ["--model", path, "-p", prompt, "-m", 6, "--json", *flags])
+    assert by_job.returncode == by_p.returncode == 0, by_job.stderr[-2000:]
+    record = next(r for r in read_records(out) if r["id"] == "a")
+    expected = json.loads(by_p.stdout.strip().splitlines()[-1])
+    assert record["tokens"] == expected["tokens"] and record["prompt_tokens"] == expected["prompt_tokens"]

@@ -46,15 +46,30 @@ class JobRun:
     entries: List[Entry]
     out: ResultsFile
     done: Set[str]
+    templated: bool = True  # a prompt goes through the chat template, as -p's does
+    system_prompt: Optional[str] = None
+
+    def prompt_of(self, cluster, job: Job) -> Union[str, List[Dict[str, Any]]]:
+        """What ``job`` generates from: its messages; or its prompt as ``-p``
+        takes one: through the tokenizer's chat template (after the system
+        prompt), unless the run ignores the template or there is none."""
+        if job.messages is not None:
+            return job.messages
+        if not self.templated or not cluster.engine.tokenizer.has_chat_template:
+            return job.prompt
+        system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt is not None else []
+        return [*system, {"role": "user", "content": job.prompt}]
 
     def close(self) -> None:
         """Release the output."""
         self.out.close()
 
 
-def open_jobs(jobs_path: str, out_path: str, defaults: Dict[str, Any], retry_errors: bool = False) -> JobRun:
+def open_jobs(jobs_path: str, out_path: str, defaults: Dict[str, Any], retry_errors: bool = False,
+              templated: bool = True, system_prompt: Optional[str] = None) -> JobRun:
     """Read and check the job file, then lock and read the output. Raises
-    ``UserError`` (unreadable file, duplicate ids, output held by another run)."""
+    ``UserError`` (unreadable file, duplicate ids, output held by another run).
+    ``templated`` / ``system_prompt``: how prompt lines are encoded (``JobRun.prompt_of``)."""
     entries = load_job_file(jobs_path, defaults)
     out = ResultsFile(out_path)
     try:
@@ -62,7 +77,7 @@ def open_jobs(jobs_path: str, out_path: str, defaults: Dict[str, Any], retry_err
     except BaseException:
         out.close()
         raise
-    return JobRun(jobs_path, entries, out, done)
+    return JobRun(jobs_path, entries, out, done, templated, system_prompt)
 
 
 def _vocab_size(cluster) -> Optional[int]:
@@ -131,7 +146,7 @@ def _generate(cluster, run: JobRun, batch: List[Job], bar) -> int:
     t0 = time.perf_counter()
     try:
         results = cluster.generate_batch(
-            [j.messages if j.messages is not None else j.prompt for j in batch], **batch[0].sampling
+            [run.prompt_of(cluster, j) for j in batch], **batch[0].sampling
         )
     except UserError as e:
         if len(cluster.world.lost) > lost:
@@ -169,7 +184,8 @@ def _runnable(cluster, run: JobRun, jobs: List[Job], vocab: Optional[int], bar) 
                                        f"got {top_k}", job.line, bar)
             continue
         try:
-            ids = cluster.encode(job.prompt, job.messages)
+            prompt = run.prompt_of(cluster, job)
+            ids = cluster.encode(messages=prompt) if isinstance(prompt, list) else cluster.encode(prompt)
         except Exception as e:  # the tokenizer or its chat template, on rank 0 alone: nothing broadcast
             _record_error(run, job.id, f"line {job.line}: {one_line(e)}", job.line, bar)
             continue

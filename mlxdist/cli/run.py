@@ -31,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
                                            "reads one prompt per line from stdin")
     p.add_argument("--system-prompt", help="system message for the chat template")
     p.add_argument("--ignore-chat-template", action="store_true",
-                   help="use the raw prompt, not the tokenizer's chat template")
+                   help="use the raw prompt (-p, stdin and job-file prompt lines), not the tokenizer's chat template")
     p.add_argument("--jobs", help="JSONL job file (one {id, prompt|messages, ...} per line)")
     p.add_argument("--out", help="JSONL results file for --jobs (appended, one run at a time; a rerun resumes)")
     p.add_argument("--batch-size", type=int, default=8, help="jobs decoded together with --jobs")
@@ -206,7 +206,8 @@ def command_loop(cluster: Cluster, args) -> int:
         from mlxdist.cli.jobs import INPUT_ERROR, open_jobs
 
         try:
-            jobs = open_jobs(args.jobs, args.out, generation_args(args), args.retry_errors)
+            jobs = open_jobs(args.jobs, args.out, generation_args(args), args.retry_errors,
+                             templated=not args.ignore_chat_template, system_prompt=args.system_prompt)
         except UserError as e:
             say_error(str(e))
             return INPUT_ERROR

@@ -26,6 +26,7 @@ import json
 import os
 import sys
 import sysconfig
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, List, Optional, Tuple
@@ -268,14 +269,32 @@ def nccl_rendezvous(comm) -> Tuple[str, int]:
     return host, int(port)
 
 
+# The longest sleep between two tests of a message an idle rank waits for:
+# what the first message after a wait may arrive late by.
+IDLE_POLL_MAX = 2e-3  # seconds
+
+
+def wait_gently(request) -> None:
+    """Wait for a non-blocking MPI request without spinning a core (Open MPI
+    busy-polls inside a blocking call): test it, sleeping between tests from
+    20 us, doubling, up to ``IDLE_POLL_MAX``. A rank waiting for rank 0's next
+    command sleeps; a message is read at most ``IDLE_POLL_MAX`` late."""
+    pause = 20e-6
+    while not request.Test():
+        time.sleep(pause)
+        pause = min(2 * pause, IDLE_POLL_MAX)
+
+
 def bcast_bytes(world: World, data: Optional[bytes]) -> bytes:
-    """Rank 0's bytes on every rank (a length, then the payload)."""
+    """Rank 0's bytes on every rank (a length, then the payload). The other
+    ranks wait for the length gently (``wait_gently``): this is where they
+    wait for rank 0's next command or request, often for long."""
     if world.size == 1:
         return data
 
     def bcast(comm) -> bytes:
         n = np.array([len(data) if world.is_root else 0], dtype=np.int64)
-        comm.Bcast(n, root=0)
+        wait_gently(comm.Ibcast(n, root=0))
         buf = np.frombuffer(data, dtype=np.uint8).copy() if world.is_root else np.empty(int(n[0]), dtype=np.uint8)
         comm.Bcast(buf, root=0)
         return buf.tobytes()
