@@ -18,7 +18,7 @@ from mlx_lm.generate import DEFAULT_MAX_TOKENS
 from mlxdist import envs
 from mlxdist.api import Cluster, init
 from mlxdist.config import EXPERT_SPLITS, GenerationParams
-from mlxdist.dispatch import DISPATCH_MODES, LAYOUTS
+from mlxdist.dispatch import DISPATCH_MODES, LAYOUTS, modes
 from mlxdist.errors import UserError, say_error
 from mlxdist.runtime.watchdog import DEFAULT_TIMEOUT
 from mlxdist.runtime.world import BACKENDS, launcher_rank, run_or_abort, set_exit_code
@@ -53,9 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-step-size", type=int, default=2048,
                    help="prompt tokens per prefill step (default %(default)s)")
     p.add_argument("--dispatch", choices=DISPATCH_MODES, default="auto",
-                   help="auto: dp for batches of at least one sequence per rank (8 on GPUs with whole experts), "
-                        "else collective; "
-                        "dp and collective-tp are not bit-exact (see the README)")
+                   help=f"{modes.help_text()} (default %(default)s; docs/modes.md)")
     p.add_argument("--layout", choices=LAYOUTS, default=None,
                    help="collective modes: masked (static shapes) or compact (owned slots only, host read-back); "
                         "default: compact on the CPU, masked on GPUs")

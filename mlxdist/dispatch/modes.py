@@ -14,13 +14,11 @@ from mlxdist.errors import UserError
 
 @dataclass(frozen=True)
 class Mode:
-    """One ``--dispatch`` choice, as the docs' table shows it."""
+    """One ``--dispatch`` choice: what it can run with (the strategies
+    themselves declare the rest: ``base.Dispatcher``)."""
 
     name: str
-    dense: str  # who runs the dense model
-    collectives: str  # what crosses the ranks per MoE layer
-    exact: bool  # bit-equal to single-process mlx-lm
-    summary: str
+    summary: str  # one line for --help
     takes_width: bool = True  # runs with --expert-split width
     routing_on_host: bool = False  # reads the routing back per layer whatever the layout (can page experts)
     survives_rank_loss: bool = False
@@ -28,17 +26,12 @@ class Mode:
 
 
 MODES: Dict[str, Mode] = {m.name: m for m in (
-    Mode("auto", "collective's or dp's, per batch", "as the mode it picks", True,
-         "dp once every rank has enough rows, else collective (exact for one sequence)"),
-    Mode("collective", "every rank, every token", "one all_sum of the slots [T, K, D]", True,
-         "all ranks run the dense model; each computes its experts' slots"),
-    Mode("collective-tp", "every rank, split by mlx-lm's shard()", "tensor parallelism's all_sums", False,
-         "collective with attention and dense layers split as tensor parallelism splits them"),
-    Mode("p2p", "rank 0 only", "mpi4py sends of each owner's rows and back", True,
-         "workers hold experts only; goes on without a lost rank under launch/mpirun --survive",
+    Mode("auto", "dp for batches of at least one sequence per rank (8 on NCCL with whole experts), else collective"),
+    Mode("dp", "each rank its own sequences, per-token combine (not bit-exact)"),
+    Mode("collective", "every rank runs the dense model, one all_sum of the slots per layer (exact)"),
+    Mode("collective-tp", "collective with attention split by mlx-lm's shard() (not bit-exact)"),
+    Mode("p2p", "rank 0 runs the dense model, workers hold experts only (exact; survives a lost rank)",
          takes_width=False, routing_on_host=True, survives_rank_loss=True, mlx_collectives=False),
-    Mode("dp", "each rank its own sequences", "all_gather of rows, reduce of per-token sums", False,
-         "data-parallel attention, expert-parallel experts, per-token combine"),
 )}
 DISPATCH_MODES = tuple(MODES)
 
@@ -63,7 +56,6 @@ def check_options(name: str, layout: str, expert_split: str, pages: bool, placed
     if expert_split == "width":
         if not m.takes_width:
             runs = [n for n, other in MODES.items() if other.takes_width]
-            runs = ["auto", "dp"] + [n for n in runs if n not in ("auto", "dp")]  # the width modes first
             raise UserError(f"--expert-split width runs with --dispatch {', '.join(runs[:-1])} or {runs[-1]}, "
                             f"not {name}")
         if pages or placed:
@@ -132,10 +124,6 @@ def choose(name: str, loaded: List[str], batch: int, ranks: int, backend: str, e
     return "dp" if batch >= 2 else loaded[0]
 
 
-def markdown_table() -> str:
-    """The modes as a Markdown table (docs)."""
-    rows = ["| mode | dense model | per MoE layer | exact | what it is |", "|---|---|---|---|---|"]
-    for m in MODES.values():
-        exact = "yes" if m.exact else "no (within a tolerance)"
-        rows.append(f"| `{m.name}` | {m.dense} | {m.collectives} | {exact} | {m.summary} |")
-    return "\n".join(rows)
+def help_text() -> str:
+    """The modes, one clause each, for ``--dispatch``'s help."""
+    return "; ".join(f"{m.name}: {m.summary}" for m in MODES.values())
