@@ -114,3 +114,30 @@ def test_mlx_lm_habits_prompt_from_stdin_verbose_and_one_argparse_error(checkpoi
     bad = launch(2, ["--model", path, "-p", PROMPT, "--temp", "hot"])
     assert bad.returncode != 0
     assert bad.stderr.count("error: argument --temp") == 1, bad.stderr
+
+
+@pytest.mark.parametrize("max_tokens,wait", [(4, 8), (4000, 10)])  # idle at stdin; mid-generation
+def test_ctrl_c_stops_every_rank_with_status_0(checkpoint, max_tokens, wait):
+    """Ctrl-C (SIGINT to the terminal's process group) under launch/mpirun:
+    every rank stops, status 0, no error line."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from conftest import ROOT, mpirun_env
+
+    path = str(checkpoint("qwen3_moe"))
+    proc = subprocess.Popen([str(ROOT / "launch" / "mpirun"), "-np", "2", "python", "-m", "mlxdist.run", "--model",
+                             path, "-m", str(max_tokens)], cwd=ROOT, env=mpirun_env(), stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc.stdin.write(PROMPT + "\n")
+    proc.stdin.flush()
+    time.sleep(wait)
+    assert proc.poll() is None
+    os.killpg(os.getpgid(proc.pid), signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err[-2000:]
+    assert "mlxdist: error" not in err, err[-2000:]
+    left = subprocess.run(["pgrep", "-f", path], capture_output=True, text=True).stdout.split()
+    assert not left, f"ranks left running: {left}"
