@@ -248,9 +248,9 @@ def test_the_request_queue_counts_its_prompt_text():
     from mlx_lm.server import CompletionRequest
 
     from mlxdist.serving.schema import prompt_chars
-    from mlxdist.serving.server import _TrackingQueue
+    from mlxdist.serving.lockstep import TrackingQueue
 
-    q = _TrackingQueue()
+    q = TrackingQueue()
     replies = [Queue(), Queue()]
     q.put((replies[0], CompletionRequest("text", "hello", [], None, None), None))
     q.put((replies[1], CompletionRequest("chat", "", [{"role": "user", "content": "abc"}], None, None), None))

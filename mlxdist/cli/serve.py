@@ -13,7 +13,7 @@ from mlxdist.config import EXPERT_SPLITS
 from mlxdist.errors import UserError, say_error
 from mlxdist.runtime.watchdog import DEFAULT_TIMEOUT
 from mlxdist.runtime.world import launcher_rank, set_exit_code
-from mlxdist.serving.server import (
+from mlxdist.serving.http import (
     DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_BODY, DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_QUEUED, DEFAULT_MAX_QUEUED_CHARS,
 )
 

@@ -1,0 +1,200 @@
+"""The HTTP side on rank 0: mlx-lm's request handler behind the API key,
+the body limit, the request schema (``schema.py``), caps on queued work and
+connections, an idle timeout, and errors in OpenAI's shape.
+"""
+
+import hmac
+import io
+import json
+import logging
+import threading
+import time
+from http.server import ThreadingHTTPServer
+from typing import Any, Dict, Optional
+
+from mlx_lm import server as lm_server
+
+from mlxdist.errors import RankLost, RequestError
+from mlxdist.serving.lockstep import HANDLER_STATUS
+from mlxdist.serving.schema import RequestLimits, check_body, error_body, prompt_chars
+
+DEFAULT_MAX_BODY = 4 << 20  # bytes
+DEFAULT_IDLE_TIMEOUT = 30.0  # seconds a connection may send nothing
+DEFAULT_MAX_CONNECTIONS = 256
+DEFAULT_MAX_QUEUED = 256  # requests waiting for the generation loop
+DEFAULT_MAX_QUEUED_CHARS = 8 << 20  # their prompt text, together
+
+
+
+class _OpenAIErrors:
+    """A handler's output: the ``{"error": "text"}`` body mlx-lm writes after
+    an error status goes out in OpenAI's shape (``schema.error_body``), so
+    SDKs show the reason; everything else passes as it is."""
+
+    def __init__(self, wfile, handler):
+        self._wfile = wfile
+        self._handler = handler
+
+    def write(self, data: bytes) -> int:
+        status = self._handler.error_status
+        if status is not None and data[:1] == b"{":
+            try:
+                obj = json.loads(data)
+            except ValueError:
+                obj = None
+            if isinstance(obj, dict) and isinstance(obj.get("error"), str):
+                self._handler.error_status = None
+                kind = "invalid_request_error" if status < 500 else "server_error"
+                data = json.dumps(error_body(obj["error"], kind, None, status)).encode()
+        return self._wfile.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self._wfile, name)
+
+
+COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions", "/chat/completions")
+
+
+def make_handler(api_key: Optional[str], max_body: int, limits: RequestLimits, max_queued: int = DEFAULT_MAX_QUEUED,
+                 idle_timeout: float = DEFAULT_IDLE_TIMEOUT, max_queued_chars: int = DEFAULT_MAX_QUEUED_CHARS):
+    """mlx-lm's request handler behind a bearer token (when given), a body
+    limit, the request schema (``schema.py``), a cap on queued requests and
+    an idle timeout; every refusal in OpenAI's error shape."""
+
+    class Handler(lm_server.APIHandler):
+        timeout = idle_timeout  # socket timeout: a connection that sends nothing is closed
+
+        def _send_json(self, status: int, obj: Dict[str, Any]) -> None:
+            body = json.dumps(obj).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self._set_cors_headers()
+            self.end_headers()
+            self.wfile.write(body)
+
+        def _refuse(self, status: int, message: str, kind: str, param: Optional[str] = None) -> None:
+            self._send_json(status, error_body(message, kind, param, status))
+
+        def _allowed(self) -> bool:
+            if api_key is None:
+                return True
+            given = self.headers.get("Authorization", "")
+            if hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+                return True
+            self._refuse(401, "missing or wrong API key", "invalid_request_error")
+            return False
+
+        def do_GET(self):
+            if self._allowed():
+                super().do_GET()
+
+        def do_POST(self):
+            if not self._allowed():
+                return
+            length = self.headers.get("Content-Length")
+            if length is None:
+                self._refuse(411, "Content-Length header is required", "invalid_request_error")
+                return
+            length = length.strip()
+            if not (length.isdigit() and len(length) <= 20):  # no sign, no spaces inside, no other digits
+                self._refuse(400, "Content-Length must be a non-negative integer", "invalid_request_error")
+                return
+            if int(length) > max_body:
+                self._refuse(413, f"request body of {length} bytes exceeds the limit of {max_body}",
+                             "invalid_request_error")
+                return
+            if not self.response_generator.generation_available():
+                self._refuse(503, "the server lost a rank and is shutting down", "server_error")
+                return
+            if self.response_generator.requests.qsize() >= max_queued:
+                self._refuse(429, f"{max_queued} requests are queued already: try again later", "rate_limit_error")
+                return
+            raw = self.rfile.read(int(length))
+            if self.path in COMPLETION_PATHS:
+                try:
+                    body = check_body(raw, limits)
+                except RequestError as e:
+                    logging.info("refused a request: %s", e)
+                    self._refuse(e.status, str(e), "invalid_request_error", e.param)
+                    return
+                queued = self.response_generator.requests.chars
+                if queued and queued + prompt_chars(body) > max_queued_chars:
+                    self._refuse(429, f"{queued} characters of prompts are queued already: try again later",
+                                 "rate_limit_error")
+                    return
+                body["model"] = self.response_generator.cli_args.model  # any name serves the loaded model
+                raw = json.dumps(body).encode()  # what mlx-lm reads: the checked body
+            self.headers.replace_header("Content-Length", str(len(raw)))
+            connection, self.rfile = self.rfile, io.BytesIO(raw)  # mlx-lm reads the body from rfile
+            try:
+                super().do_POST()
+            finally:
+                self.rfile = connection  # the connection's next request (keep-alive)
+
+        def handle_completion(self, request, stop_words):
+            try:
+                super().handle_completion(request, stop_words)
+            except RankLost as e:
+                error = {"error": {"message": str(e), "type": "server_error", "code": 503}}
+                if getattr(self, "_headers_buffer", None):  # not streaming: the 200 is not sent yet
+                    self._headers_buffer = []
+                    self._send_json(503, error)
+                else:
+                    self.wfile.write(f"data: {json.dumps(error)}\n\n".encode())
+                    self.wfile.flush()
+
+        def setup(self):
+            super().setup()
+            self.error_status: Optional[int] = None
+            self.wfile = _OpenAIErrors(self.wfile, self)
+
+        def _set_completion_headers(self, status_code: int = 200):
+            # mlx-lm answers every failed generate() with 404: ours say what they are
+            status = getattr(HANDLER_STATUS, "status", None)
+            HANDLER_STATUS.status = None
+            status = status if status and status_code == 404 else status_code
+            self.error_status = status if status >= 400 else None  # its body, next, in OpenAI's shape
+            super()._set_completion_headers(status)
+
+        def handle_models_request(self):
+            # mlx-lm lists the hub cache; this server has one model
+            model = self.response_generator.cli_args.model
+            self._send_json(200, {"object": "list", "data": [
+                {"id": model, "object": "model", "created": int(time.time()), "owned_by": "mlxdist"}]})
+
+        def log_message(self, format, *args):  # mlx-lm logs through logging
+            logging.info("%s - %s", self.address_string(), format % args)
+
+    return Handler
+
+
+class HTTPServer(ThreadingHTTPServer):
+    """One thread per connection, at most ``max_connections`` open at once
+    (a connection past the cap is closed at once)."""
+
+    request_queue_size = 1024  # the listen backlog: the default 5 resets bursts of clients
+    daemon_threads = True
+
+    def __init__(self, address, handler, max_connections: int = DEFAULT_MAX_CONNECTIONS):
+        super().__init__(address, handler)
+        self.max_connections = max_connections
+        self._open = 0
+        self._open_lock = threading.Lock()
+
+    def process_request(self, request, client_address):
+        with self._open_lock:
+            full = self._open >= self.max_connections
+            if not full:
+                self._open += 1
+        if full:
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            with self._open_lock:
+                self._open -= 1
