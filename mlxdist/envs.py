@@ -87,11 +87,13 @@ def is_set(name: str) -> bool:
     return name in os.environ
 
 
-def setdefault(name: str, value: Any) -> str:
-    """Set ``name`` for a library mlxdist starts, unless the user set it; the value in force."""
-    if VARIABLES[name].who != "set":
+def setdefault(name: str, value: Any = None) -> str:
+    """Set ``name`` for a library mlxdist starts, unless the user set it, to
+    ``value`` (None: the registry's default); the value in force."""
+    var = VARIABLES[name]
+    if var.who != "set":
         raise KeyError(f"{name} is not one mlxdist sets")
-    return os.environ.setdefault(name, str(value))
+    return os.environ.setdefault(name, str(var.default if value is None else value))
 
 
 def put(name: str, value: Any) -> None:

@@ -45,7 +45,7 @@ def _group(mode: str, backend: str) -> Optional[mx.distributed.Group]:
         envs.setdefault("NCCL_PORT", 29517)
         # mlxdist's NCCL setting (envs.py), so that the contenders differ in how
         # they split the model, not in NCCL's tuning.
-        envs.setdefault("NCCL_MAX_NCHANNELS", envs.VARIABLES["NCCL_MAX_NCHANNELS"].default)
+        envs.setdefault("NCCL_MAX_NCHANNELS")
         group = mx.distributed.init(backend="nccl", strict=True)
     else:
         from mlxdist.runtime.world import find_libmpi

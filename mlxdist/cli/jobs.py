@@ -80,15 +80,6 @@ def open_jobs(jobs_path: str, out_path: str, defaults: Dict[str, Any], retry_err
     return JobRun(jobs_path, entries, out, done, templated, system_prompt)
 
 
-def _vocab_size(cluster) -> Optional[int]:
-    config = cluster.engine.config
-    size = config.get("text_config", config).get("vocab_size")
-    if isinstance(size, int):
-        return size
-    tokenizer = cluster.engine.tokenizer
-    return getattr(tokenizer, "vocab_size", None)
-
-
 def run_jobs(cluster, jobs: Union[JobRun, str], out_path: Optional[str] = None,
              defaults: Optional[Dict[str, Any]] = None, batch_size: int = 8, retry_errors: bool = False) -> int:
     """Run every job not yet finished in the output; returns the exit code
@@ -121,7 +112,7 @@ def _run(cluster, run: JobRun, batch_size: int) -> int:
             _record_error(run, entry.id, entry.reason, entry.line, bar)
         else:
             pending.append(entry)
-    vocab = _vocab_size(cluster)
+    vocab = cluster.engine.vocab_size
     tokens, tic = 0, time.perf_counter()
     key = lambda j: repr(j.sampling_key())  # noqa: E731
     for _, group in groupby(sorted(pending, key=key), key=key):

@@ -105,6 +105,15 @@ class Engine:
         return next((d for d in self.dispatchers.values() if isinstance(d, RowDispatcher)), None)
 
     @property
+    def vocab_size(self) -> int:
+        """The rows of the model's output: what a token id may index."""
+        cfg = self.config.get("text_config", self.config)
+        size = cfg.get("vocab_size") or self.config.get("vocab_size")
+        if isinstance(size, int) and size > 0:
+            return size
+        return getattr(self.tokenizer, "vocab_size", None) or len(self.tokenizer.vocab)
+
+    @property
     def context_length(self) -> Optional[int]:
         cfg = self.config.get("text_config", self.config)
         return cfg.get("max_position_embeddings")

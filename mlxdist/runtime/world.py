@@ -162,7 +162,7 @@ def init_world(backend: Optional[str] = None) -> World:
         host, port = nccl_rendezvous(comm)  # rank 0's choice, on every rank
         envs.put("NCCL_HOST_IP", host)
         envs.put("NCCL_PORT", port)
-        envs.setdefault("NCCL_MAX_NCHANNELS", envs.VARIABLES["NCCL_MAX_NCHANNELS"].default)
+        envs.setdefault("NCCL_MAX_NCHANNELS")
         try:
             group = mx.distributed.init(backend="nccl", strict=True)
         except RuntimeError as e:
@@ -177,7 +177,7 @@ def init_world(backend: Optional[str] = None) -> World:
                 )
             envs.put("MLX_MPI_LIBNAME", lib)
         # 3 is MPI_THREAD_MULTIPLE; Open MPI 4 reads this with atoi, so a name would ask for single.
-        envs.setdefault("OMPI_MPI_THREAD_LEVEL", envs.VARIABLES["OMPI_MPI_THREAD_LEVEL"].default)
+        envs.setdefault("OMPI_MPI_THREAD_LEVEL")
         group = mx.distributed.init(backend="mpi", strict=True)
 
         import mpi4py

@@ -70,13 +70,6 @@ class EngineModelProvider(lm_server.ModelProvider):
         self.is_batchable = all(hasattr(c, "merge") for c in lm_server.make_prompt_cache(self.model))
 
 
-def _vocab_size(engine) -> int:
-    """The rows of the model's output (what a token id may index)."""
-    cfg = engine.config.get("text_config", engine.config)
-    size = cfg.get("vocab_size") or engine.config.get("vocab_size")
-    return int(size) if size else len(engine.tokenizer.vocab)
-
-
 def serve(executor, options: Dict[str, Any]) -> None:
     """SERVE on every rank: mlx-lm's response generator over the loaded
     model; rank 0 also answers HTTP until interrupted, then stops every rank."""
@@ -105,7 +98,7 @@ def serve(executor, options: Dict[str, Any]) -> None:
         ACTIVITY.armed = ACTIVITY.serving_http = False
         return
     ON_FATAL.append(generator.fail)
-    limits = RequestLimits(vocab_size=_vocab_size(engine), context_length=engine.context_length)
+    limits = RequestLimits(vocab_size=engine.vocab_size, context_length=engine.context_length)
     handler = make_handler(options.get("api_key"), options["max_body_bytes"], limits,
                            options.get("max_queued", DEFAULT_MAX_QUEUED), options.get("idle_timeout", DEFAULT_IDLE_TIMEOUT),
                            options.get("max_queued_chars", DEFAULT_MAX_QUEUED_CHARS))
