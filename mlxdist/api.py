@@ -23,9 +23,12 @@ from mlxdist.config import GenerationParams, LoadOptions
 from mlxdist.engine import Engine
 from mlxdist.errors import UserError, say_error
 from mlxdist.errors import LoadError
-from mlxdist.executor import PROBES, CommandExecutor
+from mlxdist.executor import PROBES, CommandExecutor, describe_errors
 from mlxdist.runtime.world import World, abort, init_world, launcher_rank, run_or_abort, set_exit_code
 from mlxdist.model.placement import Placement
+from mlxdist.model.routing_file import RoutingStats
+from mlxdist.dispatch.stats import add_shares
+from mlxdist.engine.routing_record import RoutingRecorder
 from mlxdist.runtime.watchdog import ACTIVITY, DEFAULT_TIMEOUT, start_watchdog
 
 __all__ = ["Cluster", "LoadError", "Piece", "Result", "UserError", "init"]
@@ -60,6 +63,7 @@ class Cluster:
         self.world = world
         self.executor = CommandExecutor(world)
         self._closed = False
+        self._recorder: Optional[RoutingRecorder] = None  # load(record_routing=...)
 
     # -- lifecycle -------------------------------------------------------
     def __enter__(self) -> "Cluster":
@@ -87,6 +91,7 @@ class Cluster:
     def shutdown(self, exit_code: int = 0) -> None:
         """Tell every other rank to exit (with ``exit_code``)."""
         if not self._closed:
+            self._finish_recording()
             self._closed = True
             ACTIVITY.beat("exiting")
             self._broadcast(Command(commands.SHUTDOWN, {"exit_code": exit_code}))
@@ -106,6 +111,10 @@ class Cluster:
         expert_capacity: Optional[int] = None,
         memory_budget_gb: Optional[float] = None,
         expert_split: str = "whole",
+        record_routing: Optional[str] = None,
+        record_routing_every: Optional[float] = None,
+        rank_memory_gb: Optional[Sequence[float]] = None,
+        count_routing: bool = False,
     ) -> "Cluster":
         """Load ``model`` (a folder or hub id; None: the built-in random MoE)
         on every rank, releasing any model loaded before.
@@ -121,6 +130,14 @@ class Cluster:
         which set its capacity. ``expert_split``: "whole" (each expert on
         one rank) or "width" (every expert cut over the ranks, as tensor
         parallelism cuts them: balanced, not bit-exact; every mode but p2p).
+        ``record_routing``: a file rank 0 writes the routed slots per expert
+        to (``routing()``; at ``shutdown`` or the next ``load``, and every
+        ``record_routing_every`` seconds while it runs, where rank 0 sees
+        every slot). ``rank_memory_gb``: GB of expert weights each rank may
+        keep resident, one per rank: the even placement follows them, and a
+        placement that does not fit is refused (docs/placement.md).
+        ``count_routing``: count routed slots per expert without a file (what
+        the server's rebalancing reads).
         Raises ``UserError``/``LoadError`` with one line."""
         if isinstance(placement, str):
             placement = Placement.load(placement)
@@ -131,10 +148,39 @@ class Cluster:
 
             model = str(default_checkpoint())
         options = LoadOptions(str(model), dispatch, layout or default_layout(), placement, rank0_experts, stats,
-                              expert_capacity, memory_budget_gb, expert_split)
+                              expert_capacity, memory_budget_gb, expert_split,
+                              record_routing=record_routing is not None or count_routing,
+                              rank_memory_gb=None if rank_memory_gb is None else [float(b) for b in rank_memory_gb])
         options.validate()
+        self._finish_recording()
         self.executor.load(self._broadcast(Command(commands.LOAD, asdict(options))).args)
+        if record_routing is not None:
+            self._recorder = RoutingRecorder(self.engine, record_routing, record_routing_every)
         return self
+
+    def routing(self) -> RoutingStats:
+        """The routed slots per (layer, expert) of every rank since the
+        load (needs ``load(record_routing=...)``), gathered on rank 0."""
+        if self._recorder is None:
+            raise UserError("routing is recorded only after load(record_routing=FILE)")
+        reports = self.executor.stats(self._broadcast(Command(commands.STATS, {"routing": True})).args)
+        return self._recorder.record(add_shares(r.get("routing", {}) for r in reports))
+
+    def _finish_recording(self) -> None:
+        """Write the routing file of the model loaded (if recorded), and stop recording."""
+        recorder, self._recorder = self._recorder, None
+        if recorder is None or self.executor.engine is None or self.world.lost:
+            return
+        self._recorder = recorder
+        try:
+            stats = self.routing()
+            try:
+                stats.save(recorder.path)
+            except OSError as e:
+                say_error(f"cannot write the routing file {recorder.path}: {e.strerror}")
+        finally:
+            recorder.close()
+            self._recorder = None
 
     @property
     def engine(self) -> Engine:
@@ -274,6 +320,23 @@ class Cluster:
         args = {"reset": reset, "collect": collect}
         return self.executor.stats(self._broadcast(Command(commands.STATS, args)).args)
 
+    def place(self, placement: Union[str, dict, Placement]) -> List[float]:
+        """Hold ``placement``'s experts from now on (a JSON file, a placement
+        object or dict), on every rank at once, between generations: each
+        rank reads the experts it newly holds from its checkpoint copy and
+        keeps the others; results do not change. Returns each rank's
+        seconds. Raises ``UserError`` with one line, the old placement kept."""
+        if isinstance(placement, str):
+            placement = Placement.load(placement)
+        if isinstance(placement, Placement):
+            placement = placement.to_json()
+        Placement.from_json(placement)  # refused here, before any rank hears of it
+        reports = self.executor.place(self._broadcast(Command(commands.PLACE, {"placement": placement})).args)
+        errors = [r["error"] for r in reports]
+        if any(errors):
+            raise UserError(describe_errors(errors))
+        return [r["seconds"] for r in reports]
+
     def serve_http(self, options: Dict[str, Any]) -> None:
         """Serve the loaded model over HTTP on rank 0, every rank batching in
         lockstep, until interrupted (``python -m mlxdist.serve``)."""
@@ -300,7 +363,7 @@ def init(timeout: float = DEFAULT_TIMEOUT, backend: Optional[str] = None) -> Clu
 
     ``timeout``: seconds a generation may make no progress (a rank hung)
     before the job is ended with a report of who was waiting on whom.
-    ``backend``: MLX's transport for arrays, "mpi" or "nccl" (default: nccl
+    ``backend``: MLX's transport for arrays, "mpi", "nccl", "ring" or "jaccl" (default: nccl
     where MLX runs on CUDA, else mpi)."""
     try:
         world = init_world(backend)

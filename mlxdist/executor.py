@@ -12,9 +12,11 @@ import mlx.core as mx
 from mlxdist.runtime import control as commands
 from mlxdist.runtime.control import Command
 from mlxdist.config import GenerationParams, LoadOptions
+from mlxdist.dispatch.stats import routing_share
 from mlxdist.engine import Engine, load_engine
 from mlxdist.errors import LoadError, MlxdistError, keep_traceback, one_line
-from mlxdist.runtime.world import World, allgather_json, bcast_flag
+from mlxdist.model.placement import Placement
+from mlxdist.runtime.world import World
 from mlxdist.runtime.watchdog import ACTIVITY
 
 
@@ -108,8 +110,7 @@ class CommandExecutor:
             if not isinstance(e, MlxdistError):
                 path = keep_traceback(self.world.rank)
                 error += f" (traceback: {path})" if path else ""
-        reports = allgather_json(
-            self.world,
+        reports = self.world.control.allgather_json(
             {"error": error, "memory": engine and engine.memory, "fingerprint": engine and engine.fingerprint},
         )
         errors = [r["error"] for r in reports]
@@ -170,15 +171,15 @@ class CommandExecutor:
                 try:
                     yield response
                 except GeneratorExit:
-                    bcast_flag(world, False)
+                    world.control.bcast_flag(False)
                     responses.close()
                     raise
-                bcast_flag(world, True)
+                world.control.bcast_flag(True)
             else:
                 yield response
                 phase = ACTIVITY.phase
                 ACTIVITY.beat("serving")  # waiting on rank 0's reader: not a hang
-                more = bcast_flag(world, None)
+                more = world.control.bcast_flag(None)
                 ACTIVITY.beat(phase)
                 if not more:
                     responses.close()
@@ -188,7 +189,7 @@ class CommandExecutor:
         """Every rank's peak memory since the last GENERATE began, and its
         largest KV cache in it where known (dp), in bytes."""
         kv = self.engine.kv_bytes if self.engine is not None else None
-        return allgather_json(self.world, {"peak": mx.get_peak_memory(), "kv": kv})
+        return self.world.control.allgather_json({"peak": mx.get_peak_memory(), "kv": kv})
 
     def stats(self, args: Dict[str, Any]) -> List[Dict[str, Any]]:
         """STATS on every rank: each rank's counters, gathered everywhere.
@@ -215,11 +216,14 @@ class CommandExecutor:
                 if args.get("reset"):
                     engine.paging.reset()
             mine["experts_held"] = held
+            if args.get("routing"):  # this rank's part of the job's routed slots (--record-routing)
+                share = routing_share(engine.dispatchers.values(), self.world.rank)
+                mine["routing"] = {str(l): c.tolist() for l, c in share.items()}
             if args.get("reset"):
                 counters.reset()
             if args.get("collect") is not None:
                 counters.collect_expert_load = bool(args["collect"])
-        return allgather_json(self.world, mine)
+        return self.world.control.allgather_json(mine)
 
     def serve_http(self, args: Dict[str, Any]) -> None:
         """SERVE on every rank: the OpenAI-compatible server (``serving/server.py``)."""
@@ -227,9 +231,20 @@ class CommandExecutor:
 
         serve(self, args)
 
+    def place(self, args: Dict[str, Any]) -> List[Dict[str, Any]]:
+        """PLACE on every rank: hold the given placement's experts from now
+        on (``Engine.place``); each rank's seconds and error."""
+        seconds, error = 0.0, None
+        try:
+            seconds = self.engine.place(Placement.from_json(args["placement"]))
+        except MlxdistError as e:  # the same refusal on every rank: the ranks agree before anything changes
+            error = one_line(e)
+        ACTIVITY.progress()
+        return self.world.control.allgather_json({"seconds": seconds, "error": error})
+
     def probe(self, args: Dict[str, Any]) -> List[Any]:
         """PROBE on every rank: the registered probe's answer from each rank."""
-        return allgather_json(self.world, PROBES[args["name"]](self, args.get("args", {})))
+        return self.world.control.allgather_json(PROBES[args["name"]](self, args.get("args", {})))
 
     def serve(self) -> int:
         """Ranks other than 0: follow rank 0's commands until SHUTDOWN."""
@@ -257,3 +272,5 @@ class CommandExecutor:
             self.serve_http(command.args)
         elif command.op == commands.PROBE:
             self.probe(command.args)
+        elif command.op == commands.PLACE:
+            self.place(command.args)

@@ -1,4 +1,7 @@
-"""Small random-weight checkpoints in mlx-lm layout, for tests and benchmarks."""
+"""Small random-weight checkpoints, for tests and benchmarks: in mlx-lm's
+layout, or (``layout="hub"``) in the layout the model's authors ship, which
+mlx-lm's ``sanitize`` turns into its own on load: per-expert tensors
+(qwen3_moe, mixtral, deepseek_v3) or gpt-oss's fused mxfp4 ``_blocks``."""
 
 import argparse
 import contextlib
@@ -324,13 +327,21 @@ def _random_param(name: str, p: mx.array) -> mx.array:
     return _noise(p.shape, std)
 
 
-def _skew_routers(params: Dict[str, mx.array], skew: float) -> None:
+SKEW_ORDERS = ("random", "clustered")
+
+
+def _skew_routers(params: Dict[str, mx.array], skew: float, order: str = "random") -> None:
     biases = [k for k in params if re.search(r"(^|\.)(router\.bias|e_score_correction_bias)$", k)]
     if not biases:
         raise ValueError("router_skew needs a model whose router has a bias (gpt_oss, deepseek_v3)")
+    if order not in SKEW_ORDERS:
+        raise ValueError(f"Unknown skew order {order!r}; choose {' or '.join(SKEW_ORDERS)}")
     for k in biases:
         experts = params[k].shape[-1]
-        rank = mx.argsort(mx.random.uniform(shape=(experts,)))  # this layer's order of favour
+        if order == "clustered":  # expert 0 most favoured: even blocks put the hot experts together
+            rank = mx.arange(experts)
+        else:
+            rank = mx.argsort(mx.random.uniform(shape=(experts,)))  # this layer's order of favour
         params[k] = mx.broadcast_to(-skew * mx.log1p(rank.astype(mx.float32)), params[k].shape)
 
 
@@ -408,8 +419,12 @@ def write_checkpoint(
     overrides: Optional[Dict[str, Any]] = None,
     dtype: str = "float32",
     router_skew: float = 0.0,
+    skew_order: str = "random",
+    layout: str = "mlx",
+    mxfp4_experts: bool = False,
 ) -> Path:
-    """Write a random-weight checkpoint of ``preset`` in mlx-lm layout.
+    """Write a random-weight checkpoint of ``preset`` in mlx-lm layout, or
+    in the model's hub layout (``layout="hub"``, ``HUB_LAYOUTS``).
 
     The model is built with mlx-lm's own classes, every parameter is drawn
     again from ``seed``, and the result is optionally quantized with
@@ -419,7 +434,12 @@ def write_checkpoint(
     ``router_skew`` > 0 makes routing favour some experts, as trained routers
     do: in models whose router has a bias (gpt_oss's ``router.bias``,
     DeepSeek's ``e_score_correction_bias``) expert e of a layer (in a random
-    order per layer) gets ``-router_skew * log(1 + rank_e)``.
+    order per layer; ``skew_order="clustered"``: in expert order, the
+    worst case for even contiguous blocks) gets ``-router_skew * log(1 + rank_e)``.
+    ``mxfp4_experts`` quantizes the experts' projections alone to mxfp4 (the
+    rest stays ``dtype``), as OpenAI ships gpt-oss; the hub layout of gpt_oss
+    implies it. The same arguments in either layout give the same weights
+    once mlx-lm has loaded them.
 
     Returns:
         Path: The checkpoint directory.
@@ -436,6 +456,10 @@ def write_checkpoint(
     path.mkdir(parents=True, exist_ok=True)
     config.update(copy.deepcopy(overrides or {}))
     _fix_layer_lists(config)
+    if layout == "hub":
+        mxfp4_experts = _check_hub_layout(config, quantize_bits) or mxfp4_experts
+    elif layout != "mlx":
+        raise ValueError(f"Unknown layout {layout!r}; choose mlx or hub")
 
     model_class, args_class = _get_classes(config)
     model = model_class(args_class.from_dict(config))
@@ -444,7 +468,7 @@ def write_checkpoint(
     mx.random.seed(seed)
     params = {k: _random_param(k, v) for k, v in tree_flatten(model.parameters())}
     if router_skew:
-        _skew_routers(params, router_skew)
+        _skew_routers(params, router_skew, skew_order)
     _shape_output_head(params, keep_rows)
     params = [(k, v.astype(getattr(mx, dtype))) for k, v in params.items()]
     model.update(tree_unflatten(params))
@@ -455,10 +479,123 @@ def write_checkpoint(
         # One tensor at a time, so at most one float32 weight is alive at once.
         for _, v in tree_flatten(model.parameters()):
             mx.eval(v)
+    if mxfp4_experts:
+        _quantize_experts_mxfp4(model, config)
 
-    save_model(path, model)
+    if layout == "hub":
+        _save_weights(path, HUB_LAYOUTS[config["model_type"]](dict(tree_flatten(model.parameters())), config))
+        if mxfp4_experts:  # OpenAI's form, which mlx-lm reads as mxfp4 wherever scales are stored
+            config.pop("quantization")
+            config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["router", "self_attn"]}
+    else:
+        save_model(path, model)
     save_config(config, path / "config.json")
     return path
+
+
+def _quantize_experts_mxfp4(model, config: Dict[str, Any]) -> None:
+    import mlx.nn as nn
+    from mlx_lm.models.switch_layers import SwitchLinear
+
+    quantization = {"group_size": 32, "bits": 4, "mode": "mxfp4"}
+    nn.quantize(model, **quantization, class_predicate=lambda _, m: isinstance(m, SwitchLinear))
+    config["quantization"] = quantization  # mlx-lm quantizes only the layers whose scales are stored
+    for _, v in tree_flatten(model.parameters()):
+        mx.eval(v)
+
+
+def _check_hub_layout(config: Dict[str, Any], quantize_bits: Optional[int]) -> bool:
+    """Refuse what has no hub layout here; True where it needs mxfp4 experts."""
+    model_type = config["model_type"]
+    if model_type not in HUB_LAYOUTS:
+        raise ValueError(f"No hub layout for {model_type!r}; choose from {sorted(HUB_LAYOUTS)}")
+    if quantize_bits is not None and model_type != "mixtral":  # mixtral's sanitize stacks scales and biases too
+        raise ValueError(f"The hub layout of {model_type} is not quantized by bits (gpt_oss: mxfp4 experts)")
+    return model_type == "gpt_oss"
+
+
+def _per_expert(weights: Dict[str, mx.array], switch: str, names: Dict[str, str]) -> Dict[str, mx.array]:
+    """``<block>.<switch>.<proj>.<k>`` [E, ...] -> ``<block>.experts.<e>.<names[proj]>.<k>`` [...]."""
+    out = {}
+    pattern = re.compile(rf"(.*)\.{switch}\.(\w+)\.(weight|scales|biases)$")
+    for k, v in weights.items():
+        m = pattern.match(k)
+        if m is None or m[2] not in names:
+            out[k] = v
+            continue
+        for e in range(v.shape[0]):
+            out[f"{m[1]}.experts.{e}.{names[m[2]]}.{m[3]}"] = v[e]
+    return out
+
+
+_GLU = {n: n for n in ("gate_proj", "up_proj", "down_proj")}
+
+
+def _hub_qwen3_moe(weights, config):
+    return _per_expert(weights, "switch_mlp", _GLU)
+
+
+def _hub_mixtral(weights, config):
+    return _per_expert(weights, "switch_mlp", {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"})
+
+
+def _hub_deepseek_v3(weights, config):
+    """Per-expert experts, and each layer's ``kv_b_proj`` whole, as sanitize
+    splits it into ``embed_q`` [h, r, nope] and ``unembed_out`` [h, v, r]."""
+    out = {}
+    for k, v in _per_expert(weights, "switch_mlp", _GLU).items():
+        if k.endswith(".self_attn.embed_q.weight"):
+            prefix = k[: -len("embed_q.weight")]
+            wv = weights[prefix + "unembed_out.weight"]
+            kv_b = mx.concatenate([v.swapaxes(-1, -2), wv], axis=1)  # [h, nope + v, r]
+            out[prefix + "kv_b_proj.weight"] = kv_b.reshape(-1, kv_b.shape[-1])
+        elif not k.endswith(".self_attn.unembed_out.weight"):
+            out[k] = v
+    return out
+
+
+def _hub_gpt_oss(weights, config):
+    """OpenAI's fused experts: gate and up interleaved by row in
+    ``gate_up_proj_{blocks,scales,bias}``, mxfp4 weights as uint8 blocks of
+    16 bytes (32 values) ``[E, rows, groups, 16]``."""
+    out = {}
+    for k, v in weights.items():
+        prefix, _, name = k.rpartition(".experts.")
+        proj, _, kind = name.partition(".")
+        if not prefix or proj not in _GLU:
+            out[k] = v
+            continue
+        if proj == "up_proj":
+            continue
+        if proj == "gate_proj":  # [E, H, ..] and [E, H, ..] -> [E, 2H, ..], rows g0 u0 g1 u1 ..
+            up = weights[f"{prefix}.experts.up_proj.{kind}"]
+            v = mx.stack([v, up], axis=2 if kind != "bias" else -1).reshape(*v.shape[:1], -1, *v.shape[2:])
+            proj = "gate_up_proj"
+        if kind == "weight":  # uint32 [E, rows, D/8] -> uint8 [E, rows, D/32, 16]
+            v = v.view(mx.uint8).reshape(*v.shape[:2], -1, 16)
+        suffix = {"weight": "_blocks", "scales": "_scales", "bias": "_bias"}[kind]
+        out[f"{prefix}.experts.{proj}{suffix}"] = v
+    return out
+
+
+HUB_LAYOUTS = {"qwen3_moe": _hub_qwen3_moe, "mixtral": _hub_mixtral, "deepseek_v3": _hub_deepseek_v3,
+               "gpt_oss": _hub_gpt_oss}
+
+
+def _save_weights(path: Path, weights: Dict[str, mx.array]) -> None:
+    """Weights in safetensors shards with their index, as mlx-lm's save_model writes them."""
+    from mlx_lm.utils import make_shards
+
+    shards = make_shards({k: mx.contiguous(v) for k, v in weights.items()})
+    names = ["model.safetensors"] if len(shards) == 1 else \
+        [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    weight_map = {}
+    for name, shard in zip(names, shards):
+        mx.save_safetensors(str(path / name), shard, metadata={"format": "pt"})
+        weight_map.update({k: name for k in shard})
+    index = {"metadata": {"total_size": sum(v.nbytes for v in weights.values())},
+             "weight_map": dict(sorted(weight_map.items()))}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=4))
 
 
 def default_checkpoint() -> Path:
@@ -499,7 +636,7 @@ def default_checkpoint() -> Path:
 
 def main():
     parser = argparse.ArgumentParser(
-        description="Write a random-weight MoE checkpoint in mlx-lm layout."
+        description="Write a random-weight MoE checkpoint in mlx-lm's layout or the model's hub layout."
     )
     parser.add_argument("out_dir", help="Output directory.")
     presets = sorted(PRESETS) + [TINY_PREFIX + t for t in TINY_MODELS]
@@ -511,6 +648,14 @@ def main():
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--skew", type=float, default=0.0,
                         help="Favour some experts in routing (models with a router bias: gpt_oss, deepseek_v3).")
+    parser.add_argument("--skew-order", default="random", choices=SKEW_ORDERS,
+                        help="Which experts --skew favours: a random order per layer, or clustered (expert 0 most, "
+                             "so even blocks of experts put the hot ones on one rank).")
+    parser.add_argument("--layout", default="mlx", choices=["mlx", "hub"],
+                        help="mlx-lm's layout, or the one the model's authors ship (per-expert tensors; "
+                             "gpt_oss: fused mxfp4 experts).")
+    parser.add_argument("--mxfp4-experts", action="store_true",
+                        help="Quantize the experts alone to mxfp4 (gpt-oss's form; implied by --layout hub there).")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="Override a config value (JSON), e.g. --set num_local_experts=64.")
     args = parser.parse_args()
@@ -533,6 +678,9 @@ def main():
         overrides=overrides,
         dtype=args.dtype,
         router_skew=args.skew,
+        skew_order=args.skew_order,
+        layout=args.layout,
+        mxfp4_experts=args.mxfp4_experts,
     )
     size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
     print(f"Wrote {args.preset} to {path} ({size / 2**20:.1f} MiB of weights)")

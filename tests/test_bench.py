@@ -11,7 +11,7 @@ from conftest import ROOT, last_json, launch
 SMALL = ["-p", "16", "-g", "4", "-b", "1,2", "-n", "1", "--warmup-tokens", "2"]
 ROW_FIELDS = [
     "prompt_tps", "generation_tps", "peak_memory_gb", "layer_ms", "profiled_layer_ms", "expert_ms",
-    "exchange_ms", "rest_ms", "floor_us", "exchange_over_floor", "balance", "balance_worst",
+    "exchange_ms", "rest_ms", "floor_us", "exchange_over_floor", "imbalance",
 ]
 
 
@@ -41,7 +41,7 @@ def test_bench_json_two_ranks(model):
         assert math.isclose(row["rest_ms"], row["profiled_layer_ms"] - row["expert_ms"] - row["exchange_ms"])
         # layer ms is the timed trials' (the profiled pass, with its syncs, is slower)
         assert math.isclose(row["layer_ms"], 1e3 * row["batch"] / row["generation_tps"] / row["moe_layers"])
-        assert 1.0 <= row["balance"] <= row["balance_worst"] <= 2.0
+        assert 0.0 <= row["imbalance"] <= 1.0  # (max - mean) / mean over two ranks
 
 
 def test_bench_json_experts_cut_in_width(model):
@@ -171,3 +171,21 @@ def test_bench_commands_and_one_rank(model):
         assert len(row["trials"]["mlxdist"]) == len(row["trials"]["mlx-lm"]) == 2
         assert math.isclose(row["mlxdist_over_mlx_lm"], row["mlxdist"] / row["mlx-lm"])
     assert "mlx-lm with logprobs" in rows[1] and "mlx-lm with logprobs" not in rows[0]
+
+
+def test_bench_placement_side_by_side(checkpoint):
+    """Even, balanced and balanced + replicas in one run on a router-skewed
+    checkpoint: every row has its measured and predicted imbalance, and the
+    balanced placements are predicted better than even."""
+    path = checkpoint("gpt_oss", router_skew=1.0, skew_order="clustered")
+    r = launch(2, ["--model", path, "-p", "16", "-g", "4", "-b", "4", "-n", "1", "--warmup-tokens", "2",
+                   "--record-tokens", "8", "--replicas", "1", "--json"], module="mlxdist.bench.placement")
+    assert r.returncode == 0, r.stderr[-3000:]
+    report = last_json(r.stdout)
+    rows = {row["placement"]: row for row in report["results"]}
+    assert set(rows) == {"even", "balanced", "balanced+1r"}
+    for row in rows.values():
+        assert 0.0 <= row["imbalance"] <= 1.0 and row["generation_tps"] > 0 and row["vs_even"] > 0
+    assert rows["even"]["predicted_imbalance"] == report["even_imbalance_predicted"] > 0.2
+    assert rows["balanced"]["predicted_imbalance"] < rows["even"]["predicted_imbalance"]
+    assert rows["balanced+1r"]["experts_per_rank"] > rows["even"]["experts_per_rank"]

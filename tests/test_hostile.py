@@ -247,8 +247,8 @@ def test_the_request_queue_counts_its_prompt_text():
 
     from mlx_lm.server import CompletionRequest
 
-    from mlxdist.serving.schema import prompt_chars
     from mlxdist.serving.lockstep import TrackingQueue
+    from mlxdist.serving.schema import RequestLimits, check_request
 
     q = TrackingQueue()
     replies = [Queue(), Queue()]
@@ -259,8 +259,10 @@ def test_the_request_queue_counts_its_prompt_text():
     assert q.chars == 3
     q.get_nowait()
     assert q.chars == 0
-    assert prompt_chars({"messages": [{"role": "user", "content": [{"type": "text", "text": "ab"}]},
-                                      {"role": "assistant", "content": "cde"}]}) == 5
+    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "ab"}]},
+                         {"role": "assistant", "content": "cde"}]}
+    assert check_request(json.dumps(body).encode(), RequestLimits(vocab_size=512))[1] == 5
+    assert check_request(b'{"prompt": "hello"}', RequestLimits(vocab_size=512))[1] == 5
 
 
 def test_any_model_name_serves_the_loaded_model(hostile_server, checkpoint):
@@ -274,3 +276,145 @@ def test_any_model_name_serves_the_loaded_model(hostile_server, checkpoint):
     for field in ("adapters", "draft_model"):
         status, body = s.post("/v1/completions", {"prompt": "Hi", field: "/etc/passwd"})
         assert status == 400 and body["error"]["param"] == field, body
+
+
+FAILING = 13  # the max_tokens of the requests MLXDIST_FAULT fails at their 3rd token
+NESTED_LOOPS = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+
+
+@pytest.fixture(scope="module")
+def isolating_server(checkpoint):
+    s = Server(checkpoint("qwen3_moe"), extra=["--allow-request-templates"],
+               env={"MLXDIST_FAULT": f"sequence:max_tokens={FAILING},step=3"})
+    yield s
+    s.stop()
+
+
+def test_a_failing_sequence_fails_alone(isolating_server, checkpoint):
+    """Requests whose own generation raises (a test-only fault in their
+    detokenizer, greedy, or their sampler, sampled) at their 3rd token, on
+    every rank, while normal requests decode beside them in the batch: each
+    failing one gets a 500 in OpenAI's shape (an error event when
+    streaming), the normal ones mlx-lm's own answers, /health stays 200."""
+    s = isolating_server
+    path = checkpoint("qwen3_moe")
+    expected = {p: alone(path, p, 300) for p in PROMPTS[:4]}
+    got, sent, done = {}, {}, {}
+
+    def ask(name, body):
+        sent[name] = time.time()
+        got[name] = s.request("POST", "/v1/completions", body)
+        done[name] = time.time()
+
+    normal = [(f"normal{i}", {"prompt": p, "max_tokens": 300, "stream": i % 2 == 1}) for i, p in enumerate(PROMPTS[:4])]
+    failing = [("greedy", {"prompt": PROMPTS[5], "max_tokens": FAILING}),
+               ("greedy-stream", {"prompt": PROMPTS[6], "max_tokens": FAILING, "stream": True}),
+               ("sampled", {"prompt": PROMPTS[7], "max_tokens": FAILING, "temperature": 0.8})]
+    threads = [threading.Thread(target=ask, args=a) for a in normal]
+    for t in threads:
+        t.start()
+    time.sleep(0.3)  # the failing ones join a batch that is decoding
+    threads += [threading.Thread(target=ask, args=a) for a in failing]
+    for t in threads[len(normal):]:
+        t.start()
+    for t in threads:
+        t.join(120)
+    for i, p in enumerate(PROMPTS[:4]):
+        status, text = got[f"normal{i}"]
+        assert status == 200, text
+        if i % 2:
+            text = "".join(json.loads(line[6:])["choices"][0]["text"] for line in text.splitlines()
+                           if line.startswith("data: {"))
+        else:
+            text = json.loads(text)["choices"][0]["text"]
+        assert text == expected[p], (i, text, expected[p])
+    assert max(sent[name] for name, _ in failing) < min(done[name] for name, _ in normal), (sent, done)  # together
+    for name in ("greedy", "sampled"):
+        status, text = got[name]
+        body = json.loads(text)
+        assert status == 500 and body["error"]["code"] == 500 and {"message", "type", "param"} <= set(body["error"])
+        assert "injected fault" in body["error"]["message"], body
+    status, text = got["greedy-stream"]
+    events = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+    assert status == 200 and events[-1]["error"]["code"] == 500, text[-500:]
+    assert s.get("/health")[0] == 200
+    assert completion_ok(s)
+
+
+def test_a_request_template_when_allowed(isolating_server, checkpoint):
+    """--allow-request-templates: a benign template is rendered on rank 0 and
+    answered as mlx-lm answers its text; nested loops are stopped at the
+    time bound with a 400, and the server goes on."""
+    s = isolating_server
+    body = {"messages": [{"role": "user", "content": PROMPTS[2]}], "max_tokens": 8,
+            "chat_template_kwargs": {"chat_template": "{% for m in messages %}{{ m['content'] }}{% endfor %}"}}
+    status, answer = s.post("/v1/chat/completions", body)
+    assert status == 200, answer
+    assert answer["choices"][0]["message"]["content"] == alone(checkpoint("qwen3_moe"), PROMPTS[2], 8)
+    t0 = time.time()
+    status, answer = s.post("/v1/chat/completions", {**body, "chat_template_kwargs": {"chat_template": NESTED_LOOPS}})
+    assert error_shaped(status, answer) and "within 2 s" in answer["error"]["message"], answer
+    assert time.time() - t0 < 6
+    status, answer = s.post("/v1/chat/completions", {**body, "chat_template_kwargs": {
+        "chat_template": "{% for i in range(99999) %}{{ 'x' * 1000 }}{% endfor %}"}})
+    assert error_shaped(status, answer) and "renders more than" in answer["error"]["message"], answer
+    assert s.get("/health")[0] == 200 and completion_ok(s)
+
+
+def test_the_isolating_server_ends_cleanly(isolating_server):
+    """After the failures above: Ctrl-C to rank 0 ends every rank with status 0,
+    each failure was one sequence's (its sampler's or detokenizer's), and no
+    rank was said lost."""
+    s = isolating_server
+    assert s.stop() == 0
+    stderr = s.proc.stderr.read()
+    assert "lost a rank" not in stderr and "generation failed, requests in flight" not in stderr, stderr[-3000:]
+    assert "failed in its sampler" in stderr and "failed in its detokenizer" in stderr, stderr[-3000:]
+
+
+def test_stopping_the_server_mid_generation(checkpoint):
+    """Ctrl-C to rank 0 (SIGINT, as Server.stop sends it) while streams decode,
+    one waits for a place in the batch (--max-concurrent 2) and a seeded one
+    (served alone) is queued behind them: the stop is one message every rank
+    reads, and every rank exits promptly with status 0."""
+    import os
+    import signal
+    import subprocess
+
+    s = Server(checkpoint("qwen3_moe"), extra=["--max-concurrent", "2"])
+    ranks = s.ranks()
+    seen = []
+
+    def stream(body):
+        try:
+            with socket.create_connection(("127.0.0.1", s.port), timeout=60) as c:
+                data = json.dumps({**body, "stream": True}).encode()
+                c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                          + f"Authorization: Bearer {KEY}\r\nContent-Length: {len(data)}\r\n\r\n".encode() + data)
+                while c.recv(65536):
+                    seen.append(1)
+        except OSError:
+            pass
+
+    bodies = [{"prompt": PROMPTS[i], "max_tokens": 4000} for i in range(3)]
+    bodies.append({"prompt": PROMPTS[3], "max_tokens": 4000, "temperature": 0.7, "seed": 1})
+    threads = [threading.Thread(target=stream, args=(b,), daemon=True) for b in bodies]
+    for t in threads:
+        t.start()
+    deadline = time.time() + 60
+    while len(seen) < 10 and time.time() < deadline:
+        time.sleep(0.1)
+    assert len(seen) >= 10 and s.proc.poll() is None
+    t0 = time.time()
+    os.kill(ranks[0], signal.SIGINT)
+    try:
+        code = s.proc.wait(30)
+    finally:
+        if s.proc.poll() is None:
+            os.killpg(os.getpgid(s.proc.pid), signal.SIGKILL)
+    stderr = s.proc.stderr.read()
+    assert code == 0, stderr[-3000:]
+    assert time.time() - t0 < 20
+    left = [pid for pid in ranks if subprocess.run(["ps", "-p", str(pid)], capture_output=True).returncode == 0]
+    assert not left, f"ranks left running: {left}"
+    assert "mlxdist: error" not in stderr and "lost a rank" not in stderr, stderr[-3000:]

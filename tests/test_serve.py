@@ -30,23 +30,23 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, path, nranks=2, extra=()):
+    def __init__(self, path, nranks=2, extra=(), env=None):
         for attempt in range(LAUNCHER_RETRIES + 1):  # Open MPI's launcher may fail before any rank ran
             try:
-                return self._start(path, nranks, extra)
+                return self._start(path, nranks, extra, env or {})
             except RuntimeError as e:
                 if LAUNCHER_FAILURE not in str(e) or attempt == LAUNCHER_RETRIES:
                     raise
                 time.sleep(1)
 
-    def _start(self, path, nranks, extra):
+    def _start(self, path, nranks, extra, env):
         self.model = path
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [MPIRUN, "-np", str(nranks), "--oversubscribe", "--bind-to", "none", "--stdin", "none",
                sys.executable, "-m", "mlxdist.serve", "--model", str(path), "--port", str(self.port),
                "--api-key", KEY, "--max-concurrent", "16", *map(str, extra)]
-        self.proc = subprocess.Popen(cmd, env=mpirun_env(), cwd=ROOT, stdout=subprocess.PIPE,
+        self.proc = subprocess.Popen(cmd, env={**mpirun_env(), **env}, cwd=ROOT, stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, text=True, start_new_session=True)
         deadline = time.time() + 120
         while time.time() < deadline:
@@ -231,8 +231,9 @@ def test_stop_words_cut_the_text(server, checkpoint):
 
 def test_seeded_sampling_repeats_and_survives_a_client_leaving(server):
     """Seeded requests run one at a time on every rank: the same seed gives
-    the same text; a client leaving one mid-stream lets it finish (mlx-lm
-    cannot stop it on every rank) and the server goes on."""
+    the same text; a client leaving one mid-stream ends it on every rank at
+    the same token (each token of a request served alone is a shared
+    message) and the server goes on."""
     body = {"prompt": PROMPTS[7], "max_tokens": 8, "temperature": 0.9, "seed": 7}
     first = server.post("/v1/completions", body)[1]["choices"][0]["text"]
     assert server.post("/v1/completions", body)[1]["choices"][0]["text"] == first

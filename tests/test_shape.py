@@ -1,10 +1,11 @@
 """The product's shape, checked: every environment variable registered, no
 dispatch-mode name decided outside dispatch/ and the argument parsers, one
-error hierarchy, the dispatch interface complete, and mlx.launch refused
-with one line (real mlx.launch on localhost)."""
+error hierarchy, the dispatch interface complete, and mlx.launch running one
+job (real mlx.launch on localhost)."""
 
 import ast
 import inspect
+import json
 import re
 import subprocess
 import sys
@@ -136,15 +137,38 @@ def test_every_strategy_declares_what_it_is():
     assert issubclass(type(make_dispatcher("dp", world, "masked", top_k=2)), RowDispatcher)
 
 
-def test_mlx_launch_is_refused_in_one_line(checkpoint):
-    """mlx.launch (ring, no MPI) would start N one-rank jobs: refused, one line."""
-    mlx_launch = Path(sys.executable).parent / "mlx.launch"
-    cmd = [str(mlx_launch), "--backend", "ring", "-n", "2", "--", sys.executable, "-m", "mlxdist.run",
-           "--model", str(checkpoint("qwen3_moe")), "-p", "Hello", "-m", "4"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=mpirun_env(), cwd=ROOT)
+def _mlx_launch(args, timeout=120):
+    cmd = [str(Path(sys.executable).parent / "mlx.launch"), "--backend", "ring", "-n", "2", "--", sys.executable,
+           "-m", "mlxdist.run", *map(str, args)]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=mpirun_env(), cwd=ROOT,
+                          stdin=subprocess.DEVNULL)
+
+
+def test_mlx_launch_runs_one_job_over_mlx_collectives(checkpoint):
+    """mlx.launch (ring, no MPI) starts one two-rank job, its control plane on
+    MLX's collectives: rank 0 alone prints, the tokens are mlx-lm's."""
+    import mlx.core as mx
+    from mlx_lm import load
+    from mlx_lm.generate import stream_generate
+
+    path = checkpoint("qwen3_moe")
+    proc = _mlx_launch(["--model", path, "-p", "Hello", "-m", "6", "--dispatch", "collective", "--json",
+                        "--ignore-chat-template"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    results = [json.loads(l) for l in proc.stdout.splitlines() if l.startswith("{")]
+    assert len(results) == 1 and results[0]["num_ranks"] == 2, proc.stdout
+    model, tokenizer = load(str(path))
+    alone = [r.token for r in stream_generate(model, tokenizer, mx.array(tokenizer.encode("Hello")), max_tokens=6)]
+    assert results[0]["tokens"] == alone
+
+
+def test_mlx_launch_refuses_what_needs_mpi_in_one_line(checkpoint):
+    """p2p exchanges experts over mpi4py, which mlx.launch does not start."""
+    proc = _mlx_launch(["--model", checkpoint("qwen3_moe"), "-p", "Hello", "-m", "4", "--dispatch", "p2p"])
     lines = error_lines(proc.stderr)
-    assert len(lines) == 1 and "launch them with launch/mpirun -np N" in lines[0], proc.stderr[-2000:]
-    assert "prompt:" not in proc.stderr and proc.stdout.strip() == "", (proc.stdout, proc.stderr)
+    assert "rank 0 exited with code 1" in proc.stderr, proc.stderr[-2000:]  # mlx.launch itself returns 0
+    assert len(lines) == 1 and "--dispatch p2p exchanges experts over MPI" in lines[0], proc.stderr[-2000:]
+    assert proc.stdout.strip() == "", proc.stdout
 
 
 # The layers, bottom up; a module may import (at module level) only from its
@@ -157,7 +181,7 @@ LAYERS = [
     {"mlxdist.engine"},
     {"mlxdist.serving", "mlxdist.executor"},
     {"mlxdist.api"},
-    {"mlxdist.cli", "mlxdist.bench", "mlxdist.run", "mlxdist.serve", "mlxdist.supervise"},
+    {"mlxdist.cli", "mlxdist.bench", "mlxdist.run", "mlxdist.serve", "mlxdist.supervise", "mlxdist.place"},
 ]
 
 

@@ -240,3 +240,84 @@ def test_router_skew_favours_some_experts(tmp_path):
     even, skewed = top_share(0.0), top_share(2.0)  # 4 of 12 experts: an even load gives them 1/3
     assert even < 0.45
     assert skewed > 0.55 and skewed > even + 0.2
+
+
+# What mlx-lm's sanitize reads in each model's hub layout (the experts' names as the model's authors ship them).
+HUB_KEYS = {
+    "qwen3_moe": "model.layers.0.mlp.experts.3.up_proj.weight",
+    "mixtral": "model.layers.0.block_sparse_moe.experts.3.w1.weight",
+    "deepseek_v3": "model.layers.1.mlp.experts.3.down_proj.weight",
+    "gpt_oss": "model.layers.0.mlp.experts.gate_up_proj_blocks",
+}
+
+
+def _greedy(path, max_tokens=8):
+    import numpy as np
+    from mlx_lm import load
+    from mlx_lm.generate import stream_generate
+
+    model, tokenizer = load(str(path))
+    steps = list(stream_generate(model, tokenizer, mx.array(tokenizer.encode("hello world")), max_tokens=max_tokens))
+    return [s.token for s in steps], np.stack([np.array(s.logprobs) for s in steps])
+
+
+@pytest.mark.parametrize("preset", list(HUB_KEYS))
+def test_hub_layout_is_the_same_model(tmp_path, preset):
+    """layout="hub" writes the experts as the model's authors ship them
+    (per-expert tensors; gpt-oss: fused mxfp4 blocks, gate and up rows
+    interleaved, with OpenAI's quantization_config; deepseek_v3: kv_b_proj
+    whole); mlx-lm loads it into the same model as the mlx-lm layout of the
+    same weights: the same tokens and log-probabilities."""
+    import numpy as np
+
+    mxfp4 = {"mxfp4_experts": True} if preset == "gpt_oss" else {}
+    mlx_path = synth.write_checkpoint(tmp_path / "mlx", preset, **mxfp4)
+    hub_path = synth.write_checkpoint(tmp_path / "hub", preset, layout="hub")
+    hub = load_weights(hub_path)
+    assert HUB_KEYS[preset] in hub
+    assert not [k for k in hub if "switch_mlp" in k or ".experts.gate_proj" in k]
+    config = json.loads((hub_path / "config.json").read_text())
+    if preset == "gpt_oss":
+        blocks = hub[HUB_KEYS[preset]]
+        assert blocks.dtype == mx.uint8 and blocks.shape == (12, 2 * 64, 2, 16)  # [E, 2H, D/32, 16]
+        assert config["quantization_config"]["quant_method"] == "mxfp4" and "quantization" not in config
+    if preset == "deepseek_v3":
+        assert "model.layers.0.mlp.gate_proj.weight" in hub  # the dense first layer
+        assert "model.layers.1.self_attn.kv_b_proj.weight" in hub
+    mlx_tokens, mlx_logprobs = _greedy(mlx_path)
+    hub_tokens, hub_logprobs = _greedy(hub_path)
+    assert hub_tokens == mlx_tokens
+    assert np.array_equal(hub_logprobs, mlx_logprobs)
+
+
+def test_hub_layout_refusals(tmp_path):
+    with pytest.raises(ValueError, match="No hub layout for 'olmoe'"):
+        synth.write_checkpoint(tmp_path, "olmoe", layout="hub")
+    with pytest.raises(ValueError, match="not quantized by bits"):
+        synth.write_checkpoint(tmp_path, "qwen3_moe", layout="hub", quantize_bits=4)
+    with pytest.raises(ValueError, match="Unknown layout"):
+        synth.write_checkpoint(tmp_path, "qwen3_moe", layout="hf")
+
+
+def test_cli_hub_layout(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "cli"
+    monkeypatch.setattr(sys, "argv", ["synth", str(out), "--preset", "mixtral", "--layout", "hub", "--bits", "4"])
+    synth.main()
+    weights = load_weights(out)
+    assert "model.layers.1.block_sparse_moe.experts.11.w3.scales" in weights
+    _greedy(out, max_tokens=2)
+
+
+def test_clustered_skew_favours_the_first_experts(tmp_path):
+    import mlx.core as mx
+
+    from mlxdist.synth import write_checkpoint
+
+    path = write_checkpoint(tmp_path / "skewed", "gpt_oss", router_skew=1.5, skew_order="clustered")
+    weights = {}
+    for f in path.glob("*.safetensors"):
+        weights.update(mx.load(str(f)))
+    biases = [v for k, v in weights.items() if k.endswith("router.bias")]
+    assert biases
+    for bias in biases:  # expert 0 most favoured, then each next one less
+        assert (bias[1:] < bias[:-1]).all().item()

@@ -20,16 +20,16 @@ from mlxdist.model.placement import Placement, PlacementError, resolve_placement
 
 def test_even_placement_spreads_contiguous_blocks():
     p = Placement.even({0: 12, 2: 12}, 4)
-    assert p.layers[0] == [0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3]
+    assert p.layers[0] == [(r,) for r in [0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3]]
     assert p.experts_of(2, 1) == [3, 4, 5]
     p.validate({0: 12, 2: 12}, 4)
 
 
 def test_even_placement_uneven_and_without_rank0():
     p = Placement.even({0: 10}, 3)
-    assert sorted(p.layers[0].count(r) for r in range(3)) == [3, 3, 4]
+    assert sorted(p.layers[0].count((r,)) for r in range(3)) == [3, 3, 4]
     q = Placement.even({0: 12}, 4, rank0_experts=False)
-    assert 0 not in q.layers[0] and set(q.layers[0]) == {1, 2, 3}
+    assert (0,) not in q.layers[0] and set(q.layers[0]) == {(1,), (2,), (3,)}
     q.validate({0: 12}, 4)
 
 
@@ -44,7 +44,7 @@ def test_even_placement_uneven_and_without_rank0():
     ],
 )
 def test_placement_validation_errors(layers, ranks, message):
-    p = Placement(2, layers)
+    p = Placement(2, {l: [(r,) for r in row] for l, row in layers.items()})
     with pytest.raises(PlacementError, match=message):
         p.validate({0: 4}, ranks)
 

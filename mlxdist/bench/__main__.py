@@ -8,6 +8,7 @@ maintainer runs, one module per command.
     serve          the HTTP server under concurrent clients (serve.py)
     capacity       expert paging under a memory budget (capacity.py)
     survival       generation through a lost rank (survival.py)
+    placement      even, balanced and replicated placements side by side (placement.py)
 """
 
 import importlib
@@ -15,7 +16,7 @@ import sys
 
 COMMANDS = {
     "run": "harness", "compare": "compare", "mlxlm": "mlxlm", "one-rank": "one_rank", "serve": "serve",
-    "capacity": "capacity", "survival": "survival",
+    "capacity": "capacity", "survival": "survival", "placement": "placement",
 }
 
 

@@ -66,12 +66,17 @@ def command(ranks: int, module: str, args: List[str]) -> List[str]:
     return cmd
 
 
-def contenders(ranks: List[int], dispatch: List[str], layout: Optional[str] = None) -> List[Dict[str, Any]]:
-    """What one round launches, in order."""
+def contenders(ranks: List[int], dispatch: List[str], layout: Optional[str] = None,
+               placements: Optional[Dict[int, str]] = None) -> List[Dict[str, Any]]:
+    """What one round launches, in order. ``placements``: N -> a placement
+    file, for one more mlxdist contender at that N ("placed")."""
     out = [{"name": "mlx-lm single", "ranks": 1, "module": "mlxdist.bench.mlxlm", "extra": ["--mode", "single"]}]
     for n in ranks:
         extra = ["--dispatch", ",".join(dispatch)] + (["--layout", layout] if layout else [])
         out.append({"name": "mlxdist", "ranks": n, "module": "mlxdist.bench", "extra": extra})
+        if (placements or {}).get(n):
+            out.append({"name": "mlxdist placed", "ranks": n, "module": "mlxdist.bench",
+                        "extra": extra + ["--placement", placements[n]]})
         if n > 1:
             for mode in ("tensor", "pipeline"):
                 out.append({"name": f"mlx-lm {mode}", "ranks": n, "module": "mlxdist.bench.mlxlm", "extra": ["--mode", mode]})
@@ -106,7 +111,7 @@ def launch(contender: Dict[str, Any], common: List[str], timeout: float, log) ->
 def _rows(report: Dict[str, Any], name: str, ranks: int) -> List[Dict[str, Any]]:
     rows = []
     for r in report.get("results", []):
-        label = f"mlxdist {r['dispatch']}" if name == "mlxdist" else name
+        label = f"mlxdist {r['dispatch']}{name[len('mlxdist'):]}" if name.startswith("mlxdist") else name
         if r.get("link") is False:  # --no-link: not comparable with the linked rows
             label += " (no link)"
         rows.append({**r, "contender": label, "ranks": ranks})
@@ -164,7 +169,7 @@ def run(args) -> Dict[str, Any]:
     model = checkpoint(args)
     common = ["--model", model, "-p", str(args.prompt_tokens), "-g", str(args.generation_tokens),
               "-b", ",".join(map(str, args.batch_sizes)), "-n", "1", "--warmup-tokens", str(args.warmup_tokens)]
-    plan = contenders(args.ranks, args.dispatch, args.layout)
+    plan = contenders(args.ranks, args.dispatch, args.layout, dict(args.placement))
     trials, unsupported, errors = [], {}, {}
     started = datetime.now(timezone.utc).isoformat(timespec="seconds")
     with open(out / "compare.log", "w") as log:
@@ -223,12 +228,21 @@ def parse_args(argv=None):
     parser.add_argument("--dispatch", type=lambda s: s.split(","), default=["auto", "collective", "p2p"])
     parser.add_argument("--layout", choices=("masked", "compact"), default=None,
                         help="mlxdist's collective layout (default: compact on the CPU, masked on GPUs).")
+    parser.add_argument("--placement", action="append", default=[], type=_placement, metavar="N:FILE",
+                        help="Also run mlxdist at N ranks with this placement file ('placed' rows); repeatable.")
     parser.add_argument("--warmup-tokens", type=int, default=8)
     parser.add_argument("--timeout", type=float, default=900, help="Seconds per launch.")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "out"))
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     return args
+
+
+def _placement(text: str):
+    n, sep, path = text.partition(":")
+    if not sep or not n.isdigit() or not path:
+        raise argparse.ArgumentTypeError(f"--placement takes N:FILE, not {text!r}")
+    return int(n), str(Path(path).resolve())
 
 
 def main(argv=None) -> None:

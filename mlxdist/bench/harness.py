@@ -105,22 +105,6 @@ def closeness(cluster, prompts: List[List[int]], max_tokens: int) -> Dict[str, A
             "max_logprob_diff": worst}
 
 
-def expert_balance(stats: List[Dict[str, Any]]) -> Dict[str, float]:
-    """Max over mean of the routed (token, expert) pairs each rank computed,
-    per MoE layer: the mean over layers and the worst layer. Rank 0 counts
-    every routed pair in both modes; ``experts_held`` says who owns what."""
-    load = stats[0].get("expert_load", {})
-    ratios = []
-    for layer, counts in load.items():
-        pairs = [sum(counts[e] for e in s["experts_held"].get(layer, [])) for s in stats]
-        mean = sum(pairs) / len(pairs)
-        if mean > 0:
-            ratios.append(max(pairs) / mean)
-    if not ratios:
-        return {"balance": 1.0, "balance_worst": 1.0}
-    return {"balance": sum(ratios) / len(ratios), "balance_worst": max(ratios)}
-
-
 def breakdown(
     profile: Dict[str, Any], timed: Dict[str, Any], profiled: Dict[str, Any], layers: int, batch: int
 ) -> Dict[str, Any]:
@@ -159,7 +143,9 @@ def bench_case(cluster, mode: str, prompts: List[List[int]], args) -> Dict[str, 
 
     strategy = engine.strategy  # what auto (or dp at b = 1) actually ran
     row.update(dispatch=mode, strategy=strategy, batch=len(prompts), ranks=cluster.world.size, moe_layers=layers)
-    row.update(expert_balance(stats))
+    # (max - mean) / mean of the slots each rank computed, per MoE layer and step (ExchangeStats.count_balance);
+    # experts cut in width: every rank computes 1/N of every slot.
+    row["imbalance"] = 0.0 if args.expert_split == "width" and cluster.world.size > 1 else stats[0].get("imbalance")
     if args.no_link:  # the tokens are not the model's, and there is no transport to floor
         row.update(link=False, floor_us=None, exchange_over_floor=None)
         return row
@@ -189,7 +175,8 @@ def run(cluster, args) -> Dict[str, Any]:
     """Every requested dispatch mode and batch size (on rank 0)."""
     rows = []
     for mode in args.dispatch:
-        cluster.load(args.model, dispatch=mode, layout=args.layout, expert_split=args.expert_split)
+        cluster.load(args.model, dispatch=mode, layout=args.layout, expert_split=args.expert_split,
+                     placement=args.placement)
         cluster.probe("no_eos")
         if args.no_link:
             cluster.probe("no_link", on=True)
@@ -223,7 +210,7 @@ def format_table(report: Dict[str, Any]) -> str:
         f"mlxdist bench: {report['model']}, {report['ranks']} rank(s), "
         f"p={report['prompt_tokens']} g={report['generation_tokens']}, median of {report['num_trials']}\n"
         "dispatch    b  prompt t/s  gen t/s  peak GB/rank      layer ms  expert  exch   rest  "
-        "floor us  exch/floor  balance\n"
+        "floor us  exch/floor  imbalance\n"
     )
     lines = []
     for r in report["results"]:
@@ -232,7 +219,7 @@ def format_table(report: Dict[str, Any]) -> str:
             f"{r['dispatch'] + ('*' if r.get('link') is False else ''):<10} {r['batch']:>2}  {r['prompt_tps']:>10.1f}  {r['generation_tps']:>7.1f}  "
             f"{peaks:<16} {r['layer_ms']:>7.3f}  {_fmt(r['expert_ms'], '6.3f')}  {_fmt(r['exchange_ms'], '5.3f')}  "
             f"{_fmt(r['rest_ms'], '5.3f')}  {_fmt(r['floor_us'], '8.1f')}  {_fmt(r['exchange_over_floor'], '10.2f')}  "
-            f"{r['balance']:.2f}"
+            f"{_fmt(r.get('imbalance'), '9.3f')}"
         )
     note = (
         "\nlayer ms: timed decode step / MoE layers. expert/exch/rest: a separate profiling pass "
@@ -256,6 +243,7 @@ def parse_args(argv=None):
     parser.add_argument("--backend", choices=BACKENDS, default=None, help="MLX's transport (default: nccl on CUDA).")
     parser.add_argument("--warmup-tokens", type=int, default=16, help="Tokens of the warm-up generation.")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--placement", default=None, help="Placement JSON file for every load (default: even).")
     parser.add_argument("--json", action="store_true", help="One JSON object on stdout.")
     parser.add_argument("--expert-split", choices=EXPERT_SPLITS, default="whole",
                         help="Experts whole on one rank each, or cut in width over the ranks (every mode but p2p).")

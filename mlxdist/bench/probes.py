@@ -38,7 +38,7 @@ import numpy as np
 from mlxdist.dispatch import traffic
 from mlxdist.executor import CommandExecutor, register_probe
 from mlxdist.model.switch import DistributedSwitch
-from mlxdist.runtime.world import World, barrier
+from mlxdist.runtime.world import World
 
 _DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 
@@ -160,7 +160,7 @@ def measure_floor(
     for _ in range(5):
         step()
     times = []
-    barrier(world)
+    world.control.barrier()
     for _ in range(iters):
         tic = time.perf_counter()
         step()

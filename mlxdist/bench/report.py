@@ -64,7 +64,7 @@ def _row(r: Dict[str, Any]) -> str:
         _f(r.get("vs_single")), _f(r.get("vs_tensor")), _f(r.get("vs_pipeline")), _f(r.get("vs_replicas")),
         _f(peak, ".3f"), _f(r.get("layer_ms"), ".3f"), split,
         _f(r.get("floor_us"), ".0f"), _f(r.get("exchange_over_floor"), ".1f"),
-        _f(r.get("balance")),
+        _f(r.get("imbalance")),
     ]
     return "| " + " | ".join(cells) + " |"
 
@@ -132,7 +132,7 @@ def markdown(result: Dict[str, Any]) -> str:
         f"mpi4py {v.get('mpi4py')}, Python {v.get('python')}.",
         "",
         "| N | contender | b | prompt tok/s | gen tok/s | × single | × TP | × pipeline | × replicas | peak GB (max rank) "
-        "| layer ms | profiled layer ms = expert / exchange / rest | floor µs | exch / floor | balance |",
+        "| layer ms | profiled layer ms = expert / exchange / rest | floor µs | exch / floor | imbalance |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     lines += [_row(r) for r in result["results"]]
@@ -140,8 +140,8 @@ def markdown(result: Dict[str, Any]) -> str:
         "",
         "*layer ms*: timed decode step over MoE layers. The split comes from a separate profiling "
         "pass that syncs at every boundary (rank 0's view). *floor*: the bare transport the mode "
-        "uses (`all_sum` / mpi4py Isend+Irecv round trip) on the same bytes. *balance*: max over "
-        "mean of routed (token, expert) pairs per rank, mean over layers.",
+        "uses (`all_sum` / mpi4py Isend+Irecv round trip) on the same bytes. *imbalance*: (max - mean) / "
+        "mean of the routed slots each rank computed, per MoE layer and step, averaged.",
     ]
     close = [r for r in result["results"] if r.get("vs_exact")]
     if close:

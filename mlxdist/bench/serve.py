@@ -14,6 +14,7 @@ rounds (``--rounds``); the median round is kept.
 import argparse
 import json
 import os
+import re
 import signal
 import socket
 import statistics
@@ -63,10 +64,17 @@ class Launched:
                 time.sleep(0.5)
         raise RuntimeError(f"{self.name} did not come up in {timeout:g} s")
 
-    def stop(self) -> None:
+    def stop(self) -> str:
+        """Stop the server; what it wrote to stderr."""
         if self.proc.poll() is None:
             os.killpg(os.getpgid(self.proc.pid), signal.SIGKILL)
             self.proc.wait()
+        return self.proc.stderr.read()
+
+
+def rebalances(stderr: str) -> List[float]:
+    """The seconds of each live placement a server logged (``serving/rebalance.py``)."""
+    return [float(t) for t in re.findall(r"experts placed again in ([0-9.]+) s", stderr)]
 
 
 def start(contender: str, args: argparse.Namespace, max_concurrent: int) -> "tuple[Launched, str]":
@@ -78,7 +86,9 @@ def start(contender: str, args: argparse.Namespace, max_concurrent: int) -> "tup
         cmd = [args.mpirun or _mpirun(), "-np", str(args.ranks), "--oversubscribe", "--bind-to", "none",
                "--stdin", "none", *(args.wrapper.split() if args.wrapper else []),
                sys.executable, "-m", "mlxdist.serve", "--model", args.model, "--port", str(port),
-               "--max-concurrent", str(max_concurrent), "--dispatch", contender.rsplit(" ", 1)[-1]]
+               "--max-concurrent", str(max_concurrent), "--dispatch", contender.split(" ")[4]]
+        if contender.endswith("rebalancing"):
+            cmd += ["--rebalance-every", str(args.rebalance_every), "--rebalance-replicas", str(args.rebalance_replicas)]
     server = Launched(contender, cmd)
     url = f"http://127.0.0.1:{port}"
     server.wait_ready(url)
@@ -156,6 +166,8 @@ def random_prompts(n: int, words: int, seed: int = 0) -> List[str]:
 def run(args) -> Dict[str, Any]:
     prompts = random_prompts(64, args.prompt_words, args.seed)
     contenders = ["mlx-lm server"] + [f"mlxdist serve N={args.ranks} {mode}" for mode in args.dispatch]
+    if args.rebalance_every:  # the same server, placing its experts again as it runs
+        contenders += [f"mlxdist serve N={args.ranks} {mode} rebalancing" for mode in args.dispatch]
     rounds: Dict[str, List[List[Dict[str, Any]]]] = {c: [] for c in contenders}
     for r in range(args.rounds):
         for contender in contenders if r % 2 == 0 else contenders[::-1]:
@@ -165,7 +177,9 @@ def run(args) -> Dict[str, Any]:
                     load_level(url, prompts, c, 1, 8)
                 levels = [load_level(url, prompts, c, args.requests, args.generation_tokens) for c in args.concurrency]
             finally:
-                server.stop()
+                placed = rebalances(server.stop())
+            for lv in levels:
+                lv.update(rebalances=len(placed), rebalance_s_max=max(placed, default=None))
             rounds[contender].append(levels)
             for lv in levels:
                 print(f"# {contender} round {r}: c={lv['concurrency']} {lv['output_tps']:.1f} tok/s, "
@@ -185,11 +199,15 @@ def run(args) -> Dict[str, Any]:
 
 def markdown(report: Dict[str, Any]) -> str:
     head = ("| contender | concurrency | requests | output tok/s | × mlx-lm server | TTFT p50 ms | TTFT p99 ms | req/s "
-            "| connections reset |\n|---|---|---|---|---|---|---|---|---|\n")
+            "| connections reset | live placements (slowest s) |\n|---|---|---|---|---|---|---|---|---|---|\n")
+
+    def placed(r):
+        return f"{r['rebalances']} ({r['rebalance_s_max']:.3f})" if r.get("rebalances") else "-"
+
     return head + "\n".join(
         f"| {r['contender']} | {r['concurrency']} | {r['requests']} | {r['output_tps']:.1f} | "
         f"{r['x_mlx_lm_server']:.2f} | {r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} | {r['requests_per_s']:.2f} "
-        f"| {r['connection_resets']} |" for r in report["rows"])
+        f"| {r['connection_resets']} | {placed(r)} |" for r in report["rows"])
 
 
 def plot(report: Dict[str, Any], path: Path) -> None:
@@ -226,6 +244,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--out", default=None, help="Folder for serve.json, serve.md and serve.png.")
     p.add_argument("--dispatch", type=lambda s: s.split(","), default=["collective"],
                    help="mlxdist server modes to run, e.g. collective,dp (one contender each)")
+    p.add_argument("--rebalance-every", type=float, default=None, metavar="SECONDS",
+                   help="Also run each mlxdist server with --rebalance-every SECONDS (one more contender each).")
+    p.add_argument("--rebalance-replicas", type=int, default=1, help="Its --rebalance-replicas.")
     p.add_argument("--mpirun", default=None, help="mpirun to start mlxdist with (default: this environment's).")
     p.add_argument("--wrapper", default=None,
                    help="Command before python on each rank, e.g. benchmarks/gpu/rank.sh (one GPU per rank).")

@@ -20,6 +20,7 @@ from mlxdist.api import Cluster, init
 from mlxdist.config import EXPERT_SPLITS, GenerationParams
 from mlxdist.dispatch import DISPATCH_MODES, LAYOUTS, modes
 from mlxdist.errors import UserError, say_error
+from mlxdist.model.placement import parse_rank_memory
 from mlxdist.runtime.watchdog import DEFAULT_TIMEOUT
 from mlxdist.runtime.world import BACKENDS, launcher_rank, run_or_abort, set_exit_code
 
@@ -58,11 +59,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="collective modes: masked (static shapes) or compact (owned slots only, host read-back); "
                         "default: compact on the CPU, masked on GPUs")
     p.add_argument("--backend", choices=BACKENDS, default=None,
-                   help="MLX's transport for arrays (default: nccl where MLX runs on CUDA, else mpi)")
+                   help="MLX's transport for arrays: mpi, nccl (CUDA), ring (TCP) or jaccl (RDMA over Thunderbolt); "
+                        "default: the one mlx.launch started, else nccl on CUDA, else mpi")
     p.add_argument("--placement", help="placement JSON file (default: experts spread evenly)")
     p.add_argument("--save-placement", help="write the placement used to this JSON file")
     p.add_argument("--no-rank0-experts", action="store_true", help="rank 0 holds no experts")
     p.add_argument("--stats", action="store_true", help="count routed slots per expert (printed with --json)")
+    p.add_argument("--record-routing", metavar="FILE",
+                   help="write the job's routed slots per (layer, expert) to FILE at exit (python -m mlxdist.place "
+                        "reads it; docs/placement.md)")
+    p.add_argument("--rank-memory", metavar="A,B,...", type=_rank_memory, default=None,
+                   help="GB of expert weights each rank may keep resident, one per rank: experts are spread in "
+                        "proportion, and a placement that does not fit is refused")
     p.add_argument("--expert-capacity", type=int, default=None,
                    help="experts each rank keeps resident per layer; the rest are read from its checkpoint copy "
                         "on demand into least-recently-used slots (needs --layout compact or --dispatch p2p)")
@@ -89,6 +97,13 @@ class RankZeroParser(argparse.ArgumentParser):
         if launcher_rank() != 0:
             self.exit(0)
         super().error(message)
+
+
+def _rank_memory(text: str) -> List[float]:
+    try:
+        return parse_rank_memory(text)
+    except UserError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _str2bool(text: str) -> bool:
@@ -211,7 +226,8 @@ def command_loop(cluster: Cluster, args) -> int:
             return INPUT_ERROR
     try:
         cluster.load(args.model, args.dispatch, args.placement, not args.no_rank0_experts, args.layout, args.stats,
-                     args.expert_capacity, args.memory_budget, args.expert_split)
+                     args.expert_capacity, args.memory_budget, args.expert_split,
+                     record_routing=args.record_routing, rank_memory_gb=args.rank_memory)
     except UserError as e:
         say_error(str(e))
         if jobs is not None:

@@ -11,8 +11,9 @@ from typing import List, Optional
 from mlxdist.api import init
 from mlxdist.config import EXPERT_SPLITS
 from mlxdist.errors import UserError, say_error
+from mlxdist.model.placement import parse_rank_memory
 from mlxdist.runtime.watchdog import DEFAULT_TIMEOUT
-from mlxdist.runtime.world import launcher_rank, set_exit_code
+from mlxdist.runtime.world import BACKENDS, launcher_rank, set_exit_code
 from mlxdist.serving.http import (
     DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_BODY, DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_QUEUED, DEFAULT_MAX_QUEUED_CHARS,
 )
@@ -48,15 +49,38 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-step-size", type=int, default=2048)
     p.add_argument("--prompt-concurrency", type=int, default=8, help="Prompts prefilled together.")
     p.add_argument("--chat-template", default="", help="A chat template to use instead of the tokenizer's.")
-    p.add_argument("--backend", choices=("mpi", "nccl"), default=None, help="MLX's transport for arrays.")
+    p.add_argument("--allow-request-templates", action="store_true",
+                   help="Let a request bring its own chat template (chat_template_kwargs.chat_template), rendered "
+                        "on rank 0 in a sandbox bounded in time, memory and output; refused by default "
+                        "(see docs/SECURITY.md).")
+    p.add_argument("--backend", choices=BACKENDS, default=None, help="MLX's transport for arrays.")
     p.add_argument("--dispatch", choices=("collective", "dp"), default="collective",
                    help="collective: every rank decodes every sequence (exact); dp: each rank a share of the live "
                         "sequences (not bit-exact; no prompt cache, no top_logprobs)")
     p.add_argument("--expert-split", choices=EXPERT_SPLITS, default="whole",
                    help="Experts whole on one rank each, or cut in width over the ranks (not bit-exact).")
+    p.add_argument("--record-routing", metavar="FILE", default=None,
+                   help="write the routed slots per (layer, expert) to FILE: at exit, and while serving at most "
+                        "every --record-routing-every seconds (docs/placement.md)")
+    p.add_argument("--record-routing-every", type=float, default=60.0, metavar="SECONDS",
+                   help="seconds between rewrites of --record-routing's file while serving (default %(default)s)")
+    p.add_argument("--rebalance-every", type=float, default=None, metavar="SECONDS",
+                   help="place the experts again from the routing seen since the last placement, at most every "
+                        "SECONDS, between two steps on every rank (docs/placement.md); default: never")
+    p.add_argument("--rebalance-replicas", type=int, default=0, metavar="R",
+                   help="replica slots per rank in those placements (default %(default)s)")
+    p.add_argument("--rank-memory", metavar="A,B,...", type=_rank_memory, default=None,
+                   help="GB of expert weights each rank may keep resident, one per rank (docs/placement.md)")
     p.add_argument("--timeout", type=float, default=None, help="Seconds without progress before a rank is declared hung.")
     p.add_argument("--log-level", default="WARNING", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     return p
+
+
+def _rank_memory(text: str) -> List[float]:
+    try:
+        return parse_rank_memory(text)
+    except UserError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def check_options(args: argparse.Namespace) -> Optional[str]:
@@ -69,6 +93,14 @@ def check_options(args: argparse.Namespace) -> Optional[str]:
         return "--max-body-bytes must be at least 1024"
     if args.max_connections < 1 or args.max_queued < 1 or args.max_queued_chars < 1:
         return "--max-connections, --max-queued and --max-queued-chars must be at least 1"
+    if not 0 < args.record_routing_every < float("inf"):
+        return "--record-routing-every must be a positive number of seconds"
+    if args.rebalance_every is not None and not 0 < args.rebalance_every < float("inf"):
+        return "--rebalance-every must be a positive number of seconds"
+    if not 0 <= args.rebalance_replicas <= 1024:
+        return "--rebalance-replicas must be between 0 and 1024"
+    if args.rebalance_every is not None and args.expert_split == "width":
+        return "--rebalance-every places whole experts: not with --expert-split width"
     if not 0 < args.idle_timeout < float("inf"):
         return "--idle-timeout must be a positive number of seconds"
     return None
@@ -87,8 +119,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     cluster = init(timeout=args.timeout or DEFAULT_TIMEOUT, backend=args.backend)  # other ranks serve inside
     code = 0
     try:
-        cluster.load(args.model, dispatch=args.dispatch, expert_split=args.expert_split)
-        options = {k: v for k, v in vars(args).items() if k not in ("backend", "timeout", "dispatch", "expert_split")}
+        cluster.load(args.model, dispatch=args.dispatch, expert_split=args.expert_split,
+                     record_routing=args.record_routing, record_routing_every=args.record_routing_every,
+                     rank_memory_gb=args.rank_memory, count_routing=args.rebalance_every is not None)
+        loaded = ("backend", "timeout", "dispatch", "expert_split", "record_routing", "record_routing_every",
+                  "rank_memory")
+        options = {k: v for k, v in vars(args).items() if k not in loaded}
         options["model"] = cluster.engine.options.model
         cluster.serve_http(options)
     except UserError as e:

@@ -67,7 +67,7 @@ class CollectiveDispatcher(Dispatcher):
         # here and their outputs are summed (exchange_block), not slots.
         self.wraps_blocks = wraps_blocks
         self.stats = ExchangeStats()
-        self._tables: Dict[int, Tuple[mx.array, mx.array]] = {}
+        self._tables: Dict[int, Tuple[LayerOwnership, mx.array, mx.array]] = {}
 
     @property
     def combines(self) -> Combine:
@@ -78,11 +78,12 @@ class CollectiveDispatcher(Dispatcher):
         return self.world.size == 1 or (self.reduce and not self.wraps_blocks and not self.splits_attention)
 
     def _masked_table(self, ownership: LayerOwnership) -> Tuple[mx.array, mx.array]:
-        """([E] local id, or 0 where held elsewhere; [E] owned by this rank)."""
-        if ownership.layer not in self._tables:
+        """([E] local id, or 0 where not held here; [E] computed here, without replicas)."""
+        cached = self._tables.get(ownership.layer)
+        if cached is None or cached[0] is not ownership:  # new, or the layer was placed again
             local_index, owned = ownership.masked_table()
-            self._tables[ownership.layer] = (mx.array(local_index), mx.array(owned))
-        return self._tables[ownership.layer]
+            cached = self._tables[ownership.layer] = (ownership, mx.array(local_index), mx.array(owned))
+        return cached[1:]
 
     def dispatch(self, ownership: LayerOwnership, x: mx.array, inds: mx.array, weights: Optional[mx.array] = None):
         self.stats.layers += 1
@@ -90,10 +91,13 @@ class CollectiveDispatcher(Dispatcher):
         if self.world.size == 1:
             return ExpertBatch(x, inds), CollectiveHandle((), x.dtype, load)
         out_shape = inds.shape + x.shape[-1:]
+        if self.stats.collect_expert_load:  # measuring: one read-back, in either layout
+            self.stats.count_balance(ownership, np.asarray(inds).reshape(-1))
         if self.layout == "compact":
             return self._dispatch_compact(ownership, x, inds, CollectiveHandle(out_shape, x.dtype, load))
         local_index, owned = self._masked_table(ownership)
-        handle = CollectiveHandle(out_shape, x.dtype, load, owned_slots=owned[inds])
+        owned_slots = ownership.owned_slots(inds) if ownership.replicated else owned[inds]
+        handle = CollectiveHandle(out_shape, x.dtype, load, owned_slots=owned_slots)
         return ExpertBatch(x, local_index[inds]), handle
 
     def exchange_block(self, layer: int, block: Callable[[mx.array], mx.array], x: mx.array) -> mx.array:
@@ -113,12 +117,12 @@ class CollectiveDispatcher(Dispatcher):
         D, K = x.shape[-1], inds.shape[-1]
         mx.eval(inds)
         flat = np.asarray(inds).reshape(-1)  # [.., K] -> [S]
-        mine = np.flatnonzero(ownership.owner[flat] == ownership.rank)  # [s]
+        mine = np.flatnonzero(ownership.slot_owners(flat) == ownership.rank)  # [s]
         handle = CollectiveHandle(handle.out_shape, handle.dtype, handle.expert_load, computed_slots=mx.array(mine))
         if mine.size == 0:
             return None, handle
         rows = mx.array(mine // K)
-        local = mx.array(ownership.local_index[flat[mine]])[:, None]
+        local = mx.array(ownership.local_table[ownership.rank, flat[mine]])[:, None]
         return ExpertBatch(x.reshape(-1, D)[rows], local, flat.size), handle  # [s, D], [s, 1]
 
     def combine(self, y: Optional[mx.array], handle: CollectiveHandle) -> mx.array:

@@ -97,7 +97,7 @@ class DataParallelDispatcher(RowDispatcher):
         self.final_layer: Optional[int] = None  # the MoE layer that is the model's last layer, if any
         self._last: Optional[mx.array] = None  # the latest reduce: the next gather waits for it
         self._forward_starts = False  # the next gather is a forward's first
-        self._tables: Dict[int, Tuple[mx.array, mx.array]] = {}
+        self._tables: Dict[int, Tuple[LayerOwnership, mx.array, mx.array]] = {}
 
     @property
     def combines(self) -> Combine:
@@ -125,10 +125,12 @@ class DataParallelDispatcher(RowDispatcher):
 
     def _masked_table(self, ownership: LayerOwnership) -> Tuple[mx.array, mx.array]:
         """([E] local id, or 0; [E] 1 where held here, to weight by, in the weights' dtype)."""
-        if ownership.layer not in self._tables:
+        cached = self._tables.get(ownership.layer)
+        if cached is None or cached[0] is not ownership:  # new, or the layer was placed again
             local_index, owned = ownership.masked_table()
-            self._tables[ownership.layer] = (mx.array(local_index), mx.array(owned).astype(self.weights_dtype))
-        return self._tables[ownership.layer]
+            cached = (ownership, mx.array(local_index), mx.array(owned).astype(self.weights_dtype))
+            self._tables[ownership.layer] = cached
+        return cached[1:]
 
     def dispatch(self, ownership: LayerOwnership, x: mx.array, inds: mx.array, weights: Optional[mx.array] = None):
         D, K = x.shape[-1], inds.shape[-1]
@@ -158,10 +160,14 @@ class DataParallelDispatcher(RowDispatcher):
         W = _as_columns(gathered[:, D : D + wcols], self.weights_dtype)  # [N*T, K]
         I = gathered[:, D + wcols :].view(mx.int32)  # [N*T, K]
         out_shape = x.shape
+        if self.stats.collect_expert_load:  # measuring: every rank's real slots (padding rows weigh 0)
+            real = np.asarray(W.astype(mx.float32)).reshape(-1) != 0
+            self.stats.count_balance(ownership, np.asarray(I).reshape(-1)[real])
         if self.layout == "compact":
             return self._dispatch_compact(ownership, X, W, I, out_shape, rows, padded, x.dtype)
         local_index, owned = self._masked_table(ownership)
-        handle = TokenHandle(out_shape, rows, padded, x.dtype, W * owned[I])
+        mask = ownership.owned_slots(I).astype(self.weights_dtype) if ownership.replicated else owned[I]
+        handle = TokenHandle(out_shape, rows, padded, x.dtype, W * mask)
         return ExpertBatch(X, local_index[I]), handle
 
     def exchange_block(self, layer: int, block: Callable[[mx.array], mx.array], x: mx.array) -> mx.array:
@@ -215,11 +221,11 @@ class DataParallelDispatcher(RowDispatcher):
         mx.eval(I, W)
         flat = np.asarray(I).reshape(-1)  # [N*T*K]
         w = np.asarray(W).reshape(-1)
-        mine = np.flatnonzero((ownership.owner[flat] == ownership.rank) & (w != 0))  # [s]
+        mine = np.flatnonzero((ownership.slot_owners(flat) == ownership.rank) & (w != 0))  # [s]
         handle = TokenHandle(out_shape, rows, padded, dtype, mx.array(w[mine]), mx.array(mine // K))
         if mine.size == 0:
             return None, handle
-        local = mx.array(ownership.local_index[flat[mine]])[:, None]
+        local = mx.array(ownership.local_table[ownership.rank, flat[mine]])[:, None]
         return ExpertBatch(X[mx.array(mine // K)], local), handle  # [s, D], [s, 1]
 
     def combine(self, y: Optional[mx.array], handle: TokenHandle) -> mx.array:

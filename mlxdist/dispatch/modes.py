@@ -75,6 +75,15 @@ def check_survival(name: str, ranks: int, tolerant: bool) -> None:
                         f"{name} runs MLX's collectives, which a lost rank stops")
 
 
+def check_launcher(name: str, ranks: int, has_mpi: bool) -> None:
+    """A mode whose exchange is mpi4py's needs MPI's launcher: under
+    mlx.launch (no MPI) the control plane is MLX's and there is no MPI."""
+    if ranks > 1 and not has_mpi and not mode(name).mlx_collectives:
+        able = ", ".join(n for n, m in MODES.items() if m.mlx_collectives)
+        raise UserError(f"--dispatch {name} exchanges experts over MPI, which mlx.launch does not start: "
+                        f"launch with mpirun (launch/mpirun -np N), or use --dispatch {able}")
+
+
 def strategies(name: str, by_width: bool, backend: str, shardable: bool) -> List[str]:
     """The strategies a load of mode ``name`` builds, the first the default:
     ``auto`` and ``dp`` hold collective and dp; ``auto`` with experts cut in

@@ -31,6 +31,8 @@ class P2PHandle:
     ownership: LayerOwnership
     xs: mx.array  # [T, D] the layer's token rows
     flat: np.ndarray  # [S] expert of each slot
+    owner: np.ndarray  # [S] rank computing each slot
+    local: np.ndarray  # [S] the slot's expert's position in that rank's stack
     out_shape: Tuple[int, ...]  # [.., K, D]
     dtype: mx.Dtype
     local_slots: np.ndarray  # [s0] flat slots rank 0 computes itself
@@ -64,8 +66,10 @@ class P2PDispatcher(Dispatcher):
         xs = x.reshape(-1, D)  # [.., D] -> [T, D]
         flat = np.asarray(inds).reshape(-1)  # [.., K] -> [S]
         self.stats.count(ownership.layer, flat, ownership.num_experts)
-        owner = ownership.owner[flat]  # [S]
-        handle = P2PHandle(ownership, xs, flat, inds.shape + (D,), x.dtype, np.flatnonzero(owner == 0))
+        self.stats.count_balance(ownership, flat)
+        owner = ownership.slot_owners(flat)  # [S]
+        local = ownership.slot_local(flat, owner)  # [S]
+        handle = P2PHandle(ownership, xs, flat, owner, local, inds.shape + (D,), x.dtype, np.flatnonzero(owner == 0))
         self._post(handle)
         self.stats.slots_local += handle.local_slots.size
         self.stats.slots_remote += flat.size - handle.local_slots.size
@@ -76,15 +80,13 @@ class P2PDispatcher(Dispatcher):
     def _batch(self, handle: P2PHandle, slots: np.ndarray) -> ExpertBatch:
         """The rows and local expert ids of ``slots``, for whoever owns them."""
         K = handle.out_shape[-2]
-        local = handle.ownership.local_index[handle.flat[slots]]
-        return ExpertBatch(handle.xs[mx.array(slots // K)], mx.array(local)[:, None], handle.flat.size)  # [s, D], [s, 1]
+        return ExpertBatch(handle.xs[mx.array(slots // K)], mx.array(handle.local[slots])[:, None], handle.flat.size)  # [s, D], [s, 1]
 
     def _post(self, handle: P2PHandle) -> None:
         """Send each live owner its (row, local expert) batch and post the
         receive of its reply; a lost owner's slots are computed here."""
         K, D = handle.out_shape[-2], handle.out_shape[-1]
-        owner = handle.ownership.owner[handle.flat]
-        local = handle.ownership.local_index[handle.flat]
+        owner, local = handle.owner, handle.local
         handle.requests, handle.replies, handle.peers, handle.posted = [], [], [], True
         x_np = None
         for rank in np.unique(owner).tolist():

@@ -6,24 +6,28 @@ dense model, through the distributed expert modules; a data-parallel
 strategy runs ``dp_schedule.py`` instead. Loading is ``load.py``.
 """
 
+import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx_lm.generate import BatchResponse, GenerationResponse, generation_stream, stream_generate
-from mlx_lm.utils import load_model
 
 from mlxdist.config import GenerationParams, LoadOptions
 from mlxdist.dispatch import DenseRanks, Dispatcher, LayerOwnership, RowDispatcher, modes
 from mlxdist.engine.batch import batch_generate
 from mlxdist.engine.dp_schedule import DataParallelGeneration
-from mlxdist.errors import UserError
-from mlxdist.model.checkpoint import find_switch_sites, nbytes, read_safetensors_index, resolve_model_path
+from mlxdist.errors import UserError, one_line
+from mlxdist.model.balance import bytes_per_expert, check_rank_memory
+from mlxdist.model.checkpoint import (
+    find_switch_sites, nbytes, read_safetensors_index, resolve_model_path, restack_experts,
+)
 from mlxdist.model.experts import RankExperts
 from mlxdist.model.paging import PagingStats, expert_module
 from mlxdist.model.placement import Placement
+from mlxdist.model.sources import CheckpointSources, load_lazy
 from mlxdist.model.switch import DistributedSwitch, MoEBlock, Observer
 from mlxdist.runtime import faults
 from mlxdist.runtime.world import World
@@ -198,15 +202,13 @@ class Engine:
             able = " or ".join(f"--dispatch {n}" for n, m in modes.MODES.items() if m.survives_rank_loss)
             raise UserError(f"lost rank{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))}: only "
                             f"{able} goes on without a rank ({self.dispatch} runs MLX's collectives)")
-        path = resolve_model_path(self.options.model)
-        index = read_safetensors_index(path)
-        lazy_model, _ = load_model(path, lazy=True)
+        lazy_model, sources = self._lazy_model()
         paging = self.paging or PagingStats()
         for rank in lost:
             modules = {}
             for site in find_switch_sites(lazy_model):
-                owned = [int(e) for e in np.flatnonzero(self.ownership[site.layer].owner == rank)]
-                module = expert_module(site, owned, index, self.capacity, paging)
+                owned = [int(e) for e in np.flatnonzero(self.ownership[site.layer].local_table[rank] >= 0)]
+                module = expert_module(site, owned, sources, self.capacity, paging)
                 if module is not None:
                     mx.eval(module.parameters())
                     modules[site.layer] = module
@@ -214,6 +216,80 @@ class Engine:
             self.memory["expert_bytes"] += sum(nbytes(m.parameters()) for m in modules.values())
         if self.memory_by_rank:  # what --json reports per rank
             self.memory_by_rank[0] = dict(self.memory)
+
+    def place(self, plan: Placement) -> float:
+        """Hold ``plan``'s experts from now on. Every rank calls this at the
+        same point between two steps, with the same plan: each checks it
+        (the model's layers, its ``--rank-memory``), the ranks agree, and
+        only then does each read the experts it newly holds from its own copy
+        of the checkpoint, keep those it held already, and point every MoE
+        layer at its new ownership. Results do not change (the same weights
+        compute every slot). Raises ``UserError`` on every rank, nothing
+        changed, where any rank refuses. Returns the seconds it took here."""
+        tic = time.perf_counter()
+        error = None
+        try:  # whatever fails here fails before the ranks agree, on this rank alone
+            lazy_model, sources = self._lazy_model()
+            sites = {s.layer: s for s in find_switch_sites(lazy_model)}
+            self._check_placement(plan, sites)
+        except Exception as e:  # noqa: BLE001 - every rank hears of it below
+            error = one_line(e)
+        errors = self.world.control.allgather_json(error)
+        if any(errors):
+            first = next(e for e in errors if e)
+            raise UserError(first if first.startswith("rank ") else f"rank {errors.index(first)}: {first}")
+        paging = self.paging or PagingStats()
+        for switch in self.switches:
+            layer = switch.ownership.layer
+            owns = LayerOwnership.build(layer, plan.layers[layer], self.world.rank, self.world.size)
+            held, wanted = switch.ownership.owned_experts.tolist(), owns.owned_experts.tolist()
+            module = switch.experts
+            if wanted != held:
+                module = self._experts_now(sites[layer], switch.experts, held, wanted, sources, paging)
+            switch.ownership, switch.experts = owns, module
+            self.ownership[layer] = owns
+            if module is None:
+                self.experts.pop(layer, None)
+            else:
+                self.experts[layer] = module
+        self.placement = plan
+        self.memory["expert_bytes"] = sum(nbytes(m.parameters()) for m in self.experts.values())
+        return time.perf_counter() - tic
+
+    def _check_placement(self, plan: Placement, sites: Dict[int, Any]) -> None:
+        if self.world.lost:
+            raise UserError("experts cannot be placed again after a lost rank: rank 0 computes its experts now")
+        if self.options.expert_split == "width" and self.world.size > 1:
+            raise UserError("experts cut in width (--expert-split width) are on every rank: there is nothing to place")
+        plan.validate({layer: s.num_experts for layer, s in sites.items()}, self.world.size)
+        budgets = self.options.rank_memory_gb
+        if budgets is not None:
+            check_rank_memory(plan, self.world.rank, budgets[self.world.rank], bytes_per_expert(sites.values()),
+                              self.capacity)
+
+    def _experts_now(self, site, module: Optional[nn.Module], held: List[int], wanted: List[int], sources,
+                     paging: PagingStats) -> Optional[nn.Module]:
+        """The layer's expert module for ``wanted``: the experts of ``held``
+        still wanted taken from ``module``, the others read from the
+        checkpoint (a paged module is built again: it holds slots, not experts)."""
+        new = [e for e in wanted if e not in held]
+        if self.capacity is not None or not wanted or not held or module is None:
+            built = expert_module(site, wanted, sources, self.capacity, paging)
+        else:
+            fresh = expert_module(site, new, sources, None, paging) if new else None
+            kept = [e for e in wanted if e in held]
+            order = np.argsort(kept + new).tolist()  # kept, then new -> ascending: wanted's stack order
+            built = restack_experts(module, [held.index(e) for e in kept], fresh, order)
+        if built is not None:
+            mx.eval(built.parameters())
+        return built
+
+    def _lazy_model(self) -> Tuple[nn.Module, CheckpointSources]:
+        """A fresh lazy mlx-lm model of the checkpoint and where its experts
+        are stored: what experts are read from (only those asked for)."""
+        path = resolve_model_path(self.options.model)
+        lazy_model, _, sources = load_lazy(path, read_safetensors_index(path))
+        return lazy_model, sources
 
     def serve(self) -> None:
         """A worker's part in one generation where rank 0 alone runs the dense model."""

@@ -12,7 +12,7 @@ from typing import Any, Dict
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.utils import load_model, load_tokenizer
+from mlx_lm.utils import load_tokenizer
 
 from mlxdist import __version__
 from mlxdist.config import LoadOptions
@@ -24,8 +24,10 @@ from mlxdist.model.checkpoint import (
     split_experts_by_width, split_shared_by_width, switch_extras,
 )
 from mlxdist.model.paging import PagingStats, capacity_for_budget, expert_module
+from mlxdist.model.balance import bytes_per_expert, check_rank_memory
 from mlxdist.model.placement import resolve_placement
 from mlxdist.model.routing import RouterWeights, RoutingWeightsNotFound, activation_dtype, find_weights_name
+from mlxdist.model.sources import load_lazy
 from mlxdist.model.switch import DistributedSwitch, MoEBlock
 from mlxdist.model.tensor_parallel import can_shard, own_bytes, shard_dense, tensor_parallel_twin
 from mlxdist.runtime import faults
@@ -39,12 +41,13 @@ def load_engine(world: World, options: LoadOptions) -> Engine:
     """Build this rank's part of the model (see the module's docstring)."""
     options.validate()
     modes.check_survival(options.dispatch, world.size, world.tolerant)
+    modes.check_launcher(options.dispatch, world.size, world.control.has_mpi)
     mx.reset_peak_memory()  # the load's own peak is reported (memory["load_peak_bytes"])
     path = resolve_model_path(options.model)
     check_config(path)
     index = read_safetensors_index(path)
     try:
-        lazy_model, config = load_model(path, lazy=True)
+        lazy_model, config, sources = load_lazy(path, index)
     except (ValueError, FileNotFoundError, OSError, KeyError, TypeError) as e:
         raise UserError(f"cannot load {path}: {str(e).splitlines()[0]}") from None
     sites = find_switch_sites(lazy_model)
@@ -54,7 +57,10 @@ def load_engine(world: World, options: LoadOptions) -> Engine:
             f"SwitchGLU/SwitchMLP experts: nothing to distribute"
         )
     experts_per_layer = {s.layer: s.num_experts for s in sites}
-    plan = resolve_placement(options.placement, experts_per_layer, world.size, options.rank0_experts)
+    budgets = options.rank_memory_gb
+    if budgets is not None and len(budgets) != world.size:
+        raise UserError(f"--rank-memory gives {len(budgets)} budgets for {world.size} ranks")
+    plan = resolve_placement(options.placement, experts_per_layer, world.size, options.rank0_experts, budgets)
     by_width = options.expert_split == "width" and world.size > 1
     strategies = modes.strategies(options.dispatch, by_width, world.backend,
                                   world.size > 1 and can_shard(lazy_model, config, world.size))
@@ -71,6 +77,8 @@ def load_engine(world: World, options: LoadOptions) -> Engine:
         dp_shape = dict(top_k=router.top_k, dtype=activation_dtype(lazy_model), weights_dtype=router.dtype)
     dispatchers = {name: make_dispatcher(name, world, options.layout, options.stats, wraps_blocks=by_width, **dp_shape)
                    for name in strategies}
+    for d in dispatchers.values():  # counted where routing_share reads it
+        d.stats.record_routing = options.record_routing and (world.is_root or d.dense_ranks is DenseRanks.OWN)
     first = dispatchers[strategies[0]]
     row_dispatcher = next((d for d in dispatchers.values() if isinstance(d, RowDispatcher)), None)
     if row_dispatcher is not None and _in_last_layer(lazy_model, sites):
@@ -84,6 +92,8 @@ def load_engine(world: World, options: LoadOptions) -> Engine:
     capacity = options.expert_capacity
     if options.memory_budget_gb is not None:
         capacity = capacity_for_budget(options.memory_budget_gb * 1e9, lazy_model, sites, runs_dense)
+    if budgets is not None:  # may own more than it keeps resident where it pages
+        check_rank_memory(plan, world.rank, budgets[world.rank], bytes_per_expert(sites), capacity)
     faults.arm(world.rank)
     paging = PagingStats()
     modules = dict(lazy_model.named_modules())
@@ -91,14 +101,14 @@ def load_engine(world: World, options: LoadOptions) -> Engine:
     for site in sites:
         # Cut in width, every rank holds a part of every expert: to the dispatchers it owns them all.
         owners = [world.rank] * site.num_experts if by_width else plan.layers[site.layer]
-        owns = LayerOwnership.build(site.layer, owners, world.rank)
+        owns = LayerOwnership.build(site.layer, owners, world.rank, world.size)
         ownership[site.layer] = owns
         extras = {name: site.module.pop(name) for name in switch_extras(site.module)}  # the block's, kept whole
         if by_width:  # the block runs whole on every rank: its shared experts are cut too
             local = split_experts_by_width(site, world.rank, world.size)
             split_shared_by_width(site, world.rank, world.size)
         else:
-            local = expert_module(site, owns.owned_experts.tolist(), index, capacity, paging)
+            local = expert_module(site, owns.owned_experts.tolist(), sources, capacity, paging)
         if local is not None:
             mx.eval(local.parameters())
             experts[site.layer] = local

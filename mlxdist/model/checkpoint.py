@@ -4,7 +4,9 @@ at a time) plus the dense weights its dispatch mode runs.
 
 Nothing is read from disk until it is evaluated: ``mlx_lm.utils.load_model``
 with ``lazy=True`` only maps the files, and the stacked expert tensors are
-never evaluated whole; their owned rows are read at their byte offsets.
+never evaluated whole. This module finds the MoE layers, reads tensors and
+rows at their byte offsets and cuts experts in width; where each layer's
+experts come from in each checkpoint layout is ``model/sources.py``.
 
 Why our own offset reads rather than the ``safetensors`` package's lazy
 ``safe_open(...).get_slice``: in safetensors 0.8 (numpy and mlx frameworks
@@ -26,6 +28,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU, SwitchLinear, SwitchMLP
 
+from mlxdist.dispatch.wire import from_numpy
 from mlxdist.errors import CheckpointError, ModelNotFound, UserError
 
 SWITCH_TYPES = (SwitchGLU, SwitchMLP)
@@ -99,21 +102,45 @@ def read_safetensors_index(model_path: Path) -> Dict[str, TensorEntry]:
     return entries
 
 
+def entry_dtype(entry: TensorEntry) -> Optional[mx.Dtype]:
+    """The MLX dtype a stored tensor is read as; None where it cannot be read."""
+    return _DTYPES[entry.dtype][1] if entry.dtype in _DTYPES else None
+
+
 def read_rows(entry: TensorEntry, rows: List[int]) -> mx.array:
     """``tensor[rows]`` read from disk without reading the other rows."""
-    if entry.dtype not in _DTYPES:
-        raise CheckpointError(f"unsupported safetensors dtype {entry.dtype}")
-    np_dtype, mx_dtype = _DTYPES[entry.dtype]
-    row_shape = entry.shape[1:]
-    row_items = int(np.prod(row_shape)) if row_shape else 1
-    row_bytes = row_items * np.dtype(np_dtype).itemsize
-    out = np.empty((len(rows), row_items), dtype=np_dtype)
-    with open(entry.file, "rb") as f:
-        for i, r in enumerate(rows):
-            f.seek(entry.offset + r * row_bytes)
-            f.readinto(memoryview(out[i]).cast("B"))
-    array = mx.array(out.reshape((len(rows),) + row_shape))
-    return array.view(mx_dtype) if mx_dtype == mx.bfloat16 else array
+    return _read_pieces([(entry, r) for r in rows], entry.dtype, entry.shape[1:])
+
+
+def read_stacked(entries: List[TensorEntry]) -> mx.array:
+    """``mx.stack`` of whole tensors of one dtype and shape, read from disk
+    into one buffer: ``[len(entries), *shape]``."""
+    return _read_pieces([(e, 0) for e in entries], entries[0].dtype, entries[0].shape)
+
+
+def _read_pieces(pieces: List[Tuple[TensorEntry, int]], dtype: str, piece_shape: Tuple[int, ...]) -> mx.array:
+    """Piece i is row ``r`` of ``entry`` (a row: ``piece_shape``)."""
+    if dtype not in _DTYPES:
+        raise CheckpointError(f"unsupported safetensors dtype {dtype}")
+    np_dtype, mx_dtype = _DTYPES[dtype]
+    items = int(np.prod(piece_shape)) if piece_shape else 1
+    piece_bytes = items * np.dtype(np_dtype).itemsize
+    out = np.empty((len(pieces), items), dtype=np_dtype)
+    files = {}
+    try:
+        for i, (entry, r) in enumerate(pieces):
+            f = files.get(entry.file) or files.setdefault(entry.file, open(entry.file, "rb", buffering=0))
+            f.seek(entry.offset + r * piece_bytes)
+            view, done = memoryview(out[i]).cast("B"), 0
+            while done < piece_bytes:  # unbuffered: exactly these bytes, in as many reads as the OS needs
+                n = f.readinto(view[done:])
+                if not n:
+                    raise CheckpointError(f"{entry.file} ends inside a tensor")
+                done += n
+    finally:
+        for f in files.values():
+            f.close()
+    return from_numpy(out.reshape((len(pieces),) + tuple(piece_shape)), mx_dtype)
 
 
 @dataclass
@@ -189,26 +216,15 @@ def find_switch_sites(model: nn.Module) -> List[SwitchSite]:
     return sorted(sites, key=lambda s: s.layer)
 
 
-def slice_experts(
-    site: SwitchSite, expert_ids: List[int], index: Dict[str, TensorEntry]
-) -> nn.Module:
-    """The site's expert module holding only the experts ``expert_ids``, in order.
+def slice_experts(site: SwitchSite, expert_ids: List[int], sources) -> nn.Module:
+    """The site's expert module holding only the experts ``expert_ids``, in
+    order, read from ``sources`` (``model/sources.py``'s ``CheckpointSources``,
+    or a plain index, which reads mlx-lm's layout by offset and slices any
+    other). Only the stacked projections' tensors are sliced (those whose
+    first dimension is the experts); anything else the module holds stays whole."""
+    from mlxdist.model.sources import as_sources, load_experts  # sources.py builds on this module
 
-    Only the stacked projections' tensors are sliced (those whose first
-    dimension is the experts); anything else the module holds stays whole.
-    Each is read from disk row by row where the checkpoint stores it under
-    the same name and shape (mlx-lm's own layout); anything else (a layout
-    that ``sanitize`` had to restack) is sliced from the lazy array, which
-    reads the whole tensor once.
-    """
-    sliced = []
-    for name, value, entry in stacked_tensors(site, index):
-        if entry is not None:
-            sliced.append((name, read_rows(entry, expert_ids)))
-        else:
-            sliced.append((name, value[mx.array(expert_ids, dtype=mx.int32)]))
-    site.module.update(tree_unflatten(sliced))
-    return site.module
+    return load_experts(site, as_sources(sources).expert_source(site), expert_ids)
 
 
 # Expert projections by direction, for cutting experts in width: from the
@@ -292,6 +308,28 @@ def stacked_tensors(site: SwitchSite, index: Dict[str, TensorEntry]) -> List[Tup
             entry = index.get(f"{site.path}.{name}")
             out.append((name, value, entry if entry is not None and entry.shape == tuple(value.shape) else None))
     return out
+
+
+def restack_experts(module: nn.Module, keep: List[int], fresh: Optional[nn.Module], order: List[int]) -> nn.Module:
+    """``module``'s experts at positions ``keep``, then ``fresh``'s, put in
+    ``order`` (positions in that concatenation), as ``module``: the stacked
+    projections' tensors are cut and joined, nothing else changes. [e, ...]
+    and [f, ...] -> [len(keep) + f, ...]."""
+    experts = _num_experts(module)
+    joined = []
+    fresh_params = dict(tree_flatten(fresh.parameters())) if fresh is not None else {}
+    for proj_name, proj in _projections(module).items():
+        for name, value in tree_flatten(proj.parameters()):
+            if value.ndim == 0 or value.shape[0] != experts:
+                continue
+            name = f"{proj_name}.{name}"
+            parts = [value[mx.array(keep, dtype=mx.int32)]] if keep else []
+            if name in fresh_params:
+                parts.append(fresh_params[name])
+            stacked = mx.concatenate(parts) if len(parts) > 1 else parts[0]
+            joined.append((name, stacked[mx.array(order, dtype=mx.int32)]))
+    module.update(tree_unflatten(joined))
+    return module
 
 
 def nbytes(tree) -> int:

@@ -24,7 +24,8 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from mlxdist.errors import UserError
-from mlxdist.model.checkpoint import TensorEntry, nbytes, read_rows, slice_experts, stacked_tensors
+from mlxdist.model.checkpoint import nbytes
+from mlxdist.model.sources import ExpertSource, as_sources, load_experts
 
 
 def capacity_for_budget(budget: float, model: nn.Module, sites, runs_dense: bool) -> int:
@@ -78,12 +79,12 @@ class PagedExperts(nn.Module):
     experts (global ids, local id = position). Called as the module it wraps,
     with local ids ``[s, 1]``."""
 
-    def __init__(self, switch: nn.Module, owned: List[int], capacity: int, entries: Dict[str, TensorEntry],
+    def __init__(self, switch: nn.Module, owned: List[int], capacity: int, source: ExpertSource,
                  stats: PagingStats):
         super().__init__()
         self.switch = switch  # already holding owned[:capacity] in slots 0..capacity-1
         self._owned = list(owned)
-        self._entries = entries  # stacked parameter name -> where its rows are on disk
+        self._source = source  # where the stacked tensors' experts are in the checkpoint
         self._slots = _Slots(capacity, OrderedDict((i, i) for i in range(capacity)))
         self._stats = stats
 
@@ -105,8 +106,7 @@ class PagedExperts(nn.Module):
         params = dict(tree_flatten(self.switch.parameters()))
         rows = [self._owned[i] for i in missing]
         updated = []
-        for name, entry in self._entries.items():
-            value = read_rows(entry, rows)
+        for name, value in self._source.read(rows):
             stats.bytes_in += value.nbytes
             updated.append((name, _put_rows(params[name], freed, value)))
         self.switch.update(tree_unflatten(updated))
@@ -144,17 +144,18 @@ def _put_rows(stack: mx.array, slots: List[int], rows: mx.array) -> mx.array:
     return stack
 
 
-def expert_module(site, owned: List[int], index, capacity: Optional[int], stats: PagingStats) -> Optional[nn.Module]:
+def expert_module(site, owned: List[int], sources, capacity: Optional[int],
+                  stats: PagingStats) -> Optional[nn.Module]:
     """This rank's expert module for one layer: its owned experts, or, past
-    ``capacity``, a paged stack of that many slots (``paging.py``)."""
+    ``capacity``, a paged stack of that many slots (``paging.py``).
+    ``sources``: the checkpoint's ``CheckpointSources`` (or its index)."""
     if not owned:
         return None
+    source = as_sources(sources).expert_source(site)
     if capacity is None or len(owned) <= capacity:
-        return slice_experts(site, owned, index)
-    stacked = stacked_tensors(site, index)
-    unpageable = [name for name, _, entry in stacked if entry is None]
+        return load_experts(site, source, owned)
+    unpageable = source.unpageable
     if unpageable:
-        raise UserError(f"cannot page {site.path}: the checkpoint does not store {unpageable[0]} in mlx-lm's "
-                        f"stacked layout")
-    entries = {name: entry for name, _, entry in stacked}
-    return PagedExperts(slice_experts(site, owned[:capacity], index), owned, capacity, entries, stats)
+        raise UserError(f"cannot page {site.path}: its {unpageable} cannot be read from the checkpoint "
+                        f"one expert at a time")
+    return PagedExperts(load_experts(site, source, owned[:capacity]), owned, capacity, source, stats)

@@ -1,7 +1,7 @@
 """Control messages: what rank 0 tells the other ranks to do.
 
-A command is plain JSON with a protocol version, broadcast from rank 0 with
-``bcast_bytes``; nothing on the wire is ever unpickled. A rank that receives
+A command is plain JSON with a protocol version, broadcast from rank 0 with the
+control plane's ``bcast_bytes`` (``runtime/plane.py``); nothing on the wire is ever unpickled. A rank that receives
 something it cannot parse, a newer protocol, or an unknown op raises
 ``ProtocolError``, and the job stops cleanly.
 """
@@ -11,9 +11,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, Optional
 
 from mlxdist.errors import ProtocolError
-from mlxdist.runtime.world import World, bcast_bytes
+from mlxdist.runtime.world import World
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 LOAD = "load"
 GENERATE = "generate"
@@ -21,7 +21,8 @@ STATS = "stats"
 PROBE = "probe"
 SHUTDOWN = "shutdown"
 SERVE = "serve"
-OPS = (LOAD, GENERATE, STATS, PROBE, SHUTDOWN, SERVE)
+PLACE = "place"
+OPS = (LOAD, GENERATE, STATS, PROBE, SHUTDOWN, SERVE, PLACE)
 
 
 @dataclass
@@ -33,6 +34,7 @@ class Command:
     choice), batch (one batch response even for one prompt). STATS: reset, collect.
     PROBE: name and args of a registered probe (``executor.register_probe``).
     SERVE: the HTTP server's options (``serving/server.py``); every rank serves until rank 0 stops.
+    PLACE: placement (a placement's JSON object): every rank holds its experts from now on.
     SHUTDOWN: exit_code.
     """
 
@@ -74,4 +76,4 @@ def broadcast(world: World, command: Optional[Command] = None) -> Command:
     Rank 0 refuses an unknown command before it reaches anyone."""
     if world.is_root and command.op not in OPS:
         raise ProtocolError(f"unknown command {command.op!r}")
-    return decode(bcast_bytes(world, encode(command) if world.is_root else None))
+    return decode(world.control.bcast_bytes(encode(command) if world.is_root else None))

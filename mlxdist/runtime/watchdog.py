@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Tuple
 
 from mlxdist.errors import say_error
-from mlxdist.runtime.world import World, allgather_json
+from mlxdist.runtime.world import World
 
 DEFAULT_TIMEOUT = 120.0
 PREFILL_FACTOR = 10
@@ -89,7 +89,7 @@ class Watchdog:
     def __init__(self, world: World, timeout: float):
         self.world = world
         self.timeout = timeout
-        self.peers: List[Tuple[str, int]] = [tuple(p) for p in allgather_json(world, [socket.gethostname(), os.getpid()])]
+        self.peers: List[Tuple[str, int]] = [tuple(p) for p in world.control.allgather_json([socket.gethostname(), os.getpid()])]
 
     def start(self) -> None:
         if self.world.size == 1:

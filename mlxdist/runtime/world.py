@@ -5,7 +5,15 @@ Order matters: MLX's MPI backend must initialise MPI before mpi4py attaches to
 it (the other order fails), and MLX refuses a world of one process, so a run
 without mpirun (or with -np 1) gets a one-rank world with no MPI at all and
 every collective below becomes an identity. The ``nccl`` backend (CUDA)
-puts MLX's array collectives on NCCL and leaves MPI to mpi4py alone.
+puts MLX's array collectives on NCCL and leaves MPI to mpi4py alone; so do
+``ring`` (TCP) and ``jaccl`` (RDMA over Thunderbolt), started from what the
+ranks tell each other over mpi4py (``runtime/backends.py``).
+
+Launched by ``mlx.launch`` (no MPI), MLX's group is the only one: the
+control plane runs over MLX's collectives (``plane.MlxControl``) and what
+needs MPI (the p2p exchange, in-job survival) is refused where it is asked
+for (``dispatch/modes.py``). The control plane's operations are one
+interface, ``World.control`` (``runtime/plane.py``).
 
 Threads: MLX runs its collectives on its CPU stream's worker thread while
 the main thread speaks mpi4py, so MPI must allow several threads. MLX calls
@@ -22,11 +30,9 @@ after a correct run).
 
 import atexit
 import glob
-import json
 import os
 import sys
 import sysconfig
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, List, Optional, Tuple
@@ -36,7 +42,8 @@ import numpy as np
 
 from mlxdist import envs
 from mlxdist.errors import keep_traceback, say_error
-from mlxdist.runtime import survival
+from mlxdist.runtime import backends, survival
+from mlxdist.runtime.plane import Control, MlxControl, MpiControl, SoloControl
 
 
 def _launched_by_mpirun() -> int:
@@ -60,9 +67,8 @@ def launched_by_mlx_launch() -> bool:
     return envs.is_set("MLX_RANK") and _launched_by_mpirun() <= 1
 
 
-MLX_LAUNCH_REFUSED = (
-    "mlxdist's ranks speak MPI: launch them with launch/mpirun -np N (or mpirun), not mlx.launch, which "
-    "would start N separate one-rank jobs (mlx.launch --backend mpi runs mpirun and works)")
+MLX_LAUNCH_MPI = ("--backend mpi needs MPI, which mlx.launch does not start here: use mlx.launch --backend mpi "
+                  "(it runs mpirun), or --backend ring | jaccl")
 
 
 def find_libmpi() -> Optional[str]:
@@ -103,14 +109,17 @@ class World:
     size: int  # at launch; ranks keep their numbers after a loss (survival.py)
     group: mx.distributed.Group
     comm: Any = None
-    backend: str = "mpi"  # MLX's transport for arrays: "mpi" or "nccl"
+    backend: str = "mpi"  # MLX's transport for arrays: "mpi", "nccl", "ring" or "jaccl"
     tolerant: bool = False  # launched with fault tolerance: a lost rank is recovered from (survival.py)
     alive: List[int] = field(default_factory=list)  # original ranks in the communicator, by position
     lost: List[int] = field(default_factory=list)
     on_loss: List[Callable[[List[int]], None]] = field(default_factory=list)
+    control: Optional[Control] = None  # the control plane (None: mpi4py on comm, or nothing with one rank)
 
     def __post_init__(self):
         self.alive = self.alive or list(range(self.size))
+        if self.control is None:
+            self.control = SoloControl() if self.size == 1 else MpiControl(self)
 
     @property
     def is_root(self) -> bool:
@@ -122,7 +131,7 @@ class World:
 
 
 _WORLD: Optional[World] = None
-BACKENDS = ("mpi", "nccl")
+BACKENDS = ("mpi", "nccl", "ring", "jaccl")
 # NCCL_MAX_NCHANNELS: two unless set (envs.py; docs/notes/nccl-channels.md).
 # Open MPI's launcher sometimes fails before starting any rank, with this on
 # stderr; nothing of ours ran, so the launch may be tried again.
@@ -137,22 +146,32 @@ def default_backend() -> str:
 
 
 def init_world(backend: Optional[str] = None) -> World:
-    """Join the job: MLX's ``backend`` for arrays (None: ``default_backend()``)
-    and mpi4py on the same MPI_COMM_WORLD for control messages. For mpi,
-    MLX's MPI backend initialises MPI first, then mpi4py attaches to it."""
+    """Join the job: MLX's ``backend`` for arrays (None: ``MLXDIST_BACKEND``,
+    else the one ``mlx.launch`` started, else ``default_backend()``) and,
+    under mpirun, mpi4py on the same MPI_COMM_WORLD for control messages.
+    For mpi, MLX's MPI backend initialises MPI first, then mpi4py attaches."""
     global _WORLD
     if _WORLD is not None:
         return _WORLD
-    backend = backend or default_backend()
+    backend = backend or envs.get("MLXDIST_BACKEND")
+    if backend is None:
+        backend = backends.launched_backend() if launched_by_mlx_launch() else default_backend()
     if backend not in BACKENDS:
         raise RuntimeError(f"backend must be one of {', '.join(BACKENDS)}, not {backend!r}")
     if launched_by_mlx_launch():
-        raise RuntimeError(MLX_LAUNCH_REFUSED)
+        _WORLD = _init_mlx_launch(backend)
+        return _WORLD
     if _launched_by_mpirun() <= 1:
         _WORLD = World(0, 1, mx.distributed.init(strict=False))
         return _WORLD
 
-    if backend == "nccl":
+    if backend in ("ring", "jaccl"):
+        # MLX's TCP or RDMA backend carries the arrays; mpi4py starts MPI for the control plane.
+        from mpi4py import MPI
+
+        start = backends.start_ring if backend == "ring" else backends.start_jaccl
+        group = start(MPI.COMM_WORLD)
+    elif backend == "nccl":
         # NCCL carries the arrays (on CUDA); mpi4py starts MPI for the control plane.
         from mpi4py import MPI
 
@@ -222,6 +241,38 @@ def _failing(hook):
     return excepthook
 
 
+def _init_mlx_launch(backend: str) -> World:
+    """The world ``mlx.launch`` started: MLX's group alone, the control
+    plane on it (``MlxControl``)."""
+    if backend == "mpi":
+        raise RuntimeError(MLX_LAUNCH_MPI)
+    if survival.enabled():
+        raise RuntimeError("in-job survival of a lost rank needs Open MPI's ULFM: launch with "
+                           "launch/mpirun --survive, not mlx.launch")
+    if backend == "jaccl" and not mx.distributed.is_available("jaccl"):
+        raise RuntimeError(backends.JACCL_MISSING)
+    if backend == "ring" and backends.hostfile_ranks() <= 1:  # mlx.launch -n 1
+        return World(0, 1, mx.distributed.init(strict=False), backend=backend)
+    try:
+        group = mx.distributed.init(backend=backend, strict=True)
+    except RuntimeError as e:
+        raise RuntimeError(f"MLX's {backend} backend did not start under mlx.launch: {e}") from None
+    sys.excepthook = _failing(sys.excepthook)
+    atexit.register(_exit_without_mpi)
+    return World(group.rank(), group.size(), group, None, backend, control=MlxControl(group))
+
+
+def _exit_without_mpi() -> None:
+    """At exit under mlx.launch: end the process before MLX's group is torn
+    down at interpreter exit; status as ``_finalize_and_exit``."""
+    import logging
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(_EXIT_CODE)
+
+
 def _finalize_and_exit() -> None:
     """At exit: finalize MPI once and end the process, before MLX's group can
     finalize it a second time. Left to itself, MPI is not finalized at all
@@ -269,80 +320,33 @@ def nccl_rendezvous(comm) -> Tuple[str, int]:
     return host, int(port)
 
 
-# The longest sleep between two tests of a message an idle rank waits for:
-# what the first message after a wait may arrive late by.
-IDLE_POLL_MAX = 2e-3  # seconds
-
-
-def wait_gently(request) -> None:
-    """Wait for a non-blocking MPI request without spinning a core (Open MPI
-    busy-polls inside a blocking call): test it, sleeping between tests from
-    20 us, doubling, up to ``IDLE_POLL_MAX``. A rank waiting for rank 0's next
-    command sleeps; a message is read at most ``IDLE_POLL_MAX`` late."""
-    pause = 20e-6
-    while not request.Test():
-        time.sleep(pause)
-        pause = min(2 * pause, IDLE_POLL_MAX)
+# The control plane, as functions of the world (``World.control``'s
+# methods; runtime/plane.py has the implementations).
 
 
 def bcast_bytes(world: World, data: Optional[bytes]) -> bytes:
-    """Rank 0's bytes on every rank (a length, then the payload). The other
-    ranks wait for the length gently (``wait_gently``): this is where they
-    wait for rank 0's next command or request, often for long."""
-    if world.size == 1:
-        return data
-
-    def bcast(comm) -> bytes:
-        n = np.array([len(data) if world.is_root else 0], dtype=np.int64)
-        wait_gently(comm.Ibcast(n, root=0))
-        buf = np.frombuffer(data, dtype=np.uint8).copy() if world.is_root else np.empty(int(n[0]), dtype=np.uint8)
-        comm.Bcast(buf, root=0)
-        return buf.tobytes()
-
-    return survival.agreed(world, bcast)
+    """Rank 0's bytes on every rank (others pass None)."""
+    return world.control.bcast_bytes(data)
 
 
 def bcast_flag(world: World, flag: Optional[bool]) -> bool:
     """Rank 0's ``flag`` on every rank (others pass None)."""
-    def bcast(comm) -> bool:
-        buf = np.array([1 if flag else 0], dtype=np.int8)
-        comm.Bcast(buf, root=0)
-        return bool(buf[0])
-
-    return survival.agreed(world, bcast)
+    return world.control.bcast_flag(flag)
 
 
 def allgather_json(world: World, obj: Any) -> List[Any]:
-    """Every rank's JSON-able ``obj``, in rank order, on every rank (the
-    ranks alive, after a loss)."""
-    if world.size == 1:
-        return [obj]
-    data = np.frombuffer(json.dumps(obj).encode(), dtype=np.uint8)
-
-    def gather(comm) -> List[Any]:
-        counts = np.empty(comm.Get_size(), dtype=np.int64)
-        comm.Allgather(np.array([data.size], dtype=np.int64), counts)
-        out = np.empty(int(counts.sum()), dtype=np.uint8)
-        displs = np.concatenate([[0], np.cumsum(counts)[:-1]])
-        comm.Allgatherv(data, [out, counts, displs, _mpi().BYTE])
-        return [json.loads(out[d : d + c].tobytes()) for d, c in zip(displs, counts)]
-
-    return survival.agreed(world, gather)
+    """Every rank's JSON-able ``obj``, in rank order, on every rank."""
+    return world.control.allgather_json(obj)
 
 
 def barrier(world: World) -> None:
     """Wait for every rank (control plane)."""
-    if world.size > 1:
-        survival.agreed(world, lambda comm: comm.Barrier())
+    world.control.barrier()
 
 
 def abort(world: Optional[World], code: int = 1) -> None:
     """End every rank of the job now (last resort for an unexpected error)."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    if world is not None and world.size > 1:
-        world.comm.Abort(code)
-    os._exit(code)
+    (world.control if world is not None else SoloControl()).abort(code)
 
 
 def run_or_abort(world: World, fn, *args):

@@ -1,8 +1,10 @@
 """The HTTP side on rank 0: mlx-lm's request handler behind the API key,
 the body limit, the request schema (``schema.py``), caps on queued work and
-connections, an idle timeout, and errors in OpenAI's shape.
+connections, an idle timeout, a request's own chat template rendered here
+when allowed (``templates.py``), and errors in OpenAI's shape.
 """
 
+import copy
 import hmac
 import io
 import json
@@ -14,9 +16,10 @@ from typing import Any, Dict, Optional
 
 from mlx_lm import server as lm_server
 
-from mlxdist.errors import RankLost, RequestError
+from mlxdist.errors import GenerationFailed, RankLost, RequestError
 from mlxdist.serving.lockstep import HANDLER_STATUS
-from mlxdist.serving.schema import RequestLimits, check_body, error_body, prompt_chars
+from mlxdist.serving.schema import RequestLimits, check_request, error_body
+from mlxdist.serving.templates import render
 
 DEFAULT_MAX_BODY = 4 << 20  # bytes
 DEFAULT_IDLE_TIMEOUT = 30.0  # seconds a connection may send nothing
@@ -90,6 +93,7 @@ def make_handler(api_key: Optional[str], max_body: int, limits: RequestLimits, m
                 super().do_GET()
 
         def do_POST(self):
+            self.rendered_prompt: Optional[str] = None  # a request's own template, rendered (per request)
             if not self._allowed():
                 return
             length = self.headers.get("Content-Length")
@@ -113,13 +117,14 @@ def make_handler(api_key: Optional[str], max_body: int, limits: RequestLimits, m
             raw = self.rfile.read(int(length))
             if self.path in COMPLETION_PATHS:
                 try:
-                    body = check_body(raw, limits)
+                    body, chars = check_request(raw, limits)
+                    self.rendered_prompt = self._render_own_template(body)
                 except RequestError as e:
                     logging.info("refused a request: %s", e)
                     self._refuse(e.status, str(e), "invalid_request_error", e.param)
                     return
                 queued = self.response_generator.requests.chars
-                if queued and queued + prompt_chars(body) > max_queued_chars:
+                if queued and queued + chars > max_queued_chars:
                     self._refuse(429, f"{queued} characters of prompts are queued already: try again later",
                                  "rate_limit_error")
                     return
@@ -132,14 +137,43 @@ def make_handler(api_key: Optional[str], max_body: int, limits: RequestLimits, m
             finally:
                 self.rfile = connection  # the connection's next request (keep-alive)
 
+        def _render_own_template(self, body: Dict[str, Any]) -> Optional[str]:
+            """The prompt text of a request that brings its own chat template
+            (only past the schema under --allow-request-templates), rendered
+            here, bounded; the template itself never reaches a rank."""
+            kwargs = body.get("chat_template_kwargs") or {}
+            if "chat_template" not in kwargs:
+                return None
+            template = kwargs.pop("chat_template")
+            messages = copy.deepcopy(body["messages"])
+            try:
+                lm_server.process_message_content(messages)
+            except (ValueError, KeyError, TypeError) as e:
+                raise RequestError(f"messages: {e}", "messages") from None
+            tokenizer = self.response_generator.model_provider.engine.tokenizer
+            special = {k: v for k, v in getattr(tokenizer, "special_tokens_map", {}).items() if isinstance(v, str)}
+            variables = {**special, **kwargs, "messages": messages, "tools": body.get("tools"),
+                         "add_generation_prompt": True}
+            text = render(template, variables, limits.max_prompt_chars)
+            if not text:
+                raise RequestError("the request's chat template renders no text", "chat_template_kwargs")
+            return text
+
+        def handle_chat_completions(self):
+            request = super().handle_chat_completions()
+            if self.rendered_prompt is not None:
+                request.prompt = self.rendered_prompt  # the ranks tokenise this text (lockstep._tokenize)
+            return request
+
         def handle_completion(self, request, stop_words):
             try:
                 super().handle_completion(request, stop_words)
-            except RankLost as e:
-                error = {"error": {"message": str(e), "type": "server_error", "code": 503}}
+            except (RankLost, GenerationFailed) as e:  # after the request's context: mid-answer
+                status = 503 if isinstance(e, RankLost) else 500
+                error = error_body(str(e), "server_error", None, status)
                 if getattr(self, "_headers_buffer", None):  # not streaming: the 200 is not sent yet
                     self._headers_buffer = []
-                    self._send_json(503, error)
+                    self._send_json(status, error)
                 else:
                     self.wfile.write(f"data: {json.dumps(error)}\n\n".encode())
                     self.wfile.flush()

@@ -1,8 +1,10 @@
 """The server's generation loop on every rank, in lockstep: mlx-lm's
 ``ResponseGenerator`` with rank 0's requests and removals shared as JSON on
 the control communicator (mlx-lm pickles), a stop every rank hears, progress
-for the watchdog at every shared message and batch step, and a loop that a
-failure does not end (the requests in flight get a 500).
+for the watchdog at every shared message and batch step. A failure in one
+sequence's own code ends that sequence alone (``isolation.py``); a failure
+of the batch step itself ends the requests in flight with a 500 and the
+loop goes on.
 """
 
 import dataclasses
@@ -14,11 +16,13 @@ import typing
 import weakref
 from typing import Any
 
+from jinja2 import TemplateError
 from mlx_lm import server as lm_server
 
 from mlxdist.errors import GenerationFailed, RankLost, RequestError, one_line
+from mlxdist.serving.isolation import Sequence, install
 from mlxdist.runtime.watchdog import ACTIVITY
-from mlxdist.runtime.world import World, bcast_bytes
+from mlxdist.runtime.world import World
 
 
 def _to_json(obj: Any) -> Any:
@@ -76,19 +80,32 @@ HANDLER_STATUS = threading.local()  # the status a refused request should get, p
 
 
 class _SingleQueue:
-    """The response queue of a request served alone: each response is
-    progress for the watchdog, and (``unstoppable``) its generation context
-    ignores ``stop()``."""
+    """The response queue of a request served alone (mlx-lm's
+    ``_serve_single``, no batch, no shared message of its own): each response
+    is progress for the watchdog and, on several ranks, a shared message, so
+    rank 0's stop of the server or its client leaving ends the request on
+    every rank at the same token (mlx-lm would stop it on rank 0 alone)."""
 
-    def __init__(self, queue, unstoppable: bool):
-        self.queue = queue
-        self.unstoppable = unstoppable
+    def __init__(self, sequence: Sequence, generator: "LockstepResponseGenerator"):
+        self.sequence = sequence
+        self.generator = generator
+        self.left = False  # rank 0: the client went away
 
     def put(self, item):
         ACTIVITY.progress()
-        if self.unstoppable and isinstance(item, lm_server.GenerationContext):
-            item.stop = lambda: None
-        self.queue.put(item)
+        lockstep = self.generator.world.size > 1
+        if lockstep and isinstance(item, lm_server.GenerationContext):
+            item.stop = self._leave
+        self.sequence.put(item)
+        if lockstep and isinstance(item, lm_server.Response):
+            left = self.generator._share_object(self.left)
+            if self.generator._stop:
+                raise GenerationFailed("the server is shutting down")
+            if left:
+                raise GenerationFailed("the client left")  # on every rank: mlx-lm's loop ends the request
+
+    def _leave(self) -> None:
+        self.left = True
 
 
 class _ProgressBudget(lm_server.TimeBudget):
@@ -106,9 +123,11 @@ class LockstepResponseGenerator(lm_server.ResponseGenerator):
 
     def __init__(self, model_provider, prompt_cache, world: World):
         self.world = world
+        self.rebalancer = None  # set by serve() where --rebalance-every asks for it (rebalance.py)
         self._stop_requested = False
         self._failed = False
         self.failures = 0  # generation loops that failed and were entered again
+        install()  # per-sequence failures end their sequence alone
         super().__init__(model_provider, prompt_cache)  # starts the generation thread
         self._time_budget = _ProgressBudget()
         self.requests = TrackingQueue()  # before any request: the thread reads it at its next poll
@@ -118,19 +137,21 @@ class LockstepResponseGenerator(lm_server.ResponseGenerator):
         if self.world.size == 1:
             return obj
         if self.world.is_root:
-            message = {"stop": self._stop_requested, "obj": obj}
-            bcast_bytes(self.world, json.dumps(message).encode())
+            rebalance = self.rebalancer is not None and self.rebalancer.due()
+            message = {"stop": self._stop_requested, "obj": obj, "rebalance": rebalance}
+            self.world.control.bcast_bytes(json.dumps(message).encode())
         else:
-            message = json.loads(bcast_bytes(self.world, None))
-        ACTIVITY.progress()  # every rank answered
+            message = json.loads(self.world.control.bcast_bytes(None))
         if message["stop"]:
             self._stop = True
             return None
+        if message["rebalance"]:  # every rank, at this same message, between two steps
+            self.rebalancer.run()
         return message["obj"]
 
     def _share_request(self, request):
         if self.world.size == 1:
-            return request
+            return None if request is None else (Sequence(request[0], request[2].max_tokens),) + tuple(request[1:])
         shared = None
         if request is not None:
             try:  # on rank 0 alone: a failure here must not leave the other ranks waiting
@@ -141,14 +162,29 @@ class LockstepResponseGenerator(lm_server.ResponseGenerator):
         if shared is None:
             return None
         queue = request[0] if request is not None else lm_server.Queue()
-        return (queue, _from_json(lm_server.CompletionRequest, shared["request"]),
-                _from_json(lm_server.GenerationArguments, shared["args"]))
+        args = _from_json(lm_server.GenerationArguments, shared["args"])
+        return Sequence(queue, args.max_tokens), _from_json(lm_server.CompletionRequest, shared["request"]), args
 
     def _tokenize(self, tokenizer, request, args):
+        """mlx-lm's tokenisation, plus this request's stop matcher (so its
+        failure too is this request's: the loop reports a failure here to the
+        request alone), the context check, and a chat request's prompt text
+        when rank 0 rendered the request's own template (``templates.py``)."""
         if args.top_logprobs > 0 and self.model_provider.engine.data_parallel is not None:
             raise RequestError("top_logprobs is not available with --dispatch dp (each rank gathers only the "
                                "sampled token's log-probability)")
-        tokenized = super()._tokenize(tokenizer, request, args)
+        try:
+            if request.request_type == "chat" and request.prompt:
+                tokenized = _rendered(tokenizer, request.prompt)
+            else:
+                tokenized = super()._tokenize(tokenizer, request, args)
+            self._make_state_machine(self.model_provider.model_key, tokenizer, args.stop_words)  # cached for the loop
+        except (RequestError, GenerationFailed):
+            raise
+        except TemplateError as e:
+            raise RequestError(f"the chat template cannot render these messages: {one_line(e)}", "messages") from None
+        except Exception as e:  # noqa: BLE001 - this request fails, the server goes on
+            raise GenerationFailed(f"cannot tokenise this request: {one_line(e)}") from None
         limit = self.model_provider.engine.context_length
         if limit is not None and len(tokenized[0]) + args.max_tokens > limit:
             raise RequestError(f"prompt of {len(tokenized[0])} tokens plus max_tokens {args.max_tokens} "
@@ -170,21 +206,21 @@ class LockstepResponseGenerator(lm_server.ResponseGenerator):
             raise
 
     def _serve_single(self, request, stream):
-        # One request alone (mlx-lm serves seeded ones so). mlx-lm cannot stop
-        # it early on several ranks (it would stop on rank 0 only): a client
-        # that leaves lets it run to its end instead.
-        request = (_SingleQueue(request[0], unstoppable=self.world.size > 1),) + tuple(request[1:])
+        # One request alone (mlx-lm serves seeded ones so), its every token shared (``_SingleQueue``).
+        request = (_SingleQueue(request[0], self),) + tuple(request[1:])
         engine = self.model_provider.engine
         engine.use(engine.strategy_for(1))  # one sequence on every rank: the exact strategy, also under dp
         self.model_provider.model = engine.model
         return super()._serve_single(request, stream)
 
     def _run_generate(self):
-        """mlx-lm's generation loop, entered again after a failure: the
-        requests in flight end with a 500 and the server goes on. A failure
-        inside the lockstep loop comes from the shared requests, so every
-        rank meets it at the same step and enters the loop again with the
-        others (each rank's own failures, a lost rank, are the watchdog's)."""
+        """mlx-lm's generation loop, entered again after a failure that is
+        not one sequence's (those end their sequence alone, ``isolation.py``):
+        the batch step itself, the loop's own code. The requests in flight
+        end with a 500 and the server goes on. Such a failure comes from the
+        shared requests, so every rank meets it at the same step and enters
+        the loop again with the others (each rank's own failures, a lost
+        rank, are the watchdog's)."""
         while not self._stop:
             try:
                 self._generate()
@@ -214,3 +250,13 @@ class LockstepResponseGenerator(lm_server.ResponseGenerator):
 
     def generation_available(self):
         return not self._failed and super().generation_available()
+
+
+def _rendered(tokenizer, text: str):
+    """mlx-lm's ``_tokenize`` result for a chat prompt already rendered to
+    ``text`` (as apply_chat_template encodes it: no special tokens added)."""
+    prompt = tokenizer.encode(text, add_special_tokens=False)
+    state = "normal"
+    if tokenizer.has_thinking and tokenizer.rfind_think_start(prompt) > tokenizer.rfind_think_end(prompt):
+        state = "reasoning"
+    return prompt, [prompt], ["assistant"], tokenizer.response_initial_state or state, None

@@ -11,12 +11,13 @@ the work one request may cause, and a refusal is an OpenAI-shaped 400
 naming the field (``RequestError``). What passes is what mlx-lm reads.
 
     check_body(raw bytes, limits) -> the parsed body (a dict), or RequestError
+    check_request(raw bytes, limits) -> (the body, its prompt's characters)
 """
 
 import json
 import math
 from dataclasses import dataclass
-from typing import Any, Dict, Iterable, List, Optional
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 from mlxdist.errors import RequestError
 
@@ -56,10 +57,18 @@ class RequestLimits:
     max_tools: int = 128
     max_context_size: int = 1 << 16  # repetition / presence / frequency context sizes
     allow_remote_images: bool = False
+    allow_request_templates: bool = False  # chat_template_kwargs.chat_template, rendered on rank 0 (templates.py)
+    max_template_chars: int = 64 << 10
 
 
 def check_body(raw: bytes, limits: RequestLimits) -> Dict[str, Any]:
     """Parse and check one request body; raises ``RequestError`` (a 400)."""
+    return check_request(raw, limits)[0]
+
+
+def check_request(raw: bytes, limits: RequestLimits) -> Tuple[Dict[str, Any], int]:
+    """Parse and check one request body: the body and its prompt text's
+    characters (counted once, for the prompt limit and the queued-text cap)."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
@@ -74,12 +83,12 @@ def check_body(raw: bytes, limits: RequestLimits) -> Dict[str, Any]:
         raise RequestError("the request body must be a JSON object")
     if _depth(body, limits.max_depth) > limits.max_depth:
         raise RequestError(f"the request body nests deeper than {limits.max_depth} levels")
-    check_fields(body, limits)
-    return body
+    return body, check_fields(body, limits)
 
 
-def check_fields(body: Dict[str, Any], limits: RequestLimits) -> None:
-    """Every field of a parsed body, in place (ints where mlx-lm wants floats stay numbers)."""
+def check_fields(body: Dict[str, Any], limits: RequestLimits) -> int:
+    """Every field of a parsed body, in place (ints where mlx-lm wants floats
+    stay numbers); the prompt's characters."""
     unknown = sorted(set(body) - KNOWN - IGNORED)
     if unknown:
         raise RequestError(f"unknown field {unknown[0]!r}", unknown[0])
@@ -116,7 +125,7 @@ def check_fields(body: Dict[str, Any], limits: RequestLimits) -> None:
     _integer(body, "seed", 0, (1 << 64) - 1)
     _check_logit_bias(body, limits)
     _check_stop(body, limits)
-    _check_template_kwargs(body)
+    _check_template_kwargs(body, limits)
     if body.get("role_mapping") is not None:
         mapping = body["role_mapping"]
         if not (isinstance(mapping, dict) and len(mapping) <= 32
@@ -126,7 +135,7 @@ def check_fields(body: Dict[str, Any], limits: RequestLimits) -> None:
     if tools is not None and not (isinstance(tools, list) and len(tools) <= limits.max_tools
                                   and all(isinstance(t, dict) for t in tools)):
         raise RequestError(f"tools must be a list of at most {limits.max_tools} objects", "tools")
-    _check_prompt(body, limits)
+    return _check_prompt(body, limits)
 
 
 def _refuse_constant(name: str):
@@ -201,13 +210,20 @@ def _check_stop(body: Dict[str, Any], limits: RequestLimits) -> None:
                            f"of at most {limits.max_stop_chars} characters", "stop")
 
 
-def _check_template_kwargs(body: Dict[str, Any]) -> None:
+def _check_template_kwargs(body: Dict[str, Any], limits: RequestLimits) -> None:
     kwargs = body.get("chat_template_kwargs")
     if kwargs is None:
         return
     if not isinstance(kwargs, dict) or len(kwargs) > 32:
         raise RequestError("chat_template_kwargs must be an object of at most 32 variables", "chat_template_kwargs")
     for key, value in kwargs.items():
+        if key == "chat_template" and limits.allow_request_templates:
+            if not (isinstance(value, str) and 0 < len(value) <= limits.max_template_chars):
+                raise RequestError(f"chat_template_kwargs.chat_template must be a template of at most "
+                                   f"{limits.max_template_chars} characters", "chat_template_kwargs")
+            if "messages" not in body:
+                raise RequestError("a chat template needs messages", "chat_template_kwargs")
+            continue
         if key in TEMPLATE_PARAMETERS:
             raise RequestError(f"chat_template_kwargs may not set {key!r}: a request cannot change how the "
                                f"template is rendered (see docs/SECURITY.md)", "chat_template_kwargs")
@@ -216,12 +232,13 @@ def _check_template_kwargs(body: Dict[str, Any]) -> None:
                                "chat_template_kwargs")
 
 
-def _check_prompt(body: Dict[str, Any], limits: RequestLimits) -> None:
+def _check_prompt(body: Dict[str, Any], limits: RequestLimits) -> int:
+    """The prompt's characters, checked against the limit."""
     if "messages" in body and "prompt" in body:
         raise RequestError("give messages or prompt, not both", "messages")
     if "messages" in body:
-        _check_messages(body["messages"], limits)
-    elif "prompt" in body:
+        return _check_messages(body["messages"], limits)
+    if "prompt" in body:
         prompt = body["prompt"]
         if not isinstance(prompt, str):
             raise RequestError("prompt must be a string", "prompt")
@@ -230,9 +247,11 @@ def _check_prompt(body: Dict[str, Any], limits: RequestLimits) -> None:
         if len(prompt) > limits.max_prompt_chars:
             raise RequestError(f"prompt of {len(prompt)} characters exceeds the limit of {limits.max_prompt_chars}",
                                "prompt")
+        return len(prompt)
+    return 0
 
 
-def _check_messages(messages: Any, limits: RequestLimits) -> None:
+def _check_messages(messages: Any, limits: RequestLimits) -> int:
     if not isinstance(messages, list) or not 1 <= len(messages) <= limits.max_messages:
         raise RequestError(f"messages must be a list of 1 to {limits.max_messages} messages", "messages")
     chars = 0
@@ -257,6 +276,7 @@ def _check_messages(messages: Any, limits: RequestLimits) -> None:
     if chars > limits.max_prompt_chars:
         raise RequestError(f"messages of {chars} characters exceed the limit of {limits.max_prompt_chars}",
                            "messages")
+    return chars
 
 
 def _part_chars(part: Any, i: int, limits: RequestLimits) -> int:
@@ -292,20 +312,6 @@ def _check_tool_calls(calls: Iterable[Any], i: int) -> None:
                 json.loads(arguments)
             except (ValueError, RecursionError):
                 raise RequestError(f"messages[{i}].tool_calls: arguments must be JSON", "messages") from None
-
-
-def prompt_chars(body: Dict[str, Any]) -> int:
-    """The prompt text of a checked body, in characters (before tokenising)."""
-    if "prompt" in body:
-        return len(body["prompt"])
-    total = 0
-    for message in body.get("messages", []):
-        content = message.get("content")
-        if isinstance(content, str):
-            total += len(content)
-        elif isinstance(content, list):
-            total += sum(len(part.get("text", "")) for part in content if part.get("type") == "text")
-    return total
 
 
 def error_body(message: str, kind: str = "invalid_request_error", param: Optional[str] = None,

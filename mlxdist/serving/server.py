@@ -23,8 +23,10 @@ lost rank (503, then a non-zero exit).
 
 import argparse
 import logging
+import os
 import signal
 import sys
+import threading
 from typing import Any, Dict
 
 from mlx_lm import server as lm_server
@@ -34,6 +36,8 @@ from mlxdist.serving.http import (
     DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_QUEUED, DEFAULT_MAX_QUEUED_CHARS, HTTPServer,
     make_handler,
 )
+from mlxdist.serving.isolation import guard_tokenizer
+from mlxdist.serving.rebalance import Rebalancer
 from mlxdist.serving.lockstep import LockstepResponseGenerator
 from mlxdist.serving.schema import RequestLimits
 
@@ -62,12 +66,34 @@ class EngineModelProvider(lm_server.ModelProvider):
     def _load(self, model_path, adapter_path=None, draft_model_path=None):
         if model_path != self.cli_args.model or adapter_path or draft_model_path:
             raise ValueError(f"this server serves {self.cli_args.model} only")
-        tokenizer = self.engine.tokenizer
+        tokenizer = guard_tokenizer(self.engine.tokenizer)  # a sequence's detokenizer fails it alone
         if self.cli_args.chat_template:
             tokenizer.chat_template = self.cli_args.chat_template
         self.model_key = (model_path, None, None)
         self.model, self.tokenizer, self.processor, self.draft_model = self.engine.model, tokenizer, None, None
         self.is_batchable = all(hasattr(c, "merge") for c in lm_server.make_prompt_cache(self.model))
+
+
+def _keep_ctrl_c_from_the_watchdog() -> None:
+    """Ctrl-C to rank 0 is the stop the user asked for (``serve`` ends every
+    rank with status 0), not the launcher stopping the job: the watchdog reads
+    every signal from Python's wakeup fd, so relay it every signal but SIGINT."""
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+    watchdog_fd = signal.set_wakeup_fd(write_fd)
+    if watchdog_fd == -1:  # one rank: no watchdog thread reads signals
+        signal.set_wakeup_fd(-1)
+        os.close(read_fd)
+        os.close(write_fd)
+        return
+
+    def relay() -> None:
+        while True:
+            signum = os.read(read_fd, 1)
+            if signum and signum[0] != signal.SIGINT:
+                os.write(watchdog_fd, signum)
+
+    threading.Thread(target=relay, daemon=True, name="signal-relay").start()
 
 
 def serve(executor, options: Dict[str, Any]) -> None:
@@ -92,13 +118,18 @@ def serve(executor, options: Dict[str, Any]) -> None:
     ACTIVITY.beat("serving-http")
     ACTIVITY.progress()
     generator = LockstepResponseGenerator(provider, prompt_cache, world)
+    if options.get("rebalance_every"):
+        generator.rebalancer = Rebalancer(world, engine, options["rebalance_every"],
+                                          options.get("rebalance_replicas", 0), engine.options.rank_memory_gb)
     if not world.is_root:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 decides when serving ends
         generator.join()
         ACTIVITY.armed = ACTIVITY.serving_http = False
         return
     ON_FATAL.append(generator.fail)
-    limits = RequestLimits(vocab_size=engine.vocab_size, context_length=engine.context_length)
+    _keep_ctrl_c_from_the_watchdog()
+    limits = RequestLimits(vocab_size=engine.vocab_size, context_length=engine.context_length,
+                           allow_request_templates=bool(options.get("allow_request_templates")))
     handler = make_handler(options.get("api_key"), options["max_body_bytes"], limits,
                            options.get("max_queued", DEFAULT_MAX_QUEUED), options.get("idle_timeout", DEFAULT_IDLE_TIMEOUT),
                            options.get("max_queued_chars", DEFAULT_MAX_QUEUED_CHARS))

@@ -2,7 +2,7 @@
 checkpoint, with an optional loss between them; prints every result's tokens,
 the lost ranks and the stats' ranks as JSON.
 
-    python survive.py CKPT KILL_BETWEEN [CAPACITY]
+    python survive.py CKPT KILL_BETWEEN [CAPACITY [PLACEMENT]]
 
 KILL_BETWEEN: a rank that rank 0 kills (SIGKILL) between the first stream
 and the rest, or -1. A test fault (MLXDIST_FAULT) may kill another rank
@@ -19,9 +19,10 @@ import mlxdist
 from mlxdist.bench import survival  # noqa: F401 (registers the "process" probe on every rank)
 
 path, kill_between, *rest = sys.argv[1:]
-capacity = int(rest[0]) if rest else None
+capacity = int(rest[0]) if rest and int(rest[0]) > 0 else None
+placement = rest[1] if len(rest) > 1 else None  # a placement file (replicas, ...)
 with mlxdist.init() as cluster:
-    cluster.load(path, dispatch="p2p", expert_capacity=capacity)
+    cluster.load(path, dispatch="p2p", expert_capacity=capacity, placement=placement)
     processes = {p["rank"]: p["pid"] for p in cluster.probe("process")}
     expert_gb_before = cluster.stats()[0]["weights_gb"]["expert"]
     first = [p.token for p in cluster.stream(cluster.request([cluster.encode("a loss is coming")], max_tokens=24))]

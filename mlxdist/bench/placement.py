@@ -1,0 +1,145 @@
+"""``python -m mlxdist.bench placement``: even, balanced and balanced +
+replicas placements side by side in one run, on the same ranks.
+
+Under mpirun (one launch per world size). The routing that the balanced
+placements are made from is recorded first, by a generation of its own
+(other random prompts than the timed ones, as a server's past traffic is
+not its next), with the even placement. Then each placement is loaded in
+turn, in ``--rounds`` interleaved rounds, and every batch size is timed
+(the harness's warm-up, trials and profiling pass). Each row reports the
+measured imbalance ratio, (max - mean) / mean of the routed slots each rank
+computed, per MoE layer and step, averaged (``ExchangeStats.count_balance``),
+and the one the policy predicted from the recorded counts.
+
+    mpirun -np 2 python -m mlxdist.bench placement --model SKEWED -b 1,8,32 --replicas 1
+"""
+
+import argparse
+import json
+import sys
+from typing import Any, Dict, List, Optional
+
+from mlxdist.bench.harness import bench_case, median_row, random_prompts, text_config, versions
+from mlxdist.dispatch import DenseRanks, modes
+from mlxdist.model.balance import balanced, imbalance
+from mlxdist.model.placement import Placement
+
+
+def recorded_counts(cluster, args) -> Dict[int, List[int]]:
+    """layer -> [E] routed slots of one generation with the loaded placement."""
+    vocab = text_config(cluster.engine.config)["vocab_size"]
+    prompts = random_prompts(vocab, max(args.batch_sizes), args.prompt_tokens, args.seed + 1)
+    cluster.stats(reset=True, collect=True)
+    cluster.run_batch(cluster.request(prompts, max_tokens=args.record_tokens, seed=0))
+    stats = cluster.stats(collect=False)
+    own_rows = cluster.engine.dispatcher.dense_ranks is DenseRanks.OWN  # dp: each rank routes its own rows
+    counts: Dict[int, List[int]] = {}
+    for s in stats if own_rows else stats[:1]:  # else rank 0 sees every routed slot
+        for layer, c in s["expert_load"].items():
+            counts[int(layer)] = [a + b for a, b in zip(counts.get(int(layer), [0] * len(c)), c)]
+    return counts
+
+
+def placements(counts: Dict[int, List[int]], num_ranks: int, args) -> Dict[str, Optional[Placement]]:
+    plans: Dict[str, Optional[Placement]] = {"even": None, "balanced": balanced(counts, num_ranks)}
+    if args.replicas and num_ranks > 1:
+        plans[f"balanced+{args.replicas}r"] = balanced(counts, num_ranks, replicas=args.replicas)
+    return plans
+
+
+def run(cluster, args) -> Dict[str, Any]:
+    n = cluster.world.size
+    cluster.load(args.model, dispatch=args.dispatch, layout=args.layout)
+    cluster.probe("no_eos")
+    counts = recorded_counts(cluster, args)
+    plans = placements(counts, n, args)
+    even = cluster.engine.placement
+    if args.rank_memory:  # the mixed-memory case: budgets, with the placement following them
+        plans["budgets even"] = "budgets"
+        plans["budgets balanced"] = balanced(counts, n, budgets=args.rank_memory)
+    vocab = text_config(cluster.engine.config)["vocab_size"]
+    trials: Dict[tuple, List[Dict[str, Any]]] = {}
+    for _ in range(args.rounds):
+        for name, plan in plans.items():
+            budgets = args.rank_memory if name.startswith("budgets") else None
+            placement = None if plan in (None, "budgets") else plan.to_json()
+            cluster.load(args.model, dispatch=args.dispatch, layout=args.layout, placement=placement,
+                         rank_memory_gb=[b * args.budget_scale for b in budgets] if budgets else None)
+            cluster.probe("no_eos")
+            used = cluster.engine.placement
+            for batch in args.batch_sizes:
+                prompts = random_prompts(vocab, batch, args.prompt_tokens, args.seed)
+                row = bench_case(cluster, args.dispatch, prompts, args)
+                row.update(placement=name, predicted_imbalance=imbalance(used, counts),
+                           experts_per_rank=[sum(len(used.experts_of(l, r)) for l in used.layers) for r in range(n)])
+                trials.setdefault((name, batch), []).append(row)
+                print(f"# {name} b={batch}: {row['generation_tps']:.1f} gen tok/s, imbalance "
+                      f"{row['imbalance']:.3f}", file=sys.stderr, flush=True)
+    rows = []
+    for (name, batch), runs in trials.items():
+        row = median_row(runs) if len(runs) > 1 else runs[0]
+        row["rounds_generation_tps"] = [r["generation_tps"] for r in runs]
+        rows.append(row)
+    base = {r["batch"]: r["generation_tps"] for r in rows if r["placement"] == "even"}
+    for r in rows:
+        r["vs_even"] = r["generation_tps"] / base[r["batch"]] if base.get(r["batch"]) else None
+    return {"contender": "mlxdist placement", "model": args.model, "ranks": n, "dispatch": args.dispatch,
+            "prompt_tokens": args.prompt_tokens, "generation_tokens": args.generation_tokens,
+            "record_tokens": args.record_tokens, "num_trials": args.num_trials, "rounds": args.rounds,
+            "even_imbalance_predicted": imbalance(even, counts), "versions": versions(), "results": rows}
+
+
+def format_table(report: Dict[str, Any]) -> str:
+    head = (f"mlxdist placements: {report['model']}, {report['ranks']} ranks, {report['dispatch']}, "
+            f"p={report['prompt_tokens']} g={report['generation_tokens']}, median of {report['num_trials']} "
+            f"x {report['rounds']} round(s)\n"
+            "placement          b   gen t/s  vs even  imbalance  predicted  experts/rank\n")
+    lines = [f"{r['placement']:<17} {r['batch']:>3}  {r['generation_tps']:>8.1f}  {r['vs_even']:>7.2f}  "
+             f"{r['imbalance']:>9.3f}  {r['predicted_imbalance']:>9.3f}  {'/'.join(map(str, r['experts_per_rank']))}"
+             for r in report["results"]]
+    return head + "\n".join(lines)
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None, help="Model folder (default: built-in tiny MoE).")
+    parser.add_argument("-p", "--prompt-tokens", type=int, default=64)
+    parser.add_argument("-g", "--generation-tokens", type=int, default=32)
+    parser.add_argument("-b", "--batch-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32])
+    parser.add_argument("-n", "--num-trials", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=1, help="Interleaved rounds over the placements.")
+    parser.add_argument("--dispatch", default="collective", choices=list(modes.MODES))
+    parser.add_argument("--layout", choices=("masked", "compact"), default=None)
+    parser.add_argument("--replicas", type=int, default=1, help="Replica slots per rank for the third placement.")
+    parser.add_argument("--record-tokens", type=int, default=32, help="Tokens of the recording generation.")
+    parser.add_argument("--rank-memory", type=lambda s: [float(x) for x in s.split(",")], default=None,
+                        help="Also time budgets of these ratios (e.g. 2,1), even and balanced.")
+    parser.add_argument("--budget-scale", type=float, default=1.0,
+                        help="GB per unit of --rank-memory (the budgets must hold the rank's experts).")
+    parser.add_argument("--warmup-tokens", type=int, default=8)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", action="store_true", help="One JSON object on stdout.")
+    args = parser.parse_args(argv)
+    args.no_link, args.expert_split = False, "whole"  # what bench_case reads
+    if args.num_trials < 1 or args.rounds < 1 or min(args.batch_sizes) < 1:
+        parser.error("-n, --rounds and every batch size must be at least 1")
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    from mlxdist.api import init
+    from mlxdist.runtime.world import run_or_abort
+
+    cluster = init()
+    if args.model is None:
+        from mlxdist.synth import default_checkpoint
+
+        args.model = str(default_checkpoint())
+    with cluster:
+        report = run_or_abort(cluster.world, run, cluster, args)
+    print(json.dumps(report) if args.json else format_table(report), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,93 @@
+"""Re-placing experts while the server runs (``--rebalance-every``).
+
+Rank 0 decides when (at most every ``every`` seconds, once enough slots were
+routed since the last placement), and says so in the lockstep loop's shared
+message; every rank then, at that same message between two batch steps:
+
+1. lets the step in flight finish (it computed with the old placement,
+   whose weights are the same: its results are the same);
+2. gathers every rank's routed-slot counts (``routing_share``) and takes
+   those since the last placement;
+3. receives rank 0's balanced placement of them (``model/balance.py``);
+4. holds it (``Engine.place``): reads the experts it newly holds
+   from its own checkpoint copy, keeps the others, and the next step uses it
+   on every rank.
+
+Nothing in flight is dropped and results do not change; serving pauses for
+the time the ranks take to read their new experts (logged on rank 0).
+"""
+
+import json
+import logging
+import time
+from typing import Dict, List, Optional
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.generate import generation_stream
+
+from mlxdist.dispatch.stats import add_shares, routing_share
+from mlxdist.engine import Engine
+from mlxdist.errors import UserError
+from mlxdist.model.balance import balanced, imbalance
+from mlxdist.model.placement import Placement
+from mlxdist.runtime.watchdog import ACTIVITY
+from mlxdist.runtime.world import World
+
+MIN_SLOTS_PER_EXPERT = 4  # routed slots since the last placement, on average, before re-placing on them
+
+
+class Rebalancer:
+    """When and how to re-place this server's experts."""
+
+    def __init__(self, world: World, engine: Engine, every: float, replicas: int = 0,
+                 budgets: Optional[List[float]] = None):
+        self.world = world
+        self.engine = engine
+        self.every = every
+        self.replicas = replicas
+        self.budgets = budgets
+        self.last = time.monotonic()
+        self.baseline: Dict[int, np.ndarray] = {}  # counts at the last placement
+        self.history: List[Dict[str, float]] = []  # one entry per rebalance: seconds, imbalance before / after
+
+    def due(self) -> bool:
+        """On rank 0, at each shared message: whether to re-place now."""
+        return time.monotonic() - self.last >= self.every
+
+    def run(self) -> Optional[Placement]:
+        """On every rank at the same shared message (see the module's docstring).
+        Returns the new placement, or None where too few slots were routed."""
+        tic = time.perf_counter()
+        self.last = time.monotonic()
+        mx.synchronize(generation_stream)
+        mx.synchronize()
+        engine, world = self.engine, self.world
+        share = routing_share(engine.dispatchers.values(), world.rank)
+        totals = add_shares(world.control.allgather_json({str(l): c.tolist() for l, c in share.items()}))
+        recent = {l: np.asarray(c) - self.baseline.get(l, 0) for l, c in totals.items()}
+        experts = sum(c.size for c in recent.values())
+        if not recent or sum(int(c.sum()) for c in recent.values()) < MIN_SLOTS_PER_EXPERT * experts:
+            return None
+        payload = None
+        if world.is_root:
+            counts = {l: c.tolist() for l, c in recent.items()}
+            plan = balanced(counts, world.size, self.replicas, self.budgets)
+            payload = json.dumps({"placement": plan.to_json(), "before": imbalance(engine.placement, counts),
+                                  "after": imbalance(plan, counts)}).encode()
+        message = json.loads(world.control.bcast_bytes(payload))
+        plan = Placement.from_json(message["placement"])
+        try:
+            seconds = engine.place(plan)
+        except UserError as e:  # refused on every rank alike (a budget, say): the old placement stays
+            logging.warning("experts not placed again: %s", e)
+            return None
+        ACTIVITY.progress()
+        self.baseline = {l: np.asarray(c) for l, c in totals.items()}
+        took = time.perf_counter() - tic
+        self.history.append({"seconds": took, "load_seconds": seconds, "before": message["before"],
+                             "after": message["after"]})
+        if world.is_root:
+            logging.warning("experts placed again in %.3f s: predicted imbalance %.3f -> %.3f",
+                            took, message["before"], message["after"])
+        return plan

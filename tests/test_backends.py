@@ -1,0 +1,157 @@
+"""MLX's ring and JACCL backends for the arrays, mpi4py for the control plane
+(real mpirun on localhost), and MLX's collectives for both under real
+``mlx.launch``: the exact modes equal single-process mlx-lm over ring, dp
+stays within its tolerance, the server answers as mlx-lm does, and JACCL,
+which this Linux MLX lacks, is refused in one line after its environment is
+built as ``mlx.launch`` builds it."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import ROOT, error_lines, launch, mpirun_env
+from test_dataparallel import MAX_TOKENS as DP_MAX_TOKENS
+from test_dataparallel import TOLERANCE as DP_TOLERANCE
+from test_dataparallel import reference as dp_reference
+from test_dataparallel import run as dp_run
+from test_exact import MAX_TOKENS, PROMPT
+from test_exact import reference as exact_reference
+from test_serve import KEY, Server, alone, completion, free_port
+
+MLX_LAUNCH = str(Path(sys.executable).parent / "mlx.launch")
+RING = {"MLXDIST_BACKEND": "ring", "MLX_RING_VERBOSE": "1"}  # MLX's ring backend says it connected
+CHECKPOINTS = [("qwen3_moe", None), ("mixtral", 4)]
+WORLDS = [("collective", 2), ("collective", 3), ("p2p", 3)]
+
+
+def generate_over_ring(checkpoint, tmp_path, dispatch, nranks):
+    paths = [str(checkpoint(a, b)) for a, b in CHECKPOINTS]
+    proc = launch(nranks, [ROOT / "tests/scripts/generate_each.py", tmp_path, dispatch, "masked", PROMPT, MAX_TOKENS,
+                           *paths], module=None, timeout=240, env=RING)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "[ring] Rank 0 accepting" in proc.stderr, proc.stderr[-2000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    return {p: (s["tokens"], np.load(tmp_path / f"{s['index']}.npy"), s["num_ranks"]) for p, s in summary.items()}
+
+
+@pytest.mark.parametrize("dispatch,nranks", WORLDS)
+def test_exact_modes_over_ring_equal_mlx_lm(checkpoint, tmp_path, dispatch, nranks):
+    runs = generate_over_ring(checkpoint, tmp_path, dispatch, nranks)
+    for arch, bits in CHECKPOINTS:
+        path = checkpoint(arch, bits)
+        ref_tokens, ref_logprobs = exact_reference(path)
+        tokens, logprobs, num_ranks = runs[str(path)]
+        assert num_ranks == nranks
+        assert tokens == ref_tokens, (arch, bits)
+        assert np.max(np.abs(logprobs - ref_logprobs)) == 0.0, (arch, bits)
+
+
+def test_dp_over_ring_within_its_tolerance(checkpoint):
+    got = dp_run(checkpoint, 2, "dp", "masked", DP_MAX_TOKENS, 3, env={"MLXDIST_BACKEND": "ring"})
+    for path, result in got.items():
+        ref_tokens, ref_logprobs = dp_reference(path, len(DP_MAX_TOKENS))
+        assert result["strategy"] == "dp"
+        assert result["tokens"] == ref_tokens
+        worst = max(abs(a - b) for g, r in zip(result["logprobs"], ref_logprobs) for a, b in zip(g, r))
+        assert worst <= DP_TOLERANCE
+
+
+def test_jaccl_is_refused_in_one_line_without_rdma(checkpoint, tmp_path):
+    """This MLX (Linux) has no JACCL: refused in one line, before any model loads."""
+    devices = tmp_path / "devices.json"
+    devices.write_text(json.dumps([[None, "rdma_en3"], ["rdma_en3", None]]))
+    proc = launch(2, ["--model", checkpoint("qwen3_moe"), "-p", "Hello", "-m", "2", "--backend", "jaccl"],
+                  env={"MLXDIST_JACCL_DEVICES": str(devices)})
+    lines = error_lines(proc.stderr)
+    assert proc.returncode != 0
+    assert len(lines) == 1 and "jaccl backend needs MLX's RDMA support" in lines[0], proc.stderr[-2000:]
+
+
+def test_jaccl_environment_is_what_mlx_launch_builds(tmp_path):
+    """The device file read from an mlx.distributed_config hostfile (written
+    by MLX's own Hostfile class) holds what mlx.launch's jaccl launch puts in
+    MLX_IBV_DEVICES; malformed files are refused in one line."""
+    from mlx._distributed_utils.common import Host, Hostfile
+
+    from mlxdist.runtime.backends import jaccl_environment, read_devices
+
+    rdma = [[None, "rdma_en5", "rdma_en4"], ["rdma_en5", None, "rdma_en3"], ["rdma_en4", "rdma_en3", None]]
+    hosts = Hostfile([Host(i, f"mac{i}", [f"10.0.0.{i + 1}"], r) for i, r in enumerate(rdma)], backend="jaccl")
+    path = tmp_path / "hosts.json"
+    path.write_text(json.dumps(hosts.to_json()))
+    devices = read_devices(str(path), 3)
+    env = jaccl_environment(1, devices, "10.0.0.1:5000")
+    assert env == {"MLX_IBV_DEVICES": json.dumps([h.rdma for h in hosts.hosts]),
+                   "MLX_JACCL_COORDINATOR": "10.0.0.1:5000", "MLX_RANK": "1"}
+    matrix = tmp_path / "matrix.json"
+    matrix.write_text(json.dumps(rdma))
+    assert read_devices(str(matrix), 3) == rdma
+    for bad, says in [(rdma[:2], "needs 3 rows of 3"), ([["x", "a", "b"], *rdma[1:]], "diagonal"),
+                      ([[None, None, "a"], *rdma[1:]], "no RDMA device from rank 0 to rank 1")]:
+        matrix.write_text(json.dumps(bad))
+        with pytest.raises(RuntimeError, match=says):
+            read_devices(str(matrix), 3)
+
+
+def test_ring_hostfile_is_loopback_on_one_host_else_each_address():
+    from mlxdist.runtime.backends import ring_hosts
+
+    assert ring_hosts([("a", "10.0.0.1", 5000), ("a", "10.0.0.1", 5001)]) == [["127.0.0.1:5000"], ["127.0.0.1:5001"]]
+    assert ring_hosts([("a", "10.0.0.1", 5000), ("b", "10.0.0.2", 6000)]) == [["10.0.0.1:5000"], ["10.0.0.2:6000"]]
+
+
+class LaunchedServer(Server):
+    """The server under ``mlx.launch --backend ring -n 2`` instead of mpirun."""
+
+    def _start(self, path, nranks, extra, env=None):
+        self.model = path
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [MLX_LAUNCH, "--backend", "ring", "-n", str(nranks), "--", sys.executable, "-m", "mlxdist.serve",
+               "--model", str(path), "--port", str(self.port), "--api-key", KEY, *map(str, extra)]
+        self.proc = subprocess.Popen(cmd, env={**mpirun_env(), **(env or {})}, cwd=ROOT, stdin=subprocess.DEVNULL,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     start_new_session=True)
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited: {self.proc.stderr.read()[-4000:]}")
+            try:
+                if self.get("/health")[0] == 200:
+                    return
+            except OSError:
+                time.sleep(0.5)
+        raise RuntimeError("server did not come up")
+
+    def ranks(self):
+        out = subprocess.run(["ps", "-o", "pid=,args=", "-g", str(os.getpgid(self.proc.pid))], capture_output=True,
+                             text=True).stdout
+        return sorted(int(l.split()[0]) for l in out.splitlines()
+                      if "-m mlxdist.serve" in l and "mlx.launch" not in l and "bash" not in l)
+
+
+def test_server_under_mlx_launch_answers_as_mlx_lm(checkpoint):
+    path = checkpoint("qwen3_moe")
+    server = LaunchedServer(path)
+    try:
+        assert len(server.ranks()) == 2
+        for prompt, n in (("Request 3: tokens tokens", 10), ("Hello", 6)):
+            body = completion(server, prompt, max_tokens=n)
+            assert body["choices"][0]["text"] == alone(path, prompt, n)
+            assert body["usage"]["completion_tokens"] == n
+    finally:
+        if server.proc.poll() is None:
+            os.kill(server.ranks()[0], signal.SIGINT)
+        try:
+            server.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(os.getpgid(server.proc.pid), signal.SIGKILL)
+            server.proc.wait()
+    assert server.proc.returncode == 0, server.proc.stderr.read()[-3000:]
