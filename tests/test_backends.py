@@ -10,20 +10,19 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from conftest import ROOT, error_lines, launch, mpirun_env
+from conftest import ROOT, error_lines, launch
 from test_dataparallel import MAX_TOKENS as DP_MAX_TOKENS
 from test_dataparallel import TOLERANCE as DP_TOLERANCE
 from test_dataparallel import reference as dp_reference
 from test_dataparallel import run as dp_run
 from test_exact import MAX_TOKENS, PROMPT
 from test_exact import reference as exact_reference
-from test_serve import KEY, Server, alone, completion, free_port
+from test_serve import KEY, Server, alone, completion
 
 MLX_LAUNCH = str(Path(sys.executable).parent / "mlx.launch")
 RING = {"MLXDIST_BACKEND": "ring", "MLX_RING_VERBOSE": "1"}  # MLX's ring backend says it connected
@@ -110,25 +109,9 @@ def test_ring_hostfile_is_loopback_on_one_host_else_each_address():
 class LaunchedServer(Server):
     """The server under ``mlx.launch --backend ring -n 2`` instead of mpirun."""
 
-    def _start(self, path, nranks, extra, env=None):
-        self.model = path
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [MLX_LAUNCH, "--backend", "ring", "-n", str(nranks), "--", sys.executable, "-m", "mlxdist.serve",
-               "--model", str(path), "--port", str(self.port), "--api-key", KEY, *map(str, extra)]
-        self.proc = subprocess.Popen(cmd, env={**mpirun_env(), **(env or {})}, cwd=ROOT, stdin=subprocess.DEVNULL,
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                     start_new_session=True)
-        deadline = time.time() + 120
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited: {self.proc.stderr.read()[-4000:]}")
-            try:
-                if self.get("/health")[0] == 200:
-                    return
-            except OSError:
-                time.sleep(0.5)
-        raise RuntimeError("server did not come up")
+    def command(self, path, nranks, extra):
+        return [MLX_LAUNCH, "--backend", "ring", "-n", str(nranks), "--", sys.executable, "-m", "mlxdist.serve",
+                "--model", str(path), "--port", str(self.port), "--api-key", KEY, *map(str, extra)]
 
     def ranks(self):
         out = subprocess.run(["ps", "-o", "pid=,args=", "-g", str(os.getpgid(self.proc.pid))], capture_output=True,

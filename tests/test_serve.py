@@ -39,15 +39,19 @@ class Server:
                     raise
                 time.sleep(1)
 
+    def command(self, path, nranks, extra):
+        """The launch: mpirun, ``nranks`` ranks of ``mlxdist.serve``."""
+        return [MPIRUN, "-np", str(nranks), "--oversubscribe", "--bind-to", "none", "--stdin", "none",
+                sys.executable, "-m", "mlxdist.serve", "--model", str(path), "--port", str(self.port),
+                "--api-key", KEY, "--max-concurrent", "16", *map(str, extra)]
+
     def _start(self, path, nranks, extra, env):
         self.model = path
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [MPIRUN, "-np", str(nranks), "--oversubscribe", "--bind-to", "none", "--stdin", "none",
-               sys.executable, "-m", "mlxdist.serve", "--model", str(path), "--port", str(self.port),
-               "--api-key", KEY, "--max-concurrent", "16", *map(str, extra)]
-        self.proc = subprocess.Popen(cmd, env={**mpirun_env(), **env}, cwd=ROOT, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True, start_new_session=True)
+        self.proc = subprocess.Popen(self.command(path, nranks, extra), env={**mpirun_env(), **env}, cwd=ROOT,
+                                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True, start_new_session=True)
         deadline = time.time() + 120
         while time.time() < deadline:
             if self.proc.poll() is not None:

@@ -262,19 +262,26 @@ def parse_args(argv=None):
     return args
 
 
-def main(argv=None) -> None:
-    args = parse_args(argv)
+def run_on_every_rank(run_fn, format_fn, args, backend=None) -> None:
+    """Join the job (ranks other than 0 serve inside ``init`` and exit), run
+    ``run_fn(cluster, args)`` on rank 0 against ``args.model`` (None: the
+    built-in checkpoint), print its report as JSON (``args.json``) or table."""
     from mlxdist.api import init
     from mlxdist.runtime.world import run_or_abort
 
-    cluster = init(backend=args.backend)  # ranks other than 0 serve here and exit
+    cluster = init(backend=backend)
     if args.model is None:
         from mlxdist.synth import default_checkpoint
 
         args.model = str(default_checkpoint())
     with cluster:
-        report = run_or_abort(cluster.world, run, cluster, args)
-    print(json.dumps(report) if args.json else format_table(report), flush=True)
+        report = run_or_abort(cluster.world, run_fn, cluster, args)
+    print(json.dumps(report) if args.json else format_fn(report), flush=True)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    run_on_every_rank(run, format_table, args, args.backend)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,12 @@ LINKS: Dict[str, Link] = {
         "10 Gb/s line rate (IEEE 802.3ae) less framing; 100 µs per hop assumed for MPI/ring over "
         "TCP between Macs (tuned Linux TCP reaches 25-50 µs; Apple's TN3205 puts TCP over "
         "Thunderbolt near 300 µs)"),
+    "Thunderbolt (TCP)": Link(
+        300e-6, 2.0e9,
+        "MPI or MLX's ring over the Thunderbolt Bridge (IP): ~300 µs per hop (Apple's TN3205 puts TCP "
+        "over Thunderbolt near 300 µs; users report 0.3-0.7 ms round trips over Thunderbolt 5), "
+        "2.0 GB/s (16.4 Gb/s iperf3 TCP between a Mac and a PC over a 20 Gb/s USB4 link, "
+        "jiribrejcha.net; a Thunderbolt 5 bridge is not measured here)"),
     "Thunderbolt 5 (RDMA)": Link(
         8e-6, 7.4e9,
         "macOS 26.2 RDMA over Thunderbolt 5 (MLX's JACCL backend): 5-9 µs latency reported by "

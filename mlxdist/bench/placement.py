@@ -15,11 +15,11 @@ and the one the policy predicted from the recorded counts.
 """
 
 import argparse
-import json
 import sys
+from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from mlxdist.bench.harness import bench_case, median_row, random_prompts, text_config, versions
+from mlxdist.bench.harness import bench_case, median_row, random_prompts, run_on_every_rank, text_config, versions
 from mlxdist.dispatch import DenseRanks, modes
 from mlxdist.model.balance import balanced, imbalance
 from mlxdist.model.placement import Placement
@@ -53,6 +53,11 @@ def run(cluster, args) -> Dict[str, Any]:
     cluster.probe("no_eos")
     counts = recorded_counts(cluster, args)
     plans = placements(counts, n, args)
+    if args.save:  # the placements made, for --placement elsewhere (benchmarks/compare --placement N:FILE)
+        Path(args.save).mkdir(parents=True, exist_ok=True)
+        for name, plan in plans.items():
+            if plan is not None:
+                plan.save(Path(args.save) / f"{name.replace('+', '-')}.json")
     even = cluster.engine.placement
     if args.rank_memory:  # the mixed-memory case: budgets, with the placement following them
         plans["budgets even"] = "budgets"
@@ -116,6 +121,8 @@ def parse_args(argv=None):
                         help="Also time budgets of these ratios (e.g. 2,1), even and balanced.")
     parser.add_argument("--budget-scale", type=float, default=1.0,
                         help="GB per unit of --rank-memory (the budgets must hold the rank's experts).")
+    parser.add_argument("--save", default=None, metavar="DIR",
+                        help="Write the placements made from the recorded routing to DIR (one JSON file each).")
     parser.add_argument("--warmup-tokens", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="One JSON object on stdout.")
@@ -127,18 +134,7 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> None:
-    args = parse_args(argv)
-    from mlxdist.api import init
-    from mlxdist.runtime.world import run_or_abort
-
-    cluster = init()
-    if args.model is None:
-        from mlxdist.synth import default_checkpoint
-
-        args.model = str(default_checkpoint())
-    with cluster:
-        report = run_or_abort(cluster.world, run, cluster, args)
-    print(json.dumps(report) if args.json else format_table(report), flush=True)
+    run_on_every_rank(run, format_table, parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ the same weights, results stay bit-exact.
 """
 
 from dataclasses import dataclass
-from typing import List, Sequence, Tuple, Union
+from typing import Sequence, Tuple, Union
 
 import mlx.core as mx
 import numpy as np
@@ -53,11 +53,6 @@ class LayerOwnership:
         return len(self.holders)
 
     @property
-    def replicated(self) -> bool:
-        """Whether any expert of the layer has more than one holder."""
-        return any(len(h) > 1 for h in self.holders)
-
-    @property
     def owner(self) -> np.ndarray:
         """[E] int32: each expert's primary holder."""
         return self._primary
@@ -73,6 +68,8 @@ class LayerOwnership:
         table = np.array([h + (h[0],) * (widest - len(h)) for h in self.holders], dtype=np.int32)
         object.__setattr__(self, "_holder_table", table)  # [E, R] holders, padded with the primary
         object.__setattr__(self, "_copies", np.array([len(h) for h in self.holders], dtype=np.int32))
+        # Whether any expert of the layer has more than one holder (read on every call: computed once).
+        object.__setattr__(self, "replicated", widest > 1)
 
     def slot_owners(self, flat: np.ndarray) -> np.ndarray:
         """[S] expert of each routed slot -> [S] int32 rank that computes it."""
