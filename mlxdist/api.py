@@ -21,9 +21,9 @@ from mlxdist.runtime.control import Command
 from mlxdist.dispatch import default_layout
 from mlxdist.config import GenerationParams, LoadOptions
 from mlxdist.engine import Engine
-from mlxdist.errors import UserError, say_error
+from mlxdist.errors import UserError, describe_errors, say_error
 from mlxdist.errors import LoadError
-from mlxdist.executor import PROBES, CommandExecutor, describe_errors
+from mlxdist.executor import PROBES, CommandExecutor
 from mlxdist.runtime.world import World, abort, init_world, launcher_rank, run_or_abort, set_exit_code
 from mlxdist.model.placement import Placement
 from mlxdist.model.routing_file import RoutingStats

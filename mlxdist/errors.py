@@ -20,7 +20,7 @@ import os
 import sys
 import tempfile
 import traceback
-from typing import Optional
+from typing import List, Optional
 
 from mlxdist import envs
 
@@ -81,6 +81,15 @@ def one_line(e: BaseException) -> str:
     if isinstance(e, MlxdistError):
         return text
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def describe_errors(errors: List[Optional[str]]) -> str:
+    """One line: the first error, naming the ranks that hit it where not all did."""
+    first = next(e for e in errors if e)
+    ranks = [r for r, e in enumerate(errors) if e == first]
+    if len(ranks) == len(errors):
+        return first
+    return f"{first} (rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))})"
 
 
 def say_error(message: str) -> None:

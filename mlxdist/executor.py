@@ -14,19 +14,10 @@ from mlxdist.runtime.control import Command
 from mlxdist.config import GenerationParams, LoadOptions
 from mlxdist.dispatch.stats import routing_share
 from mlxdist.engine import Engine, load_engine
-from mlxdist.errors import LoadError, MlxdistError, keep_traceback, one_line
+from mlxdist.errors import LoadError, MlxdistError, describe_errors, keep_traceback, one_line
 from mlxdist.model.placement import Placement
 from mlxdist.runtime.world import World
 from mlxdist.runtime.watchdog import ACTIVITY
-
-
-def describe_errors(errors: List[Optional[str]]) -> str:
-    """One line: the first error, naming the ranks that hit it where not all did."""
-    first = next(e for e in errors if e)
-    ranks = [r for r, e in enumerate(errors) if e == first]
-    if len(ranks) == len(errors):
-        return first
-    return f"{first} (rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))})"
 
 
 _FINGERPRINT_NAMES = {

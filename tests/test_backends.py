@@ -27,7 +27,7 @@ from test_serve import KEY, Server, alone, completion
 MLX_LAUNCH = str(Path(sys.executable).parent / "mlx.launch")
 RING = {"MLXDIST_BACKEND": "ring", "MLX_RING_VERBOSE": "1"}  # MLX's ring backend says it connected
 CHECKPOINTS = [("qwen3_moe", None), ("mixtral", 4)]
-WORLDS = [("collective", 2), ("collective", 3), ("p2p", 3)]
+WORLDS = [("collective", 2), ("collective", 3), ("collective", 4), ("p2p", 3)]
 
 
 def generate_over_ring(checkpoint, tmp_path, dispatch, nranks):

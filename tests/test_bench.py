@@ -189,3 +189,15 @@ def test_bench_placement_side_by_side(checkpoint):
     assert rows["even"]["predicted_imbalance"] == report["even_imbalance_predicted"] > 0.2
     assert rows["balanced"]["predicted_imbalance"] < rows["even"]["predicted_imbalance"]
     assert rows["balanced+1r"]["experts_per_rank"] > rows["even"]["experts_per_rank"]
+
+
+def test_bench_serve_starts_each_contender_as_named():
+    from mlxdist.bench.serve import parse_args, server_command
+
+    args = parse_args(["--model", "M", "--dispatch", "collective,dp", "--rebalance-every", "5"])
+    assert server_command("mlx-lm server", args, 9000, 8)[1:5] == ["-m", "mlx_lm", "server", "--model"]
+    plain = server_command("mlxdist serve N=2 dp", args, 9000, 8)
+    assert plain[plain.index("--dispatch") + 1] == "dp" and "--rebalance-every" not in plain
+    placed = server_command("mlxdist serve N=2 collective rebalancing", args, 9000, 8)
+    assert placed[placed.index("--dispatch") + 1] == "collective"
+    assert placed[placed.index("--rebalance-every") + 1] == "5.0" and "--rebalance-replicas" in placed

@@ -51,6 +51,7 @@ def test_the_cli_waiting_for_a_prompt_is_at_rest(checkpoint):
                 time.sleep(6)  # the first prompt is answered, then both ranks wait for the next
                 worker = ranks_of(proc, "mlxdist.run")[1]
                 share = idle_share(worker)
+                print(f"the CLI's waiting worker rank: {share:.1%} of a core")  # the results page's figure (-s)
                 t0 = time.monotonic()
                 feed.write(PROMPTS[1] + "\n/exit\n")
             out, err = proc.communicate(timeout=120)
@@ -72,6 +73,7 @@ def test_an_idle_server_is_at_rest(checkpoint):
         time.sleep(1)
         worker = s.ranks()[1]
         share = idle_share(worker)
+        print(f"the idle server's worker rank: {share:.1%} of a core")  # the results page's figure (-s)
         assert share <= IDLE_SHARE, f"the idle server's worker rank used {share:.1%} of a core"
         status, body = s.post("/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 4})
         assert status == 200 and body["choices"][0]["text"], body

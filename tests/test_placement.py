@@ -278,3 +278,24 @@ def refused(args):
     proc = launch(NP, args)
     assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     return error_lines(proc.stderr, "mlxdist: error:")
+
+
+def test_rank_memory_from_a_json_hostfile(tmp_path):
+    import json
+
+    from mlxdist.model.placement import parse_rank_memory
+
+    hosts = tmp_path / "hosts.json"
+    hosts.write_text(json.dumps([{"ssh": "a", "ips": ["10.0.0.1"], "memory_gb": 64}, {"ssh": "b", "memory_gb": 32}]))
+    assert parse_rank_memory(str(hosts), 2) == [64.0, 32.0]
+    with pytest.raises(PlacementError, match="budgets for 3 ranks"):
+        parse_rank_memory(str(hosts), 3)
+    for bad, message in [('[{"ssh": "a"}]', 'host 0 has no number "memory_gb"'),
+                         ('[{"ssh": "a", "memory_gb": true}]', 'host 0 has no number "memory_gb"'),
+                         ('{"ssh": "a"}', "must be a JSON list of hosts"), ("[", "is not JSON"),
+                         ('[{"memory_gb": -1}]', "must be positive")]:
+        hosts.write_text(bad)
+        with pytest.raises(PlacementError, match=message):
+            parse_rank_memory(str(hosts))
+    with pytest.raises(PlacementError, match="cannot read"):
+        parse_rank_memory(str(tmp_path / "missing.json"))

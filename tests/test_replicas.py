@@ -53,7 +53,7 @@ def _reference(path):
     return r.token_ids, r.logprobs
 
 
-@pytest.mark.parametrize("nranks,arch", [(2, "qwen3_moe"), (3, "deepseek_v3")])
+@pytest.mark.parametrize("nranks,arch", [(2, "qwen3_moe"), (3, "deepseek_v3"), (4, "mixtral")])
 def test_replicas_match_mlx_lm(checkpoint, nranks, arch):
     path = checkpoint(arch)
     proc = launch(nranks, [ROOT / "tests/scripts/replicas_each.py", ",".join(map(str, MAX_TOKENS)), path, *MODES],

@@ -228,3 +228,24 @@ def test_layers_import_only_downwards_and_no_circles():
 
     for module in sorted(graph):
         visit(module, [])
+
+
+def test_mlx_launch_runs_a_job_file_as_mpirun_does(checkpoint, tmp_path):
+    """A job file under mlx.launch (ring, the control plane on MLX's
+    collectives): every id once, each record's tokens those of the same
+    file under mpirun."""
+    from conftest import launch
+    from test_jobs import read_records, write_jobs
+
+    path = checkpoint("qwen3_moe")
+    jobs = tmp_path / "jobs.jsonl"
+    write_jobs(jobs, 5)
+    outs = {}
+    for name in ("mlx.launch", "mpirun"):
+        outs[name] = tmp_path / f"{name}.jsonl"
+        args = ["--model", path, "--jobs", jobs, "--out", outs[name], "-m", 6, "--batch-size", 2,
+                "--dispatch", "collective"]
+        proc = _mlx_launch(args) if name == "mlx.launch" else launch(2, args)
+        assert proc.returncode == 0 and "exited with code" not in proc.stderr, proc.stderr[-2000:]
+    got, expected = ({r["id"]: r["tokens"] for r in read_records(outs[n])} for n in ("mlx.launch", "mpirun"))
+    assert sorted(got) == [f"job-{i}" for i in range(5)] and got == expected

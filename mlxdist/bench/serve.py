@@ -77,8 +77,9 @@ def rebalances(stderr: str) -> List[float]:
     return [float(t) for t in re.findall(r"experts placed again in ([0-9.]+) s", stderr)]
 
 
-def start(contender: str, args: argparse.Namespace, max_concurrent: int) -> "tuple[Launched, str]":
-    port = _free_port()
+def server_command(contender: str, args: argparse.Namespace, port: int, max_concurrent: int) -> List[str]:
+    """How ``contender`` ("mlx-lm server", "mlxdist serve N=2 MODE" or that
+    followed by " rebalancing") is started on ``port``."""
     if contender == "mlx-lm server":
         cmd = [sys.executable, "-m", "mlx_lm", "server", "--model", args.model, "--port", str(port),
                "--decode-concurrency", str(max_concurrent), "--log-level", "WARNING"]
@@ -86,10 +87,15 @@ def start(contender: str, args: argparse.Namespace, max_concurrent: int) -> "tup
         cmd = [args.mpirun or _mpirun(), "-np", str(args.ranks), "--oversubscribe", "--bind-to", "none",
                "--stdin", "none", *(args.wrapper.split() if args.wrapper else []),
                sys.executable, "-m", "mlxdist.serve", "--model", args.model, "--port", str(port),
-               "--max-concurrent", str(max_concurrent), "--dispatch", contender.split(" ")[4]]
+               "--max-concurrent", str(max_concurrent), "--dispatch", contender.split(" ")[3]]
         if contender.endswith("rebalancing"):
             cmd += ["--rebalance-every", str(args.rebalance_every), "--rebalance-replicas", str(args.rebalance_replicas)]
-    server = Launched(contender, cmd)
+    return cmd
+
+
+def start(contender: str, args: argparse.Namespace, max_concurrent: int) -> "tuple[Launched, str]":
+    port = _free_port()
+    server = Launched(contender, server_command(contender, args, port, max_concurrent))
     url = f"http://127.0.0.1:{port}"
     server.wait_ready(url)
     return server, url

@@ -19,7 +19,7 @@ from mlxdist.config import GenerationParams, LoadOptions
 from mlxdist.dispatch import DenseRanks, Dispatcher, LayerOwnership, RowDispatcher, modes
 from mlxdist.engine.batch import batch_generate
 from mlxdist.engine.dp_schedule import DataParallelGeneration
-from mlxdist.errors import UserError, one_line
+from mlxdist.errors import UserError, describe_errors, one_line
 from mlxdist.model.balance import bytes_per_expert, check_rank_memory
 from mlxdist.model.checkpoint import (
     find_switch_sites, nbytes, read_safetensors_index, resolve_model_path, restack_experts,
@@ -236,8 +236,7 @@ class Engine:
             error = one_line(e)
         errors = self.world.control.allgather_json(error)
         if any(errors):
-            first = next(e for e in errors if e)
-            raise UserError(first if first.startswith("rank ") else f"rank {errors.index(first)}: {first}")
+            raise UserError(describe_errors(errors))
         paging = self.paging or PagingStats()
         for switch in self.switches:
             layer = switch.ownership.layer

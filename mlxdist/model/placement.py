@@ -195,6 +195,21 @@ def _check_owners(owners: Owners, num_ranks: int, where: str) -> None:
         raise PlacementError(f"placement: {where} lists a rank twice ({list(owners)})")
 
 
+def _hostfile_budgets(path: str) -> List[float]:
+    """Each host's ``memory_gb`` from a JSON hostfile, in order."""
+    hosts = read_json(path, "--rank-memory host", PlacementError)
+    if not isinstance(hosts, list) or not hosts:
+        raise PlacementError(f"hostfile {path} must be a JSON list of hosts (mlx.launch's form)")
+    budgets = []
+    for i, host in enumerate(hosts):
+        gb = host.get("memory_gb") if isinstance(host, dict) else None
+        if isinstance(gb, bool) or not isinstance(gb, (int, float)):
+            raise PlacementError(f"hostfile {path}: host {i} has no number \"memory_gb\" "
+                                 f"(GB of expert weights it may keep resident)")
+        budgets.append(float(gb))
+    return budgets
+
+
 def _short(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 40 else text[:37] + "..."
@@ -275,11 +290,17 @@ def resolve_placement(
 
 
 def parse_rank_memory(text: str, num_ranks: Optional[int] = None) -> List[float]:
-    """``--rank-memory A,B,...``: GB of expert weights per rank, one per rank."""
-    try:
-        budgets = [float(part) for part in text.split(",")]
-    except ValueError:
-        raise PlacementError(f"--rank-memory takes GB per rank separated by commas (e.g. 64,32), not {_short(text)}") from None
+    """``--rank-memory A,B,...``: GB of expert weights per rank, one per rank;
+    or a JSON hostfile (``mlx.launch``'s form, one host per rank in rank
+    order) whose every host carries ``"memory_gb"``."""
+    if text.endswith(".json"):
+        budgets = _hostfile_budgets(text)
+    else:
+        try:
+            budgets = [float(part) for part in text.split(",")]
+        except ValueError:
+            raise PlacementError(f"--rank-memory takes GB per rank separated by commas (e.g. 64,32) or a JSON "
+                                 f"hostfile, not {_short(text)}") from None
     if not all(0 < b < float("inf") for b in budgets):
         raise PlacementError(f"--rank-memory budgets must be positive numbers of GB, not {_short(text)}")
     if num_ranks is not None and len(budgets) != num_ranks:
