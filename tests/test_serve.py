@@ -29,6 +29,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def launcher_rank_of(pid: int) -> int:
+    """The rank mpirun or mlx.launch gave process ``pid`` (-1 where unknown)."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = dict(v.split(b"=", 1) for v in f.read().split(b"\0") if b"=" in v)
+    except OSError:
+        return -1
+    for name in (b"OMPI_COMM_WORLD_RANK", b"MLX_RANK"):
+        if name in env:
+            return int(env[name])
+    return -1
+
+
 class Server:
     def __init__(self, path, nranks=2, extra=(), env=None):
         for attempt in range(LAUNCHER_RETRIES + 1):  # Open MPI's launcher may fail before any rank ran
@@ -89,12 +102,17 @@ class Server:
         return sum(int(l.split()[0]) for l in out.splitlines() if "mlxdist.serve" in l and "prterun" not in l
                    and "mpirun" not in l)
 
+    NOT_RANKS = ("prterun", "mpirun")  # the launcher's own processes, which carry the command line too
+
     def ranks(self):
-        """Pids of the ranks, in start order (rank 0 serves HTTP)."""
+        """Pids of the ranks, in rank order (rank 0 serves HTTP): by the rank
+        the launcher gave each (its environment), not by pid, since
+        mlx.launch may start rank 1 first."""
         out = subprocess.run(["ps", "-o", "pid=,args=", "-g", str(os.getpgid(self.proc.pid))], capture_output=True,
                              text=True).stdout
-        return sorted(int(l.split()[0]) for l in out.splitlines()
-                      if "mlxdist.serve" in l and "prterun" not in l and "mpirun" not in l)
+        pids = [int(l.split()[0]) for l in out.splitlines()
+                if "-m mlxdist.serve" in l and not any(n in l for n in self.NOT_RANKS)]
+        return sorted(pids, key=lambda pid: (launcher_rank_of(pid), pid))
 
     def stop(self):
         """Ctrl-C to rank 0: it stops serving on every rank and the job exits."""

@@ -14,3 +14,12 @@ synth() {  # dir preset bits dtype layers
   say "writing $1: $2 ${3:-no} bits $4 $5 layers"
   "$PY" -m mlxdist.synth "$1" --preset "$2" ${3:+--bits $3} --dtype "$4" --layers "$5" >> "$log" 2>&1 && touch "$1/.complete"
 }
+install_staged() {  # MLX's CUDA wheels from STAGE (mlx, mlx-lm, mlx-cuda-13: no registry here) into SITE, once
+  SITE="${SITE:-/tmp/site}"
+  if [ -n "${STAGE:-}" ] && [ ! -e "$SITE/mlx" ]; then
+    python3 -m pip install -q --no-index --no-deps --target "$SITE" "$STAGE"/mlx-*.whl "$STAGE"/mlx_cuda_13-*.whl \
+      "$STAGE"/mlx_lm-*.whl
+    ln -sfn "$(python3 -c 'import nvidia; print(list(nvidia.__path__)[0])')" "$SITE/nvidia"
+  fi
+  export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+}

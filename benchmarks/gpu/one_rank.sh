@@ -10,14 +10,8 @@ root="$(cd "$(dirname "$0")/../.." && pwd)"
 cd "$root"
 MODEL="${MODEL:-/tmp/q30}"; LAYERS="${LAYERS:-48}"; DEADLINE="${DEADLINE:-560}"
 ARGS="${ARGS:--b 1,8,32,64 -p 128 -g 32 -n 5}"
-SITE="${SITE:-/tmp/site}"
-if [ -n "${STAGE:-}" ] && [ ! -e "$SITE/mlx" ]; then
-  python3 -m pip install -q --no-index --no-deps --target "$SITE" "$STAGE"/mlx-*.whl "$STAGE"/mlx_cuda_13-*.whl \
-    "$STAGE"/mlx_lm-*.whl
-  ln -sfn "$(python3 -c 'import nvidia; print(list(nvidia.__path__)[0])')" "$SITE/nvidia"
-fi
-export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 . benchmarks/gpu/env.sh
+install_staged
 log="$OUT/run.log"
 { date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   "$PY" -c 'import json, mlxdist.bench.harness as b; print(json.dumps(b.versions()))'; } >> "$log" 2>&1

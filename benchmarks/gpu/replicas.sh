@@ -14,14 +14,8 @@ root="$(cd "$(dirname "$0")/../.." && pwd)"
 cd "$root"
 MODEL="${MODEL:-/tmp/q4bf}"; DTYPE="${DTYPE:-bfloat16}"; DEADLINE="${DEADLINE:-560}"
 MODES="${MODES:-collective:masked collective:compact p2p dp:masked}"
-SITE="${SITE:-/tmp/site}"
-if [ -n "${STAGE:-}" ] && [ ! -e "$SITE/mlx" ]; then
-  python3 -m pip install -q --no-index --no-deps --target "$SITE" "$STAGE"/mlx-*.whl "$STAGE"/mlx_cuda_13-*.whl \
-    "$STAGE"/mlx_lm-*.whl
-  ln -sfn "$(python3 -c 'import nvidia; print(list(nvidia.__path__)[0])')" "$SITE/nvidia"
-fi
-export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 . benchmarks/gpu/env.sh
+install_staged
 log="$OUT/replicas.log"
 [ -n "${SHARE_GPU:-}" ] && export SHARE_GPU MLXDIST_BACKEND=mpi  # NCCL refuses two ranks on one GPU
 { date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; } >> "$log" 2>&1
