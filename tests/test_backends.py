@@ -6,9 +6,6 @@ which this Linux MLX lacks, is refused in one line after its environment is
 built as ``mlx.launch`` builds it."""
 
 import json
-import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -126,11 +123,5 @@ def test_server_under_mlx_launch_answers_as_mlx_lm(checkpoint):
             assert body["choices"][0]["text"] == alone(path, prompt, n)
             assert body["usage"]["completion_tokens"] == n
     finally:
-        if server.proc.poll() is None:
-            os.kill(server.ranks()[0], signal.SIGINT)
-        try:
-            server.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(os.getpgid(server.proc.pid), signal.SIGKILL)
-            server.proc.wait()
-    assert server.proc.returncode == 0, server.proc.stderr.read()[-3000:]
+        code = server.stop()  # Ctrl-C to rank 0, as under mpirun
+    assert code == 0, server.proc.stderr.read()[-3000:]
