@@ -393,6 +393,28 @@ def test_dp_server_leaving_clients_and_refusals(dp_server):
     assert seeded[0] == seeded[1]
 
 
+def test_dp_server_copies_of_one_request_are_independent_samples(dp_server):
+    """n identical requests at temperature 1, sent at once, spread over the
+    ranks: each draws from keys of its own (engine/sampling.py), so the n
+    answers differ (before, rank r's row i drew rank s's row i's noise and
+    copies that joined together came back in identical pairs)."""
+    texts, errors = [], []
+
+    def client():
+        try:
+            texts.append(completion(dp_server, PROMPTS[3], max_tokens=12, temperature=1.0)["choices"][0]["text"])
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=client) for _ in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[:3]
+    assert len(set(texts)) == len(texts) == 16, texts
+
+
 def test_dp_server_with_experts_cut_in_width(checkpoint):
     """--dispatch dp --expert-split width (whole MoE blocks exchanged, not
     bit-exact): 8 concurrent clients joining and leaving; each greedy answer

@@ -11,20 +11,22 @@ array that is started (``mx.async_eval``) and read once the generation ends.
 The values are mlx-lm's own (the same rows, indexed the same way).
 """
 
-from typing import List
+from typing import List, Optional
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, BatchResponse
 
 
-def batch_generate(model, tokenizer, prompts: List[List[int]], max_tokens, **kwargs) -> BatchResponse:
+def batch_generate(model, tokenizer, prompts: List[List[int]], max_tokens, samplers: Optional[List] = None,
+                   **kwargs) -> BatchResponse:
     """``mlx_lm.generate.batch_generate(..., return_token_ids=True,
-    return_logprobs=True)``, the same result; ``kwargs`` go to
+    return_logprobs=True)``, the same result; ``samplers`` (one per prompt,
+    None: the generator's) go to ``BatchGenerator.insert``, ``kwargs`` to
     ``BatchGenerator``."""
     gen = BatchGenerator(model, stop_tokens=[[t] for t in tokenizer.eos_token_ids], **kwargs)
     if isinstance(max_tokens, int):
         max_tokens = [max_tokens] * len(prompts)
-    uids = gen.insert(prompts, max_tokens)
+    uids = gen.insert(prompts, max_tokens, samplers=samplers)
     tokens = {uid: [] for uid in uids}
     picks = []  # per step: ([uid, ...], [n] log-probabilities of the tokens sampled, started)
     with gen.stats() as stats:

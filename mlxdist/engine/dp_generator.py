@@ -20,9 +20,11 @@ from typing import Any, Dict, List, Optional, Tuple
 import mlx.core as mx
 from mlx_lm.generate_utils import BatchStats
 from mlx_lm.models.cache import LRUPromptCache
+from mlx_lm.sample_utils import greedy_sampler
 
 from mlxdist.config import GenerationParams
 from mlxdist.engine.dp_schedule import DataParallelGeneration, Sequence
+from mlxdist.engine.sampling import keyed
 
 
 @dataclass
@@ -43,11 +45,6 @@ class TokenResponse:  # as mlx-lm's GenerationBatch.Response
     all_tokens: Optional[List[int]]
 
 
-def greedy(logprobs: mx.array) -> mx.array:
-    """The sampler of a sequence inserted without one."""
-    return mx.argmax(logprobs, axis=-1)
-
-
 class ChosenLogprob:
     """Stands for the log-probability vector where only the chosen token's is known."""
 
@@ -63,8 +60,9 @@ class ChosenLogprob:
 class DataParallelBatchGenerator:
     """Drop-in for mlx-lm's ``BatchGenerator`` in its server; the same calls on every rank."""
 
-    def __init__(self, engine, completion_batch_size: int, prefill_step_size: int):
+    def __init__(self, engine, completion_batch_size: int, prefill_step_size: int, seed: int):
         self.engine = engine
+        self.seed = seed  # every rank's: each request's draws are keyed by it and the request's uid
         params = GenerationParams(prefill_step_size=prefill_step_size, completion_batch_size=completion_batch_size)
         self.gen = DataParallelGeneration(engine, engine.data_parallel, params)
         self.limit = completion_batch_size
@@ -81,7 +79,7 @@ class DataParallelBatchGenerator:
             stop = stop_sequences[i] if stop_sequences else None
             self.waiting.append(Sequence(
                 self.next_uid, [t for seg in segs for t in seg], (max_tokens or [128] * len(segments))[i],
-                sampler=samplers[i] if samplers else None,
+                sampler=keyed(samplers[i], self.seed, self.next_uid) if samplers else None,
                 processors=list((logits_processors[i] if logits_processors else None) or []),
                 stop=stop.matcher() if stop is not None else None))
             uids.append(self.next_uid)
@@ -98,7 +96,7 @@ class DataParallelBatchGenerator:
             return [PromptResponse(s.index, (len(s.prompt), len(s.prompt)), True, True) for s in joined], []
         if not live:
             return [], []
-        events = gen.absorb(gen.start_step(greedy))
+        events = gen.absorb(gen.start_step(greedy_sampler))
         return [], [TokenResponse(e.seq.index, e.token, ChosenLogprob(e.token, e.logprob), e.finish_reason, [],
                                   e.seq.prompt + e.seq.tokens) for e in events]
 
@@ -119,12 +117,13 @@ class DataParallelBatchGenerator:
         self.gen.drop([s.index for seqs in self.gen.live for s in seqs])
 
 
-def make_batch_generator(engine):
+def make_batch_generator(engine, seed: int):
     """A factory with ``BatchGenerator``'s signature for mlx-lm's server:
-    the data-parallel generator over ``engine``."""
+    the data-parallel generator over ``engine``, its requests' sampling
+    keyed by ``seed`` (the same on every rank) and their uids."""
 
     def factory(model, *, completion_batch_size: int = 32, prefill_step_size: int = 2048, **_) -> Any:
-        return DataParallelBatchGenerator(engine, completion_batch_size, prefill_step_size)
+        return DataParallelBatchGenerator(engine, completion_batch_size, prefill_step_size, seed)
 
     return factory
 

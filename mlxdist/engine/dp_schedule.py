@@ -27,6 +27,7 @@ from typing import Any, Callable, List, Optional
 import mlx.core as mx
 from mlx_lm.generate import PromptProcessingBatch, _extend_cache
 from mlx_lm.generate_utils import BatchStats
+from mlx_lm.sample_utils import greedy_sampler
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlxdist.dispatch import Combine, RowDispatcher
@@ -235,15 +236,18 @@ class DataParallelGeneration:
         self.live = [[s for s in seqs if s.finish_reason is None] for seqs in self.live]
 
     # -- the loop ------------------------------------------------------------
-    def run(self, prompts: List[List[int]], max_tokens: List[int], sampler) -> DPResult:
-        """Generate for every prompt; the same call on every rank.
+    def run(self, prompts: List[List[int]], max_tokens: List[int], samplers: List[Callable]) -> DPResult:
+        """Generate for every prompt (``samplers``: one per prompt, keyed by
+        sequence: ``sampling.py``); the same call on every rank.
 
         Decoding keeps one step in flight, as mlx-lm's BatchGenerator does:
         step t + 1 is built and started before step t's tokens are read, so
         the host's graph building overlaps the device's work; a sequence
         that ends at step t has one wasted row in step t + 1. Joining
         waits for the step in flight (the ranks must agree on who is live)."""
-        seqs = [Sequence(i, p, m) for i, (p, m) in enumerate(zip(prompts, max_tokens))]
+        shared = samplers[0] if samplers and all(s is samplers[0] for s in samplers) else None  # greedy: one call
+        seqs = [Sequence(i, p, m, sampler=None if shared else s)
+                for i, (p, m, s) in enumerate(zip(prompts, max_tokens, samplers))]
         waiting = list(seqs)
         limit = self.params.completion_batch_size or len(seqs)
         stats = BatchStats()
@@ -265,7 +269,7 @@ class DataParallelGeneration:
                 in_flight = None
                 stats.decode_time += time.perf_counter() - t0
                 continue
-            step = self.start_step(sampler)
+            step = self.start_step(shared or greedy_sampler)
             stats.generation_steps += 1
             if in_flight is not None:
                 self.absorb(in_flight)

@@ -19,6 +19,7 @@ from mlxdist.config import GenerationParams, LoadOptions
 from mlxdist.dispatch import DenseRanks, Dispatcher, LayerOwnership, RowDispatcher, modes
 from mlxdist.engine.batch import batch_generate
 from mlxdist.engine.dp_schedule import DataParallelGeneration
+from mlxdist.engine.sampling import sequence_samplers
 from mlxdist.errors import UserError, describe_errors, one_line
 from mlxdist.model.balance import bytes_per_expert, check_rank_memory
 from mlxdist.model.checkpoint import (
@@ -158,12 +159,14 @@ class Engine:
         (``dp_schedule.py``)."""
         strategy = strategy or self.strategy_for(len(prompts))
         dispatcher = self.use(strategy)
-        mx.random.seed(params.seed if params.seed is not None else 0)
+        # Each sequence draws from keys of its own (sampling.py): the same
+        # tokens whichever rank runs it, in every mode and for every N.
+        samplers = sequence_samplers(params.sampler(), params.seed if params.seed is not None else 0, len(prompts))
         batch_size = params.completion_batch_size or max(len(prompts), 1)
         try:
             if isinstance(dispatcher, RowDispatcher):
                 result = DataParallelGeneration(self, dispatcher, params).run(
-                    prompts, params.max_tokens_each(len(prompts)), params.sampler())
+                    prompts, params.max_tokens_each(len(prompts)), samplers)
                 self.kv_bytes = result.kv_bytes
                 seqs = result.sequences
                 return BatchResponse(
@@ -174,7 +177,7 @@ class Engine:
                 self.tokenizer,
                 prompts,
                 max_tokens=params.max_tokens,
-                sampler=params.sampler(),
+                samplers=samplers,
                 prefill_step_size=params.prefill_step_size,
                 max_kv_size=params.max_kv_size,
                 completion_batch_size=batch_size,

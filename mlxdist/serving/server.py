@@ -24,6 +24,7 @@ lost rank (503, then a non-zero exit).
 import argparse
 import logging
 import os
+import random
 import signal
 import sys
 import threading
@@ -109,7 +110,9 @@ def serve(executor, options: Dict[str, Any]) -> None:
         from mlxdist.engine.dp_generator import NoPromptCache, make_batch_generator
 
         # mlx-lm's server builds its BatchGenerator by this name; this process serves this model only
-        lm_server.BatchGenerator = make_batch_generator(engine)
+        # every rank's sequences draw from keys of their own (engine/sampling.py), under one seed
+        seed = world.control.allgather_json(random.randrange(2**63) if world.is_root else None)[0]
+        lm_server.BatchGenerator = make_batch_generator(engine, seed)
         prompt_cache = NoPromptCache(cli_args.prompt_cache_size)
     # The watchdog guards serving: a rank that stops taking part stops the loop's
     # shared messages and steps on every rank. One step may be a long prefill,
