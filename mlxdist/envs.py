@@ -81,6 +81,10 @@ VARIABLES: Dict[str, Variable] = {v.name: v for v in (
              "one host); if set on rank 0, used as given.", who="set"),
     Variable("NCCL_PORT", "int", None, "nccl backend: the rendezvous port, free on rank 0 (if set on rank 0, "
              "used as given).", who="set"),
+    Variable("MLXDIST_LINK_LATENCY_US", "str", None, "The benchmark's link emulator (compare --link): microseconds "
+             "every data-moving MPI call waits; read by mlxdist/bench/linkemu/shim.c.", who="set"),
+    Variable("MLXDIST_LINK_GBPS", "str", None, "The benchmark's link emulator: the link's bandwidth in GB/s (each "
+             "call also waits its bytes over it); read by mlxdist/bench/linkemu/shim.c.", who="set"),
     Variable("NCCL_MAX_NCHANNELS", "int", 2, "nccl backend: NCCL's channels; 2 unless set "
              "(docs/notes/nccl-channels.md).", who="set"),
 )}

@@ -9,6 +9,7 @@ maintainer runs, one module per command.
     capacity       expert paging under a memory budget (capacity.py)
     survival       generation through a lost rank (survival.py)
     placement      even, balanced and replicated placements side by side (placement.py)
+    link           what an emulated link (compare --link) adds to MPI calls, measured (linkemu/)
 """
 
 import importlib
@@ -16,7 +17,7 @@ import sys
 
 COMMANDS = {
     "run": "harness", "compare": "compare", "mlxlm": "mlxlm", "one-rank": "one_rank", "serve": "serve",
-    "capacity": "capacity", "survival": "survival", "placement": "placement",
+    "capacity": "capacity", "survival": "survival", "placement": "placement", "link": "linkemu",
 }
 
 

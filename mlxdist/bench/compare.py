@@ -24,6 +24,8 @@ from typing import Any, Dict, List, Optional
 
 from mlxdist.runtime.world import LAUNCHER_FAILURE, LAUNCHER_RETRIES
 from mlxdist.bench.harness import median_row, versions
+from mlxdist.bench.linkemu import PRESETS, EmulatedLink, link_env, measure, parse_link
+from mlxdist.errors import UserError
 from mlxdist.bench.report import plot, write_markdown
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -45,7 +47,8 @@ def checkpoint(args) -> str:
     return str(path)
 
 
-def _env() -> Dict[str, str]:
+def _env(link: Optional[EmulatedLink] = None) -> Dict[str, str]:
+    """Every contender's environment: the same for all, with ``link``'s emulator where given."""
     env = dict(os.environ)
     env.update(
         OMPI_ALLOW_RUN_AS_ROOT="1",
@@ -53,6 +56,7 @@ def _env() -> Dict[str, str]:
         HF_HUB_OFFLINE=env.get("HF_HUB_OFFLINE", "0"),
         PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""),
     )
+    env.update(link_env(link))
     return env
 
 
@@ -85,14 +89,15 @@ def contenders(ranks: List[int], dispatch: List[str], layout: Optional[str] = No
     return out
 
 
-def launch(contender: Dict[str, Any], common: List[str], timeout: float, log) -> Dict[str, Any]:
-    """Run one contender once; its JSON report (or an ``error``)."""
+def launch(contender: Dict[str, Any], common: List[str], timeout: float, log,
+           link: Optional[EmulatedLink] = None) -> Dict[str, Any]:
+    """Run one contender once (paying ``link`` on every MPI call, where given); its JSON report (or an ``error``)."""
     cmd = command(contender.get("processes", contender["ranks"]), contender["module"], common + contender["extra"])
     print(" ".join(cmd), file=log, flush=True)
     tic = time.perf_counter()
     for _ in range(LAUNCHER_RETRIES + 1):
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env(), cwd=ROOT)
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env(link), cwd=ROOT)
         except subprocess.TimeoutExpired:
             return {"error": f"timed out after {timeout:.0f} s"}
         log.write(proc.stderr)
@@ -172,13 +177,18 @@ def run(args) -> Dict[str, Any]:
     plan = contenders(args.ranks, args.dispatch, args.layout, dict(args.placement))
     trials, unsupported, errors = [], {}, {}
     started = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    link = None
+    if args.link:  # what the emulated link costs, measured in this run beside the bare transport
+        link = args.link
+        link_cost = {"link": asdict(link), "bare_us": measure(None, base_env=_env()),
+                     "emulated_us": measure(link, base_env=_env())}
     with open(out / "compare.log", "w") as log:
         for round_ in range(args.num_trials):
             for c in plan:
                 key = f"{c['name']} N={c['ranks']}"
                 if key in unsupported or key in errors:
                     continue
-                report = launch(c, common, args.timeout, log)
+                report = launch(c, common, args.timeout, log, link)
                 if "error" in report:
                     errors[key] = report["error"]
                 elif report.get("unsupported"):
@@ -206,6 +216,7 @@ def run(args) -> Dict[str, Any]:
         "unsupported": unsupported,
         "errors": errors,
         "shape": shape and asdict(shape),
+        "link": link_cost if link else None,
         "results": rows,
     }
     (out / "results.json").write_text(json.dumps(result, indent=1))
@@ -230,12 +241,22 @@ def parse_args(argv=None):
                         help="mlxdist's collective layout (default: compact on the CPU, masked on GPUs).")
     parser.add_argument("--placement", action="append", default=[], type=_placement, metavar="N:FILE",
                         help="Also run mlxdist at N ranks with this placement file ('placed' rows); repeatable.")
+    parser.add_argument("--link", default=None, type=_link, metavar="PRESET|LAT_US,GBPS",
+                        help=f"Every contender pays this emulated link on every MPI call ({', '.join(PRESETS)}, or "
+                             "a latency in µs and a bandwidth in GB/s); its cost is measured and printed beside the table.")
     parser.add_argument("--warmup-tokens", type=int, default=8)
     parser.add_argument("--timeout", type=float, default=900, help="Seconds per launch.")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "out"))
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     return args
+
+
+def _link(text: str) -> EmulatedLink:
+    try:
+        return parse_link(text)
+    except UserError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _placement(text: str):

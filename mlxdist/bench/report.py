@@ -157,7 +157,13 @@ def markdown(result: Dict[str, Any]) -> str:
     if result["errors"]:
         lines += ["", "Failed:", ""]
         lines += [f"- {k}: {v}" for k, v in result["errors"].items()]
-    lines += links_section(result)
+    if result.get("link"):
+        from mlxdist.bench.linkemu import EmulatedLink, measured_section
+
+        cost = result["link"]
+        lines += measured_section(EmulatedLink(**cost["link"]), cost["bare_us"], cost["emulated_us"])
+    else:
+        lines += links_section(result)
     lines += ["", "| target | contender | N | b | measured | met | by |", "|---|---|---|---|---|---|---|"]
     for t in targets(result):
         met = "—" if t["met"] is None else ("yes" if t["met"] else "**no**")
