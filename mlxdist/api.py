@@ -115,6 +115,7 @@ class Cluster:
         record_routing_every: Optional[float] = None,
         rank_memory_gb: Optional[Sequence[float]] = None,
         count_routing: bool = False,
+        draft_model: Optional[str] = None,
     ) -> "Cluster":
         """Load ``model`` (a folder or hub id; None: the built-in random MoE)
         on every rank, releasing any model loaded before.
@@ -137,7 +138,9 @@ class Cluster:
         keep resident, one per rank: the even placement follows them, and a
         placement that does not fit is refused (docs/placement.md).
         ``count_routing``: count routed slots per expert without a file (what
-        the server's rebalancing reads).
+        the server's rebalancing reads). ``draft_model``: a small model with
+        the same tokenizer for speculative decoding of single prompts
+        (``num_draft_tokens`` per request; docs/modes.md).
         Raises ``UserError``/``LoadError`` with one line."""
         if isinstance(placement, str):
             placement = Placement.load(placement)
@@ -150,7 +153,8 @@ class Cluster:
         options = LoadOptions(str(model), dispatch, layout or default_layout(), placement, rank0_experts, stats,
                               expert_capacity, memory_budget_gb, expert_split,
                               record_routing=record_routing is not None or count_routing,
-                              rank_memory_gb=None if rank_memory_gb is None else [float(b) for b in rank_memory_gb])
+                              rank_memory_gb=None if rank_memory_gb is None else [float(b) for b in rank_memory_gb],
+                              draft_model=draft_model)
         options.validate()
         self._finish_recording()
         self.executor.load(self._broadcast(Command(commands.LOAD, asdict(options))).args)
@@ -239,7 +243,8 @@ class Cluster:
         """Generate from one prompt, yielding each new piece of text.
 
         ``sampling``: max_tokens, temp, top_p, top_k, min_p, seed,
-        prefill_step_size, max_kv_size. Stopping early is safe: the
+        prefill_step_size, max_kv_size, num_draft_tokens,
+        prompt_lookup_ngram (speculative decoding). Stopping early is safe: the
         remaining steps run (and are dropped) so every rank stays in step."""
         request = self.request([self.encode(prompt, messages)], **sampling)
         yield from self.stream(request)
@@ -250,14 +255,18 @@ class Cluster:
         every rank and the exchange counters once the stream ends."""
         stats = {} if stats is None else stats
         responses = self.executor.generate(self._broadcast(request).args)
+        drafted = 0  # tokens that came from the drafter (speculative decoding) and were kept
         try:
             for response in responses:
+                drafted += bool(response.from_draft)
                 stats.update(
                     prompt_tokens=response.prompt_tokens,
                     prompt_tps=response.prompt_tps,
                     generation_tokens=response.generation_tokens,
                     generation_tps=response.generation_tps,
                     finish_reason=response.finish_reason,
+                    draft_tokens_accepted=drafted,
+                    tokens_per_forward=response.generation_tokens / max(response.generation_tokens - drafted, 1),
                 )
                 yield Piece(response.text, response.token, response.finish_reason, response.logprobs)
         finally:

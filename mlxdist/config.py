@@ -15,6 +15,8 @@ from mlxdist.errors import UserError
 __all__ = ["EXPERT_SPLITS", "GenerationParams", "LoadOptions"]
 
 EXPERT_SPLITS = ("whole", "width")
+MAX_DRAFT_TOKENS = 64  # drafted tokens one verifying forward may carry
+MAX_LOOKUP_NGRAM = 64
 
 
 @dataclass
@@ -32,6 +34,7 @@ class LoadOptions:
     expert_split: str = "whole"  # "whole": each expert on one rank; "width": every expert cut over the ranks
     record_routing: bool = False  # count routed slots per expert for the routing file (--record-routing)
     rank_memory_gb: Optional[List[float]] = None  # GB of expert weights each rank may keep resident (--rank-memory)
+    draft_model: Optional[str] = None  # speculative decoding's draft model, loaded whole where the dense model runs
 
     def validate(self) -> None:
         modes.mode(self.dispatch)
@@ -50,6 +53,8 @@ class LoadOptions:
                 isinstance(self.rank_memory_gb, list) and self.rank_memory_gb
                 and all(isinstance(b, (int, float)) and 0 < b < float("inf") for b in self.rank_memory_gb)):
             raise UserError(f"--rank-memory must list a positive number of GB per rank, not {self.rank_memory_gb!r:.60}")
+        if self.draft_model is not None and not (isinstance(self.draft_model, str) and self.draft_model.strip()):
+            raise UserError(f"--draft-model takes a folder or hub id, not {self.draft_model!r:.60}")
         if self.expert_split == "width" and (self.record_routing or self.rank_memory_gb is not None):
             raise UserError("--expert-split width cuts every expert over every rank: it takes no --record-routing "
                             "or --rank-memory (both are about whole experts)")
@@ -73,6 +78,8 @@ class GenerationParams:
     prefill_step_size: int = 2048
     max_kv_size: Optional[int] = None  # a rotating KV cache of this many tokens
     completion_batch_size: Optional[int] = None  # most sequences decoded at once (None: all)
+    num_draft_tokens: int = 3  # speculative decoding (one prompt): tokens drafted per verifying forward
+    prompt_lookup_ngram: int = 0  # draft by prompt lookup on the last this-many tokens (0: off)
 
     def validate(self) -> None:
         for max_tokens in self.max_tokens if isinstance(self.max_tokens, list) else [self.max_tokens]:
@@ -90,6 +97,11 @@ class GenerationParams:
             raise UserError(f"prefill_step_size must be >= 1, got {self.prefill_step_size}")
         if self.max_kv_size is not None and not self.max_kv_size >= 1:
             raise UserError(f"max_kv_size must be >= 1, got {self.max_kv_size}")
+        if not (isinstance(self.num_draft_tokens, int) and 1 <= self.num_draft_tokens <= MAX_DRAFT_TOKENS):
+            raise UserError(f"num_draft_tokens must be from 1 to {MAX_DRAFT_TOKENS}, got {self.num_draft_tokens}")
+        if not (isinstance(self.prompt_lookup_ngram, int) and 0 <= self.prompt_lookup_ngram <= MAX_LOOKUP_NGRAM):
+            raise UserError(f"prompt_lookup_ngram must be from 0 (off) to {MAX_LOOKUP_NGRAM}, "
+                            f"got {self.prompt_lookup_ngram}")
         if self.completion_batch_size is not None and not self.completion_batch_size >= 1:
             raise UserError(f"completion_batch_size must be >= 1, got {self.completion_batch_size}")
 

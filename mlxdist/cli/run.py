@@ -53,6 +53,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-kv-size", type=int, default=None, help="rotating KV cache of this many tokens")
     p.add_argument("--prefill-step-size", type=int, default=2048,
                    help="prompt tokens per prefill step (default %(default)s)")
+    p.add_argument("--draft-model", default=None,
+                   help="speculative decoding: a small model with the same tokenizer drafts tokens that the "
+                        "distributed model verifies, several per forward (one prompt at a time)")
+    p.add_argument("--num-draft-tokens", type=int, default=3,
+                   help="speculative decoding: tokens drafted per verifying forward (default %(default)s)")
+    p.add_argument("--prompt-lookup-ngram", type=int, default=0, metavar="N",
+                   help="speculative decoding without a draft model: draft the tokens that followed the last "
+                        "N tokens where they occurred before in the prompt or output (default 0: off)")
     p.add_argument("--dispatch", choices=DISPATCH_MODES, default="auto",
                    help=f"{modes.help_text()} (default %(default)s; docs/modes.md)")
     p.add_argument("--layout", choices=LAYOUTS, default=None,
@@ -126,6 +134,8 @@ def generation_args(args) -> dict:
         seed=args.seed,
         prefill_step_size=args.prefill_step_size,
         max_kv_size=args.max_kv_size,
+        num_draft_tokens=args.num_draft_tokens,
+        prompt_lookup_ngram=args.prompt_lookup_ngram,
     )
 
 
@@ -167,6 +177,8 @@ def _summary(stats: dict, tokens: int) -> str:
     return (
         f"prompt: {stats.get('prompt_tokens', 0)} tokens, {stats.get('prompt_tps', 0.0):.1f} tok/s | "
         f"generation: {tokens} tokens, {stats.get('generation_tps', 0.0):.1f} tok/s | "
+        + (f"drafted and kept: {stats['draft_tokens_accepted']}, {stats['tokens_per_forward']:.2f} tokens per "
+           f"forward | " if stats.get("draft_tokens_accepted") else "") +
         f"peak memory (GB) per rank: [{peaks}]"
     )
 
@@ -191,6 +203,8 @@ def _run_prompt(cluster: Cluster, args, text: str, logprobs: List) -> None:
             "prompt_tps": stats.get("prompt_tps", 0.0),
             "generation_tps": stats.get("generation_tps", 0.0),
             "finish_reason": stats.get("finish_reason"),
+            "draft_tokens_accepted": stats.get("draft_tokens_accepted", 0),
+            "tokens_per_forward": stats.get("tokens_per_forward", 1.0),
             "peak_memory_gb": stats["peak_memory_gb"],
             "weights_gb": [{k.replace("_bytes", ""): v / 1e9 for k, v in m.items()} for m in engine.memory_by_rank],
             "dispatch": engine.dispatch,
@@ -227,7 +241,7 @@ def command_loop(cluster: Cluster, args) -> int:
     try:
         cluster.load(args.model, args.dispatch, args.placement, not args.no_rank0_experts, args.layout, args.stats,
                      args.expert_capacity, args.memory_budget, args.expert_split,
-                     record_routing=args.record_routing, rank_memory_gb=args.rank_memory)
+                     record_routing=args.record_routing, rank_memory_gb=args.rank_memory, draft_model=args.draft_model)
     except UserError as e:
         say_error(str(e))
         if jobs is not None:

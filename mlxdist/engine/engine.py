@@ -20,6 +20,7 @@ from mlxdist.dispatch import DenseRanks, Dispatcher, LayerOwnership, RowDispatch
 from mlxdist.engine.batch import batch_generate
 from mlxdist.engine.dp_schedule import DataParallelGeneration
 from mlxdist.engine.sampling import sequence_samplers
+from mlxdist.engine.speculative import drafter, load_draft
 from mlxdist.errors import UserError, describe_errors, one_line
 from mlxdist.model.balance import bytes_per_expert, check_rank_memory
 from mlxdist.model.checkpoint import (
@@ -65,10 +66,13 @@ class Engine:
     strategy: str = ""  # the strategy the switches use now
     capacity: Optional[int] = None  # experts resident per layer here (--expert-capacity or --memory-budget)
     paging: Optional[PagingStats] = None  # with --expert-capacity: hits, misses, bytes and time paged in
+    draft_model: Optional[nn.Module] = None  # --draft-model, whole, where this rank runs the dense model
 
     def __post_init__(self):
         self.base_model = self.model
         self.use(next(iter(self.dispatchers)))
+        if self.options.draft_model and self.runs_dense:
+            self.draft_model = load_draft(self.options.draft_model, self.vocab_size)
 
     @property
     def dispatcher(self) -> Dispatcher:
@@ -130,7 +134,9 @@ class Engine:
             switch.observer = observer
 
     def generate(self, prompt: List[int], params: GenerationParams) -> Iterator[GenerationResponse]:
-        """mlx-lm's ``stream_generate`` through the distributed experts.
+        """mlx-lm's ``stream_generate`` through the distributed experts, with
+        a drafter where asked (``speculative.py``: a draft model or prompt
+        lookup, each verified k tokens to a forward).
 
         Called on every rank that runs the dense model (all ranks in the
         collective modes, rank 0 in p2p): each takes identical decisions
@@ -138,6 +144,8 @@ class Engine:
         """
         self.use(self.strategy_for(1))
         mx.random.seed(params.seed if params.seed is not None else 0)
+        draft = drafter(self.draft_model, params.prompt_lookup_ngram, self.vocab_size)
+        speculative = {} if draft is None else {"draft_model": draft, "num_draft_tokens": params.num_draft_tokens}
         try:
             yield from stream_generate(
                 self.model,
@@ -147,6 +155,7 @@ class Engine:
                 sampler=params.sampler(),
                 prefill_step_size=params.prefill_step_size,
                 max_kv_size=params.max_kv_size,
+                **speculative,
             )
         finally:
             self._end_generation()

@@ -1,0 +1,112 @@
+"""Speculative decoding for one prompt: drafts verified by the distributed
+model in one forward pass, so k drafted tokens pay one forward's exchanges.
+
+mlx-lm's ``speculative_generate_step`` runs the loop (draft, verify,
+accept, rewind the caches) unchanged; mlxdist supplies the drafter:
+
+- a **draft model** (``--draft-model``): a small model with the same
+  tokenizer, loaded whole on every rank that runs the dense model, so the
+  draft costs no link traffic (in ``collective`` every rank drafts the same
+  tokens from the same cache; in ``p2p`` rank 0 alone);
+- **prompt lookup** (``--prompt-lookup-ngram N``): no model; the next tokens
+  are those that followed the last occurrence of the latest N-gram in the
+  prompt and output so far (``PromptLookup``, a module with mlx-lm's model
+  calling convention and a trimmable cache of the tokens seen).
+
+Greedy: a drafted token is kept where the model's own argmax agrees, so the
+text is the model's greedy text. Sampling: mlx-lm draws the model's token at
+each position and keeps the draft's where they agree: every token is the
+model's sample given the tokens before it.
+"""
+
+from typing import Any, List, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mlxdist.errors import UserError
+
+__all__ = ["PromptLookup", "drafter", "load_draft"]
+
+
+class TokenHistory:
+    """The tokens a ``PromptLookup`` has seen: its KV cache, trimmable as mlx-lm rewinds caches."""
+
+    def __init__(self):
+        self.tokens: List[int] = []
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        n = min(n, len(self.tokens))
+        del self.tokens[len(self.tokens) - n:]
+        return n
+
+    @property
+    def offset(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def state(self) -> List[mx.array]:  # mlx-lm evaluates caches' state after each prefill chunk
+        return []
+
+
+class PromptLookup(nn.Module):
+    """A draft "model" that looks its tokens up: called as mlx-lm calls a
+    model, ``(tokens [1, L], cache) -> logits [1, L, V]``, it records the
+    tokens and, at the last position, puts all weight on the token that
+    followed the latest earlier occurrence of the last ``ngram`` tokens
+    (longest match first, down to one token); with none, on the last token."""
+
+    def __init__(self, ngram: int, vocab_size: int):
+        super().__init__()
+        self.ngram, self.vocab_size = ngram, vocab_size
+        self.layers: List[Any] = []
+
+    def make_cache(self) -> List[TokenHistory]:
+        return [TokenHistory()]
+
+    def predict(self, tokens: List[int]) -> int:
+        for n in range(min(self.ngram, len(tokens) - 1), 0, -1):
+            tail = tokens[-n:]
+            for start in range(len(tokens) - n - 1, -1, -1):
+                if tokens[start:start + n] == tail:
+                    return tokens[start + n]
+        return tokens[-1]
+
+    def __call__(self, inputs: mx.array, cache: Optional[List[TokenHistory]] = None) -> mx.array:
+        history = cache[0]
+        history.tokens.extend(inputs.reshape(-1).tolist())
+        logits = mx.full((1, inputs.shape[-1], self.vocab_size), -1e9, dtype=mx.float32)
+        logits[0, -1, self.predict(history.tokens)] = 0.0
+        return logits
+
+
+def load_draft(path: str, vocab_size: int) -> nn.Module:
+    """The draft model at ``path`` (folder or hub id), loaded whole by mlx-lm;
+    refused in one line where its vocabulary differs from the model's."""
+    from mlx_lm import load
+
+    from mlxdist.model.checkpoint import resolve_model_path
+
+    try:
+        folder = resolve_model_path(path)
+    except UserError as e:
+        raise UserError(f"the draft model: {e}") from None
+    model, _ = load(str(folder))
+    rows = model.args.vocab_size if hasattr(getattr(model, "args", None), "vocab_size") else None
+    if rows is not None and rows != vocab_size:
+        raise UserError(f"the draft model {path} has a vocabulary of {rows} tokens, the model {vocab_size}: "
+                        f"a draft must share the model's tokenizer")
+    return model
+
+
+def drafter(draft_model: Optional[nn.Module], prompt_lookup_ngram: int, vocab_size: int) -> Optional[nn.Module]:
+    """What drafts a generation's tokens: the loaded draft model, else prompt
+    lookup where asked, else None (plain decoding)."""
+    if draft_model is not None:
+        return draft_model
+    if prompt_lookup_ngram:
+        return PromptLookup(prompt_lookup_ngram, vocab_size)
+    return None

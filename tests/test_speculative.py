@@ -1,0 +1,62 @@
+"""Speculative decoding of one prompt (engine/speculative.py, mlx-lm's
+speculative loop): drafted tokens are verified by the distributed model,
+several per forward. Greedy text is the model's own: tokens equal to plain
+greedy decoding in the exact modes, for N = 1 to 3, with a draft model (the
+checkpoint itself: it agrees by construction, so every draft is kept and a
+forward yields num_draft_tokens + 1 tokens) and with prompt lookup."""
+
+import pytest
+
+from conftest import last_json, launch
+
+PROMPT = "the cat sat on the mat and the cat sat on the mat and the cat sat"
+MAX_TOKENS = 20
+
+
+@pytest.fixture(scope="module")
+def plain(checkpoint):
+    path = checkpoint("qwen3_moe")
+    proc = launch(0, ["--model", path, "-p", PROMPT, "-m", MAX_TOKENS, "--json", "--ignore-chat-template"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return last_json(proc.stdout)["tokens"]
+
+
+@pytest.mark.parametrize("nranks,dispatch", [(0, "collective"), (2, "collective"), (3, "p2p")])
+def test_greedy_with_a_draft_model_is_plain_greedy(checkpoint, plain, nranks, dispatch):
+    path = checkpoint("qwen3_moe")
+    proc = launch(nranks, ["--model", path, "-p", PROMPT, "-m", MAX_TOKENS, "--json", "--ignore-chat-template",
+                           "--dispatch", dispatch, "--draft-model", path, "--num-draft-tokens", 3])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = last_json(proc.stdout)
+    assert out["tokens"] == plain
+    assert out["tokens_per_forward"] == MAX_TOKENS / (MAX_TOKENS - out["draft_tokens_accepted"])
+    assert out["tokens_per_forward"] > 3.0  # the draft agrees: up to 4 tokens a forward
+
+
+@pytest.mark.parametrize("nranks,dispatch", [(2, "p2p"), (3, "collective")])
+def test_greedy_with_prompt_lookup_is_plain_greedy(checkpoint, plain, nranks, dispatch):
+    path = checkpoint("qwen3_moe")
+    proc = launch(nranks, ["--model", path, "-p", PROMPT, "-m", MAX_TOKENS, "--json", "--ignore-chat-template",
+                           "--dispatch", dispatch, "--prompt-lookup-ngram", 2, "--num-draft-tokens", 4])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert last_json(proc.stdout)["tokens"] == plain
+
+
+def test_prompt_lookup_drafts_what_followed_the_last_ngram():
+    from mlxdist.engine.speculative import PromptLookup
+
+    lookup = PromptLookup(3, 100)
+    assert lookup.predict([1, 2, 3, 9, 1, 2, 3]) == 9  # the 3-gram seen before
+    assert lookup.predict([5, 2, 3, 7, 4, 2, 3]) == 7  # no 3-gram: the 2-gram
+    assert lookup.predict([1, 2, 3, 4]) == 4  # nothing seen before: the last token
+    assert lookup.predict([8, 1, 8, 2, 8]) == 2  # the latest occurrence wins
+
+
+def test_draft_settings_are_checked(checkpoint):
+    path = checkpoint("qwen3_moe")
+    for flags, message in ((["--num-draft-tokens", 0], "num_draft_tokens must be from 1 to 64"),
+                           (["--prompt-lookup-ngram", -1], "prompt_lookup_ngram must be from 0 (off) to 64"),
+                           (["--draft-model", "/nonexistent/draft"], "the draft model: model path /nonexistent/draft does not exist")):
+        proc = launch(2, ["--model", path, "-p", "x", "-m", 2, *flags])
+        assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-2000:]
+        assert "Traceback" not in proc.stderr
