@@ -5,6 +5,8 @@ greedy decoding in the exact modes, for N = 1 to 3, with a draft model (the
 checkpoint itself: it agrees by construction, so every draft is kept and a
 forward yields num_draft_tokens + 1 tokens) and with prompt lookup."""
 
+import json
+
 import pytest
 
 from conftest import last_json, launch
@@ -60,3 +62,37 @@ def test_draft_settings_are_checked(checkpoint):
         proc = launch(2, ["--model", path, "-p", "x", "-m", 2, *flags])
         assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-2000:]
         assert "Traceback" not in proc.stderr
+
+
+def test_server_with_a_draft_model_answers_as_plain_greedy(checkpoint):
+    """mlxdist.serve --draft-model (mlx-lm's server then decodes one request
+    at a time, speculatively): two concurrent clients, one streamed, each
+    greedy answer equal to mlx-lm's for the prompt alone."""
+    import threading
+
+    from test_serve import PROMPTS, Server, alone, completion
+
+    path = checkpoint("qwen3_moe")
+    server = Server(path, extra=["--draft-model", path, "--num-draft-tokens", 3])
+    try:
+        answers = {}
+
+        def client(prompt, stream):
+            if stream:
+                status, text = server.request("POST", "/v1/completions",
+                                              {"prompt": prompt, "max_tokens": 10, "stream": True})
+                assert status == 200, text
+                chunks = [json.loads(l[6:]) for l in text.splitlines() if l.startswith("data: {")]
+                answers[prompt] = "".join(c["choices"][0]["text"] for c in chunks)
+            else:
+                answers[prompt] = completion(server, prompt, max_tokens=10, num_draft_tokens=2)["choices"][0]["text"]
+
+        threads = [threading.Thread(target=client, args=(PROMPTS[i], i == 1)) for i in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for prompt in PROMPTS[:2]:
+            assert answers[prompt] == alone(path, prompt, 10), prompt
+    finally:
+        assert server.stop() == 0, server.proc.stderr.read()[-3000:]

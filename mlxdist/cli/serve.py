@@ -46,6 +46,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=512, help="Default max_tokens of a request.")
     p.add_argument("--temp", type=float, default=0.0, help="Default temperature.")
     p.add_argument("--top-p", type=float, default=1.0, help="Default top_p.")
+    p.add_argument("--draft-model", default=None,
+                   help="Speculative decoding (mlx-lm's server: then one request at a time): a small model with "
+                        "the same tokenizer drafts tokens the distributed model verifies, several per forward.")
+    p.add_argument("--num-draft-tokens", type=int, default=3,
+                   help="Default tokens drafted per verifying forward (a request's num_draft_tokens overrides).")
     p.add_argument("--prefill-step-size", type=int, default=2048)
     p.add_argument("--prompt-concurrency", type=int, default=8, help="Prompts prefilled together.")
     p.add_argument("--chat-template", default="", help="A chat template to use instead of the tokenizer's.")
@@ -101,6 +106,8 @@ def check_options(args: argparse.Namespace) -> Optional[str]:
         return "--rebalance-replicas must be between 0 and 1024"
     if args.rebalance_every is not None and args.expert_split == "width":
         return "--rebalance-every places whole experts: not with --expert-split width"
+    if not 1 <= args.num_draft_tokens <= 64:
+        return "--num-draft-tokens must be from 1 to 64"
     if not 0 < args.idle_timeout < float("inf"):
         return "--idle-timeout must be a positive number of seconds"
     return None
@@ -121,7 +128,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         cluster.load(args.model, dispatch=args.dispatch, expert_split=args.expert_split,
                      record_routing=args.record_routing, record_routing_every=args.record_routing_every,
-                     rank_memory_gb=args.rank_memory, count_routing=args.rebalance_every is not None)
+                     rank_memory_gb=args.rank_memory, count_routing=args.rebalance_every is not None,
+                     draft_model=args.draft_model)
         loaded = ("backend", "timeout", "dispatch", "expert_split", "record_routing", "record_routing_every",
                   "rank_memory")
         options = {k: v for k, v in vars(args).items() if k not in loaded}

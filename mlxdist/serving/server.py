@@ -46,7 +46,8 @@ from mlxdist.serving.schema import RequestLimits
 def lm_server_args(options: Dict[str, Any]) -> argparse.Namespace:
     """The settings mlx-lm's server code reads, from ours."""
     return argparse.Namespace(
-        model=options["model"], adapter_path=None, draft_model=None, num_draft_tokens=3,
+        model=options["model"], adapter_path=None, draft_model=options.get("draft_model"),
+        num_draft_tokens=options.get("num_draft_tokens", 3),
         trust_remote_code=False, chat_template=options["chat_template"], use_default_chat_template=False,
         temp=options["temp"], top_p=options["top_p"], top_k=0, min_p=0.0, max_tokens=options["max_tokens"],
         chat_template_args={}, decode_concurrency=options["max_concurrent"],
@@ -65,14 +66,17 @@ class EngineModelProvider(lm_server.ModelProvider):
         self.engine = engine
 
     def _load(self, model_path, adapter_path=None, draft_model_path=None):
-        if model_path != self.cli_args.model or adapter_path or draft_model_path:
+        if model_path != self.cli_args.model or adapter_path or draft_model_path != self.cli_args.draft_model:
             raise ValueError(f"this server serves {self.cli_args.model} only")
         tokenizer = guard_tokenizer(self.engine.tokenizer)  # a sequence's detokenizer fails it alone
         if self.cli_args.chat_template:
             tokenizer.chat_template = self.cli_args.chat_template
-        self.model_key = (model_path, None, None)
-        self.model, self.tokenizer, self.processor, self.draft_model = self.engine.model, tokenizer, None, None
-        self.is_batchable = all(hasattr(c, "merge") for c in lm_server.make_prompt_cache(self.model))
+        self.model_key = (model_path, None, draft_model_path)
+        # With --draft-model, mlx-lm's server decodes one request at a time, speculatively.
+        self.model, self.tokenizer, self.processor = self.engine.model, tokenizer, None
+        self.draft_model = self.engine.draft_model
+        self.is_batchable = self.draft_model is None and all(
+            hasattr(c, "merge") for c in lm_server.make_prompt_cache(self.model))
 
 
 def _keep_ctrl_c_from_the_watchdog() -> None:
