@@ -201,3 +201,17 @@ def test_bench_serve_starts_each_contender_as_named():
     placed = server_command("mlxdist serve N=2 collective rebalancing", args, 9000, 8)
     assert placed[placed.index("--dispatch") + 1] == "collective"
     assert placed[placed.index("--rebalance-every") + 1] == "5.0" and "--rebalance-replicas" in placed
+
+
+def test_compare_ratios_pair_each_round():
+    """A ratio is the median of the rounds' ratios (each round's contenders ran
+    back to back), not a ratio of medians over separate rounds."""
+    from mlxdist.bench.compare import add_ratios
+
+    mine = {"contender": "mlxdist auto", "ranks": 2, "batch": 8, "generation_tps": 20.0,
+            "rounds_generation_tps": {0: 10.0, 1: 30.0, 2: 20.0}}
+    tensor = {"contender": "mlx-lm tensor", "ranks": 2, "batch": 8, "generation_tps": 10.0,
+              "rounds_generation_tps": {0: 10.0, 1: 10.0, 2: 40.0}}
+    add_ratios([mine, tensor])
+    assert mine["vs_tensor"] == 1.0 and mine["vs_tensor_rounds"] == [1.0, 3.0, 0.5]  # medians' ratio: 2.0
+    assert mine["vs_single"] is None and mine["vs_single_rounds"] == []

@@ -15,6 +15,7 @@ import argparse
 import json
 from dataclasses import asdict
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -113,13 +114,13 @@ def launch(contender: Dict[str, Any], common: List[str], timeout: float, log,
     return report
 
 
-def _rows(report: Dict[str, Any], name: str, ranks: int) -> List[Dict[str, Any]]:
+def _rows(report: Dict[str, Any], name: str, ranks: int, round_: int) -> List[Dict[str, Any]]:
     rows = []
     for r in report.get("results", []):
         label = f"mlxdist {r['dispatch']}{name[len('mlxdist'):]}" if name.startswith("mlxdist") else name
         if r.get("link") is False:  # --no-link: not comparable with the linked rows
             label += " (no link)"
-        rows.append({**r, "contender": label, "ranks": ranks})
+        rows.append({**r, "contender": label, "ranks": ranks, "round": round_})
     return rows
 
 
@@ -132,7 +133,7 @@ def aggregate(trials: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     for key, rows in groups.items():
         row = median_row(rows)
         row["rounds"] = len(rows)
-        row["rounds_generation_tps"] = [r["generation_tps"] for r in rows]
+        row["rounds_generation_tps"] = {r["round"]: r["generation_tps"] for r in rows}
         out.append(row)
     return out
 
@@ -157,15 +158,19 @@ def model_shape(model: str, rows: List[Dict[str, Any]]):
 def add_ratios(rows: List[Dict[str, Any]]) -> None:
     """Each row's generation tok/s over mlx-lm single (same batch) and over
     mlx-lm tensor parallel, pipeline and N replicas (same N and batch), from
-    this run."""
-    index = {(r["contender"], r["ranks"], r["batch"]): r["generation_tps"] for r in rows}
+    this run: the median of the ratios of the rounds both ran (a round's
+    contenders ran back to back, so drift between rounds cancels), with the
+    rounds' ratios beside it (``<key>_rounds``)."""
+    index = {(r["contender"], r["ranks"], r["batch"]): r["rounds_generation_tps"] for r in rows}
     for r in rows:
-        single = index.get(("mlx-lm single", 1, r["batch"]))
-        for key, ref in (("vs_single", single),
+        for key, ref in (("vs_single", index.get(("mlx-lm single", 1, r["batch"]))),
                          ("vs_tensor", index.get(("mlx-lm tensor", r["ranks"], r["batch"]))),
                          ("vs_pipeline", index.get(("mlx-lm pipeline", r["ranks"], r["batch"]))),
                          ("vs_replicas", index.get(("mlx-lm replicas", r["ranks"], r["batch"])))):
-            r[key] = r["generation_tps"] / ref if ref else None
+            mine = r["rounds_generation_tps"]
+            ratios = [mine[k] / ref[k] for k in sorted(mine) if ref and ref.get(k)]
+            r[key] = statistics.median(ratios) if ratios else None
+            r[f"{key}_rounds"] = ratios
 
 
 def run(args) -> Dict[str, Any]:
@@ -193,7 +198,7 @@ def run(args) -> Dict[str, Any]:
                     errors[key] = report["error"]
                 elif report.get("unsupported"):
                     unsupported[key] = report["unsupported"]
-                trials += _rows(report, c["name"], c["ranks"])
+                trials += _rows(report, c["name"], c["ranks"], round_)
                 print(f"round {round_ + 1}/{args.num_trials} {key}: "
                       f"{report.get('error') or report.get('unsupported') or 'ok'}", file=sys.stderr, flush=True)
     rows = aggregate(trials)

@@ -61,12 +61,20 @@ def _row(r: Dict[str, Any]) -> str:
     cells = [
         str(r["ranks"]), r["contender"], str(r["batch"]),
         _f(r["prompt_tps"], ".0f"), _f(r["generation_tps"], ".1f"),
-        _f(r.get("vs_single")), _f(r.get("vs_tensor")), _f(r.get("vs_pipeline")), _f(r.get("vs_replicas")),
+        *(_ratio(r, key) for key in ("vs_single", "vs_tensor", "vs_pipeline", "vs_replicas")),
         _f(peak, ".3f"), _f(r.get("layer_ms"), ".3f"), split,
         _f(r.get("floor_us"), ".0f"), _f(r.get("exchange_over_floor"), ".1f"),
         _f(r.get("imbalance")),
     ]
     return "| " + " | ".join(cells) + " |"
+
+
+def _ratio(r: Dict[str, Any], key: str) -> str:
+    """A ratio, with the range of the rounds' ratios where there were several."""
+    rounds = r.get(f"{key}_rounds") or []
+    if len(rounds) < 2:
+        return _f(r.get(key))
+    return f"{_f(r.get(key))} ({min(rounds):.2f}-{max(rounds):.2f})"
 
 
 def _strategy(row: Dict[str, Any]) -> Optional[str]:
@@ -138,6 +146,7 @@ def markdown(result: Dict[str, Any]) -> str:
     lines += [_row(r) for r in result["results"]]
     lines += [
         "",
+        "Ratios: the median over rounds of each round's ratio, the rounds' range in brackets. "
         "*layer ms*: timed decode step over MoE layers. The split comes from a separate profiling "
         "pass that syncs at every boundary (rank 0's view). *floor*: the bare transport the mode "
         "uses (`all_sum` / mpi4py Isend+Irecv round trip) on the same bytes. *imbalance*: (max - mean) / "
