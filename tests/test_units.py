@@ -472,3 +472,20 @@ def test_experts_that_do_not_cut_evenly_are_refused_by_name():
     nn.quantize(module, group_size=64, bits=4)  # one group of hidden units per row of down_proj
     with pytest.raises(UserError, match="m.down_proj in width over 2 ranks: its 1 quantization groups"):
         split_experts_by_width(SwitchSite(0, "m", None, "m", module), 0, 2)
+
+
+def test_projection_reads_what_a_roofline_reading_of_deepseek_v3_reads():
+    """bench project: DeepSeek-V3 at 4 bits reads ~20.7 GB a token on one
+    machine, ~9.3 GB of it the dense part (DESIGN.md's reading); the busiest
+    of N ranks holds E[max] of a token's experts, exact for small cases."""
+    from mlxdist.bench.projection import MODELS, expected_busiest, project
+
+    ds = MODELS["DeepSeek-V3"]
+    assert abs(ds.gb(ds.dense_params) - 9.3) < 0.5
+    one = project(ds, 2, 819.0, 150.0)["one machine"]
+    assert abs(one["gb_per_token"] - 20.7) < 0.5 and one["collectives"] == 0
+    assert expected_busiest(8, 1, 3) == 3.0  # one rank holds them all
+    assert abs(expected_busiest(4, 2, 2) - (2 * 2 + 1 * 4) / 6) < 1e-12  # both on one rank in 2 of the 6 pairs
+    rows = project(ds, 4, 819.0, 150.0)
+    assert rows["tensor parallel"]["collectives"] == 2 * 61 and rows["mlxdist collective"]["collectives"] == 58
+    assert rows["tensor parallel"]["gb_per_token"] < rows["mlxdist collective"]["gb_per_token"]

@@ -10,6 +10,7 @@ maintainer runs, one module per command.
     survival       generation through a lost rank (survival.py)
     placement      even, balanced and replicated placements side by side (placement.py)
     link           what an emulated link (compare --link) adds to MPI calls, measured (linkemu/)
+    project        large MoE models on 2 and 4 Macs, projected from shapes and link costs (projection.py)
 """
 
 import importlib
@@ -18,6 +19,7 @@ import sys
 COMMANDS = {
     "run": "harness", "compare": "compare", "mlxlm": "mlxlm", "one-rank": "one_rank", "serve": "serve",
     "capacity": "capacity", "survival": "survival", "placement": "placement", "link": "linkemu",
+    "project": "projection",
 }
 
 
