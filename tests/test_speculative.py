@@ -96,3 +96,18 @@ def test_server_with_a_draft_model_answers_as_plain_greedy(checkpoint):
             assert answers[prompt] == alone(path, prompt, 10), prompt
     finally:
         assert server.stop() == 0, server.proc.stderr.read()[-3000:]
+
+
+def test_job_file_with_prompt_lookup_is_plain_greedy(checkpoint, plain, tmp_path):
+    """A job line's prompt_lookup_ngram: the job runs alone, speculatively; its tokens are plain greedy's."""
+    path = checkpoint("qwen3_moe")
+    jobs, out = tmp_path / "jobs.jsonl", tmp_path / "out.jsonl"
+    jobs.write_text("\n".join(json.dumps({"id": i, "prompt": PROMPT, "max_tokens": MAX_TOKENS, **extra})
+                              for i, extra in enumerate([{"prompt_lookup_ngram": 2}, {"prompt_lookup_ngram": 3,
+                                                                                       "num_draft_tokens": 2}, {}]))
+                    + "\n" + json.dumps({"id": "bad", "prompt": "x", "num_draft_tokens": 1.5}) + "\n")
+    proc = launch(2, ["--model", path, "--jobs", jobs, "--out", out, "--ignore-chat-template"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert [records[str(i)]["tokens"] for i in range(3)] == [plain] * 3
+    assert records["bad"]["error"] == "line 4: num_draft_tokens must be an integer, got 1.5"

@@ -19,7 +19,7 @@ from mlxdist.config import GenerationParams
 from mlxdist.errors import UserError, one_line
 
 
-SAMPLING_KEYS = ("max_tokens", "temp", "top_p", "top_k", "min_p", "seed")
+SAMPLING_KEYS = ("max_tokens", "temp", "top_p", "top_k", "min_p", "seed", "num_draft_tokens", "prompt_lookup_ngram")
 MAX_LINE_BYTES = 1 << 20  # a longer line (of the job file or --out) is refused unread
 MAX_DEPTH = 64  # deepest nesting of arrays and objects in one line
 MAX_INT_DIGITS = 100  # longest integer literal (a seed needs 20 digits)
@@ -186,7 +186,7 @@ def _check_type(key: str, value: Any, lineno: int) -> None:
     if key == "seed":
         if value is not None and not (is_integer(value) and 0 <= value < SEED_LIMIT):
             raise ValueError(f"{where} must be an integer from 0 to 2**64 - 1 (or null), got {show_value(value)}")
-    elif key in ("max_tokens", "top_k"):
+    elif key in ("max_tokens", "top_k", "num_draft_tokens", "prompt_lookup_ngram"):
         if not is_integer(value):
             raise ValueError(f"{where} must be an integer, got {show_value(value)}")
     elif not is_number(value):

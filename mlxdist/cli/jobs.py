@@ -5,7 +5,8 @@ always run to the end.
 
 Input: one JSON object per line with ``id`` and ``prompt`` or ``messages``,
 plus optional sampling parameters (max_tokens, temp, top_p, top_k, min_p,
-seed) overriding the command line's. Every line is read with bounded cost
+seed, num_draft_tokens, prompt_lookup_ngram) overriding the command line's;
+with a draft model or prompt lookup, jobs run one at a time, speculatively. Every line is read with bounded cost
 (``MAX_LINE_BYTES``, ``MAX_DEPTH``, ``MAX_INT_DIGITS``) and every field is
 checked on rank 0 before anything is broadcast: a bad line becomes an error
 record for its id (``{"id", "error", "line"}``), one warning on stderr, and
@@ -117,8 +118,9 @@ def _run(cluster, run: JobRun, batch_size: int) -> int:
     key = lambda j: repr(j.sampling_key())  # noqa: E731
     for _, group in groupby(sorted(pending, key=key), key=key):
         group = list(group)
-        for start in range(0, len(group), batch_size):
-            batch = _runnable(cluster, run, group[start : start + batch_size], vocab, bar)
+        size = 1 if cluster.engine.options.draft_model or group[0].sampling.get("prompt_lookup_ngram") else batch_size
+        for start in range(0, len(group), size):  # speculative decoding runs one prompt at a time
+            batch = _runnable(cluster, run, group[start : start + size], vocab, bar)
             tokens += _generate(cluster, run, batch, bar)
             if batch:
                 bar.set_postfix_str(f"{tokens / (time.perf_counter() - tic):.1f} tok/s")
@@ -149,7 +151,7 @@ def _generate(cluster, run: JobRun, batch: List[Job], bar) -> int:
     elapsed = time.perf_counter() - t0
     tokens = 0
     for job, result in zip(batch, results):
-        run.out.write({
+        record = {
             "id": job.id,
             "text": result.text,
             "tokens": result.tokens,
@@ -157,7 +159,11 @@ def _generate(cluster, run: JobRun, batch: List[Job], bar) -> int:
             "generation_tps": result.stats.get("generation_tps"),
             "batch_size": len(batch),
             "elapsed_s": round(elapsed, 4),
-        })
+        }
+        if result.stats.get("draft_tokens_accepted"):  # speculative decoding
+            record.update(draft_tokens_accepted=result.stats["draft_tokens_accepted"],
+                          tokens_per_forward=result.stats["tokens_per_forward"])
+        run.out.write(record)
         tokens += len(result.tokens)
     bar.update(len(batch))
     return tokens
