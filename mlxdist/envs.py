@@ -41,10 +41,13 @@ VARIABLES: Dict[str, Variable] = {v.name: v for v in (
     Variable("MLXDIST_GROUPED_EXPERTS", "flag", "", "Expert calls grouped by expert: 0 never, 1 always (any "
              "device), unset: on GPUs from two slots per expert (docs/notes/grouped-experts.md). Read at import."),
     Variable("MLXDIST_BACKEND", "str", None, "MLX's transport for arrays when --backend (or init's backend) is not "
-             "given: mpi, nccl, ring or jaccl (default: the one mlx.launch started, else nccl on CUDA, else mpi)."),
+             "given: mpi, nccl, ring, jaccl or jaccl-ring (default: the one mlx.launch started, else nccl on CUDA, else mpi)."),
     Variable("MLXDIST_RING_INTERFACE", "str", None, "ring backend under mpirun, ranks on several hosts: the network "
-             "interface whose address each rank listens on (e.g. bridge0, the Thunderbolt bridge); unset: the "
-             "host name's address."),
+             "interface whose address each rank listens on (e.g. bridge0, the Thunderbolt bridge); also where "
+             "jaccl's and nccl's ranks meet rank 0. Unset: the address on the peer's network, else on the "
+             "route to it (never loopback across hosts)."),
+    Variable("MLXDIST_CONNECT_TIMEOUT", "int", 60, "ring, jaccl and jaccl-ring under mpirun: seconds a rank "
+             "waits for its peers to connect at start-up before it ends the job with one line."),
     Variable("MLXDIST_JACCL_DEVICES", "path", None, "jaccl backend under mpirun: JSON of the RDMA device names "
              "between the ranks (row i, column j: the device rank i reaches rank j by; null on the diagonal), or "
              "a hostfile from mlx.distributed_config --backend jaccl."),
@@ -76,6 +79,8 @@ VARIABLES: Dict[str, Variable] = {v.name: v for v in (
              "mpirun (from MLXDIST_JACCL_DEVICES), by mlx.launch under it.", who="set"),
     Variable("MLX_JACCL_COORDINATOR", "str", None, "jaccl backend: rank 0's address:port where the ranks meet "
              "(a port free on rank 0).", who="set"),
+    Variable("MLX_JACCL_RING", "bool", False, "jaccl-ring backend: JACCL over a ring of cables (only "
+             "neighbours cabled), as mlx.launch --backend jaccl-ring sets it.", who="set"),
     Variable("MLX_WORLD_SIZE", "int", None, "nccl backend: the job's size, for MLX's NCCL init.", who="set"),
     Variable("NCCL_HOST_IP", "str", None, "nccl backend: where the ranks meet: rank 0's address (loopback on "
              "one host); if set on rank 0, used as given.", who="set"),

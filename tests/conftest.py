@@ -127,3 +127,20 @@ def kill_session(sid: int) -> None:
                 os.kill(int(entry), signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+@pytest.fixture(scope="session")
+def hosts(tmp_path_factory):
+    """Four hosts made of network namespaces (tests/netns.py), shared by the
+    session; skipped, with the reason, where they cannot be made."""
+    from netns import Hosts, cannot_make
+
+    reason = cannot_make()
+    if reason:
+        pytest.skip(f"no namespace hosts: {reason}")
+    try:
+        made = Hosts(4, tmp_path_factory.mktemp("hosts"))
+    except RuntimeError as e:
+        pytest.skip(str(e))
+    yield made
+    made.close()

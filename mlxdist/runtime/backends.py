@@ -4,18 +4,26 @@ knows, or found as ``mlx.launch`` left them.
 Under mpirun, mpi4py is up first (it keeps the control plane) and the ranks
 tell each other, over it, what MLX's backend needs; then MLX starts on it:
 
-- ring (TCP): each rank's address (127.0.0.1 when the whole job is on one
-  host; else the address of ``MLXDIST_RING_INTERFACE`` if named, else its
-  host name's) and a port free on its own host, gathered on every rank and
-  written as MLX's ring hostfile, ``[["ip:port"], ...]`` one list per rank,
-  to a temporary file named by ``MLX_HOSTFILE``, with ``MLX_RANK``.
-- jaccl (RDMA over Thunderbolt, macOS 26.2+): the RDMA device matrix
-  ``MLXDIST_JACCL_DEVICES`` names (``[[null, "rdma_en3"], ["rdma_en3",
-  null]]``: row i, column j is the device rank i reaches rank j by; or a
-  hostfile from ``mlx.distributed_config`` with its ``rdma`` rows) in a
-  temporary file named by ``MLX_IBV_DEVICES``, and rank 0's address with a
-  port free there as ``MLX_JACCL_COORDINATOR``. Where this MLX has no JACCL
-  (any Linux build) the job is refused in one line.
+- ring (TCP): each rank's address toward its left neighbour, the one MLX's
+  ring accepts from (``runtime/addresses.py``: 127.0.0.1 when they share a
+  host; else the address of ``MLXDIST_RING_INTERFACE`` if named, else the
+  one on the peer's network or route: one address per link, so a ring of
+  cables works), and a port free on its own host, gathered on every rank
+  and written as MLX's ring hostfile, ``[["ip:port"], ...]`` one list per
+  rank, to a temporary file named by ``MLX_HOSTFILE``, with ``MLX_RANK``.
+- jaccl and jaccl-ring (RDMA over Thunderbolt, macOS 26.2+): the RDMA
+  device matrix ``MLXDIST_JACCL_DEVICES`` names (``[[null, "rdma_en3"],
+  ["rdma_en3", null]]``: row i, column j is the device rank i reaches rank
+  j by; or a hostfile from ``mlx.distributed_config`` with its ``rdma``
+  rows) in a temporary file named by ``MLX_IBV_DEVICES``, and rank 0's
+  address as rank 1 reaches it with a port free there as
+  ``MLX_JACCL_COORDINATOR``. jaccl needs a cable between every pair;
+  jaccl-ring (``MLX_JACCL_RING=1``, as ``mlx.launch`` sets it) only between
+  neighbours. Where this MLX has no JACCL (any Linux build) the job is
+  refused in one line.
+
+A start that does not connect within ``MLXDIST_CONNECT_TIMEOUT`` seconds
+ends the rank with one line (MLX's own start would wait forever).
 
 Under ``mlx.launch`` the launcher has set all of that; ``launched_backend``
 reads which backend it chose from what it set.
@@ -24,13 +32,13 @@ reads which backend it chose from what it set.
 import json
 import os
 import socket
-import subprocess
-import sys
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 from mlxdist import envs
+from mlxdist.runtime.addresses import address_toward, describe_host, same_host
 from mlxdist.runtime.plane import comm_allgather_json
 
 
@@ -41,41 +49,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def interface_address(name: str) -> str:
-    """The IPv4 address of network interface ``name`` (e.g. ``bridge0``, the
-    Thunderbolt bridge on macOS, or ``en5``)."""
-    if sys.platform.startswith("linux"):
-        import fcntl
-        import struct
-
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            try:
-                packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))  # SIOCGIFADDR
-            except OSError:
-                raise RuntimeError(f"MLXDIST_RING_INTERFACE={name}: no IPv4 address on that interface here") from None
-        return socket.inet_ntoa(packed[20:24])
-    out = subprocess.run(["ifconfig", name], capture_output=True, text=True).stdout.split()
-    for word, value in zip(out, out[1:]):
-        if word == "inet":
-            return value
-    raise RuntimeError(f"MLXDIST_RING_INTERFACE={name}: no IPv4 address on that interface here")
-
-
 def ring_hosts(entries: List[Tuple[str, str, int]]) -> List[List[str]]:
-    """MLX's ring hostfile from each rank's (host name, address, port), in
-    rank order: loopback for every rank when they share one host."""
+    """MLX's ring hostfile from each rank's (host, address, port), in rank
+    order: loopback for every rank when they share one host."""
     one_host = len({name for name, _, _ in entries}) == 1
     return [[f"{'127.0.0.1' if one_host else address}:{port}"] for _, address, port in entries]
-
-
-def _my_address() -> str:
-    interface = envs.get("MLXDIST_RING_INTERFACE")
-    if interface:
-        return interface_address(interface)
-    try:
-        return socket.gethostbyname(socket.gethostname())
-    except OSError:
-        return "127.0.0.1"
 
 
 def _write_temp(prefix: str, obj: Any) -> str:
@@ -85,58 +63,124 @@ def _write_temp(prefix: str, obj: Any) -> str:
     return path
 
 
+def _hosts(comm) -> List[Dict[str, Any]]:
+    """Every rank's ``addresses.describe_host()``, in rank order."""
+    return comm_allgather_json(comm, describe_host())
+
+
+def _host_key(host: Dict[str, Any]) -> str:
+    return json.dumps([host["name"], sorted(map(tuple, host["addresses"]))])
+
+
 def start_ring(comm):
-    """MLX's ring group over the mpirun job ``comm`` spans."""
+    """MLX's ring group over the mpirun job ``comm`` spans. MLX's ring has
+    each rank accept its left neighbour's connection on the addresses it
+    lists and connect to its right neighbour's: so each rank lists its
+    address toward its left neighbour (one address per link, as a ring of
+    cables needs)."""
     import mlx.core as mx
 
-    mine = [socket.gethostname(), _my_address(), free_port()]
-    hosts = ring_hosts([tuple(e) for e in comm_allgather_json(comm, mine)])
-    path = _write_temp("mlxdist-ring-", hosts)
+    rank, size = comm.Get_rank(), comm.Get_size()
+    hosts = _hosts(comm)
+    left = hosts[(rank - 1) % size]
+    address = address_toward(hosts[rank], left, envs.get("MLXDIST_RING_INTERFACE"))
+    entries = comm_allgather_json(comm, [_host_key(hosts[rank]), address, free_port()])
+    ring = ring_hosts([tuple(e) for e in entries])
+    path = _write_temp("mlxdist-ring-", ring)
     envs.put("MLX_HOSTFILE", path)
-    envs.put("MLX_RANK", comm.Get_rank())
-    try:
-        return mx.distributed.init(backend="ring", strict=True)
-    except RuntimeError as e:
-        raise RuntimeError(f"MLX's ring backend did not start: {e}") from None
-    finally:
-        os.unlink(path)  # read by the init
+    envs.put("MLX_RANK", rank)
+    right = (rank + 1) % size
+    with _deadline(f"MLX's ring backend did not connect: rank {rank} listens on {ring[rank][0]} for rank "
+                   f"{(rank - 1) % size} and connects to rank {right} at {ring[right][0]}"):
+        try:
+            return mx.distributed.init(backend="ring", strict=True)
+        except RuntimeError as e:
+            raise RuntimeError(f"MLX's ring backend did not start: {e}") from None
+        finally:
+            os.unlink(path)  # read by the init
 
 
-def read_devices(path: str, size: int) -> List[List[Optional[str]]]:
+class _deadline:
+    """Ends this rank with one line if the block outlasts
+    ``MLXDIST_CONNECT_TIMEOUT`` seconds: MLX's ring and JACCL starts wait
+    for a peer that cannot reach them forever, without a word."""
+
+    def __init__(self, message: str):
+        self.message = message
+        self.timer = None
+
+    def __enter__(self):
+        seconds = envs.get("MLXDIST_CONNECT_TIMEOUT")
+
+        def expire():
+            from mlxdist.errors import say_error
+
+            say_error(f"{self.message} within {seconds} s (a firewall, a link down, or an address the "
+                      f"peer cannot reach: check with python -m mlxdist.doctor --backend mpi)")
+            os._exit(1)
+
+        self.timer = threading.Timer(seconds, expire)
+        self.timer.daemon = True
+        self.timer.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.timer.cancel()
+        return False
+
+
+def read_devices(path: str, size: int, ring: bool = False) -> List[List[Optional[str]]]:
     """The RDMA device matrix for ``size`` ranks from ``path``: the matrix
     itself, or an ``mlx.distributed_config`` hostfile (its hosts' ``rdma``);
-    checked as ``mlx.launch`` checks it (one line per problem)."""
+    checked as ``mlx.launch`` checks it (one line per problem). ``ring``
+    (jaccl-ring): only neighbours need a device between them."""
     try:
         data = json.loads(Path(path).read_text())
     except (OSError, ValueError) as e:
         raise RuntimeError(f"MLXDIST_JACCL_DEVICES={path}: cannot read it as JSON ({e})") from None
     if isinstance(data, dict):
-        data = [h.get("rdma", []) for h in data.get("hosts", [])]
+        data = [h.get("rdma", []) if isinstance(h, dict) else None for h in data.get("hosts", [])]
     if not isinstance(data, list) or len(data) != size or any(not isinstance(r, list) or len(r) != size for r in data):
         raise RuntimeError(f"MLXDIST_JACCL_DEVICES={path}: needs {size} rows of {size} RDMA device names "
                            f"(one row per rank), for a job of {size} ranks")
     if any(data[i][i] is not None for i in range(size)):
         raise RuntimeError(f"MLXDIST_JACCL_DEVICES={path}: a rank's own entry (the diagonal) must be null")
-    missing = [(i, j) for i in range(size) for j in range(size) if i != j and not data[i][j]]
+    peers = (lambda i: {(i - 1) % size, (i + 1) % size}) if ring else (lambda i: range(size))
+    missing = [(i, j) for i in range(size) for j in sorted(peers(i)) if i != j and not data[i][j]]
     if missing:
+        needs = "a cable to each neighbour in the ring" if ring else "a cable between every pair (or use jaccl-ring)"
         raise RuntimeError(f"MLXDIST_JACCL_DEVICES={path}: no RDMA device from rank {missing[0][0]} "
-                           f"to rank {missing[0][1]} (JACCL needs a cable between every pair)")
+                           f"to rank {missing[0][1]} (JACCL needs {needs})")
     return data
 
 
-def jaccl_environment(rank: int, devices: List[List[Optional[str]]], coordinator: str) -> Dict[str, str]:
+def jaccl_environment(rank: int, devices: List[List[Optional[str]]], coordinator: str,
+                      ring: bool = False) -> Dict[str, str]:
     """What MLX's JACCL init reads, for ``rank``: the device file's content
-    (written to a file named by ``MLX_IBV_DEVICES``), the coordinator and
-    the rank."""
-    return {"MLX_IBV_DEVICES": json.dumps(devices), "MLX_JACCL_COORDINATOR": coordinator, "MLX_RANK": str(rank)}
+    (written to a file named by ``MLX_IBV_DEVICES``), the coordinator, the
+    rank and, for jaccl-ring, ``MLX_JACCL_RING`` (as ``mlx.launch`` sets it)."""
+    env = {"MLX_IBV_DEVICES": json.dumps(devices), "MLX_JACCL_COORDINATOR": coordinator, "MLX_RANK": str(rank)}
+    if ring:
+        env["MLX_JACCL_RING"] = "1"
+    return env
 
 
 JACCL_MISSING = ("the jaccl backend needs MLX's RDMA support (macOS 26.2 or later, RDMA enabled with "
                  "'rdma_ctl enable' in Recovery, Thunderbolt 5 cables); this MLX has none: use --backend ring")
 
 
-def start_jaccl(comm):
-    """MLX's JACCL group over the mpirun job ``comm`` spans."""
+def coordinator_address(comm) -> str:
+    """Rank 0's address as rank 1 reaches it (loopback when they share a
+    host), the same on every rank: where JACCL's and NCCL's ranks meet."""
+    hosts = _hosts(comm)
+    address = address_toward(hosts[0], hosts[1 % len(hosts)], envs.get("MLXDIST_RING_INTERFACE"))
+    if any(not same_host(hosts[0], h) for h in hosts) and address == "127.0.0.1":
+        raise RuntimeError(f"rank 0's host {hosts[0]['name']} has no address its peers reach")
+    return address
+
+
+def start_jaccl(comm, ring: bool = False):
+    """MLX's JACCL group over the mpirun job ``comm`` spans (``ring``: jaccl-ring)."""
     import mlx.core as mx
 
     if not mx.distributed.is_available("jaccl"):
@@ -145,28 +189,30 @@ def start_jaccl(comm):
     if path is None:
         raise RuntimeError("the jaccl backend needs MLXDIST_JACCL_DEVICES: the file of RDMA device names "
                            "between the ranks (mlx.distributed_config --backend jaccl writes one)")
-    devices = read_devices(str(path), comm.Get_size())
-    entries = comm_allgather_json(comm, [socket.gethostname(), _my_address(), free_port()])
-    one_host = len({name for name, _, _ in entries}) == 1
-    coordinator = f"{'127.0.0.1' if one_host else entries[0][1]}:{entries[0][2]}"
-    env = jaccl_environment(comm.Get_rank(), devices, coordinator)
+    devices = read_devices(str(path), comm.Get_size(), ring)
+    address = coordinator_address(comm)
+    port = comm_allgather_json(comm, free_port())[0]  # rank 0's
+    env = jaccl_environment(comm.Get_rank(), devices, f"{address}:{port}", ring)
     device_file = _write_temp("mlxdist-jaccl-", devices)
     envs.put("MLX_IBV_DEVICES", device_file)
-    envs.put("MLX_JACCL_COORDINATOR", env["MLX_JACCL_COORDINATOR"])
-    envs.put("MLX_RANK", env["MLX_RANK"])
-    try:
-        return mx.distributed.init(backend="jaccl", strict=True)
-    except RuntimeError as e:
-        raise RuntimeError(f"MLX's jaccl backend did not start: {e}") from None
-    finally:
-        os.unlink(device_file)
+    for name in ("MLX_JACCL_COORDINATOR", "MLX_RANK", "MLX_JACCL_RING"):
+        if name in env:
+            envs.put(name, env[name])
+    with _deadline(f"MLX's jaccl backend did not connect: rank {comm.Get_rank()} meets the others at "
+                   f"{env['MLX_JACCL_COORDINATOR']}"):
+        try:
+            return mx.distributed.init(backend="jaccl", strict=True)
+        except RuntimeError as e:
+            raise RuntimeError(f"MLX's jaccl backend did not start: {e}") from None
+        finally:
+            os.unlink(device_file)
 
 
 def launched_backend() -> str:
     """The backend ``mlx.launch`` started this process for, from what it set:
-    jaccl (its device file), nccl (its rendezvous), else ring."""
+    jaccl or jaccl-ring (its device file), nccl (its rendezvous), else ring."""
     if envs.is_set("MLX_IBV_DEVICES") or envs.is_set("MLX_JACCL_COORDINATOR"):
-        return "jaccl"
+        return "jaccl-ring" if envs.get("MLX_JACCL_RING") else "jaccl"
     if envs.is_set("NCCL_HOST_IP") and envs.is_set("MLX_WORLD_SIZE"):
         return "nccl"
     return "ring"

@@ -38,12 +38,11 @@ from pathlib import Path
 from typing import Any, Callable, List, Optional, Tuple
 
 import mlx.core as mx
-import numpy as np
 
 from mlxdist import envs
 from mlxdist.errors import keep_traceback, say_error
 from mlxdist.runtime import backends, survival
-from mlxdist.runtime.plane import Control, MlxControl, MpiControl, SoloControl
+from mlxdist.runtime.plane import Control, MlxControl, MpiControl, SoloControl, comm_allgather_json
 
 
 def _launched_by_mpirun() -> int:
@@ -109,7 +108,7 @@ class World:
     size: int  # at launch; ranks keep their numbers after a loss (survival.py)
     group: mx.distributed.Group
     comm: Any = None
-    backend: str = "mpi"  # MLX's transport for arrays: "mpi", "nccl", "ring" or "jaccl"
+    backend: str = "mpi"  # MLX's transport for arrays: "mpi", "nccl", "ring", "jaccl" or "jaccl-ring"
     tolerant: bool = False  # launched with fault tolerance: a lost rank is recovered from (survival.py)
     alive: List[int] = field(default_factory=list)  # original ranks in the communicator, by position
     lost: List[int] = field(default_factory=list)
@@ -131,7 +130,7 @@ class World:
 
 
 _WORLD: Optional[World] = None
-BACKENDS = ("mpi", "nccl", "ring", "jaccl")
+BACKENDS = ("mpi", "nccl", "ring", "jaccl", "jaccl-ring")
 # NCCL_MAX_NCHANNELS: two unless set (envs.py; docs/notes/nccl-channels.md).
 # Open MPI's launcher sometimes fails before starting any rank, with this on
 # stderr; nothing of ours ran, so the launch may be tried again.
@@ -165,12 +164,14 @@ def init_world(backend: Optional[str] = None) -> World:
         _WORLD = World(0, 1, mx.distributed.init(strict=False))
         return _WORLD
 
-    if backend in ("ring", "jaccl"):
+    if backend in ("ring", "jaccl", "jaccl-ring"):
         # MLX's TCP or RDMA backend carries the arrays; mpi4py starts MPI for the control plane.
         from mpi4py import MPI
 
-        start = backends.start_ring if backend == "ring" else backends.start_jaccl
-        group = start(MPI.COMM_WORLD)
+        if backend == "ring":
+            group = backends.start_ring(MPI.COMM_WORLD)
+        else:
+            group = backends.start_jaccl(MPI.COMM_WORLD, ring=backend == "jaccl-ring")
     elif backend == "nccl":
         # NCCL carries the arrays (on CUDA); mpi4py starts MPI for the control plane.
         from mpi4py import MPI
@@ -249,12 +250,12 @@ def _init_mlx_launch(backend: str) -> World:
     if survival.enabled():
         raise RuntimeError("in-job survival of a lost rank needs Open MPI's ULFM: launch with "
                            "launch/mpirun --survive, not mlx.launch")
-    if backend == "jaccl" and not mx.distributed.is_available("jaccl"):
+    if backend.startswith("jaccl") and not mx.distributed.is_available("jaccl"):
         raise RuntimeError(backends.JACCL_MISSING)
     if backend == "ring" and backends.hostfile_ranks() <= 1:  # mlx.launch -n 1
         return World(0, 1, mx.distributed.init(strict=False), backend=backend)
     try:
-        group = mx.distributed.init(backend=backend, strict=True)
+        group = mx.distributed.init(backend="jaccl" if backend == "jaccl-ring" else backend, strict=True)
     except RuntimeError as e:
         raise RuntimeError(f"MLX's {backend} backend did not start under mlx.launch: {e}") from None
     sys.excepthook = _failing(sys.excepthook)
@@ -292,32 +293,13 @@ def _finalize_and_exit() -> None:
 
 def nccl_rendezvous(comm) -> Tuple[str, int]:
     """Where NCCL's ranks meet, the same on every rank: rank 0's address
-    (``NCCL_HOST_IP`` if set there, else its host name's; 127.0.0.1 when the
-    whole job is on one host) and a port free on rank 0 now (``NCCL_PORT`` if
-    set there), so that two jobs on one host do not collide."""
-    import socket
-
-    if comm.Get_rank() == 0:
-        port = envs.get("NCCL_PORT")
-        if port is None:
-            with socket.socket() as s:
-                s.bind(("", 0))
-                port = s.getsockname()[1]
-        host = envs.get("NCCL_HOST_IP")
-        msg = f"{host or ''}|{port}|{socket.gethostname()}".encode()
-    else:
-        msg = None
-    n = np.array([len(msg) if msg else 0], dtype=np.int64)
-    comm.Bcast(n, root=0)
-    buf = np.frombuffer(msg, dtype=np.uint8).copy() if msg else np.empty(int(n[0]), dtype=np.uint8)
-    comm.Bcast(buf, root=0)
-    host, port, root_name = buf.tobytes().decode().split("|")
-    if not host:  # one host for the whole job: loopback, else rank 0's address
-        names = np.array([socket.gethostname() == root_name], dtype=np.int32)
-        everyone = np.empty(1, dtype=np.int32)
-        comm.Allreduce(names, everyone, op=_mpi().MIN)
-        host = "127.0.0.1" if everyone[0] else socket.gethostbyname(root_name)
-    return host, int(port)
+    (``NCCL_HOST_IP`` if set there, else the one rank 1 reaches it at,
+    ``backends.coordinator_address``: 127.0.0.1 when they share a host) and
+    a port free on rank 0 now (``NCCL_PORT`` if set there), so that two jobs
+    on one host do not collide."""
+    address = backends.coordinator_address(comm)
+    host, port = comm_allgather_json(comm, [envs.get("NCCL_HOST_IP"), envs.get("NCCL_PORT") or backends.free_port()])[0]
+    return host or address, int(port)
 
 
 # The control plane, as functions of the world (``World.control``'s
