@@ -183,13 +183,33 @@ exec {self.agent} "$@"
             time.sleep(1)
         return proc
 
-    def mlx_launch(self, order: Sequence[int], args: Sequence, module: str = "mlxdist.run",
-                   env: Optional[dict] = None, timeout: float = 120, backend: str = "ring"):
+    def mlx_launch(self, order: Sequence[int], args: Sequence, module: Optional[str] = "mlxdist.run",
+                   env: Optional[dict] = None, timeout: float = 120, backend: str = "ring", script=None):
         """``mlx.launch --hostfile`` (a JSON object hostfile) over the hosts of
-        ``order``; its ssh is the agent."""
+        ``order`` (``python -m module args``, or ``python script args``); its
+        ssh is the agent."""
+        what = ["-m", module] if script is None else [str(script)]
         cmd = [str(Path(VENV_BIN) / "mlx.launch"), "--backend", backend, "--hostfile",
-               self.json_hostfile(order, backend), "--", sys.executable, "-m", module, *map(str, args)]
+               self.json_hostfile(order, backend), "--", sys.executable, *what, *map(str, args)]
         return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=self.env(env), cwd=ROOT)
+
+    def stop(self, proc: subprocess.Popen, hosts: Sequence[int] = (), grace: float = 20) -> None:
+        """Ctrl-C to a job ``start`` began; after ``grace`` seconds, SIGKILL to
+        it and to every process on ``hosts``."""
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGINT)
+            try:
+                proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        for i in hosts:  # ranks and daemons the agent started there
+            for pid in subprocess.run(["ip", "netns", "pids", self.namespaces[i]], capture_output=True,
+                                      text=True).stdout.split():
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
 
     def link(self, host: int, up: bool) -> None:
         """Host ``host``'s cable to the bridge plugged in or pulled out."""
