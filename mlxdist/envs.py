@@ -56,6 +56,8 @@ VARIABLES: Dict[str, Variable] = {v.name: v for v in (
              "(also sleep:...,seconds=S and raise:...; layer=-1 every layer; skip=K the (K+1)-th time; "
              "sequence:max_tokens=N,step=S fails the served requests of max_tokens N at their S-th token). "
              "Unset, it costs nothing (mlxdist/runtime/faults.py).", who="test"),
+    Variable("MLXDIST_DOCTOR_PRETEND", "str", None, "Test-only: python -m mlxdist.doctor reports other "
+             "versions on one rank, e.g. rank=1,mlx=0.0.1, to check that a mismatch is named.", who="test"),
     # -- read from the launcher --------------------------------------------------------------------------
     Variable("OMPI_COMM_WORLD_SIZE", "int", None, "Set by Open MPI's mpirun: the job's size. Absent (and "
              "PMI_SIZE, PMIX_SIZE too): one rank, no MPI."),

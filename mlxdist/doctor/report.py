@@ -1,0 +1,102 @@
+"""The doctor's findings: the problems (one line each) and the table."""
+
+from typing import Any, Dict, List, Optional
+
+from mlxdist.doctor.links import hosts_differ
+
+VERSIONED = ("python", "mlx", "mlx-lm", "mlxdist", "mpi4py")
+HEADROOM = 1.2  # weights x this must fit a rank's available memory (activations, caches, the OS)
+
+
+def problems(ranks: List[Dict[str, Any]], addresses: List[Dict[str, Any]], reach: List[List[Optional[bool]]],
+             min_disk_gb: float = 1.0) -> List[str]:
+    """Every problem found, one line each (empty: ready)."""
+    found = []
+    for name in VERSIONED:
+        seen = {r["versions"].get(name) for r in ranks}
+        if len(seen) > 1:
+            found.append(f"{name} versions differ: " + ", ".join(f"rank {r['rank']} {r['versions'].get(name)}"
+                                                                  for r in ranks))
+    if len({r["mpi"] for r in ranks}) > 1:
+        found.append("MPI libraries differ: " + ", ".join(f"rank {r['rank']} {r['mpi']}" for r in ranks))
+    for r in ranks:
+        if r["threads"] in ("single", "funneled"):
+            found.append(f"rank {r['rank']}: MPI grants {r['threads']} thread use; mlxdist needs serialized or "
+                         f"multiple")
+    n = len(ranks)
+    for i in range(n):
+        for j, error in addresses[i]["errors"].items():
+            found.append(f"rank {i} cannot reach rank {j}: {error}")
+        for j in range(n):
+            toward = addresses[i]["toward"][j]
+            if i != j and toward and toward.startswith("127.") and hosts_differ(addresses, i, j):
+                found.append(f"rank {i} gives rank {j} (another host) the loopback address {toward}: "
+                             f"unset MLXDIST_RING_INTERFACE or name the interface between the hosts")
+            elif reach[j][i] is False:
+                found.append(f"rank {j} cannot connect to rank {i} at {toward} (a firewall, or no route)")
+    found += _model_problems(ranks, min_disk_gb)
+    return found
+
+
+def _model_problems(ranks: List[Dict[str, Any]], min_disk_gb: float) -> List[str]:
+    found = []
+    for r in ranks:
+        if r["cache_free_gb"] is not None and r["cache_free_gb"] < min_disk_gb:
+            found.append(f"rank {r['rank']}: {r['cache_free_gb']:.1f} GB free at {r['cache']} (the model cache)")
+    models = [r["model"] for r in ranks if r["model"] is not None]
+    if not models:
+        return found
+    for r in ranks:
+        if not r["model"]["present"]:
+            found.append(f"rank {r['rank']}: no model: {r['model']['where']}")
+    present = [r for r in ranks if r["model"]["present"]]
+    if len({r["model"]["fingerprint"] for r in present}) > 1:
+        found.append("the model differs between ranks: " + ", ".join(
+            f"rank {r['rank']} {r['model']['fingerprint']}" for r in present))
+    for r in present:
+        need = r["model"]["weights_gb"] / len(ranks) * HEADROOM
+        if r["available_gb"] is not None and need > r["available_gb"]:
+            found.append(f"rank {r['rank']}: too little memory for the model: about {need:.1f} GB needed "
+                         f"(its share of {r['model']['weights_gb']:.1f} GB of weights), {r['available_gb']:.1f} "
+                         f"GB available")
+    return found
+
+
+def _gb(value: Optional[float]) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+def table(ranks: List[Dict[str, Any]], addresses: List[Dict[str, Any]], timing: Dict[str, Any]) -> str:
+    """One table: a row per rank, then the link matrix."""
+    head = ["rank", "host", "os", "python", "mlx", "mlx-lm", "mlxdist", "mpi4py", "mpi (threads)", "backend",
+            "mem GB total/avail/wired", "cache free GB", "model"]
+    rows = [head]
+    for r in ranks:
+        v, m = r["versions"], r["model"]
+        model = "-" if m is None else (f"{m['fingerprint']} {m['weights_gb']:.2f} GB" if m["present"] else "missing")
+        rows.append([str(r["rank"]), r["host"], r["os"], v["python"], v["mlx"], v["mlx-lm"], v["mlxdist"],
+                     v["mpi4py"], f"{r['mpi']} ({r['threads']})", r["backend"],
+                     f"{_gb(r['total_gb'])}/{_gb(r['available_gb'])}/{_gb(r['wired_limit_gb'])}",
+                     _gb(r["cache_free_gb"]), model])
+    lines = _columns(rows)
+    n = len(ranks)
+    if n > 1:
+        lines += ["", f"links over {ranks[0]['backend']}: latency (us, {8} B) / bandwidth (GB/s, 4 MiB); "
+                      f"row i, column j: rank j's address toward rank i"]
+        cells = {(i, j): f"{lat * 1e6:.0f} / {bw / 1e9:.2f}" for i, j, lat, bw in timing.get("pairs", [])}
+        grid = [["", *map(str, range(n))]]
+        for i in range(n):
+            row = [str(i)]
+            for j in range(n):
+                pair = cells.get((min(i, j), max(i, j)), "-")
+                row.append("" if i == j else f"{addresses[j]['toward'][i] or '?'} {pair}")
+            grid.append(row)
+        lines += _columns(grid)
+        if "all_sum_seconds" in timing:
+            lines.append(f"all_sum of 8 B over the group: {timing['all_sum_seconds'] * 1e6:.0f} us (nccl has no send)")
+    return "\n".join(lines)
+
+
+def _columns(rows: List[List[str]]) -> List[str]:
+    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+    return ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
