@@ -2,9 +2,26 @@
 # Creates .venv beside this repository and installs mlxdist with MLX (CPU build
 # on Linux, Metal on macOS), mlx-lm, mpi4py and, on Linux, Open MPI from PyPI.
 #   EXTRAS=cuda launch/setup.sh     # MLX's CUDA build instead (Linux)
+#   PYTHON=python3.12 launch/setup.sh   # a given Python (3.10 or later)
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
-python="${PYTHON:-python3}"
+# mlxdist needs Python 3.10 or later; a stock Mac's python3 is Apple's 3.9,
+# so take the newest python3.1x on the PATH (Homebrew's, python.org's) first.
+python="${PYTHON:-}"
+if [ -z "$python" ]; then
+  for candidate in python3.13 python3.12 python3.11 python3.10 python3; do
+    if command -v "$candidate" >/dev/null && "$candidate" -c 'import sys; sys.exit(sys.version_info < (3, 10))'; then
+      python="$candidate"
+      break
+    fi
+  done
+fi
+if [ -z "$python" ] || ! "$python" -c 'import sys; sys.exit(sys.version_info < (3, 10))' 2>/dev/null; then
+  echo "setup.sh: mlxdist needs Python 3.10 or later, not $("${python:-python3}" --version 2>&1 | head -1)." >&2
+  echo "  On a Mac: brew install python@3.12 (or python.org's installer), then run this again," >&2
+  echo "  or name one: PYTHON=/path/to/python3.12 launch/setup.sh" >&2
+  exit 1
+fi
 if [ ! -x "$root/.venv/bin/python" ]; then
   "$python" -m venv "$root/.venv"
 fi

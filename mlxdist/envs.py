@@ -46,6 +46,10 @@ VARIABLES: Dict[str, Variable] = {v.name: v for v in (
              "interface whose address each rank listens on (e.g. bridge0, the Thunderbolt bridge); also where "
              "jaccl's and nccl's ranks meet rank 0. Unset: the address on the peer's network, else on the "
              "route to it (never loopback across hosts)."),
+    Variable("MLXDIST_ALLOW_SLEEP", "bool", False, "macOS: let a rank's Mac sleep during a job or server "
+             "(--allow-sleep sets it); unset, each rank holds caffeinate -i -w PID."),
+    Variable("MLXDIST_TRUST_REMOTE_CODE", "bool", False, "Run the model repository's own tokenizer code "
+             "(--trust-remote-code sets it; docs/SECURITY.md)."),
     Variable("MLXDIST_CONNECT_TIMEOUT", "int", 60, "ring, jaccl and jaccl-ring under mpirun: seconds a rank "
              "waits for its peers to connect at start-up before it ends the job with one line."),
     Variable("MLXDIST_JACCL_DEVICES", "path", None, "jaccl backend under mpirun: JSON of the RDMA device names "

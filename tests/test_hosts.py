@@ -6,6 +6,8 @@ to 4 hosts, dp stays within its tolerance, the server answers a client on anothe
 host, and a cable pulled mid-generation gives the documented behaviour."""
 
 import json
+import os
+import subprocess
 import sys
 import time
 
@@ -118,3 +120,48 @@ def test_a_pulled_cable_mid_generation(hosts, checkpoint):
     err = proc.stderr.read()
     assert "mlxdist: warning: lost rank 2; going on with 2" in err, err[-3000:]
     assert text == clean.stdout
+
+
+# -- what a Mac's first steps need, checked where they can be on Linux -----------------------------------------
+
+
+def test_rank_memory_reads_mlx_distributed_config_object(tmp_path):
+    from mlxdist.model.placement import parse_rank_memory
+
+    hosts = tmp_path / "hosts.json"
+    hosts.write_text(json.dumps({"backend": "ring", "envs": [], "hosts": [
+        {"ssh": "a", "ips": ["10.0.0.1"], "rdma": [], "memory_gb": 64}, {"ssh": "b", "ips": [], "memory_gb": 32}]}))
+    assert parse_rank_memory(str(hosts), 2) == [64.0, 32.0]
+
+
+def test_a_mac_rank_holds_a_sleep_assertion_unless_allowed(tmp_path, monkeypatch):
+    """caffeinate -i -w PID while the process lives (a stand-in caffeinate
+    records its arguments); none with MLXDIST_ALLOW_SLEEP, none off macOS."""
+    from mlxdist.runtime import awake
+
+    seen = tmp_path / "args"
+    fake = tmp_path / "caffeinate"
+    fake.write_text(f"#!/bin/sh\necho \"$@\" > {seen}\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    assert awake.hold("linux") is None
+    proc = awake.hold("darwin")
+    proc.wait(10)
+    assert seen.read_text().split() == ["-i", "-w", str(os.getpid())]
+    monkeypatch.setenv("MLXDIST_ALLOW_SLEEP", "1")
+    assert awake.hold("darwin") is None
+
+
+@pytest.mark.parametrize("platform", ["linux", "darwin"])
+def test_a_template_past_its_memory_cap_is_refused(platform):
+    """The template child's memory cap where RLIMIT_AS is not enforced
+    (macOS's path: RLIMIT_DATA and a watch on resident memory), as on Linux."""
+    child = ROOT / "mlxdist/serving/render_child.py"
+    run = f"import sys, runpy; sys.platform = {platform!r}; sys.argv = [{str(child)!r}]; runpy.run_path(sys.argv[0], run_name='__main__')"
+    job = {"template": "{% set x = 'ab' * 200000000 %}{{ x | length }}", "variables": {}, "memory": 300 << 20,
+           "cpu_seconds": 20, "max_chars": 1000}
+    proc = subprocess.run([sys.executable, "-c", run], input=json.dumps(job), capture_output=True, text=True, timeout=60)
+    assert "error" in json.loads(proc.stdout), proc.stderr[-2000:]
+    job["template"] = "{{ 'ab' * 3 }}"
+    proc = subprocess.run([sys.executable, "-c", run], input=json.dumps(job), capture_output=True, text=True, timeout=60)
+    assert json.loads(proc.stdout) == {"text": "ababab"}

@@ -93,6 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT,
                    help="seconds without progress before a generation is declared hung (default %(default)s)")
     p.add_argument("--logprobs-out", help="save each step's log-probabilities (.npy) for checks")
+    add_host_flags(p)
     return p
 
 
@@ -106,6 +107,25 @@ class RankZeroParser(argparse.ArgumentParser):
         if launcher_rank() != 0:
             self.exit(0)
         super().error(message)
+
+
+def add_host_flags(p: argparse.ArgumentParser) -> None:
+    """--trust-remote-code and --allow-sleep (the run and the server)."""
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="run the model repository's own tokenizer code (Kimi K2 needs it); off by default, see "
+                        "docs/SECURITY.md")
+    p.add_argument("--allow-sleep", action="store_true",
+                   help="macOS: let the Macs sleep during the job (by default each rank holds caffeinate -i)")
+
+
+def apply_host_flags(args) -> None:
+    """The flags of ``add_host_flags`` as the environment every rank reads (envs.py)."""
+    import os
+
+    if args.trust_remote_code:
+        os.environ["MLXDIST_TRUST_REMOTE_CODE"] = "1"
+    if args.allow_sleep:
+        os.environ["MLXDIST_ALLOW_SLEEP"] = "1"
 
 
 def _rank_memory(text: str) -> List[float]:
@@ -276,6 +296,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     if args.jobs and not args.out:
         build_parser().error("--jobs needs --out")
+    apply_host_flags(args)
     cluster = init(timeout=args.timeout, backend=args.backend)
     code = run_or_abort(cluster.world, command_loop, cluster, args)
     cluster.shutdown(code)

@@ -11,6 +11,7 @@ from typing import List, Optional
 from mlxdist.api import init
 from mlxdist.config import EXPERT_SPLITS
 from mlxdist.errors import UserError, say_error
+from mlxdist.cli.run import add_host_flags, apply_host_flags
 from mlxdist.model.placement import parse_rank_memory
 from mlxdist.runtime.watchdog import DEFAULT_TIMEOUT
 from mlxdist.runtime.world import BACKENDS, launcher_rank, set_exit_code
@@ -59,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "on rank 0 in a sandbox bounded in time, memory and output; refused by default "
                         "(see docs/SECURITY.md).")
     p.add_argument("--backend", choices=BACKENDS, default=None, help="MLX's transport for arrays.")
+    add_host_flags(p)
     p.add_argument("--dispatch", choices=("collective", "dp"), default="collective",
                    help="collective: every rank decodes every sequence (exact); dp: each rank a share of the live "
                         "sequences (not bit-exact; no prompt cache, no top_logprobs)")
@@ -116,6 +118,7 @@ def check_options(args: argparse.Namespace) -> Optional[str]:
 def main(argv: Optional[List[str]] = None) -> int:
     """``python -m mlxdist.serve``."""
     args = build_parser().parse_args(argv)
+    apply_host_flags(args)
     problem = check_options(args)
     if problem:
         if launcher_rank() != 0:

@@ -14,7 +14,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.utils import load_tokenizer
 
-from mlxdist import __version__
+from mlxdist import __version__, envs
 from mlxdist.config import LoadOptions
 from mlxdist.dispatch import DenseRanks, LayerOwnership, RowDispatcher, make_dispatcher, modes
 from mlxdist.engine.engine import Engine
@@ -134,7 +134,7 @@ def load_engine(world: World, options: LoadOptions) -> Engine:
     if runs_dense:
         mx.eval(lazy_model.parameters())
         try:
-            tokenizer = load_tokenizer(path)
+            tokenizer = load_tokenizer(path, {"trust_remote_code": envs.get("MLXDIST_TRUST_REMOTE_CODE")})
         except Exception as e:
             reason = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise UserError(f"cannot load the tokenizer in {path} (tokenizer.json): {reason}") from None

@@ -196,10 +196,15 @@ def _check_owners(owners: Owners, num_ranks: int, where: str) -> None:
 
 
 def _hostfile_budgets(path: str) -> List[float]:
-    """Each host's ``memory_gb`` from a JSON hostfile, in order."""
+    """Each host's ``memory_gb`` from a JSON hostfile, in order: a list of
+    hosts, or ``mlx.distributed_config``'s object (``{"backend", "envs",
+    "hosts": [...]}``)."""
     hosts = read_json(path, "--rank-memory host", PlacementError)
+    if isinstance(hosts, dict) and "hosts" in hosts:
+        hosts = hosts["hosts"]
     if not isinstance(hosts, list) or not hosts:
-        raise PlacementError(f"hostfile {path} must be a JSON list of hosts (mlx.launch's form)")
+        raise PlacementError(f"hostfile {path} must be a JSON list of hosts or an object with \"hosts\" "
+                             f"(mlx.launch's forms)")
     budgets = []
     for i, host in enumerate(hosts):
         gb = host.get("memory_gb") if isinstance(host, dict) else None

@@ -41,7 +41,7 @@ import mlx.core as mx
 
 from mlxdist import envs
 from mlxdist.errors import keep_traceback, say_error
-from mlxdist.runtime import backends, survival
+from mlxdist.runtime import awake, backends, survival
 from mlxdist.runtime.plane import Control, MlxControl, MpiControl, SoloControl, comm_allgather_json
 
 
@@ -152,6 +152,7 @@ def init_world(backend: Optional[str] = None) -> World:
     global _WORLD
     if _WORLD is not None:
         return _WORLD
+    awake.hold()
     backend = backend or envs.get("MLXDIST_BACKEND")
     if backend is None:
         backend = backends.launched_backend() if launched_by_mlx_launch() else default_backend()

@@ -1,14 +1,21 @@
 """The child process of ``templates.render``: one chat template rendered in
-jinja2's ``ImmutableSandboxedEnvironment`` under an address-space and a CPU
-rlimit, its output cut at ``max_chars``. Reads the job as JSON on stdin,
+jinja2's ``ImmutableSandboxedEnvironment`` under a CPU rlimit and a memory
+cap, its output cut at ``max_chars``. The memory cap is ``RLIMIT_AS`` on
+Linux; macOS does not enforce that one (setting it below the address space
+already mapped fails), so there the cap is ``RLIMIT_DATA`` where it can be
+set and, always, a thread that ends the child once its resident memory
+passes the cap. Reads the job as JSON on stdin,
 writes ``{"text": ...}`` or ``{"error": ...}`` on stdout. Standard library
 and jinja2 only: it runs as a file (``python -I render_child.py``), not as
 part of the package.
 """
 
 import json
+import os
 import resource
 import sys
+import threading
+import time
 from datetime import datetime
 
 
@@ -16,9 +23,30 @@ def _raise(message):
     raise ValueError(message)
 
 
+def _cap_memory(limit: int) -> None:
+    if sys.platform.startswith("linux"):
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+        return
+    try:
+        resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
+    except (ValueError, OSError):
+        pass
+    per_kb = 1 if sys.platform == "darwin" else 1024  # ru_maxrss: bytes on macOS, KB elsewhere
+
+    def watch():
+        while True:
+            if resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * per_kb > limit:
+                sys.stdout.buffer.write(json.dumps({"error": "MemoryError: over the template memory cap"}).encode())
+                sys.stdout.flush()
+                os._exit(0)
+            time.sleep(0.01)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
 def main() -> int:
     job = json.loads(sys.stdin.buffer.read())
-    resource.setrlimit(resource.RLIMIT_AS, (job["memory"], job["memory"]))
+    _cap_memory(job["memory"])
     resource.setrlimit(resource.RLIMIT_CPU, (job["cpu_seconds"], job["cpu_seconds"]))
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 

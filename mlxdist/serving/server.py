@@ -32,6 +32,7 @@ from typing import Any, Dict
 
 from mlx_lm import server as lm_server
 
+from mlxdist import envs
 from mlxdist.runtime.watchdog import ACTIVITY, ON_FATAL
 from mlxdist.serving.http import (
     DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_QUEUED, DEFAULT_MAX_QUEUED_CHARS, HTTPServer,
@@ -48,7 +49,8 @@ def lm_server_args(options: Dict[str, Any]) -> argparse.Namespace:
     return argparse.Namespace(
         model=options["model"], adapter_path=None, draft_model=options.get("draft_model"),
         num_draft_tokens=options.get("num_draft_tokens", 3),
-        trust_remote_code=False, chat_template=options["chat_template"], use_default_chat_template=False,
+        trust_remote_code=envs.get("MLXDIST_TRUST_REMOTE_CODE"), chat_template=options["chat_template"],
+        use_default_chat_template=False,
         temp=options["temp"], top_p=options["top_p"], top_k=0, min_p=0.0, max_tokens=options["max_tokens"],
         chat_template_args={}, decode_concurrency=options["max_concurrent"],
         prompt_concurrency=options["prompt_concurrency"], prefill_step_size=options["prefill_step_size"],
