@@ -46,10 +46,6 @@ VARIABLES: Dict[str, Variable] = {v.name: v for v in (
              "interface whose address each rank listens on (e.g. bridge0, the Thunderbolt bridge); also where "
              "jaccl's and nccl's ranks meet rank 0. Unset: the address on the peer's network, else on the "
              "route to it (never loopback across hosts)."),
-    Variable("MLXDIST_ALLOW_SLEEP", "bool", False, "macOS: let a rank's Mac sleep during a job or server "
-             "(--allow-sleep sets it); unset, each rank holds caffeinate -i -w PID."),
-    Variable("MLXDIST_TRUST_REMOTE_CODE", "bool", False, "Run the model repository's own tokenizer code "
-             "(--trust-remote-code sets it; docs/SECURITY.md)."),
     Variable("MLXDIST_CONNECT_TIMEOUT", "int", 60, "ring, jaccl and jaccl-ring under mpirun: seconds a rank "
              "waits for its peers to connect at start-up before it ends the job with one line."),
     Variable("MLXDIST_JACCL_DEVICES", "path", None, "jaccl backend under mpirun: JSON of the RDMA device names "
@@ -85,6 +81,11 @@ VARIABLES: Dict[str, Variable] = {v.name: v for v in (
              "mpirun (from MLXDIST_JACCL_DEVICES), by mlx.launch under it.", who="set"),
     Variable("MLX_JACCL_COORDINATOR", "str", None, "jaccl backend: rank 0's address:port where the ranks meet "
              "(a port free on rank 0).", who="set"),
+    Variable("MLXDIST_ALLOW_SLEEP", "bool", False, "macOS: let a rank's Mac sleep during a job or server: "
+             "set by --allow-sleep (or by you, for the Python API); unset, each rank holds caffeinate -i -w PID.",
+             who="set"),
+    Variable("MLXDIST_TRUST_REMOTE_CODE", "bool", False, "Let mlx-lm run the model repository's own tokenizer "
+             "code: set by --trust-remote-code (or by you, for the Python API); docs/SECURITY.md.", who="set"),
     Variable("MLX_JACCL_RING", "bool", False, "jaccl-ring backend: JACCL over a ring of cables (only "
              "neighbours cabled), as mlx.launch --backend jaccl-ring sets it.", who="set"),
     Variable("MLX_WORLD_SIZE", "int", None, "nccl backend: the job's size, for MLX's NCCL init.", who="set"),

@@ -181,7 +181,8 @@ LAYERS = [
     {"mlxdist.engine"},
     {"mlxdist.serving", "mlxdist.executor"},
     {"mlxdist.api"},
-    {"mlxdist.cli", "mlxdist.bench", "mlxdist.run", "mlxdist.serve", "mlxdist.supervise", "mlxdist.place"},
+    {"mlxdist.cli", "mlxdist.bench", "mlxdist.run", "mlxdist.serve", "mlxdist.supervise", "mlxdist.place",
+     "mlxdist.doctor"},
 ]
 
 

@@ -120,12 +120,10 @@ def add_host_flags(p: argparse.ArgumentParser) -> None:
 
 def apply_host_flags(args) -> None:
     """The flags of ``add_host_flags`` as the environment every rank reads (envs.py)."""
-    import os
-
     if args.trust_remote_code:
-        os.environ["MLXDIST_TRUST_REMOTE_CODE"] = "1"
+        envs.put("MLXDIST_TRUST_REMOTE_CODE", 1)
     if args.allow_sleep:
-        os.environ["MLXDIST_ALLOW_SLEEP"] = "1"
+        envs.put("MLXDIST_ALLOW_SLEEP", 1)
 
 
 def _rank_memory(text: str) -> List[float]:
