@@ -2,7 +2,8 @@
 address and host name (tests/netns.py), ranks started on them by mpirun
 through an rsh agent and by ``mlx.launch`` from a JSON hostfile. The exact
 modes equal single-process mlx-lm over MPI and over the ring backend on 2
-to 4 hosts, dp stays within its tolerance, the server answers a client on another
+to 4 hosts, dp stays within its tolerance, budgets follow the host names of
+a budgets file in another order, the server answers a client on another
 host, and a cable pulled mid-generation gives the documented behaviour."""
 
 import json
@@ -69,6 +70,33 @@ def test_dp_across_hosts_within_its_tolerance(hosts, checkpoint):
         assert result["tokens"] == ref_tokens
         worst = max(abs(a - b) for g, r in zip(result["logprobs"], ref_logprobs) for a, b in zip(g, r))
         assert worst <= DP_TOLERANCE
+
+
+def test_budgets_follow_host_names_not_the_order_of_the_file(hosts, checkpoint, tmp_path):
+    """--rank-memory hosts.json (mlx.distributed_config's object, each host's
+    memory_gb) listing the hosts in another order than the launch: each rank
+    gets its own host's budget, so the placement saved gives the most
+    experts to the host with the most memory, whatever its rank."""
+    path = checkpoint("qwen3_moe")
+    budgets = hosts.json_hostfile([2, 0, 1], memory_gb=[0.01, 0.001, 0.002])  # host2 the largest
+    saved = tmp_path / "placement.json"
+    proc = hosts.mpirun([0, 1, 2], ["--model", path, "-p", "Hello", "-m", 2, "--rank-memory", budgets,
+                                    "--save-placement", saved])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    owners = json.loads(saved.read_text())["layers"]["0"]
+    held = [owners.count(r) for r in range(3)]
+    assert held[2] > held[1] > held[0], held  # rank 2 runs on host2
+
+
+def test_budgets_for_ranks_by_name_else_in_order():
+    from mlxdist.model.placement import HostBudgets, PlacementError, budgets_for_ranks
+
+    named = HostBudgets([64.0, 32.0], ["mac1.local", "Mac2"])
+    assert budgets_for_ranks(named, ["mac2.local", "MAC1"]) == [32.0, 64.0]
+    assert budgets_for_ranks(named, ["a", "b"]) == [64.0, 32.0]  # names not the ranks' hosts: the file's order
+    assert budgets_for_ranks([1.0, 2.0], ["mac2", "mac1"]) == [1.0, 2.0]
+    with pytest.raises(PlacementError, match="several ranks run on one host"):
+        budgets_for_ranks(HostBudgets([1.0, 2.0], ["a", "b"]), ["a", "a"])
 
 
 def test_server_answers_a_client_on_another_host(hosts, checkpoint):

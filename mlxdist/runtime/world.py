@@ -31,6 +31,7 @@ after a correct run).
 import atexit
 import glob
 import os
+import socket
 import sys
 import sysconfig
 from dataclasses import dataclass, field
@@ -114,11 +115,13 @@ class World:
     lost: List[int] = field(default_factory=list)
     on_loss: List[Callable[[List[int]], None]] = field(default_factory=list)
     control: Optional[Control] = None  # the control plane (None: mpi4py on comm, or nothing with one rank)
+    hosts: List[str] = field(default_factory=list)  # each rank's host name, in rank order (gathered at start)
 
     def __post_init__(self):
         self.alive = self.alive or list(range(self.size))
         if self.control is None:
             self.control = SoloControl() if self.size == 1 else MpiControl(self)
+        self.hosts = self.hosts or self.control.allgather_json(socket.gethostname())
 
     @property
     def is_root(self) -> bool:
