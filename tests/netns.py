@@ -188,7 +188,7 @@ exec {self.agent} "$@"
         """``mlx.launch --hostfile`` (a JSON object hostfile) over the hosts of
         ``order`` (``python -m module args``, or ``python script args``); its
         ssh is the agent."""
-        what = ["-m", module] if script is None else [str(script)]
+        what = ["-m", module] if script is None else ([str(script)] if script else [])
         cmd = [str(Path(VENV_BIN) / "mlx.launch"), "--backend", backend, "--hostfile",
                self.json_hostfile(order, backend), "--", sys.executable, *what, *map(str, args)]
         return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=self.env(env), cwd=ROOT)
