@@ -48,7 +48,7 @@ def _group(mode: str, backend: str) -> Optional[mx.distributed.Group]:
         envs.setdefault("NCCL_MAX_NCHANNELS")
         group = mx.distributed.init(backend="nccl", strict=True)
     else:
-        from mlxdist.runtime.world import find_libmpi
+        from mlxdist.runtime.libmpi import find_libmpi
 
         # MLX's MPI backend alone, as mlx_lm.benchmark under mpirun (no mpi4py).
         envs.setdefault("MLX_MPI_LIBNAME", find_libmpi() or "libmpi.so.40")

@@ -11,8 +11,7 @@ from typing import List, Optional
 from mlxdist.api import init
 from mlxdist.config import EXPERT_SPLITS
 from mlxdist.errors import UserError, say_error
-from mlxdist.cli.run import add_host_flags, apply_host_flags
-from mlxdist.model.placement import parse_rank_memory
+from mlxdist.cli.run import _rank_memory, add_host_flags, apply_host_flags
 from mlxdist.runtime.watchdog import DEFAULT_TIMEOUT
 from mlxdist.runtime.world import BACKENDS, launcher_rank, set_exit_code
 from mlxdist.serving.http import (
@@ -81,13 +80,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=None, help="Seconds without progress before a rank is declared hung.")
     p.add_argument("--log-level", default="WARNING", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     return p
-
-
-def _rank_memory(text: str) -> List[float]:
-    try:
-        return parse_rank_memory(text)
-    except UserError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def check_options(args: argparse.Namespace) -> Optional[str]:

