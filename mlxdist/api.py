@@ -373,7 +373,7 @@ def init(timeout: float = DEFAULT_TIMEOUT, backend: Optional[str] = None) -> Clu
 
     ``timeout``: seconds a generation may make no progress (a rank hung)
     before the job is ended with a report of who was waiting on whom.
-    ``backend``: MLX's transport for arrays, "mpi", "nccl", "ring" or "jaccl" (default: nccl
+    ``backend``: MLX's transport for arrays, "mpi", "nccl", "ring", "jaccl" or "jaccl-ring" (default: nccl
     where MLX runs on CUDA, else mpi)."""
     try:
         world = init_world(backend)

@@ -193,3 +193,61 @@ def test_a_template_past_its_memory_cap_is_refused(platform):
     job["template"] = "{{ 'ab' * 3 }}"
     proc = subprocess.run([sys.executable, "-c", run], input=json.dumps(job), capture_output=True, text=True, timeout=60)
     assert json.loads(proc.stdout) == {"text": "ababab"}
+
+
+# -- start-up across hosts: the addresses and backends, as functions -------------------------------------------
+
+
+def test_the_address_toward_a_peer_is_never_loopback_across_hosts():
+    from mlxdist.runtime.addresses import address_toward
+
+    mac1 = {"name": "mac1", "addresses": [["192.168.1.11", 24], ["169.254.10.1", 30], ["169.254.20.1", 30]]}
+    mac2 = {"name": "mac2", "addresses": [["192.168.1.12", 24], ["169.254.10.2", 30]]}  # cable 1 to mac1
+    mac3 = {"name": "mac3", "addresses": [["169.254.20.2", 30]]}  # cable 2 to mac1 only
+    assert address_toward(mac1, dict(mac1)) == "127.0.0.1"  # one host
+    assert address_toward(mac1, mac2) == "192.168.1.11"  # the first network both are on
+    assert address_toward(mac1, mac3) == "169.254.20.1"  # one address per cable
+    assert address_toward(mac3, mac1) == "169.254.20.2"
+    with pytest.raises(RuntimeError, match="no route from host mac3 to host nowhere"):
+        address_toward(mac3, {"name": "nowhere", "addresses": []})
+
+
+def test_the_address_toward_a_peer_from_the_route_and_the_interfaces(hosts):
+    """On host0: its own interfaces (eth0 on the bridge, loopback left out),
+    the route's source toward a peer on no network it lists, and the address
+    of a named interface."""
+    script = ("import json; from mlxdist.runtime.addresses import address_toward, describe_host; "
+              "me = describe_host(); peer = {'name': 'x', 'addresses': [['198.18.0.11', 32]]}; "
+              "print(json.dumps([me, address_toward(dict(me, addresses=[]), peer), "
+              "address_toward(me, peer, 'lo')]))")
+    proc = hosts.on(0, [sys.executable, "-c", script])
+    assert proc.returncode == 0, proc.stderr
+    me, routed, named = json.loads(proc.stdout)
+    assert me == {"name": "host0", "addresses": [[hosts.addresses[0], 24]]}
+    assert routed == hosts.addresses[0]
+    assert named == "127.0.0.1"  # what was asked for: the doctor names it as a problem (test_doctor.py)
+
+
+def test_jaccl_ring_needs_cables_between_neighbours_only(tmp_path, monkeypatch):
+    from mlxdist.runtime.backends import jaccl_environment, launched_backend, read_devices
+
+    ring = [[None, "rdma_en1", None, "rdma_en4"], ["rdma_en1", None, "rdma_en2", None],
+            [None, "rdma_en2", None, "rdma_en3"], ["rdma_en4", None, "rdma_en3", None]]
+    path = tmp_path / "ring.json"
+    path.write_text(json.dumps(ring))
+    assert read_devices(str(path), 4, ring=True) == ring
+    with pytest.raises(RuntimeError, match="no RDMA device from rank 0 to rank 2 .*or use jaccl-ring"):
+        read_devices(str(path), 4)
+    assert jaccl_environment(2, ring, "10.0.0.1:5000", ring=True)["MLX_JACCL_RING"] == "1"
+    monkeypatch.setenv("MLX_JACCL_COORDINATOR", "10.0.0.1:5000")
+    monkeypatch.setenv("MLX_JACCL_RING", "1")  # as mlx.launch --backend jaccl-ring sets it
+    assert launched_backend() == "jaccl-ring"
+
+
+def test_jaccl_ring_is_refused_in_one_line_without_rdma(checkpoint):
+    from conftest import error_lines, launch
+
+    proc = launch(2, ["--model", checkpoint("qwen3_moe"), "-p", "Hello", "-m", "2", "--backend", "jaccl-ring"])
+    lines = error_lines(proc.stderr)
+    assert proc.returncode != 0
+    assert len(lines) == 1 and "jaccl backend needs MLX's RDMA support" in lines[0], proc.stderr[-2000:]

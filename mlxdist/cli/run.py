@@ -68,7 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="collective modes: masked (static shapes) or compact (owned slots only, host read-back); "
                         "default: compact on the CPU, masked on GPUs")
     p.add_argument("--backend", choices=BACKENDS, default=None,
-                   help="MLX's transport for arrays: mpi, nccl (CUDA), ring (TCP) or jaccl (RDMA over Thunderbolt); "
+                   help="MLX's transport for arrays: mpi, nccl (CUDA), ring (TCP), jaccl or jaccl-ring (RDMA over "
+                        "Thunderbolt, every pair or neighbours cabled); "
                         "default: the one mlx.launch started, else nccl on CUDA, else mpi")
     p.add_argument("--placement", help="placement JSON file (default: experts spread evenly)")
     p.add_argument("--save-placement", help="write the placement used to this JSON file")
