@@ -126,18 +126,16 @@ def test_server_answers_a_client_on_another_host(hosts, checkpoint):
 
 def test_a_pulled_cable_mid_generation(hosts, checkpoint):
     """host2's cable pulled while a p2p job streams under --survive (rank 2
-    held at step 10 meanwhile, so the pull lands mid-generation): ranks 0
-    and 1 lose rank 2 (Open MPI's failure detector) and finish with the text
-    of an undisturbed run, as docs/failures.md says. mpirun itself waits on
+    held at step 5 meanwhile, so the pull lands mid-generation): ranks 0
+    and 1 lose rank 2 (Open MPI's failure detector) and finish with mlx-lm's
+    text, as an undisturbed run, as docs/failures.md says. mpirun itself waits on
     the unreachable host's daemon until TCP keepalive gives it up (minutes;
     docs/launchers.md), so the test ends the job once the text is out."""
     path = checkpoint("qwen3_moe")
-    args = ["--model", path, "-p", PROMPT, "-m", 40, "--dispatch", "p2p", "--ignore-chat-template"]
-    clean = hosts.mpirun([0, 1], args)
-    assert clean.returncode == 0, clean.stderr[-3000:]
+    args = ["--model", path, "-p", PROMPT, "-m", 20, "--dispatch", "p2p", "--ignore-chat-template"]
     cmd = [sys.executable, "-m", "mlxdist.run", *map(str, args)]
     proc = hosts.start(0, hosts.mpirun_command([0, 1, 2], cmd, MPIRUN_FT_FLAGS),
-                       env={"MLXDIST_FAULT": "sleep:rank=2,layer=-1,step=10,seconds=30"})
+                       env={"MLXDIST_FAULT": "sleep:rank=2,layer=-1,step=5,seconds=30"})
     try:
         first = proc.stdout.read(1)  # the stream has begun
         hosts.link(2, up=False)
@@ -147,7 +145,7 @@ def test_a_pulled_cable_mid_generation(hosts, checkpoint):
         hosts.link(2, up=True)
     err = proc.stderr.read()
     assert "mlxdist: warning: lost rank 2; going on with 2" in err, err[-3000:]
-    assert text == clean.stdout
+    assert text == alone(path, PROMPT, 20) + "\n"
 
 
 # -- what a Mac's first steps need, checked where they can be on Linux -----------------------------------------
@@ -230,6 +228,7 @@ def test_the_address_toward_a_peer_from_the_route_and_the_interfaces(hosts):
 
 def test_jaccl_ring_needs_cables_between_neighbours_only(tmp_path, monkeypatch):
     from mlxdist.runtime.backends import jaccl_environment, launched_backend, read_devices
+    from mlxdist.runtime.world import BACKENDS
 
     ring = [[None, "rdma_en1", None, "rdma_en4"], ["rdma_en1", None, "rdma_en2", None],
             [None, "rdma_en2", None, "rdma_en3"], ["rdma_en4", None, "rdma_en3", None]]
@@ -242,12 +241,4 @@ def test_jaccl_ring_needs_cables_between_neighbours_only(tmp_path, monkeypatch):
     monkeypatch.setenv("MLX_JACCL_COORDINATOR", "10.0.0.1:5000")
     monkeypatch.setenv("MLX_JACCL_RING", "1")  # as mlx.launch --backend jaccl-ring sets it
     assert launched_backend() == "jaccl-ring"
-
-
-def test_jaccl_ring_is_refused_in_one_line_without_rdma(checkpoint):
-    from conftest import error_lines, launch
-
-    proc = launch(2, ["--model", checkpoint("qwen3_moe"), "-p", "Hello", "-m", "2", "--backend", "jaccl-ring"])
-    lines = error_lines(proc.stderr)
-    assert proc.returncode != 0
-    assert len(lines) == 1 and "jaccl backend needs MLX's RDMA support" in lines[0], proc.stderr[-2000:]
+    assert "jaccl-ring" in BACKENDS  # --backend's choices; refused in one line without RDMA as jaccl is
