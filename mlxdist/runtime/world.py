@@ -84,13 +84,13 @@ class World:
     lost: List[int] = field(default_factory=list)
     on_loss: List[Callable[[List[int]], None]] = field(default_factory=list)
     control: Optional[Control] = None  # the control plane (None: mpi4py on comm, or nothing with one rank)
-    hosts: List[str] = field(default_factory=list)  # each rank's host name, in rank order (gathered at start)
+    hosts: List[str] = field(default_factory=list)  # each rank's host name, in rank order (init_world gathers them)
 
     def __post_init__(self):
         self.alive = self.alive or list(range(self.size))
         if self.control is None:
             self.control = SoloControl() if self.size == 1 else MpiControl(self)
-        self.hosts = self.hosts or self.control.allgather_json(socket.gethostname())
+
 
     @property
     def is_root(self) -> bool:
@@ -122,20 +122,24 @@ def init_world(backend: Optional[str] = None) -> World:
     under mpirun, mpi4py on the same MPI_COMM_WORLD for control messages.
     For mpi, MLX's MPI backend initialises MPI first, then mpi4py attaches."""
     global _WORLD
-    if _WORLD is not None:
-        return _WORLD
-    awake.hold()
+    if _WORLD is None:
+        awake.hold()
+        _WORLD = _start(backend)
+        _WORLD.hosts = _WORLD.control.allgather_json(socket.gethostname())
+    return _WORLD
+
+
+def _start(backend: Optional[str]) -> World:
+    """The world of ``init_world``: MLX's group and, under mpirun, mpi4py's."""
     backend = backend or envs.get("MLXDIST_BACKEND")
     if backend is None:
         backend = backends.launched_backend() if launched_by_mlx_launch() else default_backend()
     if backend not in BACKENDS:
         raise RuntimeError(f"backend must be one of {', '.join(BACKENDS)}, not {backend!r}")
     if launched_by_mlx_launch():
-        _WORLD = _init_mlx_launch(backend)
-        return _WORLD
+        return _init_mlx_launch(backend)
     if _launched_by_mpirun() <= 1:
-        _WORLD = World(0, 1, mx.distributed.init(strict=False))
-        return _WORLD
+        return World(0, 1, mx.distributed.init(strict=False))
 
     if backend in ("ring", "jaccl", "jaccl-ring"):
         # MLX's TCP or RDMA backend carries the arrays; mpi4py starts MPI for the control plane.
@@ -194,8 +198,7 @@ def init_world(backend: Optional[str] = None) -> World:
     tolerant = survival.enabled()
     if tolerant:
         survival.tolerate(control)
-    _WORLD = World(group.rank(), group.size(), group, control, backend, tolerant)
-    return _WORLD
+    return World(group.rank(), group.size(), group, control, backend, tolerant)
 
 
 _EXIT_CODE = 0
