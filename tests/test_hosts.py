@@ -15,7 +15,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import ROOT, last_json
+from conftest import ROOT, error_lines, last_json
 from mlxdist.runtime.survival import MPIRUN_FT_FLAGS
 from test_dataparallel import ARCHS as DP_ARCHS
 from test_dataparallel import MAX_TOKENS as DP_MAX_TOKENS
@@ -56,6 +56,17 @@ def test_exact_modes_across_hosts_equal_mlx_lm(hosts, checkpoint, tmp_path, laun
         assert num_ranks == len(order)
         assert tokens == ref_tokens, (arch, bits)
         assert np.max(np.abs(logprobs - ref_logprobs)) == 0.0, (arch, bits)
+
+
+def test_a_ring_that_cannot_connect_ends_in_one_line(hosts, checkpoint):
+    """Every rank told to listen on loopback (MLXDIST_RING_INTERFACE=lo)
+    across hosts: MLX's ring would wait forever; the start ends in one line
+    per rank within MLXDIST_CONNECT_TIMEOUT."""
+    proc = hosts.mpirun([0, 1], ["--model", checkpoint("qwen3_moe"), "-p", "Hello", "-m", 2, "--backend", "ring"],
+                        env={"MLXDIST_RING_INTERFACE": "lo", "MLXDIST_CONNECT_TIMEOUT": "5"}, timeout=90)
+    assert proc.returncode != 0
+    lines = error_lines(proc.stderr)
+    assert lines and all("MLX's ring backend did not" in l for l in lines), proc.stderr[-2000:]
 
 
 def test_dp_across_hosts_within_its_tolerance(hosts, checkpoint):

@@ -90,7 +90,7 @@ def start_ring(comm):
     envs.put("MLX_HOSTFILE", path)
     envs.put("MLX_RANK", rank)
     right = (rank + 1) % size
-    with _deadline(f"MLX's ring backend did not connect: rank {rank} listens on {ring[rank][0]} for rank "
+    with _Deadline(f"MLX's ring backend did not connect: rank {rank} listens on {ring[rank][0]} for rank "
                    f"{(rank - 1) % size} and connects to rank {right} at {ring[right][0]}"):
         try:
             return mx.distributed.init(backend="ring", strict=True)
@@ -100,7 +100,7 @@ def start_ring(comm):
             os.unlink(path)  # read by the init
 
 
-class _deadline:
+class _Deadline:
     """Ends this rank with one line if the block outlasts
     ``MLXDIST_CONNECT_TIMEOUT`` seconds: MLX's ring and JACCL starts wait
     for a peer that cannot reach them forever, without a word."""
@@ -198,7 +198,7 @@ def start_jaccl(comm, ring: bool = False):
     for name in ("MLX_JACCL_COORDINATOR", "MLX_RANK", "MLX_JACCL_RING"):
         if name in env:
             envs.put(name, env[name])
-    with _deadline(f"MLX's jaccl backend did not connect: rank {comm.Get_rank()} meets the others at "
+    with _Deadline(f"MLX's jaccl backend did not connect: rank {comm.Get_rank()} meets the others at "
                    f"{env['MLX_JACCL_COORDINATOR']}"):
         try:
             return mx.distributed.init(backend="jaccl", strict=True)
