@@ -14,7 +14,7 @@ import sys
 
 from mlxdist.doctor import facts, links, report
 from mlxdist.errors import say_error
-from mlxdist.runtime.world import BACKENDS, init_world, set_exit_code
+from mlxdist.runtime.world import BACKENDS, init_world, launcher_rank, set_exit_code
 
 
 def main(argv=None) -> int:
@@ -27,8 +27,9 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     try:
         world = init_world(args.backend)
-    except RuntimeError as e:
-        say_error(str(e))
+    except RuntimeError as e:  # the same on every rank: rank 0 says it
+        if launcher_rank() == 0:
+            say_error(f"the job did not start: {e}")
         return 1
     ranks = world.control.allgather_json(facts.rank_facts(world, args.model))
     addresses = links.addresses(world)
