@@ -40,8 +40,14 @@ def launch(np_: int, args, timeout: float = 120, input: str = None, module: str 
     ``np_`` ranks (no mpirun for np_ = 0). A launch that Open MPI's launcher
     failed before any rank ran (LAUNCHER_FAILURE; in bursts here: twice in a
     row once) is tried again, up to LAUNCHER_RETRIES times."""
+    return relaunch(lambda: _launch(np_, args, timeout, input, module, env, mpirun_args))
+
+
+def relaunch(start):
+    """``start()`` (a finished launch), again while Open MPI's launcher
+    failed before any rank ran (LAUNCHER_FAILURE), up to LAUNCHER_RETRIES times."""
     for _ in range(LAUNCHER_RETRIES + 1):
-        proc = _launch(np_, args, timeout, input, module, env, mpirun_args)
+        proc = start()
         if proc.returncode == 0 or LAUNCHER_FAILURE not in proc.stderr:
             break
         time.sleep(1)

@@ -19,12 +19,10 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import List, Optional, Sequence
 
-from conftest import ROOT, mpirun_env
-from mlxdist.runtime.world import LAUNCHER_FAILURE, LAUNCHER_RETRIES
+from conftest import ROOT, mpirun_env, relaunch
 
 SUBNET = "198.18.0"
 NETWORK = f"{SUBNET}.0/24"
@@ -176,12 +174,8 @@ exec {self.agent} "$@"
         """``python -m module args`` (a script where module is None), one rank
         on each host of ``order`` in that order, mpirun on the first."""
         cmd = [sys.executable, *(["-m", module] if module else []), *args]
-        for _ in range(LAUNCHER_RETRIES + 1):
-            proc = self.on(order[0], self.mpirun_command(order, cmd, mpirun_args), timeout=timeout, env=env)
-            if proc.returncode == 0 or LAUNCHER_FAILURE not in proc.stderr:
-                return proc
-            time.sleep(1)
-        return proc
+        return relaunch(lambda: self.on(order[0], self.mpirun_command(order, cmd, mpirun_args), timeout=timeout,
+                                        env=env))
 
     def mlx_launch(self, order: Sequence[int], args: Sequence, module: Optional[str] = "mlxdist.run",
                    env: Optional[dict] = None, timeout: float = 120, backend: str = "ring", script=None):
