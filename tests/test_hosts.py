@@ -253,3 +253,40 @@ def test_jaccl_ring_needs_cables_between_neighbours_only(tmp_path, monkeypatch):
     monkeypatch.setenv("MLX_JACCL_RING", "1")  # as mlx.launch --backend jaccl-ring sets it
     assert launched_backend() == "jaccl-ring"
     assert "jaccl-ring" in BACKENDS  # --backend's choices; refused in one line without RDMA as jaccl is
+
+
+MARKED_TOKENIZER = '''import os
+
+from transformers import PreTrainedTokenizerFast
+
+
+class MarkedTokenizer(PreTrainedTokenizerFast):
+    """A tokenizer shipped as code in its repository (as Kimi K2's is)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        with open(os.environ["MLXDIST_TEST_MARK"], "w") as f:
+            f.write("ran")
+'''
+
+
+def test_a_tokenizer_that_is_code_runs_only_with_trust_remote_code(checkpoint, tmp_path):
+    """The repository's tokenizer code runs with --trust-remote-code and
+    never without (one process: the flag reaches mlx-lm's loader)."""
+    import shutil
+
+    from conftest import launch
+
+    model = tmp_path / "model"
+    shutil.copytree(checkpoint("qwen3_moe"), model)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config.update(tokenizer_class="MarkedTokenizer", auto_map={"AutoTokenizer": [None, "tokenization_marked.MarkedTokenizer"]})
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    (model / "tokenization_marked.py").write_text(MARKED_TOKENIZER)
+    mark = tmp_path / "mark"
+    env = {"MLXDIST_TEST_MARK": str(mark), "HF_MODULES_CACHE": str(tmp_path / "modules")}
+    untrusted = launch(0, ["--model", model, "-p", "Hello", "-m", 2], env=env)
+    assert not mark.exists(), untrusted.stderr[-2000:]  # transformers falls back to tokenizer.json, or fails
+    trusted = launch(0, ["--model", model, "-p", "Hello", "-m", 2, "--trust-remote-code"], env=env)
+    assert trusted.returncode == 0, trusted.stderr[-2000:]
+    assert mark.read_text() == "ran"
