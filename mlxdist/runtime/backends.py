@@ -32,8 +32,8 @@ reads which backend it chose from what it set.
 import json
 import os
 import socket
+import subprocess
 import tempfile
-import threading
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -103,29 +103,29 @@ def start_ring(comm):
 class _Deadline:
     """Ends this rank with one line if the block outlasts
     ``MLXDIST_CONNECT_TIMEOUT`` seconds: MLX's ring and JACCL starts wait
-    for a peer that cannot reach them forever, without a word."""
+    for a peer that cannot reach them forever, without a word, inside a C
+    call that keeps Python's threads and signal handlers from running; so
+    the watch is a small shell process beside the rank, which says the line
+    and kills the rank, and which the block ends when it is over (or which
+    ends by itself once the rank is gone)."""
 
     def __init__(self, message: str):
         self.message = message
-        self.timer = None
+        self.watch = None
 
     def __enter__(self):
         seconds = envs.get("MLXDIST_CONNECT_TIMEOUT")
-
-        def expire():
-            from mlxdist.errors import say_error
-
-            say_error(f"{self.message} within {seconds} s (a firewall, a link down, or an address the "
-                      f"peer cannot reach: check with python -m mlxdist.doctor --backend mpi)")
-            os._exit(1)
-
-        self.timer = threading.Timer(seconds, expire)
-        self.timer.daemon = True
-        self.timer.start()
+        line = (f"mlxdist: error: {self.message} within {seconds} s (a firewall, a link down, or an address the "
+                f"peer cannot reach: check with python -m mlxdist.doctor --backend mpi)")
+        script = ('i=0; while [ "$i" -lt "$1" ]; do sleep 1; kill -0 "$2" 2>/dev/null || exit 0; i=$((i+1)); '
+                  'done; printf "%s\\n" "$3" >&2; kill -9 "$2"')
+        self.watch = subprocess.Popen(["sh", "-c", script, "deadline", str(seconds), str(os.getpid()), line],
+                                      stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
         return self
 
     def __exit__(self, *exc):
-        self.timer.cancel()
+        self.watch.kill()
+        self.watch.wait()
         return False
 
 
