@@ -11,7 +11,7 @@ from typing import List, Optional
 from mlxdist.api import init
 from mlxdist.config import EXPERT_SPLITS
 from mlxdist.errors import UserError, say_error
-from mlxdist.cli.run import _rank_memory, add_host_flags, apply_host_flags
+from mlxdist.cli.run import add_host_flags, apply_host_flags, rank_memory_arg
 from mlxdist.runtime.watchdog import DEFAULT_TIMEOUT
 from mlxdist.runtime.world import BACKENDS, launcher_rank, set_exit_code
 from mlxdist.serving.http import (
@@ -75,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "SECONDS, between two steps on every rank (docs/placement.md); default: never")
     p.add_argument("--rebalance-replicas", type=int, default=0, metavar="R",
                    help="replica slots per rank in those placements (default %(default)s)")
-    p.add_argument("--rank-memory", metavar="A,B,...", type=_rank_memory, default=None,
+    p.add_argument("--rank-memory", metavar="A,B,...", type=rank_memory_arg, default=None,
                    help="GB of expert weights each rank may keep resident, one per rank (docs/placement.md)")
     p.add_argument("--timeout", type=float, default=None, help="Seconds without progress before a rank is declared hung.")
     p.add_argument("--log-level", default="WARNING", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
