@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict
 
+from mlxdist.digits import parse_int
+
 
 @dataclass(frozen=True)
 class Variable:
@@ -22,11 +24,29 @@ class Variable:
     who: str = "read"  # "read": mlxdist reads it; "set": mlxdist sets it (unless set) for a library; "test"
 
 
+class BadVariable(RuntimeError):
+    """An environment variable that does not read as its type (one line, naming it)."""
+
+
+_TRUE = ("1", "true", "yes", "on", "t", "y", "enabled")  # Open MPI's MCA booleans too
+_FALSE = ("0", "false", "no", "off", "f", "n", "disabled")
+
+
 def _bool(text: str) -> bool:
-    return text.strip().lower() in ("1", "true", "yes", "on")
+    word = text.strip().lower()
+    if word not in _TRUE + _FALSE:
+        raise ValueError(f"must be a boolean ({', '.join(_TRUE[:4])} or {', '.join(_FALSE[:4])})")
+    return word in _TRUE
 
 
-_READERS: Dict[str, Callable[[str], Any]] = {"str": str, "int": int, "bool": _bool, "path": Path, "flag": str.strip}
+def _int(text: str) -> int:
+    try:
+        return parse_int(text.strip(), "it")
+    except ValueError:
+        raise ValueError("must be a non-negative integer in ASCII digits") from None
+
+
+_READERS: Dict[str, Callable[[str], Any]] = {"str": str, "int": _int, "bool": _bool, "path": Path, "flag": str.strip}
 
 VARIABLES: Dict[str, Variable] = {v.name: v for v in (
     # -- mlxdist's own ---------------------------------------------------------------------------
@@ -88,12 +108,24 @@ VARIABLES: Dict[str, Variable] = {v.name: v for v in (
 
 def get(name: str) -> Any:
     """``name``'s value from the environment, read as its type, else (unset or
-    empty) its default."""
+    empty) its default; ``BadVariable`` if it does not read as its type."""
     var = VARIABLES[name]
     text = os.environ.get(name)
     if text is None or not text.strip():
         return var.default
-    return _READERS[var.kind](text)
+    try:
+        return _READERS[var.kind](text)
+    except ValueError as e:
+        shown = text if len(text) <= 40 else text[:37] + "..."
+        raise BadVariable(f"the environment variable {name}={shown!r} {e}") from None
+
+
+def check() -> None:
+    """Read every variable of the registry that is set: ``BadVariable`` for
+    the first that does not read as its type (run once at start-up, on every
+    rank, before anything waits on another rank)."""
+    for name in VARIABLES:
+        get(name)
 
 
 def is_set(name: str) -> bool:

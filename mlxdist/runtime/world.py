@@ -153,6 +153,7 @@ def init_world(backend: Optional[str] = None) -> World:
     global _WORLD
     if _WORLD is not None:
         return _WORLD
+    envs.check()  # a malformed variable stops every rank here, before any waits on another
     backend = backend or envs.get("MLXDIST_BACKEND")
     if backend is None:
         backend = backends.launched_backend() if launched_by_mlx_launch() else default_backend()
