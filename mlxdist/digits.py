@@ -8,6 +8,7 @@ ASCII digits (an optional leading ``-`` where negatives are allowed) or it
 is refused, by the caller, naming the field.
 
     parse_int(text, field) -> int, or ValueError naming ``field``
+    is_digits(text) -> whether it is ASCII digits (a key to check before int())
     parse_duration(text, field) -> a positive, finite number of seconds, or ValueError
     arg_int / arg_duration: the same as argparse types
 """
@@ -31,6 +32,11 @@ def parse_int(text: str, field: str, signed: bool = False, max_digits: int = MAX
     if len(text.lstrip("-")) > max_digits:
         raise ValueError(f"{field} must be {kind} of at most {max_digits} digits")
     return int(text)
+
+
+def is_digits(text, max_digits: int = MAX_DIGITS) -> bool:
+    """Whether ``text`` is a string of 1 to ``max_digits`` ASCII digits."""
+    return isinstance(text, str) and 0 < len(text) <= max_digits and bool(_INT.match(text)) and text[0] != "-"
 
 
 def parse_duration(text: str, field: str) -> float:

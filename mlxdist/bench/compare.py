@@ -25,6 +25,7 @@ from typing import Any, Dict, List, Optional
 from mlxdist.runtime.world import LAUNCHER_FAILURE, LAUNCHER_RETRIES
 from mlxdist.bench.harness import median_row, versions
 from mlxdist.bench.report import plot, write_markdown
+from mlxdist.digits import is_digits
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -240,7 +241,7 @@ def parse_args(argv=None):
 
 def _placement(text: str):
     n, sep, path = text.partition(":")
-    if not sep or not n.isdigit() or not path:
+    if not sep or not is_digits(n, 3) or not path:
         raise argparse.ArgumentTypeError(f"--placement takes N:FILE, not {text!r}")
     return int(n), str(Path(path).resolve())
 
