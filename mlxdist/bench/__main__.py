@@ -9,6 +9,8 @@ maintainer runs, one module per command.
     capacity       expert paging under a memory budget (capacity.py)
     survival       generation through a lost rank (survival.py)
     placement      even, balanced and replicated placements side by side (placement.py)
+    stress         many mixed requests (normal, streamed, dropped, malformed, slow, oversized) against one
+                   server, each checked, memory and ranks watched (stress.py)
 """
 
 import importlib
@@ -17,6 +19,7 @@ import sys
 COMMANDS = {
     "run": "harness", "compare": "compare", "mlxlm": "mlxlm", "one-rank": "one_rank", "serve": "serve",
     "capacity": "capacity", "survival": "survival", "placement": "placement",
+    "stress": "stress",
 }
 
 
@@ -32,7 +35,9 @@ def main(argv=None) -> None:
         sys.exit(f"python -m mlxdist.bench: unknown command {command!r} (choose {', '.join(COMMANDS)})")
     module = importlib.import_module(f"mlxdist.bench.{COMMANDS[command]}")
     sys.argv = [f"python -m mlxdist.bench {command}", *argv]
-    module.main(argv)
+    code = module.main(argv)
+    if isinstance(code, int) and code:
+        sys.exit(code)
 
 
 if __name__ == "__main__":
