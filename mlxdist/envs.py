@@ -68,6 +68,8 @@ VARIABLES: Dict[str, Variable] = {v.name: v for v in (
     Variable("MLXDIST_JACCL_DEVICES", "path", None, "jaccl backend under mpirun: JSON of the RDMA device names "
              "between the ranks (row i, column j: the device rank i reaches rank j by; null on the diagonal), or "
              "a hostfile from mlx.distributed_config --backend jaccl."),
+    Variable("MLXDIST_API_KEY", "str", None, "The server's bearer token where neither --api-key nor "
+             "--api-key-file is given (an environment variable does not show in the process list)."),
     # -- test-only -----------------------------------------------------------------------------------
     Variable("MLXDIST_FAULT", "str", None, "Test-only fault injection, e.g. kill:rank=1,layer=2,step=3 "
              "(also sleep:...,seconds=S and raise:...; layer=-1 every layer; skip=K the (K+1)-th time; "

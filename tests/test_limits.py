@@ -9,7 +9,6 @@ one line."""
 
 import json
 import socket
-import threading
 import time
 
 import pytest
@@ -269,3 +268,19 @@ def test_a_malformed_launcher_variable_in_one_process(checkpoint):
     """PMI_SIZE=abc printed a 20-line traceback on today's main."""
     proc = launch(0, ["--model", checkpoint("qwen3_moe"), "--prompt", "hi"], env={"PMI_SIZE": "abc"}, timeout=60)
     assert "PMI_SIZE" in expect_one_error(proc)
+
+
+def test_the_api_key_from_a_file_or_the_environment(tmp_path, monkeypatch):
+    """The key need not be on the command line, where ps shows it."""
+    from mlxdist.cli.serve import build_parser, check_options
+
+    key_file = tmp_path / "key"
+    key_file.write_text("from-a-file\n")
+    args = build_parser().parse_args(["--host", "0.0.0.0", "--api-key-file", str(key_file)])
+    assert check_options(args) is None and args.api_key == "from-a-file"
+    monkeypatch.setenv("MLXDIST_API_KEY", "from-the-environment")
+    args = build_parser().parse_args(["--host", "0.0.0.0"])
+    assert check_options(args) is None and args.api_key == "from-the-environment"
+    key_file.write_text("\n")
+    args = build_parser().parse_args(["--api-key-file", str(key_file)])
+    assert "first line is empty" in check_options(args)

@@ -257,7 +257,8 @@ def _wait_ready(server: Launched, client: "Client", timeout: float = 300) -> Non
     raise RuntimeError(f"the server did not come up in {timeout:g} s")
 
 
-def _stress(args: argparse.Namespace, server: Launched, port: int, key: str, expected: Dict[str, str]) -> Dict[str, Any]:
+def _stress(args: argparse.Namespace, server: Launched, port: int, key: str,
+            expected: Dict[str, str]) -> Dict[str, Any]:
     client = Client(port, key, args.max_tokens, expected)
     _wait_ready(server, client)
     # the server's stderr goes to a pipe: drain it, or a full pipe would stall rank 0
@@ -329,7 +330,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=6, help="tokens of each normal answer (default %(default)s)")
     p.add_argument("--max-concurrent", type=int, default=16, help="the server's --max-concurrent")
     p.add_argument("--max-seconds", type=float, default=1800, help="requests not started by then fail the run")
-    p.add_argument("--rss-bound-mb", type=float, default=300, help="allowed growth of each rank's RSS (default %(default)s)")
+    p.add_argument("--rss-bound-mb", type=float, default=300,
+                   help="allowed growth of each rank's RSS from its size once serving (default %(default)s)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--mpirun", default=None, help="the launcher (default: the environment's mpirun)")
     p.add_argument("--out", default=None, help="write the report (JSON) here")

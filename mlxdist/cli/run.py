@@ -69,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--record-routing", metavar="FILE",
                    help="write the job's routed slots per (layer, expert) to FILE at exit (python -m mlxdist.place "
                         "reads it; docs/placement.md)")
-    p.add_argument("--rank-memory", metavar="A,B,...", type=_rank_memory, default=None,
+    p.add_argument("--rank-memory", metavar="A,B,...", type=rank_memory_arg, default=None,
                    help="GB of expert weights each rank may keep resident, one per rank: experts are spread in "
                         "proportion, and a placement that does not fit is refused")
     p.add_argument("--expert-capacity", type=arg_int(), default=None,
@@ -100,7 +100,8 @@ class RankZeroParser(argparse.ArgumentParser):
         super().error(message)
 
 
-def _rank_memory(text: str) -> List[float]:
+def rank_memory_arg(text: str) -> List[float]:
+    """--rank-memory as an argparse type."""
     try:
         return parse_rank_memory(text)
     except UserError as e:

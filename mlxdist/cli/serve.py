@@ -9,12 +9,12 @@ import socket
 import sys
 from typing import List, Optional
 
+from mlxdist import envs
 from mlxdist.api import init
-from mlxdist.cli.run import RankZeroParser
+from mlxdist.cli.run import RankZeroParser, rank_memory_arg
 from mlxdist.config import EXPERT_SPLITS
 from mlxdist.digits import arg_duration, arg_int
-from mlxdist.errors import UserError, say_error
-from mlxdist.model.placement import parse_rank_memory
+from mlxdist.errors import UserError, one_line, say_error
 from mlxdist.runtime.watchdog import DEFAULT_TIMEOUT
 from mlxdist.runtime.world import BACKENDS, launcher_rank, set_exit_code
 from mlxdist.serving.connections import (
@@ -30,7 +30,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="Model folder or hub id (default: the built-in random MoE).")
     p.add_argument("--host", default="127.0.0.1", help="Address to bind (default 127.0.0.1; others need --api-key).")
     p.add_argument("--port", type=arg_int(), default=8080)
-    p.add_argument("--api-key", default=None, help="Bearer token every request must carry.")
+    p.add_argument("--api-key", default=None,
+                   help="Bearer token every request must carry (visible in the process list: prefer --api-key-file "
+                        "or MLXDIST_API_KEY).")
+    p.add_argument("--api-key-file", default=None, metavar="FILE",
+                   help="Read the bearer token from the first line of FILE.")
     p.add_argument("--max-concurrent", type=arg_int(), default=32,
                    help="Live sequences decoded together; further requests queue.")
     p.add_argument("--max-body-bytes", type=arg_int(), default=DEFAULT_MAX_BODY,
@@ -83,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "SECONDS, between two steps on every rank (docs/placement.md); default: never")
     p.add_argument("--rebalance-replicas", type=arg_int(), default=0, metavar="R",
                    help="replica slots per rank in those placements (default %(default)s)")
-    p.add_argument("--rank-memory", metavar="A,B,...", type=_rank_memory, default=None,
+    p.add_argument("--rank-memory", metavar="A,B,...", type=rank_memory_arg, default=None,
                    help="GB of expert weights each rank may keep resident, one per rank (docs/placement.md)")
     p.add_argument("--timeout", type=arg_duration(), default=DEFAULT_TIMEOUT,
                    help="Seconds without progress before a rank is declared hung; one serving step (it may be a "
@@ -92,17 +96,31 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _rank_memory(text: str) -> List[float]:
+def read_api_key(args: argparse.Namespace) -> Optional[str]:
+    """The bearer token: --api-key, else --api-key-file's first line, else
+    MLXDIST_API_KEY, else None; UserError for a file that gives none."""
+    if args.api_key or not args.api_key_file:
+        return args.api_key or envs.get("MLXDIST_API_KEY")
     try:
-        return parse_rank_memory(text)
-    except UserError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+        with open(args.api_key_file, encoding="utf-8") as f:
+            key = f.readline(4096).strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"--api-key-file {args.api_key_file}: cannot read it ({one_line(e)})") from None
+    if not key:
+        raise UserError(f"--api-key-file {args.api_key_file}: its first line is empty")
+    return key
 
 
 def check_options(args: argparse.Namespace) -> Optional[str]:
-    """Why these options cannot serve, or None."""
+    """Why these options cannot serve, or None (``args.api_key`` is set from
+    wherever the token is given)."""
+    try:
+        args.api_key = read_api_key(args)
+    except UserError as e:
+        return str(e)
     if args.host not in LOOPBACK and not args.api_key:
-        return f"binding {args.host} exposes the model beyond this machine: give --api-key (see docs/SECURITY.md)"
+        return (f"binding {args.host} exposes the model beyond this machine: give --api-key, --api-key-file or "
+                f"MLXDIST_API_KEY (see docs/SECURITY.md)")
     if args.max_concurrent < 1:
         return "--max-concurrent must be at least 1"
     if args.max_body_bytes < 1024:
@@ -151,7 +169,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                      record_routing=args.record_routing, record_routing_every=args.record_routing_every,
                      rank_memory_gb=args.rank_memory, count_routing=args.rebalance_every is not None)
         loaded = ("backend", "timeout", "dispatch", "expert_split", "record_routing", "record_routing_every",
-                  "rank_memory")
+                  "rank_memory", "api_key_file")
         options = {k: v for k, v in vars(args).items() if k not in loaded}
         options["model"] = cluster.engine.options.model
         cluster.serve_http(options)

@@ -12,7 +12,6 @@ import hmac
 import io
 import json
 import logging
-import threading
 import time
 from typing import Any, Dict, Optional
 
