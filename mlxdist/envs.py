@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict
 
 from mlxdist.digits import parse_int
+from mlxdist.errors import BadVariable
 
 
 @dataclass(frozen=True)
@@ -22,10 +23,6 @@ class Variable:
     default: Any
     doc: str
     who: str = "read"  # "read": mlxdist reads it; "set": mlxdist sets it (unless set) for a library; "test"
-
-
-class BadVariable(RuntimeError):
-    """An environment variable that does not read as its type (one line, naming it)."""
 
 
 _TRUE = ("1", "true", "yes", "on", "t", "y", "enabled")  # Open MPI's MCA booleans too

@@ -25,20 +25,12 @@ import time
 from http.server import ThreadingHTTPServer
 from typing import Dict, Optional, Tuple
 
-from mlxdist.errors import keep_traceback, one_line
+from mlxdist.errors import HeadersTooLarge, RequestTimeout, keep_traceback, one_line
 
 DEFAULT_REQUEST_TIMEOUT = 30.0  # seconds for a whole request: request line, headers and body
 DEFAULT_MAX_HEADER_BYTES = 32 << 10  # the request line and every header line together
 DEFAULT_MAX_HEADERS = 64
 DEFAULT_MAX_CONNECTIONS = 256
-
-
-class RequestTimeout(TimeoutError):
-    """The request did not arrive whole within its deadline (a 408)."""
-
-
-class HeadersTooLarge(Exception):
-    """The request line and headers passed their bound (a 431)."""
 
 
 class Connection:

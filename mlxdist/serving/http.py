@@ -18,10 +18,9 @@ from typing import Any, Dict, Optional
 from mlx_lm import server as lm_server
 
 from mlxdist.digits import parse_int
-from mlxdist.errors import GenerationFailed, RankLost, RequestError
+from mlxdist.errors import GenerationFailed, HeadersTooLarge, RankLost, RequestError, RequestTimeout
 from mlxdist.serving.connections import (
-    DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_HEADERS, DEFAULT_REQUEST_TIMEOUT, HeadersTooLarge, RequestReader,
-    RequestTimeout,
+    DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_HEADERS, DEFAULT_REQUEST_TIMEOUT, RequestReader,
 )
 from mlxdist.serving.lockstep import HANDLER_STATUS
 from mlxdist.serving.schema import RequestLimits, check_request, error_body
