@@ -191,9 +191,11 @@ def test_stream_options_are_checked_field_by_field(limited, options):
 
 
 @pytest.mark.parametrize("line,status", [(b"BREW /v1/completions HTTP/1.1", 501), (b"PUT /v1/models HTTP/1.1", 501),
-                                         (b"GET /v1/models HTTP/9.9", 505), (b"HELLO", 400)])
+                                         (b"GET /v1/models HTTP/9.9", 505), (b"HELLO", 400),
+                                         (b"GET /v1/nothing HTTP/1.1", 404)])
 def test_protocol_errors_are_openai_json(limited, line, status):
-    """Today's main answered these with the standard library's HTML page."""
+    """Today's main answered these with the standard library's HTML page, or
+    404's plain text."""
     got, answer = parse_reply(raw_request(limited.port, line + b"\r\nAuthorization: Bearer " + KEY.encode()
                                           + b"\r\n\r\n"))
     assert got == status, (line, got, answer)

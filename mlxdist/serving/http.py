@@ -34,9 +34,10 @@ DEFAULT_MAX_QUEUED_CHARS = 8 << 20  # their prompt text, together
 
 
 class _OpenAIErrors:
-    """A handler's output: the ``{"error": "text"}`` body mlx-lm writes after
-    an error status goes out in OpenAI's shape (``schema.error_body``), so
-    SDKs show the reason; everything else passes as it is."""
+    """A handler's output: the body mlx-lm writes after an error status
+    (``{"error": "text"}``, or plain text such as 404's ``Not Found``) goes
+    out in OpenAI's shape (``schema.error_body``), so SDKs show the reason;
+    everything else passes as it is."""
 
     def __init__(self, wfile, handler):
         self._wfile = wfile
@@ -44,15 +45,20 @@ class _OpenAIErrors:
 
     def write(self, data: bytes) -> int:
         status = self._handler.error_status
-        if status is not None and data[:1] == b"{":
+        if status is not None and not data.startswith(b"HTTP/"):  # the body, not the status line and headers
+            self._handler.error_status = None
             try:
                 obj = json.loads(data)
             except ValueError:
                 obj = None
             if isinstance(obj, dict) and isinstance(obj.get("error"), str):
-                self._handler.error_status = None
-                kind = "invalid_request_error" if status < 500 else "server_error"
-                data = json.dumps(error_body(obj["error"], kind, None, status)).encode()
+                message = obj["error"]
+            elif obj is None:
+                message = data.decode("utf-8", "replace")[:200]
+            else:
+                return self._wfile.write(data)
+            kind = "invalid_request_error" if status < 500 else "server_error"
+            data = json.dumps(error_body(message, kind, None, status)).encode()
         return self._wfile.write(data)
 
     def __getattr__(self, name):

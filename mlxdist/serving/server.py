@@ -17,8 +17,10 @@ greedy tokens equal one process's.
 
 What is ours: the provider that hands the loaded model to mlx-lm (here),
 the lockstep generation loop (``lockstep.py``), the HTTP handler behind the
-request schema and limits (``http.py``, ``schema.py``), and the answer to a
-lost rank (503, then a non-zero exit).
+request schema and limits (``http.py``, ``schema.py``), what a connection
+may cost (``connections.py``), and the answer to a lost rank (503, then a
+non-zero exit). A port it cannot listen on stops the loop on every rank and
+ends the job with one line.
 """
 
 import argparse
