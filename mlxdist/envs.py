@@ -12,6 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict
 
+from mlxdist.digits import parse_int
+from mlxdist.errors import BadVariable
+
 
 @dataclass(frozen=True)
 class Variable:
@@ -22,11 +25,25 @@ class Variable:
     who: str = "read"  # "read": mlxdist reads it; "set": mlxdist sets it (unless set) for a library; "test"
 
 
+_TRUE = ("1", "true", "yes", "on", "t", "y", "enabled")  # Open MPI's MCA booleans too
+_FALSE = ("0", "false", "no", "off", "f", "n", "disabled")
+
+
 def _bool(text: str) -> bool:
-    return text.strip().lower() in ("1", "true", "yes", "on")
+    word = text.strip().lower()
+    if word not in _TRUE + _FALSE:
+        raise ValueError(f"must be a boolean ({', '.join(_TRUE[:4])} or {', '.join(_FALSE[:4])})")
+    return word in _TRUE
 
 
-_READERS: Dict[str, Callable[[str], Any]] = {"str": str, "int": int, "bool": _bool, "path": Path, "flag": str.strip}
+def _int(text: str) -> int:
+    try:
+        return parse_int(text.strip(), "it")
+    except ValueError:
+        raise ValueError("must be a non-negative integer in ASCII digits") from None
+
+
+_READERS: Dict[str, Callable[[str], Any]] = {"str": str, "int": _int, "bool": _bool, "path": Path, "flag": str.strip}
 
 VARIABLES: Dict[str, Variable] = {v.name: v for v in (
     # -- mlxdist's own ---------------------------------------------------------------------------
@@ -51,6 +68,8 @@ VARIABLES: Dict[str, Variable] = {v.name: v for v in (
     Variable("MLXDIST_JACCL_DEVICES", "path", None, "jaccl backend under mpirun: JSON of the RDMA device names "
              "between the ranks (row i, column j: the device rank i reaches rank j by; null on the diagonal), or "
              "a hostfile from mlx.distributed_config --backend jaccl."),
+    Variable("MLXDIST_API_KEY", "str", None, "The server's bearer token where neither --api-key nor "
+             "--api-key-file is given (an environment variable does not show in the process list)."),
     # -- test-only -----------------------------------------------------------------------------------
     Variable("MLXDIST_FAULT", "str", None, "Test-only fault injection, e.g. kill:rank=1,layer=2,step=3 "
              "(also sleep:...,seconds=S and raise:...; layer=-1 every layer; skip=K the (K+1)-th time; "
@@ -104,12 +123,24 @@ VARIABLES: Dict[str, Variable] = {v.name: v for v in (
 
 def get(name: str) -> Any:
     """``name``'s value from the environment, read as its type, else (unset or
-    empty) its default."""
+    empty) its default; ``BadVariable`` if it does not read as its type."""
     var = VARIABLES[name]
     text = os.environ.get(name)
     if text is None or not text.strip():
         return var.default
-    return _READERS[var.kind](text)
+    try:
+        return _READERS[var.kind](text)
+    except ValueError as e:
+        shown = text if len(text) <= 40 else text[:37] + "..."
+        raise BadVariable(f"the environment variable {name}={shown!r} {e}") from None
+
+
+def check() -> None:
+    """Read every variable of the registry that is set: ``BadVariable`` for
+    the first that does not read as its type (run once at start-up, on every
+    rank, before anything waits on another rank)."""
+    for name in VARIABLES:
+        get(name)
 
 
 def is_set(name: str) -> bool:

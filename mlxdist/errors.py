@@ -10,6 +10,9 @@ printed too with ``MLXDIST_DEBUG=1``).
         PlacementError           a placement that does not fit
         LoadError                LOAD failed on some rank (the message names them)
         RequestError             an HTTP request the server refuses (a 4xx)
+          RequestTimeout         its whole request did not arrive in time (408)
+          HeadersTooLarge        its request line and headers passed their bound (431)
+        BadVariable              an environment variable that does not read as its type
       ProtocolError              a control message this rank cannot read
       RoutingWeightsNotFound     a MoE block whose router weights dp cannot find
       RankLost                   a rank was lost while serving
@@ -21,8 +24,6 @@ import sys
 import tempfile
 import traceback
 from typing import List, Optional
-
-from mlxdist import envs
 
 
 class MlxdistError(Exception):
@@ -56,6 +57,24 @@ class RequestError(UserError, ValueError):
         super().__init__(message)
         self.param = param
         self.status = status
+
+
+class RequestTimeout(RequestError):
+    """A request that did not arrive whole within its deadline (a 408)."""
+
+    def __init__(self, message: str):
+        super().__init__(message, None, 408)
+
+
+class HeadersTooLarge(RequestError):
+    """A request line and headers past their bound in bytes or lines (a 431)."""
+
+    def __init__(self, message: str):
+        super().__init__(message, None, 431)
+
+
+class BadVariable(UserError, RuntimeError):
+    """An environment variable that does not read as its type (one line, naming it)."""
 
 
 class ProtocolError(MlxdistError, RuntimeError):
@@ -103,6 +122,8 @@ def keep_traceback(rank: int) -> Optional[str]:
     """Write the exception being handled, with its traceback, to this rank's
     log file and return the file's path (None if it cannot be written).
     ``MLXDIST_DEBUG=1`` also prints it to stderr."""
+    from mlxdist import envs  # here, not above: envs reports its errors with this module's classes
+
     text = traceback.format_exc()
     if envs.get("MLXDIST_DEBUG"):
         print(text, file=sys.stderr, flush=True)

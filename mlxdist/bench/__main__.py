@@ -11,6 +11,8 @@ maintainer runs, one module per command.
     placement      even, balanced and replicated placements side by side (placement.py)
     link           what an emulated link (compare --link) adds to MPI calls, measured (linkemu/)
     project        large MoE models on 2 and 4 Macs, projected from shapes and link costs (projection.py)
+    stress         many mixed requests (normal, streamed, dropped, malformed, slow, oversized) against one
+                   server, each checked, memory and ranks watched (stress.py)
 """
 
 import importlib
@@ -19,7 +21,7 @@ import sys
 COMMANDS = {
     "run": "harness", "compare": "compare", "mlxlm": "mlxlm", "one-rank": "one_rank", "serve": "serve",
     "capacity": "capacity", "survival": "survival", "placement": "placement", "link": "linkemu",
-    "project": "projection",
+    "project": "projection", "stress": "stress",
 }
 
 
@@ -35,7 +37,9 @@ def main(argv=None) -> None:
         sys.exit(f"python -m mlxdist.bench: unknown command {command!r} (choose {', '.join(COMMANDS)})")
     module = importlib.import_module(f"mlxdist.bench.{COMMANDS[command]}")
     sys.argv = [f"python -m mlxdist.bench {command}", *argv]
-    module.main(argv)
+    code = module.main(argv)
+    if isinstance(code, int) and code:
+        sys.exit(code)
 
 
 if __name__ == "__main__":

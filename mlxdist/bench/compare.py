@@ -28,6 +28,7 @@ from mlxdist.bench.harness import median_row, versions
 from mlxdist.bench.linkemu import PRESETS, EmulatedLink, link_env, measure, parse_link
 from mlxdist.errors import UserError
 from mlxdist.bench.report import plot, write_markdown
+from mlxdist.digits import is_digits
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -266,7 +267,7 @@ def _link(text: str) -> EmulatedLink:
 
 def _placement(text: str):
     n, sep, path = text.partition(":")
-    if not sep or not n.isdigit() or not path:
+    if not sep or not is_digits(n, 3) or not path:
         raise argparse.ArgumentTypeError(f"--placement takes N:FILE, not {text!r}")
     return int(n), str(Path(path).resolve())
 

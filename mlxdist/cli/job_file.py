@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, BinaryIO, Dict, Iterator, List, Optional, Tuple, Union
 
 from mlxdist.config import GenerationParams
+from mlxdist.digits import parse_int
 from mlxdist.errors import UserError, one_line
 
 
@@ -94,7 +95,7 @@ def _parse_int(text: str) -> Union[int, Unreadable]:
     digits = len(text.lstrip("-"))
     if digits > MAX_INT_DIGITS:  # counted before int(), whose cost grows with the square of the length
         return Unreadable(f"an integer of {digits} digits")
-    return int(text)
+    return parse_int(text, "an integer", signed=True, max_digits=MAX_INT_DIGITS)
 
 
 def _parse_float(text: str) -> Union[float, Unreadable]:

@@ -18,6 +18,7 @@ from mlx_lm.generate import DEFAULT_MAX_TOKENS
 from mlxdist import envs
 from mlxdist.api import Cluster, init
 from mlxdist.config import EXPERT_SPLITS, GenerationParams
+from mlxdist.digits import arg_duration, arg_int
 from mlxdist.dispatch import DISPATCH_MODES, LAYOUTS, modes
 from mlxdist.errors import UserError, say_error
 from mlxdist.model.placement import parse_rank_memory
@@ -35,24 +36,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="use the raw prompt (-p, stdin and job-file prompt lines), not the tokenizer's chat template")
     p.add_argument("--jobs", help="JSONL job file (one {id, prompt|messages, ...} per line)")
     p.add_argument("--out", help="JSONL results file for --jobs (appended, one run at a time; a rerun resumes)")
-    p.add_argument("--batch-size", type=int, default=8, help="jobs decoded together with --jobs")
+    p.add_argument("--batch-size", type=arg_int(), default=8, help="jobs decoded together with --jobs")
     p.add_argument("--retry-errors", action="store_true",
                    help="with --jobs: run again the jobs whose only record in --out is an error record "
                         "(without it, error records count as finished)")
-    p.add_argument("-m", "--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
+    p.add_argument("-m", "--max-tokens", type=arg_int(), default=DEFAULT_MAX_TOKENS,
                    help="tokens to generate at most (default %(default)s)")
     p.add_argument("--temp", type=float, default=0.0, help="sampling temperature; 0: greedy (default %(default)s)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (default %(default)s)")
-    p.add_argument("--top-k", type=int, default=0, help="sample from the k likeliest tokens; 0: all (default %(default)s)")
+    p.add_argument("--top-k", type=arg_int(), default=0, help="sample from the k likeliest tokens; 0: all (default %(default)s)")
     p.add_argument("--min-p", type=float, default=0.0, help="minimum probability relative to the likeliest token "
                                                            "(default %(default)s)")
-    p.add_argument("--seed", type=int, default=None,
+    p.add_argument("--seed", type=arg_int(), default=None,
                    help="random seed of the sampler (default: one drawn by rank 0, the same on every rank)")
     p.add_argument("--verbose", type=_str2bool, default=True, metavar="{True,False}",
                    help="as mlx_lm.generate: print the summary line after the text when True, only the text "
                         "when False (default %(default)s)")
-    p.add_argument("--max-kv-size", type=int, default=None, help="rotating KV cache of this many tokens")
-    p.add_argument("--prefill-step-size", type=int, default=2048,
+    p.add_argument("--max-kv-size", type=arg_int(), default=None, help="rotating KV cache of this many tokens")
+    p.add_argument("--prefill-step-size", type=arg_int(), default=2048,
                    help="prompt tokens per prefill step (default %(default)s)")
     p.add_argument("--draft-model", default=None,
                    help="speculative decoding: a small model with the same tokenizer drafts tokens that the "
@@ -81,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rank-memory", metavar="A,B,...", type=rank_memory_arg, default=None,
                    help="GB of expert weights each rank may keep resident, one per rank: experts are spread in "
                         "proportion, and a placement that does not fit is refused")
-    p.add_argument("--expert-capacity", type=int, default=None,
+    p.add_argument("--expert-capacity", type=arg_int(), default=None,
                    help="experts each rank keeps resident per layer; the rest are read from its checkpoint copy "
                         "on demand into least-recently-used slots (needs --layout compact or --dispatch p2p)")
     p.add_argument("--memory-budget", type=float, default=None, metavar="GB",
@@ -91,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="whole: each expert on one rank (exact modes); width: every expert cut over the ranks as "
                         "tensor parallelism cuts them (balanced, not bit-exact; every mode but p2p)")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
-    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT,
+    p.add_argument("--timeout", type=arg_duration(), default=DEFAULT_TIMEOUT,
                    help="seconds without progress before a generation is declared hung (default %(default)s)")
     p.add_argument("--logprobs-out", help="save each step's log-probabilities (.npy) for checks")
     add_host_flags(p)

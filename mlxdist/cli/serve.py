@@ -5,54 +5,72 @@
 """
 
 import argparse
+import socket
 import sys
 from typing import List, Optional
 
+from mlxdist import envs
 from mlxdist.api import init
+from mlxdist.cli.run import RankZeroParser, add_host_flags, apply_host_flags, rank_memory_arg
 from mlxdist.config import EXPERT_SPLITS
-from mlxdist.errors import UserError, say_error
-from mlxdist.cli.run import add_host_flags, apply_host_flags, rank_memory_arg
+from mlxdist.digits import arg_duration, arg_int
+from mlxdist.errors import UserError, one_line, say_error
 from mlxdist.runtime.watchdog import DEFAULT_TIMEOUT
 from mlxdist.runtime.world import BACKENDS, launcher_rank, set_exit_code
-from mlxdist.serving.http import (
-    DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_BODY, DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_QUEUED, DEFAULT_MAX_QUEUED_CHARS,
+from mlxdist.serving.connections import (
+    DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_HEADERS, DEFAULT_REQUEST_TIMEOUT, HTTPServer,
 )
+from mlxdist.serving.http import DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_BODY, DEFAULT_MAX_QUEUED, DEFAULT_MAX_QUEUED_CHARS
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m mlxdist.serve", description="An OpenAI-compatible HTTP server over the distributed model.")
+    p = RankZeroParser(prog="python -m mlxdist.serve", description="An OpenAI-compatible HTTP server over the distributed model.")
     p.add_argument("--model", default=None, help="Model folder or hub id (default: the built-in random MoE).")
     p.add_argument("--host", default="127.0.0.1", help="Address to bind (default 127.0.0.1; others need --api-key).")
-    p.add_argument("--port", type=int, default=8080)
-    p.add_argument("--api-key", default=None, help="Bearer token every request must carry.")
-    p.add_argument("--max-concurrent", type=int, default=32,
+    p.add_argument("--port", type=arg_int(), default=8080)
+    p.add_argument("--api-key", default=None,
+                   help="Bearer token every request must carry (visible in the process list: prefer --api-key-file "
+                        "or MLXDIST_API_KEY).")
+    p.add_argument("--api-key-file", default=None, metavar="FILE",
+                   help="Read the bearer token from the first line of FILE.")
+    p.add_argument("--max-concurrent", type=arg_int(), default=32,
                    help="Live sequences decoded together; further requests queue.")
-    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY,
+    p.add_argument("--max-body-bytes", type=arg_int(), default=DEFAULT_MAX_BODY,
                    help="Largest request body accepted (default %(default)s).")
-    p.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
-                   help="Connections open at once; more are closed at once (default %(default)s).")
-    p.add_argument("--idle-timeout", type=float, default=DEFAULT_IDLE_TIMEOUT,
+    p.add_argument("--max-connections", type=arg_int(), default=DEFAULT_MAX_CONNECTIONS,
+                   help="Connections open at once; past it a new one takes the place of the one that has been sending "
+                        "its request the longest, or is closed when every one is being answered "
+                        "(default %(default)s).")
+    p.add_argument("--request-timeout", type=arg_duration(), default=DEFAULT_REQUEST_TIMEOUT,
+                   help="Seconds a connection has to send its whole request, headers and body; past them it is "
+                        "answered 408 and closed (default %(default)s).")
+    p.add_argument("--max-header-bytes", type=arg_int(), default=DEFAULT_MAX_HEADER_BYTES,
+                   help="Bytes of a request's line and headers together; more get 431, read no further "
+                        "(default %(default)s).")
+    p.add_argument("--max-headers", type=arg_int(), default=DEFAULT_MAX_HEADERS,
+                   help="Header lines of a request; more get 431 (default %(default)s).")
+    p.add_argument("--idle-timeout", type=arg_duration(), default=DEFAULT_IDLE_TIMEOUT,
                    help="Seconds a connection may send nothing before it is closed (default %(default)s).")
-    p.add_argument("--max-queued", type=int, default=DEFAULT_MAX_QUEUED,
+    p.add_argument("--max-queued", type=arg_int(), default=DEFAULT_MAX_QUEUED,
                    help="Requests waiting for the generation loop; more get 429 (default %(default)s).")
-    p.add_argument("--max-queued-chars", type=int, default=DEFAULT_MAX_QUEUED_CHARS,
+    p.add_argument("--max-queued-chars", type=arg_int(), default=DEFAULT_MAX_QUEUED_CHARS,
                    help="Characters of prompt text waiting for the generation loop, all requests together; "
                         "a request past it gets 429 (default %(default)s).")
     p.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
                    help="Answer browsers' cross-origin requests from ORIGIN ('*': any); repeatable. "
                         "Default: none (a web page the user opens cannot drive the server).")
-    p.add_argument("--max-tokens", type=int, default=512, help="Default max_tokens of a request.")
+    p.add_argument("--max-tokens", type=arg_int(), default=512, help="Default max_tokens of a request.")
     p.add_argument("--temp", type=float, default=0.0, help="Default temperature.")
     p.add_argument("--top-p", type=float, default=1.0, help="Default top_p.")
     p.add_argument("--draft-model", default=None,
                    help="Speculative decoding (mlx-lm's server: then one request at a time): a small model with "
                         "the same tokenizer drafts tokens the distributed model verifies, several per forward.")
-    p.add_argument("--num-draft-tokens", type=int, default=3,
+    p.add_argument("--num-draft-tokens", type=arg_int(), default=3,
                    help="Default tokens drafted per verifying forward (a request's num_draft_tokens overrides).")
-    p.add_argument("--prefill-step-size", type=int, default=2048)
-    p.add_argument("--prompt-concurrency", type=int, default=8, help="Prompts prefilled together.")
+    p.add_argument("--prefill-step-size", type=arg_int(), default=2048)
+    p.add_argument("--prompt-concurrency", type=arg_int(), default=8, help="Prompts prefilled together.")
     p.add_argument("--chat-template", default="", help="A chat template to use instead of the tokenizer's.")
     p.add_argument("--allow-request-templates", action="store_true",
                    help="Let a request bring its own chat template (chat_template_kwargs.chat_template), rendered "
@@ -68,43 +86,77 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--record-routing", metavar="FILE", default=None,
                    help="write the routed slots per (layer, expert) to FILE: at exit, and while serving at most "
                         "every --record-routing-every seconds (docs/placement.md)")
-    p.add_argument("--record-routing-every", type=float, default=60.0, metavar="SECONDS",
+    p.add_argument("--record-routing-every", type=arg_duration(), default=60.0, metavar="SECONDS",
                    help="seconds between rewrites of --record-routing's file while serving (default %(default)s)")
-    p.add_argument("--rebalance-every", type=float, default=None, metavar="SECONDS",
+    p.add_argument("--rebalance-every", type=arg_duration(), default=None, metavar="SECONDS",
                    help="place the experts again from the routing seen since the last placement, at most every "
                         "SECONDS, between two steps on every rank (docs/placement.md); default: never")
-    p.add_argument("--rebalance-replicas", type=int, default=0, metavar="R",
+    p.add_argument("--rebalance-replicas", type=arg_int(), default=0, metavar="R",
                    help="replica slots per rank in those placements (default %(default)s)")
     p.add_argument("--rank-memory", metavar="A,B,...", type=rank_memory_arg, default=None,
                    help="GB of expert weights each rank may keep resident, one per rank (docs/placement.md)")
-    p.add_argument("--timeout", type=float, default=None, help="Seconds without progress before a rank is declared hung.")
+    p.add_argument("--timeout", type=arg_duration(), default=DEFAULT_TIMEOUT,
+                   help="Seconds without progress before a rank is declared hung; one serving step (it may be a "
+                        "long prefill) gets 10 x that (default %(default)s).")
     p.add_argument("--log-level", default="WARNING", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     return p
 
 
+def read_api_key(args: argparse.Namespace) -> Optional[str]:
+    """The bearer token: --api-key, else --api-key-file's first line, else
+    MLXDIST_API_KEY, else None; UserError for a file that gives none."""
+    if args.api_key or not args.api_key_file:
+        return args.api_key or envs.get("MLXDIST_API_KEY")
+    try:
+        with open(args.api_key_file, encoding="utf-8") as f:
+            key = f.readline(4096).strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"--api-key-file {args.api_key_file}: cannot read it ({one_line(e)})") from None
+    if not key:
+        raise UserError(f"--api-key-file {args.api_key_file}: its first line is empty")
+    return key
+
+
 def check_options(args: argparse.Namespace) -> Optional[str]:
-    """Why these options cannot serve, or None."""
+    """Why these options cannot serve, or None (``args.api_key`` is set from
+    wherever the token is given)."""
+    try:
+        args.api_key = read_api_key(args)
+    except UserError as e:
+        return str(e)
     if args.host not in LOOPBACK and not args.api_key:
-        return f"binding {args.host} exposes the model beyond this machine: give --api-key (see docs/SECURITY.md)"
+        return (f"binding {args.host} exposes the model beyond this machine: give --api-key, --api-key-file or "
+                f"MLXDIST_API_KEY (see docs/SECURITY.md)")
     if args.max_concurrent < 1:
         return "--max-concurrent must be at least 1"
     if args.max_body_bytes < 1024:
         return "--max-body-bytes must be at least 1024"
     if args.max_connections < 1 or args.max_queued < 1 or args.max_queued_chars < 1:
         return "--max-connections, --max-queued and --max-queued-chars must be at least 1"
-    if not 0 < args.record_routing_every < float("inf"):
-        return "--record-routing-every must be a positive number of seconds"
-    if args.rebalance_every is not None and not 0 < args.rebalance_every < float("inf"):
-        return "--rebalance-every must be a positive number of seconds"
     if not 0 <= args.rebalance_replicas <= 1024:
         return "--rebalance-replicas must be between 0 and 1024"
     if args.rebalance_every is not None and args.expert_split == "width":
         return "--rebalance-every places whole experts: not with --expert-split width"
     if not 1 <= args.num_draft_tokens <= 64:
         return "--num-draft-tokens must be from 1 to 64"
-    if not 0 < args.idle_timeout < float("inf"):
-        return "--idle-timeout must be a positive number of seconds"
+    if not 0 <= args.port <= 65535:
+        return f"--port must be in [0, 65535], not {args.port}"
+    if args.max_header_bytes < 1024 or args.max_headers < 1:
+        return "--max-header-bytes must be at least 1024 and --max-headers at least 1"
     return None
+
+
+def check_port(host: str, port: int) -> None:
+    """Fail before loading a model where the server could not listen (the
+    bind itself, after loading, reports a port taken in between)."""
+    if port == 0:
+        return
+    with socket.socket(HTTPServer.address_family) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server binds: TIME_WAIT is no conflict
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise UserError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -118,15 +170,16 @@ def main(argv: Optional[List[str]] = None) -> int:
             # could stop rank 0 before it said why)
         say_error(problem)
         return 2
-    cluster = init(timeout=args.timeout or DEFAULT_TIMEOUT, backend=args.backend)  # other ranks serve inside
+    cluster = init(timeout=args.timeout, backend=args.backend)  # other ranks serve inside
     code = 0
     try:
+        check_port(args.host, args.port)
         cluster.load(args.model, dispatch=args.dispatch, expert_split=args.expert_split,
                      record_routing=args.record_routing, record_routing_every=args.record_routing_every,
                      rank_memory_gb=args.rank_memory, count_routing=args.rebalance_every is not None,
                      draft_model=args.draft_model)
         loaded = ("backend", "timeout", "dispatch", "expert_split", "record_routing", "record_routing_every",
-                  "rank_memory")
+                  "rank_memory", "api_key_file")
         options = {k: v for k, v in vars(args).items() if k not in loaded}
         options["model"] = cluster.engine.options.model
         cluster.serve_http(options)

@@ -26,6 +26,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
+from mlxdist.digits import is_digits
 from mlxdist.errors import PlacementError
 
 PLACEMENT_VERSION = 2  # the newest version written (1: one owner per expert)
@@ -156,7 +157,7 @@ class Placement:
             raise PlacementError("placement is malformed: layers must be an object of layer -> owners")
         parsed: Dict[int, List[Owners]] = {}
         for key, row in layers.items():
-            if not (isinstance(key, str) and key.isdigit() and len(key) <= 9):
+            if not is_digits(key, 9):
                 raise PlacementError(f"placement is malformed: layer key {_short(key)} is not a layer index")
             if not isinstance(row, list) or not 1 <= len(row) <= MAX_EXPERTS:
                 raise PlacementError(f"placement is malformed: layer {key} must list 1..{MAX_EXPERTS} experts' owners")

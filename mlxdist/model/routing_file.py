@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Union
 
+from mlxdist.digits import is_digits
 from mlxdist.errors import UserError
 from mlxdist.model.placement import MAX_EXPERTS, read_json, write_json_atomic
 
@@ -71,7 +72,7 @@ class RoutingStats:
             raise UserError("routing file is malformed: it needs a model object and per-layer counts")
         parsed = {}
         for key, counts in layers.items():
-            if not (isinstance(key, str) and key.isdigit() and len(key) <= 9):
+            if not is_digits(key, 9):
                 raise UserError(f"routing file is malformed: layer key {key!r:.40} is not a layer index")
             if (not isinstance(counts, list) or not 1 <= len(counts) <= MAX_EXPERTS
                     or any(type(c) is not int or c < 0 for c in counts)):

@@ -123,6 +123,7 @@ def init_world(backend: Optional[str] = None) -> World:
     For mpi, MLX's MPI backend initialises MPI first, then mpi4py attaches."""
     global _WORLD
     if _WORLD is None:
+        envs.check()  # a malformed variable stops every rank here, before any waits on another
         awake.hold()
         _WORLD = _start(backend)
         _WORLD.hosts = _WORLD.control.allgather_json(socket.gethostname())

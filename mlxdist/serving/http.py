@@ -1,7 +1,10 @@
 """The HTTP side on rank 0: mlx-lm's request handler behind the API key,
-the body limit, the request schema (``schema.py``), caps on queued work and
-connections, an idle timeout, a request's own chat template rendered here
-when allowed (``templates.py``), and errors in OpenAI's shape.
+the body limit, the request schema (``schema.py``), caps on queued work, a
+request's own chat template rendered here when allowed (``templates.py``),
+and every error, the standard library's own included (unknown methods, bad
+request lines), in OpenAI's shape. What a connection may cost before its
+request is whole (a deadline, header bounds, the connection cap) is
+``connections.py``'s.
 """
 
 import copy
@@ -9,30 +12,32 @@ import hmac
 import io
 import json
 import logging
-import threading
 import time
-from http.server import ThreadingHTTPServer
 from typing import Any, Dict, Optional
 
 from mlx_lm import server as lm_server
 
-from mlxdist.errors import GenerationFailed, RankLost, RequestError
+from mlxdist.digits import parse_int
+from mlxdist.errors import GenerationFailed, HeadersTooLarge, RankLost, RequestError, RequestTimeout
+from mlxdist.serving.connections import (
+    DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_HEADERS, DEFAULT_REQUEST_TIMEOUT, RequestReader,
+)
 from mlxdist.serving.lockstep import HANDLER_STATUS
 from mlxdist.serving.schema import RequestLimits, check_request, error_body
 from mlxdist.serving.templates import render
 
 DEFAULT_MAX_BODY = 4 << 20  # bytes
 DEFAULT_IDLE_TIMEOUT = 30.0  # seconds a connection may send nothing
-DEFAULT_MAX_CONNECTIONS = 256
 DEFAULT_MAX_QUEUED = 256  # requests waiting for the generation loop
 DEFAULT_MAX_QUEUED_CHARS = 8 << 20  # their prompt text, together
 
 
 
 class _OpenAIErrors:
-    """A handler's output: the ``{"error": "text"}`` body mlx-lm writes after
-    an error status goes out in OpenAI's shape (``schema.error_body``), so
-    SDKs show the reason; everything else passes as it is."""
+    """A handler's output: the body mlx-lm writes after an error status
+    (``{"error": "text"}``, or plain text such as 404's ``Not Found``) goes
+    out in OpenAI's shape (``schema.error_body``), so SDKs show the reason;
+    everything else passes as it is."""
 
     def __init__(self, wfile, handler):
         self._wfile = wfile
@@ -40,15 +45,20 @@ class _OpenAIErrors:
 
     def write(self, data: bytes) -> int:
         status = self._handler.error_status
-        if status is not None and data[:1] == b"{":
+        if status is not None and not data.startswith(b"HTTP/"):  # the body, not the status line and headers
+            self._handler.error_status = None
             try:
                 obj = json.loads(data)
             except ValueError:
                 obj = None
             if isinstance(obj, dict) and isinstance(obj.get("error"), str):
-                self._handler.error_status = None
-                kind = "invalid_request_error" if status < 500 else "server_error"
-                data = json.dumps(error_body(obj["error"], kind, None, status)).encode()
+                message = obj["error"]
+            elif obj is None:
+                message = data.decode("utf-8", "replace")[:200]
+            else:
+                return self._wfile.write(data)
+            kind = "invalid_request_error" if status < 500 else "server_error"
+            data = json.dumps(error_body(message, kind, None, status)).encode()
         return self._wfile.write(data)
 
     def __getattr__(self, name):
@@ -59,20 +69,93 @@ COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions", "/chat/completion
 
 
 def make_handler(api_key: Optional[str], max_body: int, limits: RequestLimits, max_queued: int = DEFAULT_MAX_QUEUED,
-                 idle_timeout: float = DEFAULT_IDLE_TIMEOUT, max_queued_chars: int = DEFAULT_MAX_QUEUED_CHARS):
+                 idle_timeout: float = DEFAULT_IDLE_TIMEOUT, max_queued_chars: int = DEFAULT_MAX_QUEUED_CHARS,
+                 request_timeout: float = DEFAULT_REQUEST_TIMEOUT, max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
+                 max_headers: int = DEFAULT_MAX_HEADERS):
     """mlx-lm's request handler behind a bearer token (when given), a body
-    limit, the request schema (``schema.py``), a cap on queued requests and
-    an idle timeout; every refusal in OpenAI's error shape."""
+    limit, the request schema (``schema.py``), a cap on queued requests, a
+    deadline for the whole request, bounds on its headers and an idle
+    timeout; every refusal in OpenAI's error shape."""
 
     class Handler(lm_server.APIHandler):
         timeout = idle_timeout  # socket timeout: a connection that sends nothing is closed
+
+        def setup(self):
+            super().setup()
+            self.error_status: Optional[int] = None
+            self.wfile = _OpenAIErrors(self.wfile, self)
+            self.connection_state = self.server.connection(self.request)
+            self.rfile = RequestReader(self.connection_state, self.connection_state.started + request_timeout,
+                                       idle_timeout, max_header_bytes, max_headers)
+
+        def handle_one_request(self):
+            """The standard library's, with the request's deadline (408), the
+            header bounds (431), unknown methods (501) in OpenAI's shape, and
+            the request marked complete (past the connection cap, only
+            connections still reading are shed)."""
+            self.requestline, self.request_version, self.command = "", "HTTP/1.1", ""
+            try:
+                self.raw_requestline = self.rfile.readline(65537)
+                if not self.raw_requestline:
+                    self.close_connection = True
+                    return
+                if not self.parse_request():  # an error was sent
+                    return
+                self.rfile.end_of_headers()
+                if self.command != "POST" and not self._answering():  # POST: once its body has arrived
+                    return
+                method = getattr(self, "do_" + self.command, None)
+                if method is None:
+                    self.send_error(501, f"unsupported method {self.command[:20]!r}")
+                    return
+                method()
+                self.wfile.flush()
+            except RequestTimeout:
+                self._give_up(408, f"the request did not arrive whole within {request_timeout:g} s")
+            except HeadersTooLarge as e:
+                self._give_up(431, f"request headers too large: {e}")
+            except TimeoutError:  # idle (--idle-timeout): closed unanswered, as a dead peer is
+                self.close_connection = True
+
+        def _answering(self) -> bool:
+            """The request has arrived whole; False (and the connection
+            closed) if the cap shed it meanwhile."""
+            if self.server.answering(self.connection_state):
+                self.request.settimeout(idle_timeout)  # for the answer's writes
+                return True
+            self.close_connection = True
+            return False
+
+        def _give_up(self, status: int, message: str) -> None:
+            self.close_connection = True
+            state = self.connection_state
+            if state.answering or state.shed or not state.received:
+                return
+            logging.info("%s: %d %s", self.address_string(), status, message)
+            try:
+                self.send_error(status, message)
+            except OSError:
+                pass
+
+        def send_error(self, code: int, message: Optional[str] = None, explain: Optional[str] = None) -> None:
+            """The standard library's errors (bad request lines, 501, 414,
+            431) in OpenAI's shape, closing the connection."""
+            self.close_connection = True
+            if not self.request_version.startswith("HTTP/1."):
+                self.request_version = "HTTP/1.1"
+            text = message or self.responses.get(code, ("error",))[0]
+            kind = "invalid_request_error" if code < 500 else "server_error"
+            self._send_json(code, error_body(text, kind, None, code))
 
         def _send_json(self, status: int, obj: Dict[str, Any]) -> None:
             body = json.dumps(obj).encode()
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(body)))
-            self._set_cors_headers()
+            if self.close_connection:
+                self.send_header("Connection", "close")
+            if getattr(self, "headers", None) is not None:
+                self._set_cors_headers()
             self.end_headers()
             self.wfile.write(body)
 
@@ -100,11 +183,12 @@ def make_handler(api_key: Optional[str], max_body: int, limits: RequestLimits, m
             if length is None:
                 self._refuse(411, "Content-Length header is required", "invalid_request_error")
                 return
-            length = length.strip()
-            if not (length.isdigit() and len(length) <= 20):  # no sign, no spaces inside, no other digits
-                self._refuse(400, "Content-Length must be a non-negative integer", "invalid_request_error")
+            try:
+                length = parse_int(length.strip(" \t"), "Content-Length")
+            except ValueError as e:
+                self._refuse(400, str(e), "invalid_request_error", "Content-Length")
                 return
-            if int(length) > max_body:
+            if length > max_body:
                 self._refuse(413, f"request body of {length} bytes exceeds the limit of {max_body}",
                              "invalid_request_error")
                 return
@@ -114,7 +198,13 @@ def make_handler(api_key: Optional[str], max_body: int, limits: RequestLimits, m
             if self.response_generator.requests.qsize() >= max_queued:
                 self._refuse(429, f"{max_queued} requests are queued already: try again later", "rate_limit_error")
                 return
-            raw = self.rfile.read(int(length))
+            raw = self.rfile.read(length)
+            if len(raw) < length:  # the client left mid-body
+                logging.info("%s: the client left before its request arrived whole", self.address_string())
+                self.close_connection = True
+                return
+            if not self._answering():
+                return
             if self.path in COMPLETION_PATHS:
                 try:
                     body, chars = check_request(raw, limits)
@@ -178,11 +268,6 @@ def make_handler(api_key: Optional[str], max_body: int, limits: RequestLimits, m
                     self.wfile.write(f"data: {json.dumps(error)}\n\n".encode())
                     self.wfile.flush()
 
-        def setup(self):
-            super().setup()
-            self.error_status: Optional[int] = None
-            self.wfile = _OpenAIErrors(self.wfile, self)
-
         def _set_completion_headers(self, status_code: int = 200):
             # mlx-lm answers every failed generate() with 404: ours say what they are
             status = getattr(HANDLER_STATUS, "status", None)
@@ -201,34 +286,3 @@ def make_handler(api_key: Optional[str], max_body: int, limits: RequestLimits, m
             logging.info("%s - %s", self.address_string(), format % args)
 
     return Handler
-
-
-class HTTPServer(ThreadingHTTPServer):
-    """One thread per connection, at most ``max_connections`` open at once
-    (a connection past the cap is closed at once)."""
-
-    request_queue_size = 1024  # the listen backlog: the default 5 resets bursts of clients
-    daemon_threads = True
-
-    def __init__(self, address, handler, max_connections: int = DEFAULT_MAX_CONNECTIONS):
-        super().__init__(address, handler)
-        self.max_connections = max_connections
-        self._open = 0
-        self._open_lock = threading.Lock()
-
-    def process_request(self, request, client_address):
-        with self._open_lock:
-            full = self._open >= self.max_connections
-            if not full:
-                self._open += 1
-        if full:
-            self.shutdown_request(request)
-            return
-        super().process_request(request, client_address)
-
-    def process_request_thread(self, request, client_address):
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            with self._open_lock:
-                self._open -= 1

@@ -19,6 +19,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
+from mlxdist.digits import parse_int
 from mlxdist.errors import RequestError
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
@@ -38,6 +39,7 @@ KNOWN = frozenset((
     "xtc_probability", "xtc_threshold", "logit_bias", "logprobs", "top_logprobs", "seed", "stop",
     "chat_template_kwargs", "tools", "role_mapping", "n", "adapters", "draft_model", "num_draft_tokens",
 ))
+STREAM_OPTIONS = ("include_usage", "include_obfuscation")  # the second is accepted and has no effect here
 IGNORED = frozenset(("user", "tool_choice", "parallel_tool_calls", "response_format", "metadata", "store",
                      "service_tier", "modalities", "suffix", "echo", "best_of"))
 
@@ -56,7 +58,7 @@ class RequestLimits:
     max_logit_bias: int = 1024
     max_tools: int = 128
     max_context_size: int = 1 << 16  # repetition / presence / frequency context sizes
-    allow_remote_images: bool = False
+    images: bool = False  # the model reads images (mlxdist serves text models: every image part is refused)
     allow_request_templates: bool = False  # chat_template_kwargs.chat_template, rendered on rank 0 (templates.py)
     max_template_chars: int = 64 << 10
 
@@ -83,7 +85,19 @@ def check_request(raw: bytes, limits: RequestLimits) -> Tuple[Dict[str, Any], in
         raise RequestError("the request body must be a JSON object")
     if _depth(body, limits.max_depth) > limits.max_depth:
         raise RequestError(f"the request body nests deeper than {limits.max_depth} levels")
+    _check_text(body)
     return body, check_fields(body, limits)
+
+
+def _check_text(body: Dict[str, Any]) -> None:
+    """Every string is text: JSON's ``\\ud800`` escapes decode to a lone
+    surrogate, which no tokenizer can encode (a 500 deep in the ranks)."""
+    for name, value in body.items():
+        try:
+            json.dumps([name, value], ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise RequestError(f"{name[:40]!r} holds a lone surrogate (U+D800 to U+DFFF), which is not text",
+                               name[:40]) from None
 
 
 def check_fields(body: Dict[str, Any], limits: RequestLimits) -> int:
@@ -93,10 +107,7 @@ def check_fields(body: Dict[str, Any], limits: RequestLimits) -> int:
     if unknown:
         raise RequestError(f"unknown field {unknown[0]!r}", unknown[0])
     _choice(body, "stream", (bool,))
-    options = body.get("stream_options")
-    if options is not None and not (isinstance(options, dict) and set(options) <= {"include_usage"}
-                                    and isinstance(options.get("include_usage", False), bool)):
-        raise RequestError("stream_options must be {\"include_usage\": true|false}", "stream_options")
+    _check_stream_options(body)
     if body.get("model") is not None and not isinstance(body["model"], str):
         raise RequestError("model must be a string (any name: the server serves the model it loaded)", "model")
     for name in ("adapters", "draft_model"):
@@ -155,6 +166,23 @@ def _depth(obj: Any, limit: int) -> int:
     return deepest
 
 
+def _check_stream_options(body: Dict[str, Any]) -> None:
+    """stream_options field by field; mlx-lm reads ``include_usage`` without a
+    default, so it is filled in (false) when absent."""
+    options = body.get("stream_options")
+    if options is None:
+        return
+    if not isinstance(options, dict):
+        raise RequestError("stream_options must be an object", "stream_options")
+    for name, value in options.items():
+        if name not in STREAM_OPTIONS:
+            raise RequestError(f"stream_options.{name[:40]} is not a stream option (known: "
+                               f"{', '.join(STREAM_OPTIONS)})", "stream_options")
+        if not isinstance(value, bool):
+            raise RequestError(f"stream_options.{name} must be true or false", "stream_options")
+    body["stream_options"] = {"include_usage": options.get("include_usage", False)}  # what mlx-lm reads
+
+
 def _choice(body: Dict[str, Any], name: str, types: tuple) -> None:
     if name in body and body[name] is not None and not isinstance(body[name], types):
         raise RequestError(f"{name} must be a {' or '.join(t.__name__ for t in types)}", name)
@@ -189,10 +217,13 @@ def _check_logit_bias(body: Dict[str, Any], limits: RequestLimits) -> None:
     if not isinstance(bias, dict) or len(bias) > limits.max_logit_bias:
         raise RequestError(f"logit_bias must be an object of at most {limits.max_logit_bias} token ids",
                            "logit_bias")
-    for key, value in bias.items():
-        token = key.strip()
-        if not (token.isdigit() and len(token) <= 12 and int(token) < limits.vocab_size):
-            raise RequestError(f"logit_bias: {key[:40]!r} is not a token id of this model's vocabulary "
+    for token, value in bias.items():
+        try:
+            token_id = parse_int(token, "a logit_bias key", max_digits=12)
+        except ValueError as e:
+            raise RequestError(f"logit_bias: {e}", "logit_bias") from None
+        if token_id >= limits.vocab_size:
+            raise RequestError(f"logit_bias: {token[:40]!r} is not a token id of this model's vocabulary "
                                f"(0 to {limits.vocab_size - 1})", "logit_bias")
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
             raise RequestError(f"logit_bias: the bias of token {token} must be a number in [-100, 100]",
@@ -292,11 +323,15 @@ def _part_chars(part: Any, i: int, limits: RequestLimits) -> int:
         url = url.get("url") if isinstance(url, dict) else url
         if not isinstance(url, str):
             raise RequestError(f"messages[{i}]: an image part needs a URL", "messages")
-        if url.startswith(("http://", "https://")) and not limits.allow_remote_images:
-            raise RequestError("remote image_url fetching is off on this server: send the image as a data: URL",
+        if not limits.images:
+            raise RequestError(f"messages[{i}]: this server's model reads text only: no image parts "
+                               f"(of any URL: http, data or file)", "messages")
+        if not url.startswith("data:"):
+            raise RequestError(f"messages[{i}]: an image is sent as a data: URL (no fetching of other URLs)",
                                "messages")
         return 0
-    raise RequestError(f"messages[{i}]: content parts must be of type text or image_url", "messages")
+    raise RequestError(f"messages[{i}]: content parts must be of type text"
+                       f"{' or image_url' if limits.images else ''}, not {str(kind)[:40]!r}", "messages")
 
 
 def _check_tool_calls(calls: Iterable[Any], i: int) -> None:

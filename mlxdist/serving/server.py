@@ -17,8 +17,10 @@ greedy tokens equal one process's.
 
 What is ours: the provider that hands the loaded model to mlx-lm (here),
 the lockstep generation loop (``lockstep.py``), the HTTP handler behind the
-request schema and limits (``http.py``, ``schema.py``), and the answer to a
-lost rank (503, then a non-zero exit).
+request schema and limits (``http.py``, ``schema.py``), what a connection
+may cost (``connections.py``), and the answer to a lost rank (503, then a
+non-zero exit). A port it cannot listen on stops the loop on every rank and
+ends the job with one line.
 """
 
 import argparse
@@ -34,10 +36,11 @@ from mlx_lm import server as lm_server
 
 from mlxdist import envs
 from mlxdist.runtime.watchdog import ACTIVITY, ON_FATAL
-from mlxdist.serving.http import (
-    DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_QUEUED, DEFAULT_MAX_QUEUED_CHARS, HTTPServer,
-    make_handler,
+from mlxdist.errors import UserError
+from mlxdist.serving.connections import (
+    DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_HEADERS, DEFAULT_REQUEST_TIMEOUT, HTTPServer,
 )
+from mlxdist.serving.http import DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_QUEUED, DEFAULT_MAX_QUEUED_CHARS, make_handler
 from mlxdist.serving.isolation import guard_tokenizer
 from mlxdist.serving.rebalance import Rebalancer
 from mlxdist.serving.lockstep import LockstepResponseGenerator
@@ -141,17 +144,30 @@ def serve(executor, options: Dict[str, Any]) -> None:
                            allow_request_templates=bool(options.get("allow_request_templates")))
     handler = make_handler(options.get("api_key"), options["max_body_bytes"], limits,
                            options.get("max_queued", DEFAULT_MAX_QUEUED), options.get("idle_timeout", DEFAULT_IDLE_TIMEOUT),
-                           options.get("max_queued_chars", DEFAULT_MAX_QUEUED_CHARS))
-    httpd = HTTPServer((options["host"], options["port"]), lambda *a, **kw: handler(
-        generator, *a, system_fingerprint=lm_server.get_system_fingerprint(), **kw),
-        options.get("max_connections", DEFAULT_MAX_CONNECTIONS))
-    print(f"mlxdist: serving {options['model']} on http://{options['host']}:{httpd.server_port} "
-          f"({world.size} rank{'s' if world.size > 1 else ''})", file=sys.stderr, flush=True)
-    try:
+                           options.get("max_queued_chars", DEFAULT_MAX_QUEUED_CHARS),
+                           options.get("request_timeout", DEFAULT_REQUEST_TIMEOUT),
+                           options.get("max_header_bytes", DEFAULT_MAX_HEADER_BYTES),
+                           options.get("max_headers", DEFAULT_MAX_HEADERS))
+    httpd = None
+    try:  # the generation loop runs on every rank from here: whatever happens, it is stopped on every rank
+        httpd = _bind(options, lambda *a, **kw: handler(
+            generator, *a, system_fingerprint=lm_server.get_system_fingerprint(), **kw))
+        print(f"mlxdist: serving {options['model']} on http://{options['host']}:{httpd.server_port} "
+              f"({world.size} rank{'s' if world.size > 1 else ''})", file=sys.stderr, flush=True)
         httpd.serve_forever()
     except KeyboardInterrupt:
         pass
     finally:
-        httpd.server_close()
+        if httpd is not None:
+            httpd.server_close()
         generator.stop_and_join()
         ACTIVITY.armed = ACTIVITY.serving_http = False
+
+
+def _bind(options: Dict[str, Any], handler) -> HTTPServer:
+    """The listening server, or a ``UserError`` saying why the address cannot be had."""
+    try:
+        return HTTPServer((options["host"], options["port"]), handler,
+                          options.get("max_connections", DEFAULT_MAX_CONNECTIONS))
+    except OSError as e:
+        raise UserError(f"cannot listen on {options['host']}:{options['port']}: {e.strerror or e}") from None

@@ -1,0 +1,89 @@
+"""Integers and durations read from text, one way everywhere: ASCII digits
+only.
+
+Python's ``int()`` and ``str.isdigit()`` take any Unicode digit: ``int("５")``
+is 5, ``int("١")`` is 1, and ``"²".isdigit()`` is true while ``int("²")``
+raises. A token id, a length, a port or a job-file integer is written in
+ASCII digits (an optional leading ``-`` where negatives are allowed) or it
+is refused, by the caller, naming the field.
+
+    parse_int(text, field) -> int, or ValueError naming ``field``
+    is_digits(text) -> whether it is ASCII digits (a key to check before int())
+    parse_duration(text, field) -> a positive, finite number of seconds, or ValueError
+    arg_int / arg_duration: the same as argparse types
+"""
+
+import argparse
+import math
+import re
+from typing import Callable, Optional
+
+MAX_DIGITS = 20  # a 64-bit unsigned integer; int() of a longer text costs the square of its length
+_INT = re.compile(r"-?[0-9]+\Z")
+_NUMBER = re.compile(r"(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?\Z")
+
+
+def parse_int(text: str, field: str, signed: bool = False, max_digits: int = MAX_DIGITS) -> int:
+    """``text`` as an integer of ASCII digits (a leading ``-`` only where
+    ``signed``), at most ``max_digits`` long; else ValueError naming ``field``."""
+    kind = "an integer" if signed else "a non-negative integer"
+    if not isinstance(text, str) or not _INT.match(text) or (text[0] == "-" and not signed):
+        raise ValueError(f"{field} must be {kind} in ASCII digits, not {_show(text)}")
+    if len(text.lstrip("-")) > max_digits:
+        raise ValueError(f"{field} must be {kind} of at most {max_digits} digits")
+    return int(text)
+
+
+def is_digits(text, max_digits: int = MAX_DIGITS) -> bool:
+    """Whether ``text`` is a string of 1 to ``max_digits`` ASCII digits."""
+    return isinstance(text, str) and 0 < len(text) <= max_digits and bool(_INT.match(text)) and text[0] != "-"
+
+
+def parse_duration(text: str, field: str) -> float:
+    """``text`` as a positive, finite number of seconds (ASCII: ``30``, ``0.5``,
+    ``1e2``); else ValueError naming ``field``."""
+    if not isinstance(text, str) or not _NUMBER.match(text) or not 0 < float(text) < math.inf:
+        raise ValueError(f"{field} must be a positive, finite number of seconds, not {_show(text)}")
+    return float(text)
+
+
+def check_duration(value: float, field: str) -> float:
+    """A duration already read as a number: positive and finite, else ValueError."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise ValueError(f"{field} must be a positive, finite number of seconds, not {value!r}")
+    return float(value)
+
+
+def arg_int(low: Optional[int] = None) -> Callable[[str], int]:
+    """An argparse type: an ASCII integer (of at least ``low`` where given;
+    a sign is read only where ``low`` is None or negative)."""
+
+    def read(text: str) -> int:
+        try:
+            value = parse_int(text, "the value", signed=low is None or low < 0)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+        if low is not None and value < low:
+            raise argparse.ArgumentTypeError(f"the value must be at least {low}, not {value}")
+        return value
+
+    read.__name__ = "integer"  # argparse names the type in its messages
+    return read
+
+
+def arg_duration() -> Callable[[str], float]:
+    """An argparse type: a positive, finite number of seconds."""
+
+    def read(text: str) -> float:
+        try:
+            return parse_duration(text, "the value")
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    read.__name__ = "duration"
+    return read
+
+
+def _show(text) -> str:
+    shown = repr(text)
+    return shown if len(shown) <= 40 else shown[:37] + "..."
