@@ -26,7 +26,7 @@ from mlxdist.model.checkpoint import (
 from mlxdist.model.paging import PagingStats, capacity_for_budget, expert_module
 from mlxdist.model.balance import bytes_per_expert, check_rank_memory
 from mlxdist.model.placement import resolve_placement
-from mlxdist.model.routing import RouterWeights, RoutingWeightsNotFound, activation_dtype, find_weights_name
+from mlxdist.model.routing import RouterWeights, RoutingWeightsNotFound, activation_dtype, find_router_weights
 from mlxdist.model.sources import load_lazy
 from mlxdist.model.switch import DistributedSwitch, MoEBlock
 from mlxdist.model.tensor_parallel import can_shard, own_bytes, shard_dense, tensor_parallel_twin
@@ -65,15 +65,15 @@ def load_engine(world: World, options: LoadOptions) -> Engine:
     strategies = modes.strategies(options.dispatch, by_width, world.backend,
                                   world.size > 1 and can_shard(lazy_model, config, world.size))
     strategies = strategies if world.size > 1 else strategies[:1]  # one rank: every strategy is the identity
-    weights_names = {}
+    routers = {}
     if modes.uses_router_weights(strategies):
         try:
-            weights_names = _find_routing_weights(lazy_model, sites, config)
+            routers = _find_routing_weights(lazy_model, sites, config)
         except UserError as e:  # auto: blocks dp cannot read run collective for every batch
             strategies = modes.without_router_weights(options.dispatch, strategies, e)
     dp_shape = {}
-    if weights_names:
-        router = next(iter(weights_names.values()))
+    if routers:
+        router = next(iter(routers.values()))
         dp_shape = dict(top_k=router.top_k, dtype=activation_dtype(lazy_model), weights_dtype=router.dtype)
     dispatchers = {name: make_dispatcher(name, world, options.layout, options.stats, wraps_blocks=by_width, **dp_shape)
                    for name in strategies}
@@ -118,9 +118,8 @@ def load_engine(world: World, options: LoadOptions) -> Engine:
             raise UserError(f"mlxdist cannot run {config.get('model_type')}: {e}") from None
         setattr(site.parent, site.attr, switch)
         switches.append(switch)
-        if weights_names or by_width:  # wrapped: dp adds the exchange's sums; width exchanges the whole block
-            if weights_names:
-                switch.weights_name = weights_names[type(site.parent)].name
+        if routers or by_width:  # wrapped: dp adds the exchange's sums; width exchanges the whole block
+            switch.router = routers.get(type(site.parent))
             holder_path, block_attr, _ = site.path.rsplit(".", 2)
             blocks.append(MoEBlock(site.parent, switch))
             setattr(modules[holder_path], block_attr, blocks[-1])
@@ -185,14 +184,14 @@ def _in_last_layer(model: nn.Module, sites) -> bool:
 
 
 def _find_routing_weights(model: nn.Module, sites, config: Dict[str, Any]) -> Dict[type, RouterWeights]:
-    """Per MoE block class: the local its router weights are in, top-k and dtype."""
+    """Per MoE block class: its top-k and the dtype its router weights are exact in."""
     cfg = config.get("text_config", config)
     dtype = activation_dtype(model)
     found: Dict[type, RouterWeights] = {}
     try:
         for site in sites:
             if type(site.parent) not in found:
-                found[type(site.parent)] = find_weights_name(site.parent, site.attr, cfg["hidden_size"], dtype)
+                found[type(site.parent)] = find_router_weights(site.parent, site.attr, cfg["hidden_size"], dtype)
     except RoutingWeightsNotFound as e:
         raise UserError(f"--dispatch dp cannot run {config.get('model_type')}: {e}") from None
     if len({(w.top_k, w.dtype) for w in found.values()}) > 1:
