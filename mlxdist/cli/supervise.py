@@ -159,7 +159,8 @@ def lost_ranks(stderr: str, slots: List[RankSlot]) -> List[int]:
     """The ranks lost, read from what the launcher and the survivors said;
     [] where the run ended by itself (a rank exited with an error status)."""
     text = " ".join(stderr.split())  # Open MPI wraps its reports
-    killed = {int(m.group(1)) for m in re.finditer(r"process rank (\d+) with PID \d+ on node \S+ exited on signal", text)}
+    signalled = re.finditer(r"process rank (\d+) with PID \d+ on node \S+ exited on signal", text)
+    killed = {int(m.group(1)) for m in signalled}
     lost_nodes = set(re.findall(r"Remote daemon: \S+ on node (\S+)", text)) if "lost communication" in text else set()
     killed |= {rank for rank, slot in enumerate(slots) if slot.host in lost_nodes}
     if killed:

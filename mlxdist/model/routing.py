@@ -159,18 +159,20 @@ def find_router_weights(block: nn.Module, switch_attr: str, width: int, dtype: m
         except RoutingWeightsNotFound as e:
             raise RoutingWeightsNotFound(f"cannot find the router weights of {name}: {e}") from None
         except Exception as e:  # not a block that routes for itself (gemma4's expert wrapper takes the routing)
-            raise RoutingWeightsNotFound(f"{name} cannot be probed as block(x) ({type(e).__name__}: {one_line(e)})") \
-                from None
+            raise RoutingWeightsNotFound(f"{name} cannot be probed as block(x) ({one_line(e)})") from None
     finally:
         setattr(block, switch_attr, switch)
+    why = None
     if not mx.array_equal(at_zero, at_random):
-        raise RoutingWeightsNotFound(f"cannot find the router weights of {name}: its output is not linear in its slots")
-    if not mx.array_equal(at_zero, mx.broadcast_to(at_zero[..., :1], at_zero.shape)):
-        raise RoutingWeightsNotFound(f"cannot find the router weights of {name}: it does not weight each slot by one number")
-    if mx.all(w == 0).item():
-        raise RoutingWeightsNotFound(f"cannot find the router weights of {name}: its output does not depend on its slots")
-    if not mx.array_equal(cheap.astype(mx.float32).reshape(w.shape), w):
-        raise RoutingWeightsNotFound(f"cannot find the router weights of {name}: its weights differ with the slots' width")
+        why = "its output is not linear in its slots"
+    elif not mx.array_equal(at_zero, mx.broadcast_to(at_zero[..., :1], at_zero.shape)):
+        why = "it does not weight each slot by one number"
+    elif mx.all(w == 0).item():
+        why = "its output does not depend on its slots"
+    elif not mx.array_equal(cheap.astype(mx.float32).reshape(w.shape), w):
+        why = "its weights differ with the slots' width"
+    if why is not None:
+        raise RoutingWeightsNotFound(f"cannot find the router weights of {name}: {why}")
     return router
 
 

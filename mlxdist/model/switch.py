@@ -31,7 +31,7 @@ class DistributedSwitch(nn.Module):
     slots to their owners and back. ``first`` marks the model's first MoE
     layer, where a forward step begins (for the watchdog's step count).
     ``extras``: what the model hung on its expert module besides the experts
-    (``loader.switch_extras``), exposed under the same names because the
+    (``checkpoint.switch_extras``), exposed under the same names because the
     block reads them there.
     """
 
