@@ -63,7 +63,6 @@ MEMBERS: List[Tuple[str, str, str, Optional[Tuple[str, ...]]]] = [
     ("mlx_lm.server", "ModelProvider", "_load", ("self", "model_path", "adapter_path", "draft_model_path")),
     ("mlx_lm.server", "APIHandler", "_set_cors_headers", ("self",)),
     ("mlx_lm.server", "APIHandler", "_set_completion_headers", ("self", "status_code")),
-    ("mlx_lm.server", "GenerationContext", "_should_stop", None),
     ("mlx_lm.tokenizer_utils", "TokenizerWrapper", "_detokenizer", None),
     ("mlx_lm.tokenizer_utils", "TokenizerWrapper", "_eos_token_ids", None),
 ]
@@ -73,6 +72,17 @@ GLOBALS_READ: List[Tuple[str, str, Tuple[str, ...]]] = [
     ("mlx_lm.server", "ResponseGenerator._generate", ("BatchGenerator", "_make_sampler", "_make_logits_processors")),
     ("mlx_lm.server", "ResponseGenerator._serve_single", ("_make_sampler", "_make_logits_processors")),
 ]
+
+
+def never_stop_at_eos(tokenizer: Any) -> None:
+    """A ``TokenizerWrapper`` that reports no end-of-sequence token (as
+    ``mlx_lm.benchmark`` does): every generation runs its full length."""
+    tokenizer._eos_token_ids = set()
+
+
+def set_detokenizer(tokenizer: Any, detokenizer: Any) -> None:
+    """The streaming detokenizer a ``TokenizerWrapper`` copies for each caller."""
+    tokenizer._detokenizer = detokenizer
 
 
 def with_globals(func: Callable, **names: Any) -> Callable:

@@ -33,7 +33,7 @@ import mlx.core as mx
 from mlx_lm import server as lm_server
 from mlx_lm.sample_utils import greedy_sampler
 
-from mlxdist.compat import make_request_processors, make_request_sampler
+from mlxdist.compat import make_request_processors, make_request_sampler, set_detokenizer
 from mlxdist.errors import GenerationFailed, one_line
 from mlxdist.runtime import faults
 
@@ -56,7 +56,7 @@ class Sequence:
             self.ctx = item
             _SETUP.sequence = self
             if self.failed is not None:
-                item._should_stop = True
+                item.stop()
         if self.failed is None:  # after a failure the handler has its 500; the loop's later output is dropped
             self.queue.put(item)
 
@@ -67,7 +67,7 @@ class Sequence:
             logging.error("a sequence failed in its %s and ends alone: %s", where, one_line(error))
             self.queue.put(GenerationFailed(f"generation failed in this request's {where}: {one_line(error)}"))
         if self.ctx is not None:
-            self.ctx._should_stop = True
+            self.ctx.stop()
 
     def check(self, where: str) -> None:
         """The test-only per-sequence fault (``MLXDIST_FAULT=sequence:...``), if this is its moment."""
@@ -194,5 +194,5 @@ class _GuardedDetokenizer:
 def guard_tokenizer(tokenizer):
     """A copy of mlx-lm's ``TokenizerWrapper`` whose detokenizers fail their sequence alone."""
     guarded = copy.copy(tokenizer)
-    guarded._detokenizer = _GuardedDetokenizer(tokenizer._detokenizer)
+    set_detokenizer(guarded, _GuardedDetokenizer(tokenizer.detokenizer))
     return guarded
