@@ -24,6 +24,7 @@ the same numbers; a block that fails any check is refused, naming it.
 Notation: T tokens of the block's input, K slots per token (top-k), D width.
 """
 
+import math
 from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
 
 import mlx.core as mx
@@ -71,10 +72,7 @@ def block_with_weights(
     installs the tap the switch calls, and removes it): (its output, the tap
     holding the switch's ``x`` and ``inds``, the weights ``w`` shaped like
     ``inds``)."""
-    tokens = x.size // x.shape[-1]
-    zeros = mx.zeros((tokens, router.top_k, 1), dtype=slot_dtype(x.dtype, router.dtype))  # [T, K, 1]
-    # 1 in one column: each slot's derivative is w * 1 plus exact zeros
-    cotangent = mx.broadcast_to((mx.arange(x.shape[-1]) == 0).astype(x.dtype), x.shape)
+    zeros, cotangent = _constants(x.shape, x.dtype, router)
     tap = None
 
     def run(y: mx.array) -> mx.array:
@@ -93,6 +91,25 @@ def block_with_weights(
 
     (out,), (w,) = mx.vjp(run, [zeros], [cotangent])
     return out, tap, w.reshape(tap.inds.shape)
+
+
+_CONSTANTS: Dict[Tuple, Tuple[mx.array, mx.array]] = {}
+
+
+def _constants(shape: Tuple[int, ...], dtype: mx.Dtype, router: RouterWeights) -> Tuple[mx.array, mx.array]:
+    """The stand-in slots ``[T, K, 1]`` of zeros and the cotangent (1 in one
+    column of the block's output: each slot's derivative is ``w * 1`` plus
+    exact zeros), made once per shape (a decode step repeats its shapes)."""
+    key = (shape, dtype, router)
+    if key not in _CONSTANTS:
+        if len(_CONSTANTS) >= 256:
+            _CONSTANTS.clear()
+        tokens = math.prod(shape[:-1])
+        zeros = mx.zeros((tokens, router.top_k, 1), dtype=slot_dtype(dtype, router.dtype))  # [T, K, 1]
+        cotangent = mx.broadcast_to((mx.arange(shape[-1]) == 0).astype(dtype), shape)
+        mx.eval(zeros, cotangent)
+        _CONSTANTS[key] = (zeros, cotangent)
+    return _CONSTANTS[key]
 
 
 def slot_dtype(activations: mx.Dtype, weights: mx.Dtype) -> mx.Dtype:
