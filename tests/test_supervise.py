@@ -102,3 +102,26 @@ def test_budgets_follow_hosts_by_name(tmp_path):
     assert rank_slots(3, str(hostfile), str(hosts)) == [RankSlot("mac-c", 0.002), RankSlot("mac-c", 0.002),
                                                         RankSlot("mac-a", 0.004)]
     assert rank_slots(2, None, "3,1") == [RankSlot("localhost", 3.0), RankSlot("localhost", 1.0)]
+
+
+def test_fewer_ranks_are_planned_again(tmp_path):
+    """On the survivors: mpirun's --host keeps each host's remaining slots in
+    order; --rank-memory lists the survivors' budgets (either form of the
+    option); a --placement without recorded routing gives way to the even
+    policy, with one from the routing where it exists."""
+    from mlxdist.cli.supervise import host_list, replanned_args
+
+    survivors = [RankSlot("mac-a", 0.004), RankSlot("mac-c", 0.002), RankSlot("mac-c", 0.002)]
+    assert host_list(survivors) == "mac-a:1,mac-c:2"
+    args = ["--model", "M", "--rank-memory=hosts.json", "--placement", "p3.json", "-m", "8"]
+    replanned, said = replanned_args(args, survivors, str(tmp_path / "none.json"), str(tmp_path / "out.jsonl"))
+    assert replanned == ["--model", "M", "-m", "8", "--rank-memory", "0.004,0.002,0.002"]
+    assert said == " (budgets mac-a 0.004, mac-c 0.002, mac-c 0.002 GB; placement even)"
+    from mlxdist.model.routing_file import RoutingStats
+
+    routing = tmp_path / "routing.json"
+    RoutingStats({0: [5, 1, 1, 1], 1: [1, 1, 1, 5]}, 2, "qwen3_moe", None).save(routing)
+    replanned, said = replanned_args(args, survivors, str(routing), str(tmp_path / "out.jsonl"))
+    placement = tmp_path / "out.jsonl.placement-3.json"
+    assert replanned[-2:] == ["--placement", str(placement)] and "placement from" in said
+    assert json.loads(placement.read_text())["num_ranks"] == 3
