@@ -444,7 +444,9 @@ def write_checkpoint(
     Returns:
         Path: The checkpoint directory.
     """
-    from mlx_lm.utils import _get_classes, quantize_model, save_config, save_model
+    from mlx_lm.utils import quantize_model, save_config, save_model
+
+    from mlxdist.compat import model_classes as _get_classes
 
     if preset.startswith(TINY_PREFIX) and preset[len(TINY_PREFIX):] in TINY_MODELS:
         config = tiny_config(preset[len(TINY_PREFIX):])

@@ -146,31 +146,62 @@ def test_auto_is_exact_below_one_sequence_per_rank(checkpoint):
 
 
 def test_routing_weights_are_found_for_every_moe_preset(checkpoint):
+    """The weights read through the block's derivative are, bit for bit, the
+    array the block itself weights its slots with (read here, in the test
+    only, from the block's frame by the name each architecture gives it)."""
+    import sys
+
     import mlx.core as mx
+    import mlx.nn as nn
     from mlx_lm import load
 
-    from mlxdist.model.checkpoint import find_switch_sites
-    from mlxdist.model.routing import activation_dtype, find_weights_name
+    from mlxdist.model.checkpoint import find_switch_sites, switch_extras
+    from mlxdist.model.routing import activation_dtype, block_with_weights, find_router_weights
 
     expected = {"qwen3_moe": "scores", "mixtral": "scores", "deepseek_v3": "scores", "gpt_oss": "expert_weights",
                 "qwen2_moe": "scores", "olmoe": "scores"}
     for preset, name in expected.items():
         model, _ = load(str(checkpoint(preset)))
         site = find_switch_sites(model)[0]
-        width = json.loads((checkpoint(preset) / "config.json").read_text())["hidden_size"]
-        found, k, dtype = find_weights_name(site.parent, site.attr, width, activation_dtype(model))
-        assert found == name, preset
-        assert k == json.loads((checkpoint(preset) / "config.json").read_text())["num_experts_per_tok"]
-        assert mx.issubdtype(dtype, mx.floating), preset
+        config = json.loads((checkpoint(preset) / "config.json").read_text())
+        dtype = activation_dtype(model)
+        router = find_router_weights(site.parent, site.attr, config["hidden_size"], dtype)
+        assert router.top_k == config["num_experts_per_tok"], preset
+        assert router.dtype == mx.float32, preset
+
+        switch, seen = getattr(site.parent, site.attr), {}
+        taps = []
+
+        class StandIn(nn.Module):
+            def __init__(self):
+                super().__init__()
+                for k, v in switch_extras(switch).items():
+                    setattr(self, k, v)
+
+            def __call__(self, x, inds):
+                seen["w"] = sys._getframe(1).f_locals[name]
+                return taps[-1].take(x, inds)
+
+        setattr(site.parent, site.attr, StandIn())
+        try:
+            x = mx.random.normal((2, 3, config["hidden_size"]), key=mx.random.key(11)).astype(dtype)
+            _, tap, w = block_with_weights(lambda: site.parent(x), taps.append, x, router)
+        finally:
+            setattr(site.parent, site.attr, switch)
+        assert w.shape == tap.inds.shape and w.dtype == seen["w"].dtype, preset
+        assert mx.array_equal(w, seen["w"]).item(), preset
 
 
 def test_a_block_without_router_weights_is_refused():
+    """A block that sums its slots weights each by 1 (taken); one that is not
+    linear in its slots, mixes the width after weighting or ignores its slots
+    is refused, naming the block and why."""
     import mlx.core as mx
     import mlx.nn as nn
 
-    from mlxdist.model.routing import RoutingWeightsNotFound, find_weights_name
+    from mlxdist.model.routing import RoutingWeightsNotFound, find_router_weights
 
-    class Unweighted(nn.Module):  # sums its slots: no weights to find
+    class Unweighted(nn.Module):  # sums its slots: every weight is 1
         def __init__(self):
             super().__init__()
             self.gate = nn.Linear(8, 4)
@@ -180,8 +211,36 @@ def test_a_block_without_router_weights_is_refused():
             inds = mx.argpartition(self.gate(x), kth=-2, axis=-1)[..., -2:]
             return self.switch(x, inds).sum(axis=-2)
 
-    with pytest.raises(RoutingWeightsNotFound, match="cannot find the router weights of Unweighted"):
-        find_weights_name(Unweighted(), "switch", 8, mx.float32)
+    class Squared(Unweighted):  # not linear in its slots
+        def __call__(self, x):
+            gates = self.gate(x)
+            inds = mx.argpartition(gates, kth=-2, axis=-1)[..., -2:]
+            scores = mx.take_along_axis(gates, inds, axis=-1)
+            return (self.switch(x, inds) ** 2 * scores[..., None]).sum(axis=-2)
+
+    class Projected(Unweighted):  # mixes the width after weighting: no one number per slot
+        def __init__(self):
+            super().__init__()
+            self.out = nn.Linear(8, 8)
+
+        def __call__(self, x):
+            gates = self.gate(x)
+            inds = mx.argpartition(gates, kth=-2, axis=-1)[..., -2:]
+            scores = mx.take_along_axis(gates, inds, axis=-1)
+            return self.out((self.switch(x, inds) * scores[..., None]).sum(axis=-2))
+
+    class Ignoring(Unweighted):
+        def __call__(self, x):
+            inds = mx.argpartition(self.gate(x), kth=-2, axis=-1)[..., -2:]
+            return x + 0 * self.switch(x, inds).sum(axis=-2)
+
+    assert find_router_weights(Unweighted(), "switch", 8, mx.float32) == (2, mx.float32)
+    with pytest.raises(RoutingWeightsNotFound, match="Squared: its output is not linear in its slots"):
+        find_router_weights(Squared(), "switch", 8, mx.float32)
+    with pytest.raises(RoutingWeightsNotFound, match="Projected: it does not weight each slot by one number"):
+        find_router_weights(Projected(), "switch", 8, mx.float32)
+    with pytest.raises(RoutingWeightsNotFound, match="Ignoring: its output does not depend on its slots"):
+        find_router_weights(Ignoring(), "switch", 8, mx.float32)
 
 
 # With experts cut in width, attention can be split too (mlx-lm's shard() on

@@ -102,11 +102,13 @@ def test_refused_at_load(checkpoints, model_type):
 
 
 def test_auto_runs_collective_where_dp_cannot_read_the_block(checkpoints):
-    """A batch as large as the world: ``auto`` runs dp where the probe finds
-    the block's router weights (olmoe, whose block routes flattened rows),
-    collective where it cannot (Klear weights its slots otherwise; gemma4's
-    block hands the routing to an expert wrapper), instead of refusing the
-    model; either way mlx-lm's batch_generate tokens."""
+    """A batch as large as the world: ``auto`` runs dp where the block's
+    router weights can be read through it (olmoe, whose block routes
+    flattened rows; Klear, which scales its routed sum by a per-token
+    coefficient, refused while the weights were looked up by name),
+    collective where they cannot (gemma4's block hands the routing to an
+    expert wrapper), instead of refusing the model; either way mlx-lm's
+    batch_generate tokens."""
     import sys
 
     sys.path.insert(0, str(ROOT / "tests/scripts"))
@@ -114,7 +116,7 @@ def test_auto_runs_collective_where_dp_cannot_read_the_block(checkpoints):
     from mlx_lm import load
     from mlx_lm.generate import batch_generate
 
-    expect = {"olmoe": "dp", "Klear": "collective", "gemma4_text": "collective"}
+    expect = {"olmoe": "dp", "Klear": "dp", "gemma4_text": "collective"}
     paths = [str(checkpoints[t]) for t in expect]
     proc = launch(2, [ROOT / "tests/scripts/batch_each.py", "auto", "masked", "6,6", 0, 2048, *paths], module=None,
                   timeout=120)

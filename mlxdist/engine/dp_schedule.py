@@ -25,11 +25,12 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, List, Optional
 
 import mlx.core as mx
-from mlx_lm.generate import PromptProcessingBatch, _extend_cache
+from mlx_lm.generate import PromptProcessingBatch
 from mlx_lm.generate_utils import BatchStats
 from mlx_lm.sample_utils import greedy_sampler
 from mlx_lm.models.cache import make_prompt_cache
 
+from mlxdist.compat import extend_cache as _extend_cache
 from mlxdist.dispatch import Combine, RowDispatcher
 from mlxdist.model.switch import DistributedSwitch
 

@@ -7,8 +7,9 @@ executor, so ranks that loaded different things never generate together.
 
 import hashlib
 import json
-from dataclasses import asdict
-from typing import Any, Dict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -18,15 +19,15 @@ from mlxdist import __version__, envs
 from mlxdist.config import LoadOptions
 from mlxdist.dispatch import DenseRanks, LayerOwnership, RowDispatcher, make_dispatcher, modes
 from mlxdist.engine.engine import Engine
-from mlxdist.errors import UserError
+from mlxdist.errors import UserError, one_line
 from mlxdist.model.checkpoint import (
     check_config, find_switch_sites, nbytes, read_safetensors_index, resolve_model_path,
     split_experts_by_width, split_shared_by_width, switch_extras,
 )
 from mlxdist.model.paging import PagingStats, capacity_for_budget, expert_module
 from mlxdist.model.balance import bytes_per_expert, check_rank_memory
-from mlxdist.model.placement import resolve_placement
-from mlxdist.model.routing import RouterWeights, RoutingWeightsNotFound, activation_dtype, find_weights_name
+from mlxdist.model.placement import Placement, resolve_placement
+from mlxdist.model.routing import RouterWeights, RoutingWeightsNotFound, activation_dtype, find_router_weights
 from mlxdist.model.sources import load_lazy
 from mlxdist.model.switch import DistributedSwitch, MoEBlock
 from mlxdist.model.tensor_parallel import can_shard, own_bytes, shard_dense, tensor_parallel_twin
@@ -37,141 +38,209 @@ from mlxdist.runtime.world import World
 __all__ = ["load_engine", "sample_digest"]
 
 
+@dataclass
+class _Lazy:
+    """The checkpoint as mlx-lm builds it, nothing read yet but the index."""
+
+    path: Path
+    index: Dict[str, Any]
+    model: nn.Module
+    config: Dict[str, Any]
+    sources: Any
+    sites: List[Any]
+
+
+@dataclass
+class _Modules:
+    """What replacing each MoE layer's expert module left on this rank."""
+
+    experts: Dict[int, nn.Module] = field(default_factory=dict)
+    ownership: Dict[int, LayerOwnership] = field(default_factory=dict)
+    switches: List[DistributedSwitch] = field(default_factory=list)
+    blocks: List[MoEBlock] = field(default_factory=list)
+    paging: PagingStats = field(default_factory=PagingStats)
+
+
 def load_engine(world: World, options: LoadOptions) -> Engine:
     """Build this rank's part of the model (see the module's docstring)."""
     options.validate()
     modes.check_survival(options.dispatch, world.size, world.tolerant)
     modes.check_launcher(options.dispatch, world.size, world.control.has_mpi)
     mx.reset_peak_memory()  # the load's own peak is reported (memory["load_peak_bytes"])
-    path = resolve_model_path(options.model)
+    lazy = _read_lazy(options.model)
+    plan = _placement(world, options, lazy.sites)
+    by_width = options.expert_split == "width" and world.size > 1
+    strategies, routers = _strategies(world, options, lazy, by_width)
+    dispatchers = _dispatchers(world, options, lazy, strategies, routers, by_width)
+    first = dispatchers[strategies[0]]
+    runs_dense = world.is_root or first.dense_ranks is not DenseRanks.ROOT
+    # A strategy that splits attention beside one that needs the model whole runs on a split twin.
+    tp_twin = any(d.splits_attention for d in dispatchers.values()) and len(dispatchers) > 1
+    if first.splits_attention and not tp_twin and world.size > 1:
+        shard_dense(lazy.model, lazy.sites, world, lazy.config, whole_blocks=by_width)
+    capacity = _capacity(world, options, lazy, plan, runs_dense)
+    faults.arm(world.rank)
+    modules = _replace_switches(world, lazy, plan, first, routers, by_width, capacity)
+    twin = None
+    if tp_twin:  # its own (split) arrays are evaluated as it is built
+        wrapped = {site.path.rsplit(".", 1)[0]: block for site, block in zip(lazy.sites, modules.blocks)}
+        twin = tensor_parallel_twin(lazy.model, lazy.path, world, lazy.config, wrapped)
+    expert_bytes = sum(nbytes(e.parameters()) for e in modules.experts.values())
+    model, tokenizer, dense_bytes = None, None, 0
+    if runs_dense:
+        model, tokenizer = lazy.model, _dense_part(lazy)
+        dense_bytes = nbytes(model.parameters()) - expert_bytes + (own_bytes(twin, model) if twin is not None else 0)
+    return Engine(
+        world,
+        options,
+        plan,
+        lazy.config,
+        model,
+        tokenizer,
+        modules.experts,
+        modules.ownership,
+        modules.switches,
+        dispatchers,
+        blocks=modules.blocks,
+        split_model=twin,
+        memory={"expert_bytes": expert_bytes, "dense_bytes": dense_bytes, "load_peak_bytes": mx.get_peak_memory()},
+        fingerprint=_fingerprint(world, options, lazy, plan),
+        capacity=capacity,
+        paging=modules.paging if capacity is not None else None,
+    )
+
+
+def _read_lazy(model: str) -> _Lazy:
+    """The checkpoint's index and mlx-lm's lazy model, with its MoE layers."""
+    path = resolve_model_path(model)
     check_config(path)
     index = read_safetensors_index(path)
     try:
         lazy_model, config, sources = load_lazy(path, index)
     except (ValueError, FileNotFoundError, OSError, KeyError, TypeError) as e:
-        raise UserError(f"cannot load {path}: {str(e).splitlines()[0]}") from None
+        raise UserError(f"cannot load {path}: {one_line(e)}") from None
     sites = find_switch_sites(lazy_model)
     if not sites:
         raise UserError(
             f"{path} ({config.get('model_type')}) has no MoE layers with "
             f"SwitchGLU/SwitchMLP experts: nothing to distribute"
         )
-    experts_per_layer = {s.layer: s.num_experts for s in sites}
+    return _Lazy(path, index, lazy_model, config, sources, sites)
+
+
+def _placement(world: World, options: LoadOptions, sites) -> Placement:
+    """The placement the job uses (the given one, else the even policy in proportion to the budgets)."""
     budgets = options.rank_memory_gb
     if budgets is not None and len(budgets) != world.size:
         raise UserError(f"--rank-memory gives {len(budgets)} budgets for {world.size} ranks")
-    plan = resolve_placement(options.placement, experts_per_layer, world.size, options.rank0_experts, budgets)
-    by_width = options.expert_split == "width" and world.size > 1
+    experts_per_layer = {s.layer: s.num_experts for s in sites}
+    return resolve_placement(options.placement, experts_per_layer, world.size, options.rank0_experts, budgets)
+
+
+def _strategies(world: World, options: LoadOptions, lazy: _Lazy,
+                by_width: bool) -> Tuple[List[str], Dict[type, RouterWeights]]:
+    """The strategies the mode runs, and each MoE block class's router
+    weights where one of them needs them (under ``auto``, a model whose
+    blocks cannot be read runs without dp)."""
     strategies = modes.strategies(options.dispatch, by_width, world.backend,
-                                  world.size > 1 and can_shard(lazy_model, config, world.size))
+                                  world.size > 1 and can_shard(lazy.model, lazy.config, world.size))
     strategies = strategies if world.size > 1 else strategies[:1]  # one rank: every strategy is the identity
-    weights_names = {}
+    routers: Dict[type, RouterWeights] = {}
     if modes.uses_router_weights(strategies):
         try:
-            weights_names = _find_routing_weights(lazy_model, sites, config)
+            routers = _find_routing_weights(lazy.model, lazy.sites, lazy.config)
         except UserError as e:  # auto: blocks dp cannot read run collective for every batch
             strategies = modes.without_router_weights(options.dispatch, strategies, e)
+    return strategies, routers
+
+
+def _dispatchers(world: World, options: LoadOptions, lazy: _Lazy, strategies: List[str],
+                 routers: Dict[type, RouterWeights], by_width: bool) -> Dict[str, Any]:
+    """One dispatcher per strategy, counting routed slots where asked."""
     dp_shape = {}
-    if weights_names:
-        router = next(iter(weights_names.values()))
-        dp_shape = dict(top_k=router.top_k, dtype=activation_dtype(lazy_model), weights_dtype=router.dtype)
+    if routers:
+        router = next(iter(routers.values()))
+        dp_shape = dict(top_k=router.top_k, dtype=activation_dtype(lazy.model), weights_dtype=router.dtype)
     dispatchers = {name: make_dispatcher(name, world, options.layout, options.stats, wraps_blocks=by_width, **dp_shape)
                    for name in strategies}
     for d in dispatchers.values():  # counted where routing_share reads it
         d.stats.record_routing = options.record_routing and (world.is_root or d.dense_ranks is DenseRanks.OWN)
-    first = dispatchers[strategies[0]]
     row_dispatcher = next((d for d in dispatchers.values() if isinstance(d, RowDispatcher)), None)
-    if row_dispatcher is not None and _in_last_layer(lazy_model, sites):
-        row_dispatcher.final_layer = sites[-1].layer  # nothing after it but the head
-    runs_dense = world.is_root or first.dense_ranks is not DenseRanks.ROOT
-    # A strategy that splits attention beside one that needs the model whole runs on a split twin.
-    tp_twin = any(d.splits_attention for d in dispatchers.values()) and len(dispatchers) > 1
-    if first.splits_attention and not tp_twin and world.size > 1:
-        shard_dense(lazy_model, sites, world, config, whole_blocks=by_width)
+    if row_dispatcher is not None and _in_last_layer(lazy.model, lazy.sites):
+        row_dispatcher.final_layer = lazy.sites[-1].layer  # nothing after it but the head
+    return dispatchers
 
+
+def _capacity(world: World, options: LoadOptions, lazy: _Lazy, plan: Placement, runs_dense: bool) -> Optional[int]:
+    """Experts each rank keeps resident per layer (None: all it owns), checked against its budget."""
     capacity = options.expert_capacity
     if options.memory_budget_gb is not None:
-        capacity = capacity_for_budget(options.memory_budget_gb * 1e9, lazy_model, sites, runs_dense)
+        capacity = capacity_for_budget(options.memory_budget_gb * 1e9, lazy.model, lazy.sites, runs_dense)
+    budgets = options.rank_memory_gb
     if budgets is not None:  # may own more than it keeps resident where it pages
-        check_rank_memory(plan, world.rank, budgets[world.rank], bytes_per_expert(sites), capacity)
-    faults.arm(world.rank)
-    paging = PagingStats()
-    modules = dict(lazy_model.named_modules())
-    experts, ownership, switches, blocks = {}, {}, [], []
-    for site in sites:
+        check_rank_memory(plan, world.rank, budgets[world.rank], bytes_per_expert(lazy.sites), capacity)
+    return capacity
+
+
+def _replace_switches(world: World, lazy: _Lazy, plan: Placement, dispatcher, routers: Dict[type, RouterWeights],
+                      by_width: bool, capacity: Optional[int]) -> _Modules:
+    """Each MoE layer's expert module replaced by a ``DistributedSwitch``
+    holding this rank's experts (read now), and its block wrapped where the
+    exchange needs the whole block."""
+    out = _Modules()
+    named = dict(lazy.model.named_modules())
+    for site in lazy.sites:
         # Cut in width, every rank holds a part of every expert: to the dispatchers it owns them all.
         owners = [world.rank] * site.num_experts if by_width else plan.layers[site.layer]
         owns = LayerOwnership.build(site.layer, owners, world.rank, world.size)
-        ownership[site.layer] = owns
+        out.ownership[site.layer] = owns
         extras = {name: site.module.pop(name) for name in switch_extras(site.module)}  # the block's, kept whole
         if by_width:  # the block runs whole on every rank: its shared experts are cut too
             local = split_experts_by_width(site, world.rank, world.size)
             split_shared_by_width(site, world.rank, world.size)
         else:
-            local = expert_module(site, owns.owned_experts.tolist(), sources, capacity, paging)
+            local = expert_module(site, owns.owned_experts.tolist(), lazy.sources, capacity, out.paging)
         if local is not None:
             mx.eval(local.parameters())
-            experts[site.layer] = local
+            out.experts[site.layer] = local
         try:
-            switch = DistributedSwitch(owns, local, first, first=site is sites[0], extras=extras)
+            switch = DistributedSwitch(owns, local, dispatcher, first=site is lazy.sites[0], extras=extras)
         except ValueError as e:
-            raise UserError(f"mlxdist cannot run {config.get('model_type')}: {e}") from None
+            raise UserError(f"mlxdist cannot run {lazy.config.get('model_type')}: {e}") from None
         setattr(site.parent, site.attr, switch)
-        switches.append(switch)
-        if weights_names or by_width:  # wrapped: dp adds the exchange's sums; width exchanges the whole block
-            if weights_names:
-                switch.weights_name = weights_names[type(site.parent)].name
+        out.switches.append(switch)
+        if routers or by_width:  # wrapped: dp adds the exchange's sums; width exchanges the whole block
+            switch.router = routers.get(type(site.parent))
             holder_path, block_attr, _ = site.path.rsplit(".", 2)
-            blocks.append(MoEBlock(site.parent, switch))
-            setattr(modules[holder_path], block_attr, blocks[-1])
+            out.blocks.append(MoEBlock(site.parent, switch))
+            setattr(named[holder_path], block_attr, out.blocks[-1])
+    return out
 
-    twin = None
-    if tp_twin:  # its own (split) arrays are evaluated as it is built
-        wrapped = {site.path.rsplit(".", 1)[0]: block for site, block in zip(sites, blocks)}
-        twin = tensor_parallel_twin(lazy_model, path, world, config, wrapped)
-    expert_bytes = sum(nbytes(e.parameters()) for e in experts.values())
-    tokenizer = None
-    if runs_dense:
-        mx.eval(lazy_model.parameters())
-        try:
-            tokenizer = load_tokenizer(path, {"trust_remote_code": envs.get("MLXDIST_TRUST_REMOTE_CODE")})
-        except Exception as e:
-            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-            raise UserError(f"cannot load the tokenizer in {path} (tokenizer.json): {reason}") from None
-        dense_bytes = nbytes(lazy_model.parameters()) - expert_bytes
-        dense_bytes += own_bytes(twin, lazy_model) if twin is not None else 0
-    else:
-        lazy_model, dense_bytes = None, 0
+
+def _dense_part(lazy: _Lazy):
+    """Read the dense weights; the tokenizer."""
+    mx.eval(lazy.model.parameters())
+    try:
+        return load_tokenizer(lazy.path, {"trust_remote_code": envs.get("MLXDIST_TRUST_REMOTE_CODE")})
+    except Exception as e:  # noqa: BLE001 - any failure of a tokenizer file is the user's to fix
+        raise UserError(f"cannot load the tokenizer in {lazy.path} (tokenizer.json): {one_line(e)}") from None
+
+
+def _fingerprint(world: World, options: LoadOptions, lazy: _Lazy, plan: Placement) -> Dict[str, str]:
+    """What this rank loaded, comparable across ranks (the executor compares them)."""
     options_seen = {**asdict(options), "model": None, "placement": None}  # paths may differ per rank
-    fingerprint = {
+    index = lazy.index
+    return {
         "mlxdist": __version__,
         "protocol": PROTOCOL_VERSION,
         "options": _digest(json.dumps(options_seen, sort_keys=True).encode()),
-        "config": _digest((path / "config.json").read_bytes()),
+        "config": _digest((lazy.path / "config.json").read_bytes()),
         "weights": _digest(json.dumps(sorted((k, e.dtype, e.shape) for k, e in index.items())).encode()),
         "content": sample_digest(sorted({e.file for e in index.values()})),
         "placement": _digest(json.dumps(plan.to_json(), sort_keys=True).encode()),
         "libraries": f"mlx {_version('mlx')}, mlx-lm {_version('mlx-lm')}",
         "device": f"{world.backend} on {mx.default_device()}",
     }
-    return Engine(
-        world,
-        options,
-        plan,
-        config,
-        lazy_model,
-        tokenizer,
-        experts,
-        ownership,
-        switches,
-        dispatchers,
-        blocks=blocks,
-        split_model=twin,
-        memory={"expert_bytes": expert_bytes, "dense_bytes": dense_bytes, "load_peak_bytes": mx.get_peak_memory()},
-        fingerprint=fingerprint,
-        capacity=capacity,
-        paging=paging if capacity is not None else None,
-    )
 
 
 def _in_last_layer(model: nn.Module, sites) -> bool:
@@ -185,14 +254,14 @@ def _in_last_layer(model: nn.Module, sites) -> bool:
 
 
 def _find_routing_weights(model: nn.Module, sites, config: Dict[str, Any]) -> Dict[type, RouterWeights]:
-    """Per MoE block class: the local its router weights are in, top-k and dtype."""
+    """Per MoE block class: its top-k and the dtype its router weights are exact in."""
     cfg = config.get("text_config", config)
     dtype = activation_dtype(model)
     found: Dict[type, RouterWeights] = {}
     try:
         for site in sites:
             if type(site.parent) not in found:
-                found[type(site.parent)] = find_weights_name(site.parent, site.attr, cfg["hidden_size"], dtype)
+                found[type(site.parent)] = find_router_weights(site.parent, site.attr, cfg["hidden_size"], dtype)
     except RoutingWeightsNotFound as e:
         raise UserError(f"--dispatch dp cannot run {config.get('model_type')}: {e}") from None
     if len({(w.top_k, w.dtype) for w in found.values()}) > 1:

@@ -49,7 +49,7 @@ _DTYPES = {
 def resolve_model_path(model: str) -> Path:
     """A local folder, or a hub id fetched into the hub cache by mlx-lm's own
     resolution (its file patterns)."""
-    from mlx_lm.utils import _download
+    from mlxdist.compat import download as _download
 
     path = Path(model).expanduser()
     if path.exists():

@@ -19,6 +19,7 @@ load peaks at what the rank keeps. Paging (``model/paging.py``) reads single
 experts again through the same ``ExpertSource``.
 """
 
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
@@ -127,23 +128,30 @@ def load_lazy(path: Path, index: Dict[str, TensorEntry]) -> Tuple[nn.Module, Dic
     """``mlx_lm.utils.load_model(path, lazy=True)``, recording, for the
     duration of the call, each ``mx.stack`` its ``sanitize`` runs and the
     name each ``mx.load`` gave each tensor, so that a stacked expert tensor
-    can be rebuilt from its owned experts' inputs alone."""
+    can be rebuilt from its owned experts' inputs alone.
+
+    A model's ``sanitize`` (and whatever it calls, in any module) stacks
+    through ``mx.stack``, and a lazy array does not tell its inputs, so the
+    two functions are replaced on ``mlx.core`` for this call only, restored
+    after it, and record only this thread's calls: any other thread calling
+    them meanwhile gets MLX's own, unrecorded."""
     from mlx_lm.utils import load_model
 
     loaded: Dict[int, Tuple[str, mx.array]] = {}
     made: List[Tuple[mx.array, List[mx.array]]] = []
     load, stack = mx.load, mx.stack
+    loader = threading.get_ident()
 
     def recording_load(file, *args, **kwargs):
         out = load(file, *args, **kwargs)
-        if isinstance(out, dict):
+        if isinstance(out, dict) and threading.get_ident() == loader:
             loaded.update((id(v), (k, v)) for k, v in out.items())
         return out
 
     def recording_stack(arrays, *args, **kwargs):
         arrays = list(arrays)
         out = stack(arrays, *args, **kwargs)
-        if not args and kwargs.get("axis", 0) == 0:
+        if not args and kwargs.get("axis", 0) == 0 and threading.get_ident() == loader:
             made.append((out, arrays))
         return out
 

@@ -12,7 +12,7 @@ import mlx.nn as nn
 
 from mlxdist.dispatch import Combine, Dispatcher, LayerOwnership, RowDispatcher
 from mlxdist.model.experts import call_unsorted, run_experts
-from mlxdist.model.routing import caller_weights
+from mlxdist.model.routing import RouterWeights, SlotTap, block_with_weights
 from mlxdist.runtime import faults
 from mlxdist.runtime.watchdog import ACTIVITY
 
@@ -31,7 +31,7 @@ class DistributedSwitch(nn.Module):
     slots to their owners and back. ``first`` marks the model's first MoE
     layer, where a forward step begins (for the watchdog's step count).
     ``extras``: what the model hung on its expert module besides the experts
-    (``loader.switch_extras``), exposed under the same names because the
+    (``checkpoint.switch_extras``), exposed under the same names because the
     block reads them there.
     """
 
@@ -49,8 +49,8 @@ class DistributedSwitch(nn.Module):
         self.dispatcher = dispatcher
         self.first = first
         self.observer: Optional[Observer] = None
-        self.weights_name: Optional[str] = None  # the block's router-weights local (model/routing.py)
-        self._combined: Optional[mx.array] = None  # a per-token combine's result, for run_block
+        self.router: Optional[RouterWeights] = None  # set where the block's router weights are read (dp)
+        self._tap: Optional[SlotTap] = None  # inside run_block, per token: the slots the block weights
         for name, value in (extras or {}).items():
             if name in self or hasattr(self, name):
                 raise ValueError(f"the expert module carries {name!r}, a name DistributedSwitch uses itself")
@@ -58,7 +58,6 @@ class DistributedSwitch(nn.Module):
 
     def __call__(self, x: mx.array, inds: mx.array) -> mx.array:
         layer = self.ownership.layer
-        per_token = self.dispatcher.combines is Combine.TOKENS
         if not self.wraps_block:  # else the forward began around the block (run_block)
             self._maybe_begin_forward(x)
         ACTIVITY.beat("experts", layer)
@@ -72,9 +71,17 @@ class DistributedSwitch(nn.Module):
             if observer is not None:
                 observer(self, "experts", (y,))
             return y
+        if self._tap is not None:  # per token: the block weights stand-in slots; run_block exchanges after it
+            return self._tap.take(x, inds)
+        return self._exchange(x, inds, None)
+
+    def _exchange(self, x: mx.array, inds: mx.array, weights: Optional[mx.array]) -> mx.array:
+        """The slots ``y[.., K, D]`` of ``x``'s rows over every rank (per
+        token: their ``weights``-weighted sum ``[.., D]``)."""
+        layer = self.ownership.layer
+        observer = self.observer
         if observer is not None:
             observer(self, "input", (x, inds))
-        weights = caller_weights(self.weights_name, inds) if per_token else None
         batch, handle = self.dispatcher.dispatch(self.ownership, x, inds, weights)
         if observer is not None:
             observer(self, "dispatched", ())
@@ -87,9 +94,6 @@ class DistributedSwitch(nn.Module):
         if observer is not None:
             observer(self, "combined", (out,))
         ACTIVITY.beat(*self.dispatcher.progress_after_combine(layer))
-        if per_token:  # the block weights zeros (a broadcast: no kernel); run_block adds the combined tokens
-            self._combined = out
-            return mx.broadcast_to(mx.array(0, dtype=x.dtype), inds.shape + x.shape[-1:])
         return out
 
     def _maybe_begin_forward(self, x: mx.array) -> None:
@@ -97,6 +101,9 @@ class DistributedSwitch(nn.Module):
         if self.first:
             ACTIVITY.begin_forward(prefill=x.ndim >= 3 and x.shape[-2] > 1)  # [B, L, D]: L tokens each
             self.dispatcher.begin_forward()
+
+    def _set_tap(self, tap: Optional[SlotTap]) -> None:
+        self._tap = tap
 
     @property
     def wraps_block(self) -> bool:
@@ -119,10 +126,12 @@ class DistributedSwitch(nn.Module):
         over the ranks where the dispatcher does that (experts cut in width),
         else run here, plus the per-token combine's sums where there are any."""
         if not self.wraps_block:
-            out = block(x)
-            combined, self._combined = self._combined, None
+            if self.dispatcher.combines is not Combine.TOKENS:
+                return block(x)
+            out, tap, weights = block_with_weights(lambda: block(x), self._set_tap, x, self.router)
+            combined = self._exchange(tap.x, tap.inds, weights)
             # A block that routes flattened rows (olmoe, minimax_m3_vl) reshapes its output back.
-            return out if combined is None else out + combined.astype(out.dtype).reshape(out.shape)
+            return out + combined.astype(out.dtype).reshape(out.shape)
         self._maybe_begin_forward(x)
         observer = self.observer
         if observer is None:

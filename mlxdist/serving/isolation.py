@@ -20,19 +20,20 @@ guards find their sequence as the one that last received a context on this
 thread (``Sequence.put``).
 
     Sequence(response_queue, max_tokens)   the queue the loop writes a request's output to
-    install()                              guard mlx-lm's sampler and processor factories (once)
+    guarded_factories()                    mlx-lm's sampler and processor factories, guarded
     guard_tokenizer(tokenizer) -> a copy   whose detokenizers are guarded
 """
 
 import copy
 import logging
 import threading
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import mlx.core as mx
 from mlx_lm import server as lm_server
 from mlx_lm.sample_utils import greedy_sampler
 
+from mlxdist.compat import make_request_processors, make_request_sampler, set_detokenizer
 from mlxdist.errors import GenerationFailed, one_line
 from mlxdist.runtime import faults
 
@@ -55,7 +56,7 @@ class Sequence:
             self.ctx = item
             _SETUP.sequence = self
             if self.failed is not None:
-                item._should_stop = True
+                item.stop()
         if self.failed is None:  # after a failure the handler has its 500; the loop's later output is dropped
             self.queue.put(item)
 
@@ -66,7 +67,7 @@ class Sequence:
             logging.error("a sequence failed in its %s and ends alone: %s", where, one_line(error))
             self.queue.put(GenerationFailed(f"generation failed in this request's {where}: {one_line(error)}"))
         if self.ctx is not None:
-            self.ctx._should_stop = True
+            self.ctx.stop()
 
     def check(self, where: str) -> None:
         """The test-only per-sequence fault (``MLXDIST_FAULT=sequence:...``), if this is its moment."""
@@ -132,13 +133,12 @@ def _guarded_processor(processor: Callable, sequence: Sequence) -> Callable:
     return process
 
 
-def install() -> None:
-    """Guard mlx-lm's per-sequence sampler and processor factories (its
-    loop calls them by these module names; this process serves one model)."""
-    if not getattr(lm_server._make_sampler, "guarded", False):
-        lm_server._make_sampler = _guarded_sampler(lm_server._make_sampler)
-        lm_server._make_sampler.guarded = True
-        lm_server._make_logits_processors = _guarded_processors(lm_server._make_logits_processors)
+def guarded_factories() -> Dict[str, Callable]:
+    """mlx-lm's per-sequence sampler and processor factories, guarded, under
+    the names its generation loop looks them up by (``serving/server.py``
+    gives the loop these, leaving mlx-lm's module as it is)."""
+    return {"_make_sampler": _guarded_sampler(make_request_sampler),
+            "_make_logits_processors": _guarded_processors(make_request_processors)}
 
 
 class _GuardedDetokenizer:
@@ -194,5 +194,5 @@ class _GuardedDetokenizer:
 def guard_tokenizer(tokenizer):
     """A copy of mlx-lm's ``TokenizerWrapper`` whose detokenizers fail their sequence alone."""
     guarded = copy.copy(tokenizer)
-    guarded._detokenizer = _GuardedDetokenizer(tokenizer._detokenizer)
+    set_detokenizer(guarded, _GuardedDetokenizer(tokenizer.detokenizer))
     return guarded

@@ -20,7 +20,7 @@ from jinja2 import TemplateError
 from mlx_lm import server as lm_server
 
 from mlxdist.errors import GenerationFailed, RankLost, RequestError, one_line
-from mlxdist.serving.isolation import Sequence, install
+from mlxdist.serving.isolation import Sequence
 from mlxdist.runtime.watchdog import ACTIVITY
 from mlxdist.runtime.world import World
 
@@ -127,7 +127,6 @@ class LockstepResponseGenerator(lm_server.ResponseGenerator):
         self._stop_requested = False
         self._failed = False
         self.failures = 0  # generation loops that failed and were entered again
-        install()  # per-sequence failures end their sequence alone
         super().__init__(model_provider, prompt_cache)  # starts the generation thread
         self._time_budget = _ProgressBudget()
         self.requests = TrackingQueue()  # before any request: the thread reads it at its next poll

@@ -35,13 +35,14 @@ from typing import Any, Dict
 from mlx_lm import server as lm_server
 
 from mlxdist import envs
+from mlxdist.compat import with_globals
 from mlxdist.runtime.watchdog import ACTIVITY, ON_FATAL
 from mlxdist.errors import UserError
 from mlxdist.serving.connections import (
     DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_HEADERS, DEFAULT_REQUEST_TIMEOUT, HTTPServer,
 )
 from mlxdist.serving.http import DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_QUEUED, DEFAULT_MAX_QUEUED_CHARS, make_handler
-from mlxdist.serving.isolation import guard_tokenizer
+from mlxdist.serving.isolation import guard_tokenizer, guarded_factories
 from mlxdist.serving.rebalance import Rebalancer
 from mlxdist.serving.lockstep import LockstepResponseGenerator
 from mlxdist.serving.schema import RequestLimits
@@ -84,6 +85,22 @@ class EngineModelProvider(lm_server.ModelProvider):
             hasattr(c, "merge") for c in lm_server.make_prompt_cache(self.model))
 
 
+def generator_class(names: Dict[str, Any]) -> type:
+    """``LockstepResponseGenerator`` whose mlx-lm loops (``_generate``, and
+    ``_serve_single`` for the factories) find ``names`` (mlxdist's batch
+    generator under dp, the guarded factories) where they look up mlx-lm's
+    own, instead of mlx-lm's module being changed for every caller. The
+    copies sit between it and mlx-lm's class, so its ``super()`` calls reach
+    them."""
+    base = lm_server.ResponseGenerator
+    single = {k: v for k, v in names.items() if k != "BatchGenerator"}
+    loops = type("ResponseGeneratorLoops", (base,), {
+        "_generate": with_globals(base._generate, **names),
+        "_serve_single": with_globals(base._serve_single, **single),
+    })
+    return type("ServingResponseGenerator", (LockstepResponseGenerator, loops), {})
+
+
 def _keep_ctrl_c_from_the_watchdog() -> None:
     """Ctrl-C to rank 0 is the stop the user asked for (``serve`` ends every
     rank with status 0), not the launcher stopping the job: the watchdog reads
@@ -115,13 +132,13 @@ def serve(executor, options: Dict[str, Any]) -> None:
     engine = executor.engine
     provider = EngineModelProvider(cli_args, engine)
     prompt_cache = lm_server.LRUPromptCache(cli_args.prompt_cache_size)
+    loop_names = guarded_factories()  # per-sequence failures end their sequence alone
     if engine.data_parallel is not None:  # each rank its own sequences
         from mlxdist.engine.dp_generator import NoPromptCache, make_batch_generator
 
-        # mlx-lm's server builds its BatchGenerator by this name; this process serves this model only
         # every rank's sequences draw from keys of their own (engine/sampling.py), under one seed
         seed = world.control.allgather_json(random.randrange(2**63) if world.is_root else None)[0]
-        lm_server.BatchGenerator = make_batch_generator(engine, seed)
+        loop_names["BatchGenerator"] = make_batch_generator(engine, seed)
         prompt_cache = NoPromptCache(cli_args.prompt_cache_size)
     # The watchdog guards serving: a rank that stops taking part stops the loop's
     # shared messages and steps on every rank. One step may be a long prefill,
@@ -129,7 +146,7 @@ def serve(executor, options: Dict[str, Any]) -> None:
     ACTIVITY.armed, ACTIVITY.serving_http = True, True
     ACTIVITY.beat("serving-http")
     ACTIVITY.progress()
-    generator = LockstepResponseGenerator(provider, prompt_cache, world)
+    generator = generator_class(loop_names)(provider, prompt_cache, world)
     if options.get("rebalance_every"):
         generator.rebalancer = Rebalancer(world, engine, options["rebalance_every"],
                                           options.get("rebalance_replicas", 0), engine.options.rank_memory_gb)
