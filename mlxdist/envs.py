@@ -51,7 +51,9 @@ VARIABLES: Dict[str, Variable] = {v.name: v for v in (
     # -- test-only -----------------------------------------------------------------------------------
     Variable("MLXDIST_FAULT", "str", None, "Test-only fault injection, e.g. kill:rank=1,layer=2,step=3 "
              "(also sleep:...,seconds=S and raise:...; layer=-1 every layer; skip=K the (K+1)-th time; "
-             "sequence:max_tokens=N,step=S fails the served requests of max_tokens N at their S-th token). "
+             "sequence:max_tokens=N,step=S fails the served requests of max_tokens N at their S-th token; "
+             "fail:at=place|balance|command,rank=R fails a shared step once; rank=all every rank; several "
+             "separated by ;). "
              "Unset, it costs nothing (mlxdist/runtime/faults.py).", who="test"),
     # -- read from the launcher --------------------------------------------------------------------------
     Variable("OMPI_COMM_WORLD_SIZE", "int", None, "Set by Open MPI's mpirun: the job's size. Absent (and "

@@ -19,7 +19,7 @@ from mlxdist import envs
 from mlxdist.api import Cluster, init
 from mlxdist.config import EXPERT_SPLITS, GenerationParams
 from mlxdist.dispatch import DISPATCH_MODES, LAYOUTS, modes
-from mlxdist.errors import UserError, say_error
+from mlxdist.errors import GenerationFailed, UserError, say_error
 from mlxdist.model.placement import parse_rank_memory
 from mlxdist.runtime.watchdog import DEFAULT_TIMEOUT
 from mlxdist.runtime.world import BACKENDS, launcher_rank, run_or_abort, set_exit_code
@@ -243,7 +243,7 @@ def command_loop(cluster: Cluster, args) -> int:
     for text in _prompts(args):
         try:
             _run_prompt(cluster, args, text, logprobs)
-        except UserError as e:
+        except (UserError, GenerationFailed) as e:  # GenerationFailed: on every rank alike, the job goes on
             say_error(str(e))
             if args.prompt is not None:
                 return 1
