@@ -21,14 +21,14 @@ from mlxdist.runtime.control import Command
 from mlxdist.dispatch import default_layout
 from mlxdist.config import GenerationParams, LoadOptions
 from mlxdist.engine import Engine
-from mlxdist.errors import UserError, describe_errors, say_error
-from mlxdist.errors import LoadError
+from mlxdist.errors import GenerationFailed, LoadError, UserError, say_error
 from mlxdist.executor import PROBES, CommandExecutor
 from mlxdist.runtime.world import World, abort, init_world, launcher_rank, run_or_abort, set_exit_code
 from mlxdist.model.placement import Placement
 from mlxdist.model.routing_file import RoutingStats
 from mlxdist.dispatch.stats import add_shares
 from mlxdist.engine.routing_record import RoutingRecorder
+from mlxdist.runtime.agreement import failure_line
 from mlxdist.runtime.watchdog import ACTIVITY, DEFAULT_TIMEOUT, start_watchdog
 
 __all__ = ["Cluster", "LoadError", "Piece", "Result", "UserError", "init"]
@@ -78,14 +78,14 @@ class Cluster:
             return
         if exc_type is not None:
             set_exit_code(1)
-        if exc_type is not None and self.world.size > 1 and not issubclass(exc_type, UserError):
-            # Not a refused request: the other ranks may be inside a collective
-            # this rank left, and would never hear a SHUTDOWN. End the job now.
+        if exc_type is not None and self.world.size > 1 and not issubclass(exc_type, (UserError, GenerationFailed)):
+            # Not a refused request nor a generation every rank failed alike:
+            # the other ranks may be inside a collective this rank left, and
+            # would never hear a SHUTDOWN. End the job now.
             import traceback
 
             traceback.print_exception(exc_type, exc, tb)
-            text = str(exc).splitlines()[0] if str(exc) else ""
-            say_error(f"rank {self.world.rank}: {exc_type.__name__}: {text}")
+            say_error(failure_line(self.world.rank, exc))
             abort(self.world, 1)
         self.shutdown(1 if exc_type is not None else 0)
 

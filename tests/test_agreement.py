@@ -47,18 +47,37 @@ def test_every_rank_agrees_at_each_step(checkpoint, dispatch, victim):
     assert got["placed"] and got["tokens_after_place"] == expected
 
 
-@pytest.mark.parametrize("dispatch,victim", [("collective", 0), ("collective", 1), ("p2p", 0)])
-def test_a_forward_failing_on_one_rank_ends_the_job(checkpoint, dispatch, victim):
-    """The script catches the error and generates again: the other rank is
-    inside the step's collectives (or, in p2p, released), so the job ends
-    within seconds, the failed rank named with its cause."""
-    tic = time.time()
-    proc = launch(2, [ROOT / "tests/scripts/fail_alone.py", checkpoint("qwen3_moe"), dispatch], module=None,
-                  timeout=60, env={"MLXDIST_FAULT": f"raise:rank={victim},layer=1,step=2"})
-    assert time.time() - tic < 30
-    assert proc.returncode != 0 and "went on" not in proc.stdout
-    line = f"mlxdist: error: rank {victim}: RuntimeError: injected fault at layer 1 of step 2"
+@pytest.mark.parametrize("dispatch,fault,capacity", [
+    ("collective", "raise:rank=0,layer=1,step=2", None),
+    ("p2p", "raise:rank=0,layer=1,step=2", None),
+    ("collective", "fail:at=page,rank=1", 2),
+], ids=["rank0", "p2p-rank0", "paging-rank1"])
+def test_a_forward_failing_on_one_rank_ends_the_job(checkpoint, dispatch, fault, capacity):
+    """A forward pass (or a paging read inside one) fails on one rank (rank
+    1 alone in a forward: test_reliability's unexpected error); the
+    script catches the error and generates again: the other rank is inside
+    the step's collectives (or, in p2p, released), so the job ends within
+    seconds of the failure, the failed rank named with its cause."""
+    proc = launch(2, [ROOT / "tests/scripts/fail_alone.py", checkpoint("qwen3_moe"), dispatch, *([capacity] if capacity else [])],
+                  module=None, timeout=90, env={"MLXDIST_FAULT": fault})
+    ended = time.time()
+    assert proc.returncode != 0 and "went on" not in proc.stdout, proc.stdout
+    loaded = float(proc.stdout.split("loaded at ")[1].split()[0])
+    assert ended - loaded < 30
+    victim = fault.split("rank=")[1].split(",")[0]
+    cause = "injected fault at page" if "page" in fault else "injected fault at layer 1 of step 2"
+    line = f"mlxdist: error: rank {victim}: RuntimeError: {cause}"
     assert any(l.startswith(line) for l in error_lines(proc.stderr)), proc.stderr[-3000:]
+
+
+def test_a_paging_read_failing_on_every_rank_fails_that_generation(checkpoint):
+    """The same paging read failing on every rank: that generation raises
+    GenerationFailed and the next one runs (with the slots as they were)."""
+    proc = launch(2, [ROOT / "tests/scripts/fail_alone.py", checkpoint("qwen3_moe"), "collective", 2], module=None,
+                  timeout=90, env={"MLXDIST_FAULT": "fail:at=page,rank=all"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "caught: generation failed: RuntimeError: injected fault at page" in proc.stdout
+    assert "went on" in proc.stdout
 
 
 @pytest.mark.parametrize("victim,seed", [(1, None), (0, 3)], ids=["rank1-batched", "rank0-single"])

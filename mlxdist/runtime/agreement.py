@@ -18,7 +18,7 @@ server's rebalancing) agree instead on the message their ranks already
 exchange at that step; see docs/failures.md.
 """
 
-from mlxdist.errors import MlxdistError, describe_errors, keep_traceback, one_line, say_error
+from mlxdist.errors import MlxdistError, RankLost, describe_errors, keep_traceback, one_line, say_error
 from mlxdist.runtime.watchdog import ACTIVITY
 from mlxdist.runtime.world import World, abort
 
@@ -30,17 +30,25 @@ def failed_together(world: World, error: BaseException) -> str:
     raised ``error``. Returns one line describing every rank's failure where
     all failed; otherwise ends the job (see the module's docstring)."""
     ACTIVITY.progress()  # this wait has its own deadline, shorter than the watchdog's
-    messages = world.control.failed_together(one_line(error), AGREE_SECONDS)
+    try:
+        messages = None if isinstance(error, RankLost) else world.control.failed_together(one_line(error), AGREE_SECONDS)
+    except Exception:  # noqa: BLE001 - a peer gone under MPI: this rank's own error is the report
+        messages = None
     if messages is None:
         stop_job(world, error)
     return describe_errors(messages)
 
 
 def stop_job(world: World, error: BaseException) -> None:
-    """End every rank now with one line naming this rank and ``error`` (and
-    where its traceback went, for an unexpected one). Called in ``except``."""
-    text = str(error).splitlines()[0] if str(error) else ""
-    path = None if isinstance(error, MlxdistError) else keep_traceback(world.rank)
+    """End every rank now with one line naming this rank and ``error`` and
+    where its traceback went, as ``world.run_or_abort`` does. Called in ``except``."""
+    path = keep_traceback(world.rank)
     where = f" (traceback: {path})" if path else ""
-    say_error(f"rank {world.rank}: {type(error).__name__}: {text}{where}")
+    say_error(f"{failure_line(world.rank, error)}{where}")
     abort(world, 1)
+
+
+def failure_line(rank: int, error: BaseException) -> str:
+    """``rank R: Type: first line``: how a rank that ends the job names itself and the cause."""
+    text = one_line(error)
+    return f"rank {rank}: {text if not isinstance(error, MlxdistError) else f'{type(error).__name__}: {text}'}"

@@ -11,7 +11,8 @@ separated by ``;``.
   (``serving/isolation.py``).
 - ``fail:at=POINT,rank=R``: an unexpected exception at a shared step that is
   not a forward pass (``point``): ``at=place`` while a rank prepares a new
-  placement (``layer=L``: at that layer), ``at=balance`` while rank 0 plans
+  placement (``layer=L``: at that layer), ``at=page`` in a paging read
+  inside a forward pass (``model/paging.py``), ``at=balance`` while rank 0 plans
   the server's new placement, ``at=command`` in a control command's own
   work (``op=stats``, ``probe`` or ``place``: that one only); once, after
   ``skip=K`` matching moments.
@@ -80,6 +81,7 @@ class Fault:
 
 FAULT: Optional[Fault] = None  # this rank's armed fault at expert steps or sequences; None in real runs
 _POINTS: Dict[int, List[Fault]] = {}  # rank -> its armed ``fail`` faults (read once)
+_RANK = 0  # this process's rank, as ``arm`` was told
 
 
 def _parse(rank: int) -> List[Fault]:
@@ -90,7 +92,8 @@ def _parse(rank: int) -> List[Fault]:
 def arm(rank: int) -> Optional[Fault]:
     """Arm the fault ``MLXDIST_FAULT`` sets for this rank's expert steps or
     sequences, if any (at start-up)."""
-    global FAULT
+    global FAULT, _RANK
+    _RANK = rank
     FAULT = next((f for f in _parse(rank) if f.armed and f.action != "fail"), None)
     _POINTS.pop(rank, None)
     return FAULT
@@ -102,8 +105,10 @@ def at_layer(layer: int, step: int) -> None:
         FAULT.maybe_fire(layer, step)
 
 
-def point(at: str, rank: int, layer: Optional[int] = None, op: Optional[str] = None) -> None:
-    """Raise the ``fail`` fault armed for ``rank`` at the shared step ``at``, if this is its moment."""
+def point(at: str, rank: Optional[int] = None, layer: Optional[int] = None, op: Optional[str] = None) -> None:
+    """Raise the ``fail`` fault armed for ``rank`` (default: the one ``arm``
+    was given) at the shared step ``at``, if this is its moment."""
+    rank = _RANK if rank is None else rank
     if rank not in _POINTS:
         _POINTS[rank] = [f for f in _parse(rank) if f.armed and f.action == "fail"]
     for fault in _POINTS[rank]:

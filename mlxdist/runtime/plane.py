@@ -13,8 +13,8 @@ interface with one implementation per launcher.
   The model's collectives run on the same group, so every control collective
   first waits for the work in flight (mlx-lm keeps one step queued): the
   ranks then issue both kinds in one order. An idle rank blocks inside MLX's
-  collective, which polls its sockets: ~65 % of a core on the ring backend
-  here, for as long as the rank waits.
+  collective, which polls its sockets: it keeps a share of a core busy for
+  as long as it waits (docs/launchers.md has the measurement).
 - ``SoloControl``: one rank; every collective is an identity.
 
 A rank whose part of a shared step fails asks the others whether they
