@@ -309,8 +309,9 @@ class Cluster:
         """Run a request of several prompts as one batch on every rank."""
         ids = request.args["prompts"]
         request = Command(request.op, {**request.args, "batch": True})
+        args = self._broadcast(request).args
         try:
-            (response,) = list(self.executor.generate(self._broadcast(request).args))
+            (response,) = list(self.executor.generate(args))
         finally:  # also after a generation every rank failed alike (the job goes on)
             after = self.executor.after_generation()
         s = response.stats

@@ -20,7 +20,9 @@ from mlxdist.runtime.control import Command
 from mlxdist.config import GenerationParams, LoadOptions
 from mlxdist.dispatch.stats import routing_share
 from mlxdist.engine import Engine, load_engine
-from mlxdist.errors import GenerationFailed, LoadError, MlxdistError, UserError, describe_errors, keep_traceback, one_line
+from mlxdist.errors import (
+    GenerationFailed, LoadError, MlxdistError, UserError, describe_errors, keep_traceback, one_line,
+)
 from mlxdist.model.placement import Placement
 from mlxdist.runtime import faults
 from mlxdist.runtime.agreement import failed_together
@@ -263,8 +265,7 @@ class CommandExecutor:
         on (``Engine.place``, all or nothing); each rank's seconds. Raises
         ``UserError`` on every rank, the old placement kept everywhere,
         where any rank refused or failed."""
-        try:
-            faults.point("command", self.world.rank, op="place")
+        try:  # Engine.place agrees on every failure of its own; the plan was checked on rank 0
             seconds = self.engine.place(Placement.from_json(args["placement"]))
         except MlxdistError as e:  # the same on every rank: the ranks agree before anything changes
             raise UserError(f"place failed: {one_line(e)}") from None

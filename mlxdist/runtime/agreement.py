@@ -31,7 +31,8 @@ def failed_together(world: World, error: BaseException) -> str:
     all failed; otherwise ends the job (see the module's docstring)."""
     ACTIVITY.progress()  # this wait has its own deadline, shorter than the watchdog's
     try:
-        messages = None if isinstance(error, RankLost) else world.control.failed_together(one_line(error), AGREE_SECONDS)
+        lost = isinstance(error, RankLost)  # a lost rank cannot answer
+        messages = None if lost else world.control.failed_together(one_line(error), AGREE_SECONDS)
     except Exception:  # noqa: BLE001 - a peer gone under MPI: this rank's own error is the report
         messages = None
     if messages is None:

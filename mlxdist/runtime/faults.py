@@ -14,7 +14,7 @@ separated by ``;``.
   placement (``layer=L``: at that layer), ``at=page`` in a paging read
   inside a forward pass (``model/paging.py``), ``at=balance`` while rank 0 plans
   the server's new placement, ``at=command`` in a control command's own
-  work (``op=stats``, ``probe`` or ``place``: that one only); once, after
+  work (``op=stats`` or ``probe``: that one only); once, after
   ``skip=K`` matching moments.
 
 Unset (every real run), ``arm`` leaves ``FAULT`` None and the hot path's one

@@ -61,7 +61,9 @@ with mlxdist.init() as cluster:
         out["failed_together"] = str(e)
     stream = cluster.stream_generate(PROMPT, max_tokens=MAX_TOKENS)
     first = next(stream)
-    out["during_stream"] = refused(lambda: cluster.generate(PROMPT, max_tokens=2))
+    out["during_stream"] = [refused(lambda: cluster.generate(PROMPT, max_tokens=2)),
+                            refused(lambda: cluster.generate_batch([PROMPT, "Hello"], max_tokens=2)),
+                            refused(cluster.stats), refused(lambda: next(cluster.stream_generate(PROMPT)))]
     out["stream"] = [first.token] + [p.token for p in stream]
     out["tokens"] = cluster.generate(PROMPT, max_tokens=MAX_TOKENS).tokens
     before = held(cluster)
