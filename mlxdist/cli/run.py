@@ -46,7 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=0, help="sample from the k likeliest tokens; 0: all (default %(default)s)")
     p.add_argument("--min-p", type=float, default=0.0, help="minimum probability relative to the likeliest token "
                                                            "(default %(default)s)")
-    p.add_argument("--seed", type=int, default=None, help="random seed of the sampler (default: 0 on every rank)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="random seed of the sampler (default: one drawn on rank 0 for each generation, "
+                        "shared with every rank)")
     p.add_argument("--verbose", type=_str2bool, default=True, metavar="{True,False}",
                    help="as mlx_lm.generate: print the summary line after the text when True, only the text "
                         "when False (default %(default)s)")
