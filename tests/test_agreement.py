@@ -133,3 +133,19 @@ def test_a_job_file_through_failures_on_every_rank(checkpoint, tmp_path):
     assert [r["id"] for r in records] == ["job-0", "job-1", "job-2"]
     assert all(r["error"] == f"line {i + 1}: generation failed: RuntimeError: injected fault at layer 0 of step 2"
                for i, r in enumerate(records)), records
+
+
+def test_fault_specs_several_and_every_rank(monkeypatch):
+    """MLXDIST_FAULT holds several faults; rank=all arms every rank; a fail
+    fault fires once, after its skips."""
+    from mlxdist.runtime import faults
+
+    monkeypatch.setenv("MLXDIST_FAULT", "raise:rank=all,layer=1,step=2;fail:at=place,rank=1,skip=1")
+    assert faults.arm(0).action == "raise" and faults.arm(1).action == "raise"
+    faults.point("place", 0, layer=0)  # not rank 0's
+    faults.point("place", 1, layer=0)  # skipped
+    with pytest.raises(RuntimeError, match=r"injected fault at place \(layer 2\)"):
+        faults.point("place", 1, layer=2)
+    faults.point("place", 1, layer=3)  # once only
+    monkeypatch.delenv("MLXDIST_FAULT")
+    assert faults.arm(1) is None
