@@ -89,9 +89,9 @@ class Rebalancer:
         message = json.loads(world.control.bcast_bytes(payload))
         if "error" in message:
             return self._not_placed(message["error"])
-        plan = Placement.from_json(message["placement"])
-        try:
-            seconds = engine.place(plan)  # all or nothing, agreed (Engine.place)
+        try:  # the same plan on every rank: from_json fails everywhere alike; Engine.place agrees on its own
+            plan = Placement.from_json(message["placement"])
+            seconds = engine.place(plan)  # all or nothing
         except MlxdistError as e:
             return self._not_placed(one_line(e))
         ACTIVITY.progress()
@@ -117,6 +117,7 @@ class Rebalancer:
             return {"error": f"rank 0: {one_line(e)}"}
 
     def _not_placed(self, why: str) -> None:
+        """Log why nothing was placed this time (the same on every rank)."""
         self.failures.append(why)
         logging.warning("experts not placed again: %s", why)
         return None
