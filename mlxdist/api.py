@@ -21,14 +21,14 @@ from mlxdist.runtime.control import Command
 from mlxdist.dispatch import default_layout
 from mlxdist.config import GenerationParams, LoadOptions
 from mlxdist.engine import Engine
-from mlxdist.errors import UserError, describe_errors, say_error
-from mlxdist.errors import LoadError
+from mlxdist.errors import GenerationFailed, LoadError, UserError, say_error
 from mlxdist.executor import PROBES, CommandExecutor
 from mlxdist.runtime.world import World, abort, init_world, launcher_rank, run_or_abort, set_exit_code
 from mlxdist.model.placement import Placement, budgets_for_ranks
 from mlxdist.model.routing_file import RoutingStats
 from mlxdist.dispatch.stats import add_shares
 from mlxdist.engine.routing_record import RoutingRecorder
+from mlxdist.runtime.agreement import failure_line
 from mlxdist.runtime.watchdog import ACTIVITY, DEFAULT_TIMEOUT, start_watchdog
 
 __all__ = ["Cluster", "LoadError", "Piece", "Result", "UserError", "init"]
@@ -64,6 +64,7 @@ class Cluster:
         self.executor = CommandExecutor(world)
         self._closed = False
         self._recorder: Optional[RoutingRecorder] = None  # load(record_routing=...)
+        self._open_stream: Optional[Iterator[Any]] = None  # the generation a stream reads, while it is open
 
     # -- lifecycle -------------------------------------------------------
     def __enter__(self) -> "Cluster":
@@ -77,26 +78,32 @@ class Cluster:
             return
         if exc_type is not None:
             set_exit_code(1)
-        if exc_type is not None and self.world.size > 1 and not issubclass(exc_type, UserError):
-            # Not a refused request: the other ranks may be inside a collective
-            # this rank left, and would never hear a SHUTDOWN. End the job now.
+        if exc_type is not None and self.world.size > 1 and not issubclass(exc_type, (UserError, GenerationFailed)):
+            # Not a refused request nor a generation every rank failed alike:
+            # the other ranks may be inside a collective this rank left, and
+            # would never hear a SHUTDOWN. End the job now.
             import traceback
 
             traceback.print_exception(exc_type, exc, tb)
-            text = str(exc).splitlines()[0] if str(exc) else ""
-            say_error(f"rank {self.world.rank}: {exc_type.__name__}: {text}")
+            say_error(failure_line(self.world.rank, exc))
             abort(self.world, 1)
         self.shutdown(1 if exc_type is not None else 0)
 
     def shutdown(self, exit_code: int = 0) -> None:
         """Tell every other rank to exit (with ``exit_code``)."""
         if not self._closed:
+            if self._open_stream is not None:  # a stream left open ends at this token on every rank
+                self._end_stream({})
             self._finish_recording()
             self._closed = True
             ACTIVITY.beat("exiting")
             self._broadcast(Command(commands.SHUTDOWN, {"exit_code": exit_code}))
 
     def _broadcast(self, command: Command) -> Command:
+        if self._open_stream is not None:
+            # The other ranks are between two tokens of the stream, waiting to
+            # hear whether its reader wants more: a command now would meet that.
+            raise UserError(f"a stream is open: read it to its end or close() it before {command.op}")
         return commands.broadcast(self.world, command)
 
     # -- commands --------------------------------------------------------
@@ -246,7 +253,9 @@ class Cluster:
         ``sampling``: max_tokens, temp, top_p, top_k, min_p, seed,
         prefill_step_size, max_kv_size, num_draft_tokens,
         prompt_lookup_ngram (speculative decoding). Stopping early is safe: the
-        remaining steps run (and are dropped) so every rank stays in step."""
+        remaining steps run (and are dropped) so every rank stays in step.
+        While it is open, any other command raises ``UserError`` (read the
+        stream to its end, or ``close()`` it, first)."""
         request = self.request([self.encode(prompt, messages)], **sampling)
         yield from self.stream(request)
 
@@ -256,6 +265,7 @@ class Cluster:
         every rank and the exchange counters once the stream ends."""
         stats = {} if stats is None else stats
         responses = self.executor.generate(self._broadcast(request).args)
+        self._open_stream = responses
         drafted = 0  # tokens that came from the drafter (speculative decoding) and were kept
         try:
             for response in responses:
@@ -271,9 +281,15 @@ class Cluster:
                 )
                 yield Piece(response.text, response.token, response.finish_reason, response.logprobs)
         finally:
-            responses.close()  # the caller stopped early: every rank stops at this token
-            stats["peak_memory_gb"] = [a["peak"] / 1e9 for a in self.executor.after_generation()]
-            stats["exchange"] = self.engine.dispatcher.stats.as_dict()
+            if self._open_stream is responses:  # not ended already by shutdown()
+                self._end_stream(stats)
+
+    def _end_stream(self, stats: Dict[str, Any]) -> None:
+        """End the open stream on every rank (at this token, where its reader stopped early)."""
+        self._open_stream.close()
+        self._open_stream = None
+        stats["peak_memory_gb"] = [a["peak"] / 1e9 for a in self.executor.after_generation()]
+        stats["exchange"] = self.engine.dispatcher.stats.as_dict()
 
     def generate(
         self, prompt: Optional[str] = None, *, messages: Optional[Messages] = None, **sampling
@@ -303,8 +319,11 @@ class Cluster:
         """Run a request of several prompts as one batch on every rank."""
         ids = request.args["prompts"]
         request = Command(request.op, {**request.args, "batch": True})
-        (response,) = list(self.executor.generate(self._broadcast(request).args))
-        after = self.executor.after_generation()
+        args = self._broadcast(request).args
+        try:
+            (response,) = list(self.executor.generate(args))
+        finally:  # also after a generation every rank failed alike (the job goes on)
+            after = self.executor.after_generation()
         s = response.stats
         stats = {
             "batch_prompt_tokens": s.prompt_tokens,
@@ -341,11 +360,7 @@ class Cluster:
         if isinstance(placement, Placement):
             placement = placement.to_json()
         Placement.from_json(placement)  # refused here, before any rank hears of it
-        reports = self.executor.place(self._broadcast(Command(commands.PLACE, {"placement": placement})).args)
-        errors = [r["error"] for r in reports]
-        if any(errors):
-            raise UserError(describe_errors(errors))
-        return [r["seconds"] for r in reports]
+        return self.executor.place(self._broadcast(Command(commands.PLACE, {"placement": placement})).args)
 
     def serve_http(self, options: Dict[str, Any]) -> None:
         """Serve the loaded model over HTTP on rank 0, every rank batching in

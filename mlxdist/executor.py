@@ -1,9 +1,15 @@
 """What every rank does with each command. Rank 0 calls these through
 ``Cluster`` right after broadcasting the command; the other ranks call them
 from ``serve`` in the same order, so every collective lines up.
+
+A command's outcome is every rank's: its own work failing on one rank is
+carried on the reports the ranks gather anyway and raised on every rank
+(``_gathered``), and a generation that fails on one rank is agreed or ends
+the job (``runtime/agreement.py``). Either way no rank is left waiting.
 """
 
 import gc
+import json
 import os
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
@@ -14,8 +20,12 @@ from mlxdist.runtime.control import Command
 from mlxdist.config import GenerationParams, LoadOptions
 from mlxdist.dispatch.stats import routing_share
 from mlxdist.engine import Engine, load_engine
-from mlxdist.errors import LoadError, MlxdistError, describe_errors, keep_traceback, one_line
+from mlxdist.errors import (
+    GenerationFailed, LoadError, MlxdistError, UserError, describe_errors, keep_traceback, one_line,
+)
 from mlxdist.model.placement import Placement
+from mlxdist.runtime import faults
+from mlxdist.runtime.agreement import failed_together
 from mlxdist.runtime.world import World
 from mlxdist.runtime.watchdog import ACTIVITY
 
@@ -140,6 +150,13 @@ class CommandExecutor:
                                         not engine.root_runs_dense)
             else:
                 yield engine.generate_batch(args["prompts"], params, args.get("strategy"))
+        except Exception as e:
+            if self.world.size == 1:
+                raise
+            agreed = failed_together(self.world, e)  # or the job ends here
+            if isinstance(e, MlxdistError):
+                raise
+            raise GenerationFailed(f"generation failed: {agreed}") from None
         finally:
             ACTIVITY.armed = False
             ACTIVITY.beat("idle")
@@ -186,6 +203,9 @@ class CommandExecutor:
         """STATS on every rank: each rank's counters, gathered everywhere.
         ``collect`` switches per-expert load counting on or off; ``reset``
         zeroes the counters after reading them."""
+        return self._gathered("stats", lambda: self._own_stats(args))
+
+    def _own_stats(self, args: Dict[str, Any]) -> Dict[str, Any]:
         engine = self.engine
         mine: Dict[str, Any] = {
             "rank": self.world.rank,
@@ -214,7 +234,25 @@ class CommandExecutor:
                 counters.reset()
             if args.get("collect") is not None:
                 counters.collect_expert_load = bool(args["collect"])
-        return self.world.control.allgather_json(mine)
+        return mine
+
+    def _gathered(self, op: str, work: Callable[[], Any]) -> List[Any]:
+        """Every rank's ``work()`` (JSON-able), gathered on every rank. Where
+        it raised on any rank, ``UserError`` on every rank naming those
+        ranks: they agree on the reports they exchange anyway, so none is
+        left waiting and the job goes on."""
+        value, error = None, None
+        try:
+            faults.point("command", self.world.rank, op=op)
+            value = work()
+            json.dumps(value)  # fails here, on this rank, rather than inside the gather
+        except Exception as e:  # noqa: BLE001 - every rank hears of it below
+            value, error = None, one_line(e)
+        reports = self.world.control.allgather_json({"value": value, "error": error})
+        errors = [r["error"] for r in reports]
+        if any(errors):
+            raise UserError(f"{op} failed: {describe_errors(errors)}")
+        return [r["value"] for r in reports]
 
     def serve_http(self, args: Dict[str, Any]) -> None:
         """SERVE on every rank: the OpenAI-compatible server (``serving/server.py``)."""
@@ -224,18 +262,19 @@ class CommandExecutor:
 
     def place(self, args: Dict[str, Any]) -> List[Dict[str, Any]]:
         """PLACE on every rank: hold the given placement's experts from now
-        on (``Engine.place``); each rank's seconds and error."""
-        seconds, error = 0.0, None
-        try:
+        on (``Engine.place``, all or nothing); each rank's seconds. Raises
+        ``UserError`` on every rank, the old placement kept everywhere,
+        where any rank refused or failed."""
+        try:  # Engine.place agrees on every failure of its own; the plan was checked on rank 0
             seconds = self.engine.place(Placement.from_json(args["placement"]))
-        except MlxdistError as e:  # the same refusal on every rank: the ranks agree before anything changes
-            error = one_line(e)
+        except MlxdistError as e:  # the same on every rank: the ranks agree before anything changes
+            raise UserError(f"place failed: {one_line(e)}") from None
         ACTIVITY.progress()
-        return self.world.control.allgather_json({"seconds": seconds, "error": error})
+        return self.world.control.allgather_json(seconds)
 
     def probe(self, args: Dict[str, Any]) -> List[Any]:
         """PROBE on every rank: the registered probe's answer from each rank."""
-        return self.world.control.allgather_json(PROBES[args["name"]](self, args.get("args", {})))
+        return self._gathered("probe", lambda: PROBES[args["name"]](self, args.get("args", {})))
 
     def serve(self) -> int:
         """Ranks other than 0: follow rank 0's commands until SHUTDOWN."""
@@ -254,14 +293,17 @@ class CommandExecutor:
             except LoadError:
                 pass  # rank 0 reports it
         elif command.op == commands.GENERATE:
-            for _ in self.generate(command.args):
-                pass
+            try:
+                for _ in self.generate(command.args):
+                    pass
+            except MlxdistError:
+                pass  # every rank failed alike (agreed): rank 0 reports it
             self.after_generation()
-        elif command.op == commands.STATS:
-            self.stats(command.args)
         elif command.op == commands.SERVE:
             self.serve_http(command.args)
-        elif command.op == commands.PROBE:
-            self.probe(command.args)
-        elif command.op == commands.PLACE:
-            self.place(command.args)
+        else:
+            try:
+                {commands.STATS: self.stats, commands.PROBE: self.probe, commands.PLACE: self.place}[command.op](
+                    command.args)
+            except UserError:
+                pass  # raised on every rank alike: rank 0 reports it

@@ -28,7 +28,7 @@ from typing import Any, Dict, List, Optional, Set, Union
 
 from tqdm import tqdm
 
-from mlxdist.errors import UserError, one_line
+from mlxdist.errors import GenerationFailed, UserError, one_line
 
 from mlxdist.cli.job_file import INPUT_ERROR, BadLine, Entry, Job, error_record, is_integer, load_job_file, show_value
 from mlxdist.cli.job_results import ResultsFile, warn
@@ -131,6 +131,7 @@ def _run(cluster, run: JobRun, batch_size: int) -> int:
 def _generate(cluster, run: JobRun, batch: List[Job], bar) -> int:
     """Generate ``batch`` and write its records; returns the tokens made. A
     ``UserError`` from the cluster (raised on rank 0 before anything runs)
+    or ``GenerationFailed`` (the generation failed on every rank alike)
     splits the batch into single jobs, and a single job's becomes its error
     record; one raised by a lost rank ends the run, as before."""
     if not batch:
@@ -141,7 +142,7 @@ def _generate(cluster, run: JobRun, batch: List[Job], bar) -> int:
         results = cluster.generate_batch(
             [run.prompt_of(cluster, j) for j in batch], **batch[0].sampling
         )
-    except UserError as e:
+    except (UserError, GenerationFailed) as e:  # GenerationFailed: it failed on every rank alike
         if len(cluster.world.lost) > lost:
             raise
         if len(batch) > 1:

@@ -20,7 +20,7 @@ from mlxdist.api import Cluster, init
 from mlxdist.config import EXPERT_SPLITS, GenerationParams
 from mlxdist.digits import arg_duration, arg_int
 from mlxdist.dispatch import DISPATCH_MODES, LAYOUTS, modes
-from mlxdist.errors import UserError, say_error
+from mlxdist.errors import GenerationFailed, UserError, say_error
 from mlxdist.model.placement import parse_rank_memory
 from mlxdist.runtime.watchdog import DEFAULT_TIMEOUT
 from mlxdist.runtime.world import BACKENDS, launcher_rank, run_or_abort, set_exit_code
@@ -48,7 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-p", type=float, default=0.0, help="minimum probability relative to the likeliest token "
                                                            "(default %(default)s)")
     p.add_argument("--seed", type=arg_int(), default=None,
-                   help="random seed of the sampler (default: one drawn by rank 0, the same on every rank)")
+                   help="random seed of the sampler (default: one drawn on rank 0 for each generation, "
+                        "shared with every rank)")
     p.add_argument("--verbose", type=_str2bool, default=True, metavar="{True,False}",
                    help="as mlx_lm.generate: print the summary line after the text when True, only the text "
                         "when False (default %(default)s)")
@@ -279,7 +280,7 @@ def command_loop(cluster: Cluster, args) -> int:
     for text in _prompts(args):
         try:
             _run_prompt(cluster, args, text, logprobs)
-        except UserError as e:
+        except (UserError, GenerationFailed) as e:  # GenerationFailed: on every rank alike, the job goes on
             say_error(str(e))
             if args.prompt is not None:
                 return 1

@@ -6,6 +6,7 @@ dense model, through the distributed expert modules; a data-parallel
 strategy runs ``dp_schedule.py`` instead. Loading is ``load.py``.
 """
 
+import copy
 import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, Tuple
@@ -230,42 +231,71 @@ class Engine:
             self.memory_by_rank[0] = dict(self.memory)
 
     def place(self, plan: Placement) -> float:
-        """Hold ``plan``'s experts from now on. Every rank calls this at the
-        same point between two steps, with the same plan: each checks it
-        (the model's layers, its ``--rank-memory``), the ranks agree, and
-        only then does each read the experts it newly holds from its own copy
-        of the checkpoint, keep those it held already, and point every MoE
-        layer at its new ownership. Results do not change (the same weights
-        compute every slot). Raises ``UserError`` on every rank, nothing
-        changed, where any rank refuses. Returns the seconds it took here."""
+        """Hold ``plan``'s experts from now on, all or nothing. Every rank
+        calls this at the same point between two steps, with the same plan:
+
+        1. each checks it (the model's layers, its ``--rank-memory``); the
+           ranks agree;
+        2. each prepares every layer's new expert module beside the one in
+           use: the experts it held already are kept, those it newly holds
+           are read from its own copy of the checkpoint and evaluated; the
+           ranks agree;
+        3. every rank switches every MoE layer at once.
+
+        Results do not change (the same weights compute every slot). Raises
+        ``UserError`` on every rank, the old placement kept on every rank,
+        where any rank refused or failed in 1 or 2. Returns the seconds it
+        took here. While preparing, a rank holds the old and the new
+        modules of the layers that change."""
         tic = time.perf_counter()
-        error = None
+        sites, sources, error = {}, None, None
         try:  # whatever fails here fails before the ranks agree, on this rank alone
             lazy_model, sources = self._lazy_model()
             sites = {s.layer: s for s in find_switch_sites(lazy_model)}
             self._check_placement(plan, sites)
         except Exception as e:  # noqa: BLE001 - every rank hears of it below
             error = one_line(e)
+        self._agree(error)
+        prepared, error = {}, None
+        try:
+            prepared = self._prepare(plan, sites, sources)
+        except Exception as e:  # noqa: BLE001 - every rank hears of it below; the prepared modules are dropped
+            error = f"cannot prepare the new placement: {one_line(e)}"
+        self._agree(error)
+        for switch in self.switches:
+            layer = switch.ownership.layer
+            switch.ownership, switch.experts = prepared[layer]
+            self.ownership[layer] = switch.ownership
+            if switch.experts is None:
+                self.experts.pop(layer, None)
+            else:
+                self.experts[layer] = switch.experts
+        self.placement = plan
+        self.memory["expert_bytes"] = sum(nbytes(m.parameters()) for m in self.experts.values())
+        return time.perf_counter() - tic
+
+    def _agree(self, error: Optional[str]) -> None:
+        """Every rank's ``error`` of a placement step, gathered: ``UserError`` on every rank where any failed."""
         errors = self.world.control.allgather_json(error)
         if any(errors):
             raise UserError(describe_errors(errors))
+
+    def _prepare(self, plan: Placement, sites: Dict[int, Any], sources: CheckpointSources
+                 ) -> Dict[int, Tuple[LayerOwnership, Optional[nn.Module]]]:
+        """Each MoE layer's ownership and expert module under ``plan``, read
+        and evaluated, nothing in use changed."""
         paging = self.paging or PagingStats()
+        prepared = {}
         for switch in self.switches:
             layer = switch.ownership.layer
             owns = LayerOwnership.build(layer, plan.layers[layer], self.world.rank, self.world.size)
             held, wanted = switch.ownership.owned_experts.tolist(), owns.owned_experts.tolist()
             module = switch.experts
             if wanted != held:
+                faults.point("place", self.world.rank, layer=layer)
                 module = self._experts_now(sites[layer], switch.experts, held, wanted, sources, paging)
-            switch.ownership, switch.experts = owns, module
-            self.ownership[layer] = owns
-            if module is None:
-                self.experts.pop(layer, None)
-            else:
-                self.experts[layer] = module
-        self.placement = plan
-        self.memory["expert_bytes"] = sum(nbytes(m.parameters()) for m in self.experts.values())
-        return time.perf_counter() - tic
+            prepared[layer] = (owns, module)
+        return prepared
 
     def _check_placement(self, plan: Placement, sites: Dict[int, Any]) -> None:
         if self.world.lost:
@@ -281,8 +311,9 @@ class Engine:
     def _experts_now(self, site, module: Optional[nn.Module], held: List[int], wanted: List[int], sources,
                      paging: PagingStats) -> Optional[nn.Module]:
         """The layer's expert module for ``wanted``: the experts of ``held``
-        still wanted taken from ``module``, the others read from the
-        checkpoint (a paged module is built again: it holds slots, not experts)."""
+        still wanted taken from ``module`` (left as it is: it may stay in
+        use), the others read from the checkpoint (a paged module is built
+        again: it holds slots, not experts)."""
         new = [e for e in wanted if e not in held]
         if self.capacity is not None or not wanted or not held or module is None:
             built = expert_module(site, wanted, sources, self.capacity, paging)
@@ -290,7 +321,7 @@ class Engine:
             fresh = expert_module(site, new, sources, None, paging) if new else None
             kept = [e for e in wanted if e in held]
             order = np.argsort(kept + new).tolist()  # kept, then new -> ascending: wanted's stack order
-            built = restack_experts(module, [held.index(e) for e in kept], fresh, order)
+            built = restack_experts(_detached(module), [held.index(e) for e in kept], fresh, order)
         if built is not None:
             mx.eval(built.parameters())
         return built
@@ -306,3 +337,15 @@ class Engine:
         """A worker's part in one generation where rank 0 alone runs the dense model."""
         fault = faults.arm(self.world.rank)
         self.dispatcher.serve(RankExperts(self.experts), self.ownership, faults.at_layer if fault else None)
+
+
+def _detached(module: nn.Module) -> nn.Module:
+    """A copy of ``module`` whose submodules are copies too and whose arrays
+    are shared: updating the copy leaves ``module`` as it was."""
+    twin = copy.copy(module)
+    for name, value in module.items():
+        if isinstance(value, nn.Module):
+            twin[name] = _detached(value)
+        elif isinstance(value, list):
+            twin[name] = [_detached(v) if isinstance(v, nn.Module) else v for v in value]
+    return twin

@@ -26,6 +26,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from mlxdist.errors import UserError
 from mlxdist.model.checkpoint import nbytes
 from mlxdist.model.sources import ExpertSource, as_sources, load_experts
+from mlxdist.runtime import faults
 
 
 def capacity_for_budget(budget: float, model: nn.Module, sites, runs_dense: bool) -> int:
@@ -100,13 +101,14 @@ class PagedExperts(nn.Module):
         if not missing:
             return
         tic = time.perf_counter()
+        faults.point("page")
+        read = list(self._source.read([self._owned[i] for i in missing]))  # before any slot changes
         keep = set(local_ids)
         victims = [i for i in slots.slot_of if i not in keep][: len(missing)]
         freed = [slots.slot_of.pop(v) for v in victims]
         params = dict(tree_flatten(self.switch.parameters()))
-        rows = [self._owned[i] for i in missing]
         updated = []
-        for name, value in self._source.read(rows):
+        for name, value in read:
             stats.bytes_in += value.nbytes
             updated.append((name, _put_rows(params[name], freed, value)))
         self.switch.update(tree_unflatten(updated))

@@ -1,40 +1,54 @@
-"""Test-only fault injection: ``MLXDIST_FAULT``, e.g.
-``kill:rank=1,layer=2,step=3``, ``sleep:rank=1,layer=2,step=3,seconds=60`` or
-``raise:...`` (an unexpected exception), at that rank's expert step
-(``layer=-1``: at every MoE layer of that step; ``skip=K``: the (K+1)-th
-time, i.e. in a later generation). ``sequence:max_tokens=13,step=3``: on
-every rank (or ``rank=R`` alone), the server's per-sequence code (sampler,
-logits processors, detokenizer) of each request whose ``max_tokens`` is 13
-raises once it has 3 tokens (``serving/isolation.py``).
+"""Test-only fault injection: ``MLXDIST_FAULT``, one fault or several
+separated by ``;``.
+
+- At a rank's expert step: ``kill:rank=1,layer=2,step=3``,
+  ``sleep:rank=1,layer=2,step=3,seconds=60`` or ``raise:...`` (an unexpected
+  exception) (``layer=-1``: at every MoE layer of that step; ``skip=K``: the
+  (K+1)-th time, i.e. in a later generation; ``rank=all``: on every rank).
+- ``sequence:max_tokens=13,step=3``: on every rank (or ``rank=R`` alone), the
+  server's per-sequence code (sampler, logits processors, detokenizer) of
+  each request whose ``max_tokens`` is 13 raises once it has 3 tokens
+  (``serving/isolation.py``).
+- ``fail:at=POINT,rank=R``: an unexpected exception at a shared step that is
+  not a forward pass (``point``): ``at=place`` while a rank prepares a new
+  placement (``layer=L``: at that layer), ``at=page`` in a paging read
+  inside a forward pass (``model/paging.py``), ``at=balance`` while rank 0 plans
+  the server's new placement, ``at=command`` in a control command's own
+  work (``op=stats`` or ``probe``: that one only); once, after
+  ``skip=K`` matching moments.
 
 Unset (every real run), ``arm`` leaves ``FAULT`` None and the hot path's one
-check, ``if faults.FAULT is not None``, is all it costs.
+check, ``if faults.FAULT is not None``, is all it costs; ``point`` runs at
+steps taken a few times per generation or placement, never per layer.
 """
 
 import os
 import signal
 import time
-from typing import Optional
+from typing import Dict, List, Optional
 
 from mlxdist import envs
 
 
 class Fault:
-    """The test-only fault of ``MLXDIST_FAULT``, if it names this rank."""
+    """One test-only fault of ``MLXDIST_FAULT``, armed if it names this rank."""
 
     def __init__(self, spec: str, rank: int):
-        action, _, params = spec.partition(":")
+        action, _, params = spec.strip().partition(":")
         values = dict(p.split("=", 1) for p in params.split(",") if p)
         self.action = action
-        self.armed = int(values.get("rank", rank if action == "sequence" else -1)) == rank
+        target = values.get("rank", str(rank) if action == "sequence" else "-1")
+        self.armed = target == "all" or int(target) == rank
         self.max_tokens = int(values.get("max_tokens", -1))
         self.layer = int(values.get("layer", -1))
         self.step = int(values.get("step", 0))
         self.seconds = float(values.get("seconds", 3600))
         self.skip = int(values.get("skip", 0))  # matching moments to let pass first (later generations)
+        self.at = values.get("at")  # fail: the shared step
+        self.op = values.get("op")  # fail at=command: the command
 
     def maybe_fire(self, layer: int, step: int) -> None:
-        if not self.armed or self.action == "sequence" or self.layer not in (layer, -1) or step != self.step:
+        if not self.armed or self.action in ("sequence", "fail") or self.layer not in (layer, -1) or step != self.step:
             return
         if self.skip > 0:
             self.skip -= 1
@@ -52,16 +66,36 @@ class Fault:
         if self.action == "sequence" and max_tokens == self.max_tokens and tokens >= self.step:
             raise RuntimeError(f"injected fault in a sequence's {where} at token {tokens}")
 
+    def maybe_fail(self, at: str, layer: Optional[int], op: Optional[str]) -> None:
+        """The ``fail`` fault, at the shared step ``at``."""
+        if (not self.armed or self.action != "fail" or self.at != at or self.layer not in (-1, layer)
+                or self.op not in (None, op)):
+            return
+        if self.skip > 0:
+            self.skip -= 1
+            return
+        self.armed = False  # once
+        where = f" (layer {layer})" if layer is not None else f" ({op})" if op else ""
+        raise RuntimeError(f"injected fault at {at}{where}")
 
-FAULT: Optional[Fault] = None  # this rank's armed fault; None in real runs
+
+FAULT: Optional[Fault] = None  # this rank's armed fault at expert steps or sequences; None in real runs
+_POINTS: Dict[int, List[Fault]] = {}  # rank -> its armed ``fail`` faults (read once)
+_RANK = 0  # this process's rank, as ``arm`` was told
+
+
+def _parse(rank: int) -> List[Fault]:
+    spec = envs.get("MLXDIST_FAULT")
+    return [Fault(s, rank) for s in spec.split(";") if s.strip()] if spec else []
 
 
 def arm(rank: int) -> Optional[Fault]:
-    """Arm the fault ``MLXDIST_FAULT`` sets for this rank, if any (at start-up)."""
-    global FAULT
-    spec = envs.get("MLXDIST_FAULT")
-    fault = Fault(spec, rank) if spec else None
-    FAULT = fault if fault is not None and fault.armed else None
+    """Arm the fault ``MLXDIST_FAULT`` sets for this rank's expert steps or
+    sequences, if any (at start-up)."""
+    global FAULT, _RANK
+    _RANK = rank
+    FAULT = next((f for f in _parse(rank) if f.armed and f.action != "fail"), None)
+    _POINTS.pop(rank, None)
     return FAULT
 
 
@@ -69,3 +103,13 @@ def at_layer(layer: int, step: int) -> None:
     """Fire the armed fault if this is its moment (callers check ``FAULT`` first)."""
     if FAULT is not None:
         FAULT.maybe_fire(layer, step)
+
+
+def point(at: str, rank: Optional[int] = None, layer: Optional[int] = None, op: Optional[str] = None) -> None:
+    """Raise the ``fail`` fault armed for ``rank`` (default: the one ``arm``
+    was given) at the shared step ``at``, if this is its moment."""
+    rank = _RANK if rank is None else rank
+    if rank not in _POINTS:
+        _POINTS[rank] = [f for f in _parse(rank) if f.armed and f.action == "fail"]
+    for fault in _POINTS[rank]:
+        fault.maybe_fail(at, layer, op)

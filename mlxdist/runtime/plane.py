@@ -13,9 +13,13 @@ interface with one implementation per launcher.
   The model's collectives run on the same group, so every control collective
   first waits for the work in flight (mlx-lm keeps one step queued): the
   ranks then issue both kinds in one order. An idle rank blocks inside MLX's
-  collective, which polls its sockets: ~65 % of a core on the ring backend
-  here, for as long as the rank waits.
+  collective, which polls its sockets: it keeps a share of a core busy for
+  as long as it waits (docs/launchers.md has the measurement).
 - ``SoloControl``: one rank; every collective is an identity.
+
+A rank whose part of a shared step fails asks the others whether they
+failed too (``failed_together``), with a deadline, outside the collectives
+(``runtime/agreement.py``).
 
 Nothing on the wire is pickled: bytes, or JSON for ``allgather_json``.
 """
@@ -54,6 +58,14 @@ class Control(ABC):
     def barrier(self) -> None:
         """Wait for every rank."""
 
+    def failed_together(self, message: str, seconds: float) -> Optional[List[str]]:
+        """Called only on a rank whose part of a shared step failed: every
+        rank's failure message, in rank order, where every rank failed and
+        said so within ``seconds``; None where some rank did not (it is
+        inside the step's collectives, waiting for this one). Not a
+        collective: the ranks that did not fail never call it."""
+        return None  # no way to wait with a deadline: the caller stops the job
+
     def abort(self, code: int = 1) -> None:
         """End every rank of the job now (last resort for an unexpected error)."""
         _flush()
@@ -75,6 +87,9 @@ class SoloControl(Control):
     def barrier(self) -> None:
         pass
 
+    def failed_together(self, message: str, seconds: float) -> Optional[List[str]]:
+        return [message]
+
 
 # The longest sleep between two tests of a message an idle rank waits for:
 # what the first message after a wait may arrive late by.
@@ -90,6 +105,9 @@ def wait_gently(request) -> None:
     while not request.Test():
         time.sleep(pause)
         pause = min(2 * pause, IDLE_POLL_MAX)
+
+
+TAG_FAILED = 29  # a rank's failure at a shared step, to each peer (the p2p exchange uses 17 and 18)
 
 
 class MpiControl(Control):
@@ -142,6 +160,32 @@ class MpiControl(Control):
 
     def barrier(self) -> None:
         survival.agreed(self.world, lambda comm: comm.Barrier())
+
+    def failed_together(self, message: str, seconds: float) -> Optional[List[str]]:
+        """Point-to-point messages of their own tag, sent to every peer and
+        looked for until the deadline: a collective would wait for ranks
+        that never come, and these match nothing else on the communicator."""
+        from mpi4py import MPI
+
+        comm = self.world.comm
+        me, size = comm.Get_rank(), comm.Get_size()
+        data = np.frombuffer(message.encode(), dtype=np.uint8).copy()
+        sends = [comm.Isend(data, dest=p, tag=TAG_FAILED) for p in range(size) if p != me]
+        got = {me: message}
+        deadline = time.monotonic() + seconds
+        status = MPI.Status()
+        while len(got) < size:
+            for p in [p for p in range(size) if p not in got]:
+                if comm.Iprobe(source=p, tag=TAG_FAILED, status=status):
+                    buf = np.empty(status.Get_count(MPI.BYTE), dtype=np.uint8)
+                    comm.Recv(buf, source=p, tag=TAG_FAILED)
+                    got[p] = buf.tobytes().decode()
+            if len(got) < size:
+                if time.monotonic() > deadline:
+                    return None  # the sends stay pending: the caller ends the job
+                time.sleep(0.01)
+        MPI.Request.Waitall(sends)
+        return [got[p] for p in range(size)]
 
     def abort(self, code: int = 1) -> None:
         _flush()

@@ -3,8 +3,9 @@
 the control communicator (mlx-lm pickles), a stop every rank hears, progress
 for the watchdog at every shared message and batch step. A failure in one
 sequence's own code ends that sequence alone (``isolation.py``); a failure
-of the batch step itself ends the requests in flight with a 500 and the
-loop goes on.
+of the batch step itself, on every rank, ends the requests in flight with a
+500 and the loop goes on; on some ranks only, it ends the job
+(``runtime/agreement.py``).
 """
 
 import dataclasses
@@ -14,12 +15,13 @@ import threading
 import time
 import typing
 import weakref
-from typing import Any
+from typing import Any, Optional
 
 from jinja2 import TemplateError
 from mlx_lm import server as lm_server
 
-from mlxdist.errors import GenerationFailed, RankLost, RequestError, one_line
+from mlxdist.errors import GenerationFailed, MlxdistError, RankLost, RequestError, one_line
+from mlxdist.runtime.agreement import failed_together
 from mlxdist.serving.isolation import Sequence
 from mlxdist.runtime.watchdog import ACTIVITY
 from mlxdist.runtime.world import World
@@ -90,19 +92,29 @@ class _SingleQueue:
         self.sequence = sequence
         self.generator = generator
         self.left = False  # rank 0: the client went away
+        self.shared_end: Optional[GenerationFailed] = None  # an end every rank raised at the same token
 
     def put(self, item):
         ACTIVITY.progress()
         lockstep = self.generator.world.size > 1
+        if lockstep and isinstance(item, Exception) and item is not self.shared_end:
+            # mlx-lm's _serve_single ends the request with any exception and
+            # goes on; on one rank alone the others are inside the step, so
+            # the ranks agree first (or the job ends: runtime/agreement.py).
+            agreed = failed_together(self.generator.world, item)
+            if not isinstance(item, MlxdistError):
+                item = GenerationFailed(f"generation failed: {agreed}")
         if lockstep and isinstance(item, lm_server.GenerationContext):
             item.stop = self._leave
         self.sequence.put(item)
         if lockstep and isinstance(item, lm_server.Response):
             left = self.generator._share_object(self.left)
             if self.generator._stop:
-                raise GenerationFailed("the server is shutting down")
-            if left:
-                raise GenerationFailed("the client left")  # on every rank: mlx-lm's loop ends the request
+                self.shared_end = GenerationFailed("the server is shutting down")
+            elif left:
+                self.shared_end = GenerationFailed("the client left")  # on every rank: mlx-lm's loop ends the request
+            if self.shared_end is not None:
+                raise self.shared_end
 
     def _leave(self) -> None:
         self.left = True
@@ -215,20 +227,23 @@ class LockstepResponseGenerator(lm_server.ResponseGenerator):
     def _run_generate(self):
         """mlx-lm's generation loop, entered again after a failure that is
         not one sequence's (those end their sequence alone, ``isolation.py``):
-        the batch step itself, the loop's own code. The requests in flight
-        end with a 500 and the server goes on. Such a failure comes from the
-        shared requests, so every rank meets it at the same step and enters
-        the loop again with the others (each rank's own failures, a lost
-        rank, are the watchdog's)."""
+        the batch step itself (a prefill, a paging read), the loop's own
+        code. mlx-lm's loop opens with a collective, so it is entered again
+        only where every rank failed at that step (``runtime/agreement.py``):
+        the requests in flight end with a 500 and the server goes on. A
+        failure on some ranks only ends the job within seconds, with one
+        line naming the rank and the cause (the others are inside the
+        step's collectives)."""
         while not self._stop:
             try:
                 self._generate()
             except Exception as e:  # noqa: BLE001 - reported to the requests it ends
                 if self._stop:
                     break
-                logging.error("generation failed, requests in flight end with 500: %s", one_line(e))
+                agreed = failed_together(self.world, e) if self.world.size > 1 else one_line(e)
+                logging.error("generation failed, requests in flight end with 500: %s", agreed)
                 for queue in list(self.requests.live):
-                    queue.put(GenerationFailed(f"generation failed: {one_line(e)}"))
+                    queue.put(GenerationFailed(f"generation failed: {agreed}"))
                 self.failures += 1
                 time.sleep(0.1)  # a failure that repeats at once does not spin a core
             else:

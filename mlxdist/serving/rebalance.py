@@ -14,7 +14,10 @@ message; every rank then, at that same message between two batch steps:
    on every rank.
 
 Nothing in flight is dropped and results do not change; serving pauses for
-the time the ranks take to read their new experts (logged on rank 0).
+the time the ranks take to read their new experts (logged on rank 0). A
+failure at any stage on any rank (counting, planning on rank 0, reading
+new experts) travels on that stage's message: every rank keeps the old
+placement and serving goes on.
 """
 
 import json
@@ -28,9 +31,10 @@ from mlx_lm.generate import generation_stream
 
 from mlxdist.dispatch.stats import add_shares, routing_share
 from mlxdist.engine import Engine
-from mlxdist.errors import UserError
+from mlxdist.errors import MlxdistError, describe_errors, one_line
 from mlxdist.model.balance import balanced, imbalance
 from mlxdist.model.placement import Placement
+from mlxdist.runtime import faults
 from mlxdist.runtime.watchdog import ACTIVITY
 from mlxdist.runtime.world import World
 
@@ -50,6 +54,7 @@ class Rebalancer:
         self.last = time.monotonic()
         self.baseline: Dict[int, np.ndarray] = {}  # counts at the last placement
         self.history: List[Dict[str, float]] = []  # one entry per rebalance: seconds, imbalance before / after
+        self.failures: List[str] = []  # one line per rebalance that failed on some rank (the old placement kept)
 
     def due(self) -> bool:
         """On rank 0, at each shared message: whether to re-place now."""
@@ -57,31 +62,38 @@ class Rebalancer:
 
     def run(self) -> Optional[Placement]:
         """On every rank at the same shared message (see the module's docstring).
-        Returns the new placement, or None where too few slots were routed."""
+        Returns the new placement, or None where too few slots were routed
+        or any rank failed at any stage (logged; the old placement stays on
+        every rank: each stage's failure travels on that stage's own message)."""
         tic = time.perf_counter()
         self.last = time.monotonic()
         mx.synchronize(generation_stream)
         mx.synchronize()
         engine, world = self.engine, self.world
-        share = routing_share(engine.dispatchers.values(), world.rank)
-        totals = add_shares(world.control.allgather_json({str(l): c.tolist() for l, c in share.items()}))
+        share, error = None, None
+        try:
+            share = {str(l): c.tolist() for l, c in routing_share(engine.dispatchers.values(), world.rank).items()}
+        except Exception as e:  # noqa: BLE001 - carried on the gather below
+            error = one_line(e)
+        reports = world.control.allgather_json({"share": share, "error": error})
+        if any(r["error"] for r in reports):
+            return self._not_placed(describe_errors([r["error"] for r in reports]))
+        totals = add_shares(r["share"] for r in reports)
         recent = {l: np.asarray(c) - self.baseline.get(l, 0) for l, c in totals.items()}
         experts = sum(c.size for c in recent.values())
         if not recent or sum(int(c.sum()) for c in recent.values()) < MIN_SLOTS_PER_EXPERT * experts:
             return None
         payload = None
         if world.is_root:
-            counts = {l: c.tolist() for l, c in recent.items()}
-            plan = balanced(counts, world.size, self.replicas, self.budgets)
-            payload = json.dumps({"placement": plan.to_json(), "before": imbalance(engine.placement, counts),
-                                  "after": imbalance(plan, counts)}).encode()
+            payload = json.dumps(self._plan(recent)).encode()
         message = json.loads(world.control.bcast_bytes(payload))
-        plan = Placement.from_json(message["placement"])
-        try:
-            seconds = engine.place(plan)
-        except UserError as e:  # refused on every rank alike (a budget, say): the old placement stays
-            logging.warning("experts not placed again: %s", e)
-            return None
+        if "error" in message:
+            return self._not_placed(message["error"])
+        try:  # the same plan on every rank: from_json fails everywhere alike; Engine.place agrees on its own
+            plan = Placement.from_json(message["placement"])
+            seconds = engine.place(plan)  # all or nothing
+        except MlxdistError as e:
+            return self._not_placed(one_line(e))
         ACTIVITY.progress()
         self.baseline = {l: np.asarray(c) for l, c in totals.items()}
         took = time.perf_counter() - tic
@@ -91,3 +103,21 @@ class Rebalancer:
             logging.warning("experts placed again in %.3f s: predicted imbalance %.3f -> %.3f",
                             took, message["before"], message["after"])
         return plan
+
+    def _plan(self, recent: Dict[int, np.ndarray]) -> Dict:
+        """On rank 0: the balanced placement of ``recent`` and its predicted
+        imbalance, or the error that stopped it (sent to every rank alike)."""
+        try:
+            faults.point("balance", self.world.rank)
+            counts = {l: c.tolist() for l, c in recent.items()}
+            plan = balanced(counts, self.world.size, self.replicas, self.budgets)
+            return {"placement": plan.to_json(), "before": imbalance(self.engine.placement, counts),
+                    "after": imbalance(plan, counts)}
+        except Exception as e:  # noqa: BLE001 - every rank keeps the old placement
+            return {"error": f"rank 0: {one_line(e)}"}
+
+    def _not_placed(self, why: str) -> None:
+        """Log why nothing was placed this time (the same on every rank)."""
+        self.failures.append(why)
+        logging.warning("experts not placed again: %s", why)
+        return None

@@ -1,0 +1,151 @@
+"""Failures never split the ranks (docs/failures.md): under real mpirun, a
+failure injected on one rank (``MLXDIST_FAULT``) at each shared step sends
+every rank down the same path: that step fails on every rank and the job
+goes on (the old placement kept, tokens equal to mlx-lm's), or the job ends
+within seconds with one line naming the rank; no rank is left waiting."""
+
+import json
+import time
+
+import pytest
+
+from conftest import ROOT, error_lines, last_json, launch
+from test_api import mlx_lm_alone
+from test_serve import Server, alone
+
+PROMPT, MAX_TOKENS = "Experts are routed by a gate", 8  # as tests/scripts/agree.py
+AGREE_FAULTS = "fail:at=place,rank={v},skip=1;fail:at=command,rank={v},op=probe;fail:at=balance,rank=0"
+
+
+@pytest.mark.parametrize("dispatch,victim", [("collective", 1), ("p2p", 0)])
+def test_every_rank_agrees_at_each_step(checkpoint, dispatch, victim):
+    """One launch through every step that is not a forward pass on one rank:
+    a placement failing half-way (its second layer) on ``victim``, a probe
+    command failing there, rank 0's planning of the server's rebalancing;
+    plus, in collective, a forward failing on every rank at once, and a
+    second command while a stream is open."""
+    path = checkpoint("qwen3_moe")
+    faults = AGREE_FAULTS.format(v=victim)
+    if dispatch == "collective":  # p2p workers run no forward of their own to fail in
+        faults = "raise:rank=all,layer=1,step=2;" + faults
+    proc = launch(2, [ROOT / "tests/scripts/agree.py", path, dispatch], module=None, timeout=120,
+                  env={"MLXDIST_FAULT": faults})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = last_json(proc.stdout)
+    expected = mlx_lm_alone(path, PROMPT, MAX_TOKENS)
+    if dispatch == "collective":
+        assert got["failed_together"] == "generation failed: RuntimeError: injected fault at layer 1 of step 2"
+    assert all(r.startswith("a stream is open: read it to its end or close() it before ")
+               for r in got["during_stream"]), got["during_stream"]
+    assert got["stream"] == got["tokens"] == expected
+    assert "cannot prepare the new placement: RuntimeError: injected fault at place (layer" in got["place_failed"]
+    assert got["place_failed"].endswith(f"(rank {victim})"), got["place_failed"]
+    assert got["kept"] and got["tokens_after_failed_place"] == expected
+    assert got["probe_failed"] == f"probe failed: RuntimeError: injected fault at command (probe) (rank {victim})"
+    assert got["probe_after"] == [0, 1]
+    assert got["rebalance"] == [{"placed": False, "failures": ["rank 0: RuntimeError: injected fault at balance"]}] * 2
+    assert got["kept_after_rebalance"]
+    assert got["placed"] and got["tokens_after_place"] == expected
+
+
+@pytest.mark.parametrize("dispatch,fault,capacity", [
+    ("collective", "raise:rank=0,layer=1,step=2", None),
+    ("p2p", "raise:rank=0,layer=1,step=2", None),
+    ("collective", "fail:at=page,rank=1", 2),
+], ids=["rank0", "p2p-rank0", "paging-rank1"])
+def test_a_forward_failing_on_one_rank_ends_the_job(checkpoint, dispatch, fault, capacity):
+    """A forward pass (or a paging read inside one) fails on one rank (rank
+    1 alone in a forward: test_reliability's unexpected error); the
+    script catches the error and generates again: the other rank is inside
+    the step's collectives (or, in p2p, released), so the job ends within
+    seconds of the failure, the failed rank named with its cause."""
+    script = [ROOT / "tests/scripts/fail_alone.py", checkpoint("qwen3_moe"), dispatch, *([capacity] if capacity else [])]
+    proc = launch(2, script, module=None, timeout=90, env={"MLXDIST_FAULT": fault})
+    ended = time.time()
+    assert proc.returncode != 0 and "went on" not in proc.stdout, proc.stdout
+    loaded = float(proc.stdout.split("loaded at ")[1].split()[0])
+    assert ended - loaded < 30
+    victim = fault.split("rank=")[1].split(",")[0]
+    cause = "injected fault at page" if "page" in fault else "injected fault at layer 1 of step 2"
+    line = f"mlxdist: error: rank {victim}: RuntimeError: {cause}"
+    assert any(l.startswith(line) for l in error_lines(proc.stderr)), proc.stderr[-3000:]
+
+
+def test_a_paging_read_failing_on_every_rank_fails_that_generation(checkpoint):
+    """The same paging read failing on every rank: that generation raises
+    GenerationFailed and the next one runs (with the slots as they were)."""
+    proc = launch(2, [ROOT / "tests/scripts/fail_alone.py", checkpoint("qwen3_moe"), "collective", 2], module=None,
+                  timeout=90, env={"MLXDIST_FAULT": "fail:at=page,rank=all"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "caught: generation failed: RuntimeError: injected fault at page" in proc.stdout
+    assert "went on" in proc.stdout
+
+
+@pytest.mark.parametrize("victim,seed", [(1, None), (0, 3)], ids=["rank1-batched", "rank0-single"])
+def test_a_server_step_failing_on_one_rank_ends_the_job(checkpoint, victim, seed):
+    """A batch step (unseeded requests) or a request served alone (seeded)
+    failing on one rank: the server stops within seconds naming the rank,
+    not after the watchdog's 10 x --timeout."""
+    s = Server(checkpoint("qwen3_moe"), env={"MLXDIST_FAULT": f"raise:rank={victim},layer=1,step=3"})
+    try:
+        tic = time.time()
+        body = {"prompt": PROMPT, "max_tokens": MAX_TOKENS, **({"seed": seed} if seed is not None else {})}
+        try:
+            status, _ = s.request("POST", "/v1/completions", body, timeout=30)
+            assert status != 200
+        except OSError:
+            pass  # the server's process ended under the request
+        s.proc.wait(30)
+        assert time.time() - tic < 30
+    finally:
+        s.stop()
+    stderr = s.proc.stderr.read()
+    assert s.proc.returncode != 0
+    line = f"mlxdist: error: rank {victim}: RuntimeError: injected fault at layer 1 of step 3"
+    assert any(l.startswith(line) for l in error_lines(stderr)), stderr[-3000:]
+
+
+def test_a_server_step_failing_on_every_rank_fails_its_request(checkpoint):
+    """The same failure on every rank at once: that request gets a 500, the
+    next one mlx-lm's answer, and the server ends cleanly."""
+    path = checkpoint("qwen3_moe")
+    s = Server(path, env={"MLXDIST_FAULT": "raise:rank=all,layer=1,step=3"})
+    try:
+        status, body = s.post("/v1/completions", {"prompt": PROMPT, "max_tokens": MAX_TOKENS})
+        assert status == 500 and "injected fault at layer 1 of step 3" in body["error"]["message"], body
+        status, body = s.post("/v1/completions", {"prompt": PROMPT, "max_tokens": MAX_TOKENS})
+        assert status == 200 and body["choices"][0]["text"] == alone(path, PROMPT, MAX_TOKENS), body
+    finally:
+        code = s.stop()
+    assert code == 0, s.proc.stderr.read()[-3000:]
+
+
+def test_a_job_file_through_failures_on_every_rank(checkpoint, tmp_path):
+    """Every generation fails on every rank at once (the fault fires at every
+    layer of each generation's second step): each job becomes an error
+    record, batches split into single jobs first, and the run ends with 0."""
+    jobs, out = tmp_path / "jobs.jsonl", tmp_path / "out.jsonl"
+    jobs.write_text("".join(f'{{"id": "job-{i}", "prompt": "Prompt number {i} about experts"}}\n' for i in range(3)))
+    proc = launch(2, ["--model", checkpoint("qwen3_moe"), "--jobs", jobs, "--out", out, "-m", 6, "--batch-size", 2],
+                  timeout=90, env={"MLXDIST_FAULT": "raise:rank=all,layer=-1,step=2"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = sorted((json.loads(l) for l in out.read_text().splitlines()), key=lambda r: r["id"])
+    assert [r["id"] for r in records] == ["job-0", "job-1", "job-2"]
+    assert all(r["error"] == f"line {i + 1}: generation failed: RuntimeError: injected fault at layer 0 of step 2"
+               for i, r in enumerate(records)), records
+
+
+def test_fault_specs_several_and_every_rank(monkeypatch):
+    """MLXDIST_FAULT holds several faults; rank=all arms every rank; a fail
+    fault fires once, after its skips."""
+    from mlxdist.runtime import faults
+
+    monkeypatch.setenv("MLXDIST_FAULT", "raise:rank=all,layer=1,step=2;fail:at=place,rank=1,skip=1")
+    assert faults.arm(0).action == "raise" and faults.arm(1).action == "raise"
+    faults.point("place", 0, layer=0)  # not rank 0's
+    faults.point("place", 1, layer=0)  # skipped
+    with pytest.raises(RuntimeError, match=r"injected fault at place \(layer 2\)"):
+        faults.point("place", 1, layer=2)
+    faults.point("place", 1, layer=3)  # once only
+    monkeypatch.delenv("MLXDIST_FAULT")
+    assert faults.arm(1) is None
