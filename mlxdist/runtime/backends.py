@@ -90,14 +90,8 @@ def start_ring(comm):
     envs.put("MLX_HOSTFILE", path)
     envs.put("MLX_RANK", rank)
     right = (rank + 1) % size
-    with _Deadline(f"MLX's ring backend did not connect: rank {rank} listens on {ring[rank][0]} for rank "
-                   f"{(rank - 1) % size} and connects to rank {right} at {ring[right][0]}"):
-        try:
-            return mx.distributed.init(backend="ring", strict=True)
-        except RuntimeError as e:
-            raise RuntimeError(f"MLX's ring backend did not start: {e}") from None
-        finally:
-            os.unlink(path)  # read by the init
+    return _start_backend("ring", path, f"rank {rank} listens on {ring[rank][0]} for rank {(rank - 1) % size} "
+                                        f"and connects to rank {right} at {ring[right][0]}")
 
 
 class _Deadline:
@@ -198,14 +192,21 @@ def start_jaccl(comm, ring: bool = False):
     for name in ("MLX_JACCL_COORDINATOR", "MLX_RANK", "MLX_JACCL_RING"):
         if name in env:
             envs.put(name, env[name])
-    with _Deadline(f"MLX's jaccl backend did not connect: rank {comm.Get_rank()} meets the others at "
-                   f"{env['MLX_JACCL_COORDINATOR']}"):
+    return _start_backend("jaccl", device_file,
+                          f"rank {comm.Get_rank()} meets the others at {env['MLX_JACCL_COORDINATOR']}")
+
+
+def _start_backend(name: str, written: str, waiting: str):
+    """MLX's ``name`` backend, ended in one line where it does not connect
+    (``waiting``: who waits for whom); ``written``, the file its init reads,
+    removed after."""
+    with _Deadline(f"MLX's {name} backend did not connect: {waiting}"):
         try:
-            return mx.distributed.init(backend="jaccl", strict=True)
+            return mx.distributed.init(backend=name, strict=True)
         except RuntimeError as e:
-            raise RuntimeError(f"MLX's jaccl backend did not start: {e}") from None
+            raise RuntimeError(f"MLX's {name} backend did not start: {e}") from None
         finally:
-            os.unlink(device_file)
+            os.unlink(written)
 
 
 def launched_backend() -> str:
