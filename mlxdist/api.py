@@ -115,6 +115,7 @@ class Cluster:
         record_routing_every: Optional[float] = None,
         rank_memory_gb: Optional[Sequence[float]] = None,
         count_routing: bool = False,
+        revision: Optional[str] = None,
     ) -> "Cluster":
         """Load ``model`` (a folder or hub id; None: the built-in random MoE)
         on every rank, releasing any model loaded before.
@@ -137,7 +138,8 @@ class Cluster:
         keep resident, one per rank: the even placement follows them, and a
         placement that does not fit is refused (docs/placement.md).
         ``count_routing``: count routed slots per expert without a file (what
-        the server's rebalancing reads).
+        the server's rebalancing reads). ``revision``: a hub id's branch,
+        tag or commit (None: main).
         Raises ``UserError``/``LoadError`` with one line."""
         if isinstance(placement, str):
             placement = Placement.load(placement)
@@ -150,7 +152,8 @@ class Cluster:
         options = LoadOptions(str(model), dispatch, layout or default_layout(), placement, rank0_experts, stats,
                               expert_capacity, memory_budget_gb, expert_split,
                               record_routing=record_routing is not None or count_routing,
-                              rank_memory_gb=None if rank_memory_gb is None else [float(b) for b in rank_memory_gb])
+                              rank_memory_gb=None if rank_memory_gb is None else [float(b) for b in rank_memory_gb],
+                              revision=revision)
         options.validate()
         self._finish_recording()
         self.executor.load(self._broadcast(Command(commands.LOAD, asdict(options))).args)

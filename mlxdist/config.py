@@ -32,9 +32,13 @@ class LoadOptions:
     expert_split: str = "whole"  # "whole": each expert on one rank; "width": every expert cut over the ranks
     record_routing: bool = False  # count routed slots per expert for the routing file (--record-routing)
     rank_memory_gb: Optional[List[float]] = None  # GB of expert weights each rank may keep resident (--rank-memory)
+    revision: Optional[str] = None  # a hub id's branch, tag or commit (--revision); None: main
 
     def validate(self) -> None:
         modes.mode(self.dispatch)
+        if self.revision is not None and not (isinstance(self.revision, str) and 0 < len(self.revision) <= 256
+                                              and self.revision.isprintable()):
+            raise UserError(f"--revision must be a branch, tag or commit, not {self.revision!r:.60}")
         if self.layout not in LAYOUTS:
             raise UserError(f"unknown layout {self.layout!r} (choose {', '.join(LAYOUTS)})")
         if self.expert_capacity is not None and self.memory_budget_gb is not None:

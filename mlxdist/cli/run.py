@@ -28,6 +28,7 @@ from mlxdist.runtime.world import BACKENDS, launcher_rank, run_or_abort, set_exi
 def build_parser() -> argparse.ArgumentParser:
     p = RankZeroParser(prog="python -m mlxdist.run", description=__doc__.splitlines()[0])
     p.add_argument("--model", help="model folder or hub id (default: a small built-in random MoE)")
+    p.add_argument("--revision", help="a hub id's branch, tag or commit (default: main)")
     p.add_argument("-p", "--prompt", help="one prompt ('-': all of stdin, as mlx_lm.generate); without it, rank 0 "
                                            "reads one prompt per line from stdin")
     p.add_argument("--system-prompt", help="system message for the chat template")
@@ -227,7 +228,7 @@ def command_loop(cluster: Cluster, args) -> int:
     try:
         cluster.load(args.model, args.dispatch, args.placement, not args.no_rank0_experts, args.layout, args.stats,
                      args.expert_capacity, args.memory_budget, args.expert_split,
-                     record_routing=args.record_routing, rank_memory_gb=args.rank_memory)
+                     record_routing=args.record_routing, rank_memory_gb=args.rank_memory, revision=args.revision)
     except UserError as e:
         say_error(str(e))
         if jobs is not None:

@@ -24,6 +24,7 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m mlxdist.serve", description="An OpenAI-compatible HTTP server over the distributed model.")
     p.add_argument("--model", default=None, help="Model folder or hub id (default: the built-in random MoE).")
+    p.add_argument("--revision", default=None, help="A hub id's branch, tag or commit (default: main).")
     p.add_argument("--host", default="127.0.0.1", help="Address to bind (default 127.0.0.1; others need --api-key).")
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--api-key", default=None, help="Bearer token every request must carry.")
@@ -121,9 +122,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         cluster.load(args.model, dispatch=args.dispatch, expert_split=args.expert_split,
                      record_routing=args.record_routing, record_routing_every=args.record_routing_every,
-                     rank_memory_gb=args.rank_memory, count_routing=args.rebalance_every is not None)
+                     rank_memory_gb=args.rank_memory, count_routing=args.rebalance_every is not None,
+                     revision=args.revision)
         loaded = ("backend", "timeout", "dispatch", "expert_split", "record_routing", "record_routing_every",
-                  "rank_memory")
+                  "rank_memory", "revision")
         options = {k: v for k, v in vars(args).items() if k not in loaded}
         options["model"] = cluster.engine.options.model
         cluster.serve_http(options)

@@ -286,7 +286,7 @@ class Engine:
     def _lazy_model(self) -> Tuple[nn.Module, CheckpointSources]:
         """A fresh lazy mlx-lm model of the checkpoint and where its experts
         are stored: what experts are read from (only those asked for)."""
-        path = resolve_model_path(self.options.model)
+        path = resolve_model_path(self.options.model, self.options.revision)
         lazy_model, _, sources = load_lazy(path, read_safetensors_index(path))
         return lazy_model, sources
 

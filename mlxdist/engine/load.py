@@ -23,6 +23,7 @@ from mlxdist.model.checkpoint import (
     check_config, find_switch_sites, nbytes, read_safetensors_index, resolve_model_path,
     split_experts_by_width, split_shared_by_width, switch_extras,
 )
+from mlxdist.model.fingerprint import checkpoint_digests, hub_revision
 from mlxdist.model.paging import PagingStats, capacity_for_budget, expert_module
 from mlxdist.model.balance import bytes_per_expert, check_rank_memory
 from mlxdist.model.placement import resolve_placement
@@ -34,7 +35,7 @@ from mlxdist.runtime import faults
 from mlxdist.runtime.control import PROTOCOL_VERSION
 from mlxdist.runtime.world import World
 
-__all__ = ["load_engine", "sample_digest"]
+__all__ = ["load_engine"]
 
 
 def load_engine(world: World, options: LoadOptions) -> Engine:
@@ -43,7 +44,7 @@ def load_engine(world: World, options: LoadOptions) -> Engine:
     modes.check_survival(options.dispatch, world.size, world.tolerant)
     modes.check_launcher(options.dispatch, world.size, world.control.has_mpi)
     mx.reset_peak_memory()  # the load's own peak is reported (memory["load_peak_bytes"])
-    path = resolve_model_path(options.model)
+    path = resolve_model_path(options.model, options.revision)
     check_config(path)
     index = read_safetensors_index(path)
     try:
@@ -142,18 +143,7 @@ def load_engine(world: World, options: LoadOptions) -> Engine:
         dense_bytes += own_bytes(twin, lazy_model) if twin is not None else 0
     else:
         lazy_model, dense_bytes = None, 0
-    options_seen = {**asdict(options), "model": None, "placement": None}  # paths may differ per rank
-    fingerprint = {
-        "mlxdist": __version__,
-        "protocol": PROTOCOL_VERSION,
-        "options": _digest(json.dumps(options_seen, sort_keys=True).encode()),
-        "config": _digest((path / "config.json").read_bytes()),
-        "weights": _digest(json.dumps(sorted((k, e.dtype, e.shape) for k, e in index.items())).encode()),
-        "content": sample_digest(sorted({e.file for e in index.values()})),
-        "placement": _digest(json.dumps(plan.to_json(), sort_keys=True).encode()),
-        "libraries": f"mlx {_version('mlx')}, mlx-lm {_version('mlx-lm')}",
-        "device": f"{world.backend} on {mx.default_device()}",
-    }
+    fingerprint = _fingerprint(options, path, plan, world)
     return Engine(
         world,
         options,
@@ -172,6 +162,23 @@ def load_engine(world: World, options: LoadOptions) -> Engine:
         capacity=capacity,
         paging=paging if capacity is not None else None,
     )
+
+
+def _fingerprint(options: LoadOptions, path, plan, world: World) -> Dict[str, Any]:
+    """What this rank loaded, as digests the executor compares over the ranks
+    (``model/fingerprint.py``): one per checkpoint file, the hub revision, the
+    options and placement, the versions and the device."""
+    options_seen = {**asdict(options), "model": None, "placement": None}  # paths may differ per rank
+    return {
+        "mlxdist": __version__,
+        "protocol": PROTOCOL_VERSION,
+        "options": _digest(json.dumps(options_seen, sort_keys=True).encode()),
+        "files": checkpoint_digests(path),
+        "revision": hub_revision(path),
+        "placement": _digest(json.dumps(plan.to_json(), sort_keys=True).encode()),
+        "libraries": f"mlx {_version('mlx')}, mlx-lm {_version('mlx-lm')}",
+        "device": f"{world.backend} on {mx.default_device()}",
+    }
 
 
 def _in_last_layer(model: nn.Module, sites) -> bool:
@@ -199,22 +206,6 @@ def _find_routing_weights(model: nn.Module, sites, config: Dict[str, Any]) -> Di
         shapes = sorted({f"top-{w.top_k} {w.dtype}" for w in found.values()})
         raise UserError(f"--dispatch dp needs one top-k and weight dtype in every MoE layer, found {shapes}")
     return found
-
-
-def sample_digest(files, sample: int = 1 << 16) -> str:
-    """A digest of every weight file's size and of ``sample`` bytes at its
-    start, middle and end: the same on every rank that holds the same
-    checkpoint (each rank reads different experts, so what it loaded cannot
-    be compared), different for another checkpoint of the same shapes."""
-    h = hashlib.sha256()
-    for file in files:
-        size = file.stat().st_size
-        h.update(f"{file.name}:{size}".encode())
-        with open(file, "rb") as f:
-            for offset in sorted({0, max(size // 2 - sample // 2, 0), max(size - sample, 0)}):
-                f.seek(offset)
-                h.update(f.read(sample))
-    return h.hexdigest()[:16]
 
 
 def _version(package: str) -> str:

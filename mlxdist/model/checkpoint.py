@@ -46,23 +46,31 @@ _DTYPES = {
 }
 
 
-def resolve_model_path(model: str) -> Path:
-    """A local folder, or a hub id fetched into the hub cache by mlx-lm's own
+def resolve_model_path(model: str, revision: Optional[str] = None) -> Path:
+    """A local folder, or a hub id (at ``revision``: a branch, tag or
+    commit; None: main) fetched into the hub cache by mlx-lm's own
     resolution (its file patterns)."""
     from mlx_lm.utils import _download
 
     path = Path(model).expanduser()
     if path.exists():
+        if revision is not None:
+            raise ModelNotFound(f"--revision is for hub ids; {path} is a local folder")
         if not (path / "config.json").is_file():
             raise ModelNotFound(f"{path} has no config.json: not an mlx-lm model folder")
         return path
-    if model.startswith((".", "/", "~")) or model.count("/") != 1:
+    if not is_hub_id(model):
         raise ModelNotFound(f"model path {model} does not exist")
     try:
-        return _download(model)
+        return _download(model, revision=revision)
     except Exception as e:
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise ModelNotFound(f"cannot fetch {model!r} from the Hugging Face hub: {reason}") from None
+
+
+def is_hub_id(model: str) -> bool:
+    """Whether ``model``, not found as a folder, reads as a hub id ("org/name")."""
+    return not model.startswith((".", "/", "~")) and model.count("/") == 1
 
 
 def check_config(path: Path) -> None:
