@@ -8,6 +8,7 @@ strategy runs ``dp_schedule.py`` instead. Loading is ``load.py``.
 
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import mlx.core as mx
@@ -60,6 +61,7 @@ class Engine:
     memory: Dict[str, int] = field(default_factory=dict)
     memory_by_rank: List[Dict[str, int]] = field(default_factory=list)
     fingerprint: Dict[str, Any] = field(default_factory=dict)
+    model_path: Optional[Path] = None  # the folder this rank loaded from (its own copy or its share)
     kv_bytes: Optional[int] = None  # this rank's largest KV cache in the last dp generation
     strategy: str = ""  # the strategy the switches use now
     capacity: Optional[int] = None  # experts resident per layer here (--expert-capacity or --memory-budget)
@@ -286,7 +288,7 @@ class Engine:
     def _lazy_model(self) -> Tuple[nn.Module, CheckpointSources]:
         """A fresh lazy mlx-lm model of the checkpoint and where its experts
         are stored: what experts are read from (only those asked for)."""
-        path = resolve_model_path(self.options.model, self.options.revision)
+        path = self.model_path or resolve_model_path(self.options.model, self.options.revision)
         lazy_model, _, sources = load_lazy(path, read_safetensors_index(path))
         return lazy_model, sources
 

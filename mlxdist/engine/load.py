@@ -7,6 +7,7 @@ executor, so ranks that loaded different things never generate together.
 
 import hashlib
 import json
+import sys
 from dataclasses import asdict
 from typing import Any, Dict
 
@@ -20,10 +21,11 @@ from mlxdist.dispatch import DenseRanks, LayerOwnership, RowDispatcher, make_dis
 from mlxdist.engine.engine import Engine
 from mlxdist.errors import UserError
 from mlxdist.model.checkpoint import (
-    check_config, find_switch_sites, nbytes, read_safetensors_index, resolve_model_path,
+    check_config, find_switch_sites, nbytes, read_safetensors_index,
     split_experts_by_width, split_shared_by_width, switch_extras,
 )
-from mlxdist.model.fingerprint import checkpoint_digests, hub_revision
+from mlxdist.engine.fetch import Located, fetch_share, locate_model
+from mlxdist.model.share_needs import share_spans
 from mlxdist.model.paging import PagingStats, capacity_for_budget, expert_module
 from mlxdist.model.balance import bytes_per_expert, check_rank_memory
 from mlxdist.model.placement import resolve_placement
@@ -44,7 +46,8 @@ def load_engine(world: World, options: LoadOptions) -> Engine:
     modes.check_survival(options.dispatch, world.size, world.tolerant)
     modes.check_launcher(options.dispatch, world.size, world.control.has_mpi)
     mx.reset_peak_memory()  # the load's own peak is reported (memory["load_peak_bytes"])
-    path = resolve_model_path(options.model, options.revision)
+    located = locate_model(world, options.model, options.revision, _say)
+    path = located.path
     check_config(path)
     index = read_safetensors_index(path)
     try:
@@ -63,6 +66,9 @@ def load_engine(world: World, options: LoadOptions) -> Engine:
         raise UserError(f"--rank-memory gives {len(budgets)} budgets for {world.size} ranks")
     plan = resolve_placement(options.placement, experts_per_layer, world.size, options.rank0_experts, budgets)
     by_width = options.expert_split == "width" and world.size > 1
+    # Before anything is evaluated (finding the routers runs them): p2p's workers alone run no dense layer.
+    dense = world.is_root or options.dispatch != "p2p"
+    fetch_share(world, located, lambda: _share_spans(world, index, sources, sites, plan, by_width, dense), _say)
     strategies = modes.strategies(options.dispatch, by_width, world.backend,
                                   world.size > 1 and can_shard(lazy_model, config, world.size))
     strategies = strategies if world.size > 1 else strategies[:1]  # one rank: every strategy is the identity
@@ -143,8 +149,8 @@ def load_engine(world: World, options: LoadOptions) -> Engine:
         dense_bytes += own_bytes(twin, lazy_model) if twin is not None else 0
     else:
         lazy_model, dense_bytes = None, 0
-    fingerprint = _fingerprint(options, path, plan, world)
-    return Engine(
+    fingerprint = _fingerprint(options, located, plan, world)
+    engine = Engine(
         world,
         options,
         plan,
@@ -157,14 +163,29 @@ def load_engine(world: World, options: LoadOptions) -> Engine:
         dispatchers,
         blocks=blocks,
         split_model=twin,
-        memory={"expert_bytes": expert_bytes, "dense_bytes": dense_bytes, "load_peak_bytes": mx.get_peak_memory()},
+        memory={"expert_bytes": expert_bytes, "dense_bytes": dense_bytes, "load_peak_bytes": mx.get_peak_memory(),
+                "received_bytes": located.received},
         fingerprint=fingerprint,
         capacity=capacity,
         paging=paging if capacity is not None else None,
     )
+    engine.model_path = path  # a rank's share, where it has no copy of its own: what it reads again later
+    return engine
 
 
-def _fingerprint(options: LoadOptions, path, plan, world: World) -> Dict[str, Any]:
+def _share_spans(world: World, index, sources, sites, plan, whole: bool, dense: bool):
+    """The byte ranges of the checkpoint this rank reads (``model/share_needs.py``)."""
+    owned = {s.layer: LayerOwnership.build(s.layer, plan.layers[s.layer], world.rank, world.size).owned_experts.tolist()
+             for s in sites}
+    return share_spans(index, sources, sites, owned, dense, whole)
+
+
+def _say(line: str) -> None:
+    """A line about the load's progress, on this rank's stderr."""
+    print(f"mlxdist: {line}", file=sys.stderr, flush=True)
+
+
+def _fingerprint(options: LoadOptions, located: Located, plan, world: World) -> Dict[str, Any]:
     """What this rank loaded, as digests the executor compares over the ranks
     (``model/fingerprint.py``): one per checkpoint file, the hub revision, the
     options and placement, the versions and the device."""
@@ -173,8 +194,8 @@ def _fingerprint(options: LoadOptions, path, plan, world: World) -> Dict[str, An
         "mlxdist": __version__,
         "protocol": PROTOCOL_VERSION,
         "options": _digest(json.dumps(options_seen, sort_keys=True).encode()),
-        "files": checkpoint_digests(path),
-        "revision": hub_revision(path),
+        "files": located.digests,
+        "revision": located.revision,
         "placement": _digest(json.dumps(plan.to_json(), sort_keys=True).encode()),
         "libraries": f"mlx {_version('mlx')}, mlx-lm {_version('mlx-lm')}",
         "device": f"{world.backend} on {mx.default_device()}",
