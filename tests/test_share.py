@@ -5,11 +5,11 @@ its path) and its own share cache, as machines of their own would."""
 
 import json
 import shutil
+import subprocess
 import sys
 
-import pytest
-
-from conftest import ROOT, error_lines, launch
+from conftest import ROOT, error_lines, launch, mpirun_env
+from test_exact import MAX_TOKENS, PROMPT, reference
 
 A, B = "a" * 40, "b" * 40  # commits in a hub cache
 VIEW = ROOT / "tests/scripts/rank_view.py"
@@ -81,3 +81,112 @@ def test_revision_is_for_hub_ids(checkpoint):
     proc = launch(1, ["--model", checkpoint("tiny"), "--revision", "v1", "-p", "hi", "-m", "1"])
     lines = error_lines(proc.stderr)
     assert proc.returncode != 0 and lines and "--revision is for hub ids" in lines[0], proc.stderr[-2000:]
+
+
+def _share_steps(np_, path, steps, view, tmp_path, launcher=None, timeout=240):
+    """share_each.py's results (one per step) on np_ ranks, each through rank_view.py with ``view``."""
+    out = tmp_path / "steps.json"
+    cmd = [VIEW, *view, "--", sys.executable, ROOT / "tests/scripts/share_each.py", out, PROMPT, MAX_TOKENS, path,
+           *steps]
+    if launcher is None:
+        proc = launch(np_, cmd, module=None, timeout=timeout)
+    else:
+        proc = launcher(cmd)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def _files_bytes(path) -> int:
+    """Bytes of the model's files that are not weights (config, tokenizer): part of every rank's share."""
+    from mlxdist.model.fingerprint import is_weight_file, used_files
+
+    return sum(f.stat().st_size for f in used_files(path) if not is_weight_file(f.name))
+
+
+def _received(step):
+    return [w["received"] * 1e9 for w in step["weights_gb"]]
+
+
+def _kept(step):
+    return [(w["expert"] + w["dense"]) * 1e9 for w in step["weights_gb"]]
+
+
+def test_a_rank_without_the_model_is_sent_its_share_once(checkpoint, tmp_path):
+    """np 2, collective. Rank 1 sees no model folder: it is sent its share (at most 1.1 x what it keeps, with the
+    config and tokenizer), the next load sends nothing, a shifted placement sends only the experts new to rank 1,
+    and a damaged cache is found and sent again; every load gives mlx-lm's tokens."""
+    path = checkpoint("qwen3_moe")
+    ref_tokens, _ = reference(path)
+    steps = _share_steps(2, path, ["collective:even", "collective:even", "collective:shifted", "damage:1",
+                                   "collective:shifted"], ["--hide", path.parent, "--cache", tmp_path / "cache"],
+                         tmp_path)
+    first, again, shifted, _, repaired = steps
+    for step in (first, again, shifted, repaired):
+        assert step["tokens"] == ref_tokens, step["step"]
+        assert _received(step)[0] == 0
+    sent, kept = _received(first)[1], _kept(first)[1]
+    assert kept < sent <= 1.1 * (kept + _files_bytes(path)), (sent, kept)
+    assert _received(again) == [0, 0]
+    new_experts = first["weights_gb"][1]["expert"] * 1e9 / 2  # half a rank's block moves
+    assert 0 < _received(shifted)[1] <= 1.1 * new_experts, (_received(shifted), new_experts)
+    assert _received(repaired)[1] > 0  # every range it held was damaged: sent again
+
+
+def test_four_ranks_two_without_the_model_p2p_then_collective(checkpoint, tmp_path):
+    """np 4, a hub layout (per-expert tensors): ranks 1 and 3 see no model, rank 2 has its own copy and is sent
+    nothing. p2p workers are sent their experts only; collective then adds the dense weights."""
+    path = checkpoint("mixtral", layout="hub", overrides=dict(hidden_size=128, num_local_experts=16,
+                                                              intermediate_size=256, num_hidden_layers=2))
+    ref_tokens, _ = reference(path)
+    p2p, collective = _share_steps(4, path, ["p2p:even", "collective:even"],
+                                   ["--hide", path.parent, "--ranks", "1,3", "--cache", tmp_path / "cache"], tmp_path)
+    assert p2p["tokens"] == ref_tokens and collective["tokens"] == ref_tokens
+    for step in (p2p, collective):
+        assert _received(step)[0] == 0 and _received(step)[2] == 0
+    for r in (1, 3):
+        kept = p2p["weights_gb"][r]["expert"] * 1e9
+        assert p2p["weights_gb"][r]["dense"] == 0
+        assert kept < _received(p2p)[r] <= 1.1 * (kept + _files_bytes(path)), (r, _received(p2p), kept)
+        dense = collective["weights_gb"][r]["dense"] * 1e9
+        assert 0.9 * dense < _received(collective)[r] <= 1.1 * dense, (r, _received(collective), dense)
+
+
+def test_a_hub_id_on_one_rank_reaches_the_other(checkpoint, tmp_path):
+    """The hub id is in rank 0's hub cache only: rank 1 is sent its share from it."""
+    path = checkpoint("qwen3_moe")
+    hf = _hub_cache(tmp_path / "hf", {A: path}, A)
+    out = tmp_path / "steps.json"
+    proc = launch(2, [VIEW, "--hide", hf, "--cache", tmp_path / "cache", "--", sys.executable,
+                      ROOT / "tests/scripts/share_each.py", out, PROMPT, MAX_TOKENS, "org/tiny", "collective:even"],
+                  module=None, timeout=180, env={"HF_HOME": str(hf)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (step,) = json.loads(out.read_text())
+    assert step["tokens"] == reference(path)[0]
+    assert _received(step)[0] == 0 and _received(step)[1] > _kept(step)[1]
+
+
+def test_no_room_for_the_share_is_refused(checkpoint, tmp_path):
+    """Rank 1's cache is on a 64 MB disk: refused in one line naming the rank, before anything is written."""
+    path = checkpoint("qwen3_moe")
+    cache = tmp_path / "cache"
+    proc = run_viewed(2, ["--hide", path.parent, "--hide", cache / "rank1", "--hide-size", "64m", "--cache", cache],
+                      ["--model", path, "-p", "hello", "-m", "2"])
+    lines = error_lines(proc.stderr)
+    assert proc.returncode != 0 and lines, proc.stderr[-2000:]
+    assert "no room for the model's files" in lines[0] and "(rank 1)" in lines[0], lines[0]
+
+
+def test_under_mlx_launch_a_rank_is_sent_its_share(checkpoint, tmp_path):
+    """mlx.launch (ring): the share travels over MLX's own send/recv."""
+    from test_backends import MLX_LAUNCH
+
+    path = checkpoint("qwen3_moe")
+
+    def ring(cmd):
+        return subprocess.run([MLX_LAUNCH, "--backend", "ring", "-n", "2", "--", sys.executable, *map(str, cmd)],
+                              capture_output=True, text=True, timeout=180, cwd=ROOT, env=mpirun_env())
+
+    first, again = _share_steps(2, path, ["collective:even", "collective:even"],
+                                ["--hide", path.parent, "--cache", tmp_path / "cache"], tmp_path, launcher=ring)
+    assert first["tokens"] == again["tokens"] == reference(path)[0]
+    assert _received(first)[1] > _kept(first)[1] and _received(again) == [0, 0]
