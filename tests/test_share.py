@@ -114,14 +114,14 @@ def _kept(step):
 def test_a_rank_without_the_model_is_sent_its_share_once(checkpoint, tmp_path):
     """np 2, collective. Rank 1 sees no model folder: it is sent its share (at most 1.1 x what it keeps, with the
     config and tokenizer), the next load sends nothing, a shifted placement sends only the experts new to rank 1,
-    and a damaged cache is found and sent again; every load gives mlx-lm's tokens."""
-    path = checkpoint("qwen3_moe")
+    placing live sends only those too, and a damaged cache is found and sent again; every load gives mlx-lm's
+    tokens."""
+    path = checkpoint("qwen3_moe")  # 12 experts a layer: 6 a rank
     ref_tokens, _ = reference(path)
-    steps = _share_steps(2, path, ["collective:even", "collective:even", "collective:shifted", "damage:1",
-                                   "collective:shifted"], ["--hide", path.parent, "--cache", tmp_path / "cache"],
-                         tmp_path)
-    first, again, shifted, _, repaired = steps
-    for step in (first, again, shifted, repaired):
+    steps = _share_steps(2, path, ["collective:even", "collective:even", "collective:3", "place:-3", "damage:1",
+                                   "collective:3"], ["--hide", path.parent, "--cache", tmp_path / "cache"], tmp_path)
+    first, again, shifted, placed, _, repaired = steps
+    for step in (first, again, shifted, placed, repaired):
         assert step["tokens"] == ref_tokens, step["step"]
         assert _received(step)[0] == 0
     sent, kept = _received(first)[1], _kept(first)[1]
@@ -129,6 +129,7 @@ def test_a_rank_without_the_model_is_sent_its_share_once(checkpoint, tmp_path):
     assert _received(again) == [0, 0]
     new_experts = first["weights_gb"][1]["expert"] * 1e9 / 2  # half a rank's block moves
     assert 0 < _received(shifted)[1] <= 1.1 * new_experts, (_received(shifted), new_experts)
+    assert 0 < _received(placed)[1] - _received(shifted)[1] <= 1.1 * new_experts, (_received(placed), new_experts)
     assert _received(repaired)[1] > 0  # every range it held was damaged: sent again
 
 

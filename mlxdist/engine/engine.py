@@ -62,6 +62,7 @@ class Engine:
     memory_by_rank: List[Dict[str, int]] = field(default_factory=list)
     fingerprint: Dict[str, Any] = field(default_factory=dict)
     model_path: Optional[Path] = None  # the folder this rank loaded from (its own copy or its share)
+    located: Any = None  # where each rank's model comes from (engine/fetch.py's Located)
     kv_bytes: Optional[int] = None  # this rank's largest KV cache in the last dp generation
     strategy: str = ""  # the strategy the switches use now
     capacity: Optional[int] = None  # experts resident per layer here (--expert-capacity or --memory-budget)
@@ -239,6 +240,12 @@ class Engine:
         errors = self.world.control.allgather_json(error)
         if any(errors):
             raise UserError(describe_errors(errors))
+        if self.located is not None:  # a rank holding only its share is sent the experts new to it
+            from mlxdist.engine.fetch import fetch_share, rank_spans
+
+            fetch_share(self.world, self.located, lambda: rank_spans(self.world, self.options, sources,
+                                                                     list(sites.values()), plan), lambda _: None)
+            self.memory["received_bytes"] = self.located.received
         paging = self.paging or PagingStats()
         for switch in self.switches:
             layer = switch.ownership.layer

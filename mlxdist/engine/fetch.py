@@ -30,7 +30,7 @@ from mlxdist.model.fingerprint import (
     checkpoint_digests, content_key, differing_files, header_bytes, hub_revision, is_weight_file,
 )
 from mlxdist.model.share import Share, check_disk
-from mlxdist.model.share_needs import Spans, span_bytes
+from mlxdist.model.share_needs import Spans, share_spans, span_bytes
 from mlxdist.model import transfer
 from mlxdist.runtime.world import World
 
@@ -131,6 +131,19 @@ def fetch_share(world: World, located: Located, spans: Callable[[], Spans], say:
     _agree(world, {"error": error})
     if located.share is not None:
         located.share.guard()
+
+
+def rank_spans(world: World, options, sources, sites, plan) -> Spans:
+    """The byte ranges of the checkpoint this rank reads under ``plan`` with
+    ``options`` (``model/share_needs.py``): p2p's workers alone run no dense
+    layer; experts cut in width read every tensor."""
+    from mlxdist.dispatch import LayerOwnership
+
+    owned = {s.layer: LayerOwnership.build(s.layer, plan.layers[s.layer], world.rank, world.size).owned_experts.tolist()
+             for s in sites}
+    dense = world.is_root or options.dispatch != "p2p"
+    whole = options.expert_split == "width" and world.size > 1
+    return share_spans(sources.index, sources, sites, owned, dense, whole)
 
 
 def _receive(located: Located, link, spans) -> Optional[str]:

@@ -24,8 +24,7 @@ from mlxdist.model.checkpoint import (
     check_config, find_switch_sites, nbytes, read_safetensors_index,
     split_experts_by_width, split_shared_by_width, switch_extras,
 )
-from mlxdist.engine.fetch import Located, fetch_share, locate_model
-from mlxdist.model.share_needs import share_spans
+from mlxdist.engine.fetch import Located, fetch_share, locate_model, rank_spans
 from mlxdist.model.paging import PagingStats, capacity_for_budget, expert_module
 from mlxdist.model.balance import bytes_per_expert, check_rank_memory
 from mlxdist.model.placement import resolve_placement
@@ -66,9 +65,8 @@ def load_engine(world: World, options: LoadOptions) -> Engine:
         raise UserError(f"--rank-memory gives {len(budgets)} budgets for {world.size} ranks")
     plan = resolve_placement(options.placement, experts_per_layer, world.size, options.rank0_experts, budgets)
     by_width = options.expert_split == "width" and world.size > 1
-    # Before anything is evaluated (finding the routers runs them): p2p's workers alone run no dense layer.
-    dense = world.is_root or options.dispatch != "p2p"
-    fetch_share(world, located, lambda: _share_spans(world, index, sources, sites, plan, by_width, dense), _say)
+    # Before anything is evaluated (finding the routers runs them).
+    fetch_share(world, located, lambda: rank_spans(world, options, sources, sites, plan), _say)
     strategies = modes.strategies(options.dispatch, by_width, world.backend,
                                   world.size > 1 and can_shard(lazy_model, config, world.size))
     strategies = strategies if world.size > 1 else strategies[:1]  # one rank: every strategy is the identity
@@ -170,14 +168,8 @@ def load_engine(world: World, options: LoadOptions) -> Engine:
         paging=paging if capacity is not None else None,
     )
     engine.model_path = path  # a rank's share, where it has no copy of its own: what it reads again later
+    engine.located = located
     return engine
-
-
-def _share_spans(world: World, index, sources, sites, plan, whole: bool, dense: bool):
-    """The byte ranges of the checkpoint this rank reads (``model/share_needs.py``)."""
-    owned = {s.layer: LayerOwnership.build(s.layer, plan.layers[s.layer], world.rank, world.size).owned_experts.tolist()
-             for s in sites}
-    return share_spans(index, sources, sites, owned, dense, whole)
 
 
 def _say(line: str) -> None:

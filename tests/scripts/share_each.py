@@ -5,8 +5,9 @@ OUT_FILE (JSON, one entry per step).
 
     python share_each.py OUT_FILE PROMPT MAX_TOKENS CKPT STEP [STEP ...]
 
-STEP: DISPATCH:PLACEMENT (PLACEMENT: even, or shifted: each layer's experts
-moved by half a rank's block), or damage:RANK (that rank flips 16 bytes in the
+STEP: DISPATCH:PLACEMENT, a load (PLACEMENT: even, or an integer S: the even
+placement with each layer's experts moved by S, rolled), place:S (the loaded
+model placed again live, so moved), or damage:RANK (that rank flips 16 bytes in the
 middle of every range its cached share holds past the headers; nothing is
 loaded).
 """
@@ -20,12 +21,14 @@ from mlxdist.executor import register_probe
 from mlxdist.model.placement import Placement
 
 
-def shifted(cluster, path) -> dict:
-    config = json.loads((Path(path) / "config.json").read_text())
-    even = Placement.even({l: config["num_experts"] for l in range(config["num_hidden_layers"])}, cluster.world.size)
-    step = config["num_experts"] // cluster.world.size // 2
-    layers = {l: row[step:] + row[:step] for l, row in even.layers.items()}
-    return Placement(cluster.world.size, layers).to_json()
+def shifted(cluster, shift: str):
+    """The even placement of the model loaded last (a shift follows a load), each layer's experts moved by
+    ``shift`` (None: "even")."""
+    if shift == "even":
+        return None
+    counts = {l: len(row) for l, row in cluster.engine.placement.layers.items()}
+    even, s = Placement.even(counts, cluster.world.size), int(shift)
+    return Placement(cluster.world.size, {l: row[s:] + row[:s] for l, row in even.layers.items()}).to_json()
 
 
 @register_probe("damage")
@@ -56,7 +59,10 @@ with mlxdist.init() as cluster:
             cluster.probe("damage", rank=int(arg))
             results.append({"step": step})
             continue
-        cluster.load(path, dispatch=what, placement=shifted(cluster, path) if arg == "shifted" else None)
+        if what == "place":
+            cluster.place(shifted(cluster, arg))
+        else:
+            cluster.load(path, dispatch=what, placement=shifted(cluster, arg))
         pieces = list(cluster.stream(cluster.request([cluster.encode(prompt)], max_tokens=int(max_tokens))))
         weights = [s["weights_gb"] for s in cluster.stats()]
         results.append({"step": step, "tokens": [p.token for p in pieces], "weights_gb": weights})
