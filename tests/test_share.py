@@ -8,7 +8,7 @@ import shutil
 import subprocess
 import sys
 
-from conftest import ROOT, error_lines, launch, mpirun_env
+from conftest import ROOT, error_lines, last_json, launch, mpirun_env
 from test_exact import MAX_TOKENS, PROMPT, reference
 
 A, B = "a" * 40, "b" * 40  # commits in a hub cache
@@ -191,3 +191,19 @@ def test_under_mlx_launch_a_rank_is_sent_its_share(checkpoint, tmp_path):
                                 ["--hide", path.parent, "--cache", tmp_path / "cache"], tmp_path, launcher=ring)
     assert first["tokens"] == again["tokens"] == reference(path)[0]
     assert _received(first)[1] > _kept(first)[1] and _received(again) == [0, 0]
+
+
+def test_cache_lists_and_removes_shares(tmp_path, monkeypatch):
+    """python -m mlxdist.cache on a share written by model/share.py."""
+    from mlxdist.model.share import Share
+
+    env = {"MLXDIST_CACHE": str(tmp_path)}
+    monkeypatch.setenv("MLXDIST_CACHE", str(tmp_path))
+    Share.open("abc123", 1).write_files({"config.json": "x"}, None, {"config.json": b"{}"}, {})
+    listed = last_json(launch(0, ["list", "--json"], module="mlxdist.cache", env=env).stdout)["shares"]
+    assert [(s["key"], s["rank"]) for s in listed] == [("abc123", "1")]
+    proc = launch(0, ["remove", "../etc"], module="mlxdist.cache", env=env)
+    assert proc.returncode == 1 and "not a share key" in proc.stderr
+    proc = launch(0, ["remove", "abc123"], module="mlxdist.cache", env=env)
+    assert proc.returncode == 0 and "removed 1 share" in proc.stdout
+    assert not (tmp_path / "shares" / "abc123").exists()

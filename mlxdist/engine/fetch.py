@@ -181,6 +181,8 @@ class _NotCached(ModelNotFound):
 def _local_copy(model: str, revision: Optional[str], download: bool) -> Path:
     """The folder, or the hub id's snapshot in this rank's hub cache
     (downloaded where ``download``)."""
+    if download:
+        _check_room_to_download(model, revision)
     if download or Path(model).expanduser().exists() or not is_hub_id(model):
         return resolve_model_path(model, revision)
     from huggingface_hub import snapshot_download
@@ -191,6 +193,22 @@ def _local_copy(model: str, revision: Optional[str], download: bool) -> Path:
                                       local_files_only=True))
     except Exception:  # noqa: BLE001 - not in this host's hub cache
         raise _NotCached(f"{model} is not in this host's hub cache") from None
+
+
+def _check_room_to_download(model: str, revision: Optional[str]) -> None:
+    """Refuse a download its disk has no room for, where the hub says the files' sizes."""
+    import fnmatch
+
+    from huggingface_hub import HfApi, constants
+    from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
+
+    try:
+        info = HfApi().model_info(model, revision=revision, files_metadata=True)
+        need = sum(f.size or 0 for f in info.siblings
+                   if any(fnmatch.fnmatch(f.rfilename, p) for p in DEFAULT_ALLOW_PATTERNS))
+    except Exception:  # noqa: BLE001 - offline, or no sizes: the download itself says what is wrong
+        return
+    check_disk(Path(constants.HF_HUB_CACHE), need, f"downloading {model}")
 
 
 def _check_index(path: Path) -> None:
