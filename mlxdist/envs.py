@@ -49,6 +49,8 @@ VARIABLES: Dict[str, Variable] = {v.name: v for v in (
              "between the ranks (row i, column j: the device rank i reaches rank j by; null on the diagonal), or "
              "a hostfile from mlx.distributed_config --backend jaccl."),
     # -- test-only -----------------------------------------------------------------------------------
+    Variable("MLXDIST_TEST_MEMORY_GB", "str", None, "Test-only: the memory each rank finds (runtime/memory.py), "
+             "in GB: one figure for every rank, or one per rank separated by commas (16,8).", who="test"),
     Variable("MLXDIST_FAULT", "str", None, "Test-only fault injection, e.g. kill:rank=1,layer=2,step=3 "
              "(also sleep:...,seconds=S and raise:...; layer=-1 every layer; skip=K the (K+1)-th time; "
              "sequence:max_tokens=N,step=S fails the served requests of max_tokens N at their S-th token). "

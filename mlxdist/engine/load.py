@@ -9,7 +9,7 @@ import hashlib
 import json
 import sys
 from dataclasses import asdict
-from typing import Any, Dict
+from typing import Any, Dict, List, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -26,7 +26,9 @@ from mlxdist.model.checkpoint import (
 )
 from mlxdist.engine.fetch import Located, fetch_share, locate_model, rank_spans
 from mlxdist.model.paging import PagingStats, capacity_for_budget, expert_module
-from mlxdist.model.balance import bytes_per_expert, check_rank_memory
+from mlxdist.model.balance import (
+    KV_RESERVE_TOKENS, bytes_per_expert, check_plan_fits, check_rank_memory, expert_budgets, kv_bytes_per_token,
+)
 from mlxdist.model.placement import resolve_placement
 from mlxdist.model.routing import RouterWeights, RoutingWeightsNotFound, activation_dtype, find_weights_name
 from mlxdist.model.sources import load_lazy
@@ -34,6 +36,7 @@ from mlxdist.model.switch import DistributedSwitch, MoEBlock
 from mlxdist.model.tensor_parallel import can_shard, own_bytes, shard_dense, tensor_parallel_twin
 from mlxdist.runtime import faults
 from mlxdist.runtime.control import PROTOCOL_VERSION
+from mlxdist.runtime.memory import detect_memory, set_wired_limit
 from mlxdist.runtime.world import World
 
 __all__ = ["load_engine"]
@@ -63,7 +66,12 @@ def load_engine(world: World, options: LoadOptions) -> Engine:
     budgets = options.rank_memory_gb
     if budgets is not None and len(budgets) != world.size:
         raise UserError(f"--rank-memory gives {len(budgets)} budgets for {world.size} ranks")
-    plan = resolve_placement(options.placement, experts_per_layer, world.size, options.rank0_experts, budgets)
+    memory = [m["bytes"] for m in world.control.allgather_json(_my_memory(world))]
+    room = _room_for_experts(world, options, lazy_model, sites, config, memory) if budgets is None else None
+    plan = resolve_placement(options.placement, experts_per_layer, world.size, options.rank0_experts,
+                             budgets or _unequal(room, options))
+    if room is not None:  # refused before a byte is read
+        check_plan_fits(plan, room, bytes_per_expert(sites), memory)
     by_width = options.expert_split == "width" and world.size > 1
     # Before anything is evaluated (finding the routers runs them).
     fetch_share(world, located, lambda: rank_spans(world, options, sources, sites, plan), _say)
@@ -169,7 +177,36 @@ def load_engine(world: World, options: LoadOptions) -> Engine:
     )
     engine.model_path = path  # a rank's share, where it has no copy of its own: what it reads again later
     engine.located = located
+    set_wired_limit()
     return engine
+
+
+def _my_memory(world: World) -> Dict[str, Any]:
+    found, source = detect_memory(world.rank)
+    return {"bytes": found, "source": source}
+
+
+def _room_for_experts(world: World, options: LoadOptions, lazy_model, sites, config, memory) -> Optional[List[float]]:
+    """[N] GB each rank can give its experts, from the memory each found
+    (``runtime/memory.py``; ``model/balance.py``'s budgets); None where the
+    load decides residency otherwise (paging, experts cut in width) or a
+    rank's memory is unknown."""
+    if options.expert_capacity is not None or options.memory_budget_gb is not None or not all(memory):
+        return None
+    if options.expert_split == "width" and world.size > 1:
+        return None
+    per_expert = bytes_per_expert(sites)
+    dense = nbytes(lazy_model.parameters()) - sum(per_expert[s.layer] * s.num_experts for s in sites)
+    runs_dense = [r == 0 or options.dispatch != "p2p" for r in range(world.size)]  # p2p's workers run none
+    return expert_budgets(memory, [dense if d else 0 for d in runs_dense], KV_RESERVE_TOKENS * kv_bytes_per_token(config))
+
+
+def _unequal(room: Optional[List[float]], options: LoadOptions) -> Optional[List[float]]:
+    """Budgets the even placement follows: ``room`` where the ranks differ
+    by more than 1 % (equal ranks keep the plain even placement)."""
+    if room is None or not options.rank0_experts or max(room) <= 1.01 * min(room):
+        return None
+    return room
 
 
 def _say(line: str) -> None:
