@@ -5,6 +5,7 @@ naming the rank, before a byte is read. Each rank's figure comes from the
 test-only override MLXDIST_TEST_MEMORY_GB."""
 
 import json
+import sys
 
 from conftest import error_lines, last_json, launch
 from test_exact import MAX_TOKENS, PROMPT, reference
@@ -52,3 +53,25 @@ def test_a_model_that_fits_no_way_is_refused_naming_the_rank(checkpoint):
     proc = _run(path, f"{dense / 1e9:.9f}")
     lines = error_lines(proc.stderr)
     assert lines and "rank 0 has" in lines[0] and "leave nothing for experts" in lines[0], lines[0]
+
+
+def test_budgets_per_host_are_matched_by_host_name(checkpoint, tmp_path):
+    """Two ranks on hosts h0 and h1 (a UTS namespace each); the JSON hostfile lists h1 first with three times
+    h0's budget: rank 1 (on h1) holds three times rank 0's experts. A host the file does not name is refused."""
+    from test_share import VIEW
+
+    path = checkpoint("qwen3_moe")
+    hosts = tmp_path / "hosts.json"
+    hosts.write_text(json.dumps([{"ssh": "h1", "memory_gb": 3.0}, {"ssh": "h0", "memory_gb": 1.0}]))
+    view = [VIEW, "--ranks", "0,1", "--hostname-prefix", "h", "--", sys.executable, "-m", "mlxdist.run",
+            "--model", path, "-p", PROMPT, "-m", MAX_TOKENS, "--json", "--ignore-chat-template", "--dispatch",
+            "collective", "--rank-memory"]
+    proc = launch(2, [*view, hosts], module=None)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = last_json(proc.stdout)
+    assert got["tokens"] == reference(path)[0]
+    held = [w["expert"] for w in got["weights_gb"]]
+    assert held[1] == 3 * held[0], held
+    proc = launch(2, [*view, "h0=1"], module=None)
+    lines = error_lines(proc.stderr)
+    assert lines and "rank 1 runs on host h1, which --rank-memory does not name" in lines[0], proc.stderr[-2000:]

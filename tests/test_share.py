@@ -207,3 +207,20 @@ def test_cache_lists_and_removes_shares(tmp_path, monkeypatch):
     proc = launch(0, ["remove", "abc123"], module="mlxdist.cache", env=env)
     assert proc.returncode == 0 and "removed 1 share" in proc.stdout
     assert not (tmp_path / "shares" / "abc123").exists()
+
+
+def test_progress_is_one_line_per_stage_and_quiet_is_silent(checkpoint, tmp_path):
+    """stderr is not a terminal here: one line per stage (the files, the share with bytes and rate, rank 0's
+    experts); --quiet prints none. Rank 1 sees the model folder empty, and its cache survives the job."""
+    path = checkpoint("qwen3_moe")
+    view = ["--hide", path, "--cache", tmp_path / "cache"]
+    proc = run_viewed(2, view, ["--model", path, "-p", "hi", "-m", "2"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = [l for l in proc.stderr.splitlines() if l.startswith("mlxdist: ")]
+    assert any(l.startswith("mlxdist: sending rank 1 the model's files") for l in lines), lines
+    assert any(l.startswith("mlxdist: sent rank 1 its share: ") and "GB/s" in l for l in lines), lines
+    assert any(l.startswith("mlxdist: read rank 0's experts: ") for l in lines), lines
+    shutil.rmtree(tmp_path / "cache")
+    proc = run_viewed(2, view, ["--model", path, "-p", "hi", "-m", "2", "--quiet"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert not [l for l in proc.stderr.splitlines() if l.startswith("mlxdist: ")], proc.stderr[-2000:]

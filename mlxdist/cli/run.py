@@ -20,7 +20,9 @@ from mlxdist.api import Cluster, init
 from mlxdist.config import EXPERT_SPLITS, GenerationParams
 from mlxdist.dispatch import DISPATCH_MODES, LAYOUTS, modes
 from mlxdist.errors import UserError, say_error
+from mlxdist.model.balance import host_budgets
 from mlxdist.model.placement import parse_rank_memory
+from mlxdist.runtime.progress import set_quiet
 from mlxdist.runtime.watchdog import DEFAULT_TIMEOUT
 from mlxdist.runtime.world import BACKENDS, launcher_rank, run_or_abort, set_exit_code
 
@@ -28,6 +30,7 @@ from mlxdist.runtime.world import BACKENDS, launcher_rank, run_or_abort, set_exi
 def build_parser() -> argparse.ArgumentParser:
     p = RankZeroParser(prog="python -m mlxdist.run", description=__doc__.splitlines()[0])
     p.add_argument("--model", help="model folder or hub id (default: a small built-in random MoE)")
+    p.add_argument("--quiet", action="store_true", help="no progress lines while the model loads")
     p.add_argument("--revision", help="a hub id's branch, tag or commit (default: main)")
     p.add_argument("-p", "--prompt", help="one prompt ('-': all of stdin, as mlx_lm.generate); without it, rank 0 "
                                            "reads one prompt per line from stdin")
@@ -69,9 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--record-routing", metavar="FILE",
                    help="write the job's routed slots per (layer, expert) to FILE at exit (python -m mlxdist.place "
                         "reads it; docs/placement.md)")
-    p.add_argument("--rank-memory", metavar="A,B,...", type=_rank_memory, default=None,
-                   help="GB of expert weights each rank may keep resident, one per rank: experts are spread in "
-                        "proportion, and a placement that does not fit is refused")
+    p.add_argument("--rank-memory", metavar="HOST=GB,...|A,B,...", type=_rank_memory, default=None,
+                   help="GB of expert weights each host (matched by name; or a JSON hostfile with memory_gb) or "
+                        "each rank (in order) may keep resident: experts are spread in proportion, and a placement "
+                        "that does not fit is refused (default: from the memory each rank finds)")
     p.add_argument("--expert-capacity", type=int, default=None,
                    help="experts each rank keeps resident per layer; the rest are read from its checkpoint copy "
                         "on demand into least-recently-used slots (needs --layout compact or --dispatch p2p)")
@@ -100,9 +104,10 @@ class RankZeroParser(argparse.ArgumentParser):
         super().error(message)
 
 
-def _rank_memory(text: str) -> List[float]:
+def _rank_memory(text: str):
+    """GB per host name (HOST=GB,... or a JSON hostfile), or per rank (A,B,...)."""
     try:
-        return parse_rank_memory(text)
+        return host_budgets(text) or parse_rank_memory(text)
     except UserError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 
@@ -262,6 +267,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     if args.jobs and not args.out:
         build_parser().error("--jobs needs --out")
+    set_quiet(args.quiet)
     cluster = init(timeout=args.timeout, backend=args.backend)
     code = run_or_abort(cluster.world, command_loop, cluster, args)
     cluster.shutdown(code)

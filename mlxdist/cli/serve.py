@@ -11,6 +11,8 @@ from typing import List, Optional
 from mlxdist.api import init
 from mlxdist.config import EXPERT_SPLITS
 from mlxdist.errors import UserError, say_error
+from mlxdist.model.balance import host_budgets
+from mlxdist.runtime.progress import set_quiet
 from mlxdist.model.placement import parse_rank_memory
 from mlxdist.runtime.watchdog import DEFAULT_TIMEOUT
 from mlxdist.runtime.world import BACKENDS, launcher_rank, set_exit_code
@@ -24,6 +26,7 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m mlxdist.serve", description="An OpenAI-compatible HTTP server over the distributed model.")
     p.add_argument("--model", default=None, help="Model folder or hub id (default: the built-in random MoE).")
+    p.add_argument("--quiet", action="store_true", help="no progress lines while the model loads")
     p.add_argument("--revision", default=None, help="A hub id's branch, tag or commit (default: main).")
     p.add_argument("--host", default="127.0.0.1", help="Address to bind (default 127.0.0.1; others need --api-key).")
     p.add_argument("--port", type=int, default=8080)
@@ -70,16 +73,18 @@ def build_parser() -> argparse.ArgumentParser:
                         "SECONDS, between two steps on every rank (docs/placement.md); default: never")
     p.add_argument("--rebalance-replicas", type=int, default=0, metavar="R",
                    help="replica slots per rank in those placements (default %(default)s)")
-    p.add_argument("--rank-memory", metavar="A,B,...", type=_rank_memory, default=None,
-                   help="GB of expert weights each rank may keep resident, one per rank (docs/placement.md)")
+    p.add_argument("--rank-memory", metavar="HOST=GB,...|A,B,...", type=_rank_memory, default=None,
+                   help="GB of expert weights each host (by name) or each rank (in order) may keep resident "
+                        "(docs/placement.md)")
     p.add_argument("--timeout", type=float, default=None, help="Seconds without progress before a rank is declared hung.")
     p.add_argument("--log-level", default="WARNING", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     return p
 
 
-def _rank_memory(text: str) -> List[float]:
+def _rank_memory(text: str):
+    """GB per host name (HOST=GB,... or a JSON hostfile), or per rank (A,B,...)."""
     try:
-        return parse_rank_memory(text)
+        return host_budgets(text) or parse_rank_memory(text)
     except UserError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 
@@ -110,6 +115,7 @@ def check_options(args: argparse.Namespace) -> Optional[str]:
 def main(argv: Optional[List[str]] = None) -> int:
     """``python -m mlxdist.serve``."""
     args = build_parser().parse_args(argv)
+    set_quiet(args.quiet)
     problem = check_options(args)
     if problem:
         if launcher_rank() != 0:
@@ -125,7 +131,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                      rank_memory_gb=args.rank_memory, count_routing=args.rebalance_every is not None,
                      revision=args.revision)
         loaded = ("backend", "timeout", "dispatch", "expert_split", "record_routing", "record_routing_every",
-                  "rank_memory", "revision")
+                  "rank_memory", "revision", "quiet")
         options = {k: v for k, v in vars(args).items() if k not in loaded}
         options["model"] = cluster.engine.options.model
         cluster.serve_http(options)

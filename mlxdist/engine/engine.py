@@ -244,7 +244,7 @@ class Engine:
             from mlxdist.engine.fetch import fetch_share, rank_spans
 
             fetch_share(self.world, self.located, lambda: rank_spans(self.world, self.options, sources,
-                                                                     list(sites.values()), plan), lambda _: None)
+                                                                     list(sites.values()), plan))
             self.memory["received_bytes"] = self.located.received
         paging = self.paging or PagingStats()
         for switch in self.switches:

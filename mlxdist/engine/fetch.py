@@ -20,6 +20,7 @@ every rank, so no rank waits for a message that will never come. Where every
 rank holds a copy, step 1 is one gather and step 2 nothing.
 """
 
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
@@ -32,6 +33,7 @@ from mlxdist.model.fingerprint import (
 from mlxdist.model.share import Share, check_disk
 from mlxdist.model.share_needs import Spans, share_spans, span_bytes
 from mlxdist.model import transfer
+from mlxdist.runtime.progress import Stage, say
 from mlxdist.runtime.world import World
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -56,15 +58,19 @@ class Located:
         return len(self.holders) == self.size
 
 
-def locate_model(world: World, model: str, revision: Optional[str], say: Callable[[str], None]) -> Located:
-    """Step 1 (see the module's docstring); ``say`` prints a line on rank 0."""
+def locate_model(world: World, model: str, revision: Optional[str]) -> Located:
+    """Step 1 (see the module's docstring)."""
     path, found = _probe(model, revision)
     reports = world.control.allgather_json(found)
     holders = [r for r, f in enumerate(reports) if f["digests"] is not None]
     if not holders and is_hub_id(model) and reports[0]["absent"]:
         if world.is_root:  # one rank downloads; the others are sent their shares
             say(f"downloading {model} on rank 0")
+            tic = time.perf_counter()
             path, found = _probe(model, revision, download=True)
+            if found["digests"] is not None:
+                size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+                say(f"downloaded {model}: {size / 1e9:.3g} GB in {time.perf_counter() - tic:.1f} s")
         reports[0] = world.control.allgather_json(found if world.is_root else None)[0]
         holders = [0] if reports[0]["digests"] is not None else []
     if not holders:
@@ -101,7 +107,7 @@ def locate_model(world: World, model: str, revision: Optional[str], say: Callabl
     return located
 
 
-def fetch_share(world: World, located: Located, spans: Callable[[], Spans], say: Callable[[str], None]) -> None:
+def fetch_share(world: World, located: Located, spans: Callable[[], Spans]) -> None:
     """Step 2 (see the module's docstring): ``spans()`` says what this rank reads."""
     if located.everyone_holds:
         return
@@ -119,11 +125,10 @@ def fetch_share(world: World, located: Located, spans: Callable[[], Spans], say:
         if not wanted:
             continue
         if world.rank == located.source:
-            total = sum(e - s for _, s, e in wanted)
-            say(f"sending rank {r} its share: {total / 1e9:.3f} GB")
             try:
-                with _Files(located.path, "rb") as files:
-                    located.sent[r] = transfer.send_spans(link, r, files.read, wanted)
+                with _Files(located.path, "rb") as files, Stage(f"sent rank {r} its share",
+                                                                sum(e - s for _, s, e in wanted)) as stage:
+                    located.sent[r] = transfer.send_spans(link, r, files.read, wanted, stage.update)
             except Exception as e:  # noqa: BLE001
                 error = one_line(e)
         elif world.rank == r:

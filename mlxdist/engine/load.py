@@ -7,8 +7,8 @@ executor, so ranks that loaded different things never generate together.
 
 import hashlib
 import json
-import sys
-from dataclasses import asdict
+import socket
+from dataclasses import asdict, replace
 from typing import Any, Dict, List, Optional
 
 import mlx.core as mx
@@ -27,7 +27,7 @@ from mlxdist.model.checkpoint import (
 from mlxdist.engine.fetch import Located, fetch_share, locate_model, rank_spans
 from mlxdist.model.paging import PagingStats, capacity_for_budget, expert_module
 from mlxdist.model.balance import (
-    KV_RESERVE_TOKENS, bytes_per_expert, check_plan_fits, check_rank_memory, expert_budgets, kv_bytes_per_token,
+    KV_RESERVE_TOKENS, budgets_by_rank, bytes_per_expert, check_plan_fits, check_rank_memory, expert_budgets, kv_bytes_per_token,
 )
 from mlxdist.model.placement import resolve_placement
 from mlxdist.model.routing import RouterWeights, RoutingWeightsNotFound, activation_dtype, find_weights_name
@@ -37,6 +37,7 @@ from mlxdist.model.tensor_parallel import can_shard, own_bytes, shard_dense, ten
 from mlxdist.runtime import faults
 from mlxdist.runtime.control import PROTOCOL_VERSION
 from mlxdist.runtime.memory import detect_memory, set_wired_limit
+from mlxdist.runtime.progress import Stage
 from mlxdist.runtime.world import World
 
 __all__ = ["load_engine"]
@@ -48,7 +49,7 @@ def load_engine(world: World, options: LoadOptions) -> Engine:
     modes.check_survival(options.dispatch, world.size, world.tolerant)
     modes.check_launcher(options.dispatch, world.size, world.control.has_mpi)
     mx.reset_peak_memory()  # the load's own peak is reported (memory["load_peak_bytes"])
-    located = locate_model(world, options.model, options.revision, _say)
+    located = locate_model(world, options.model, options.revision)
     path = located.path
     check_config(path)
     index = read_safetensors_index(path)
@@ -63,10 +64,13 @@ def load_engine(world: World, options: LoadOptions) -> Engine:
             f"SwitchGLU/SwitchMLP experts: nothing to distribute"
         )
     experts_per_layer = {s.layer: s.num_experts for s in sites}
+    found = world.control.allgather_json(_my_memory(world))  # every rank's memory and host
+    memory = [m["bytes"] for m in found]
+    if isinstance(options.rank_memory_gb, dict):  # budgets per host: matched by name, never by position
+        options = replace(options, rank_memory_gb=budgets_by_rank(options.rank_memory_gb, [m["host"] for m in found]))
     budgets = options.rank_memory_gb
     if budgets is not None and len(budgets) != world.size:
         raise UserError(f"--rank-memory gives {len(budgets)} budgets for {world.size} ranks")
-    memory = [m["bytes"] for m in world.control.allgather_json(_my_memory(world))]
     room = _room_for_experts(world, options, lazy_model, sites, config, memory) if budgets is None else None
     plan = resolve_placement(options.placement, experts_per_layer, world.size, options.rank0_experts,
                              budgets or _unequal(room, options))
@@ -74,7 +78,7 @@ def load_engine(world: World, options: LoadOptions) -> Engine:
         check_plan_fits(plan, room, bytes_per_expert(sites), memory)
     by_width = options.expert_split == "width" and world.size > 1
     # Before anything is evaluated (finding the routers runs them).
-    fetch_share(world, located, lambda: rank_spans(world, options, sources, sites, plan), _say)
+    fetch_share(world, located, lambda: rank_spans(world, options, sources, sites, plan))
     strategies = modes.strategies(options.dispatch, by_width, world.backend,
                                   world.size > 1 and can_shard(lazy_model, config, world.size))
     strategies = strategies if world.size > 1 else strategies[:1]  # one rank: every strategy is the identity
@@ -111,6 +115,7 @@ def load_engine(world: World, options: LoadOptions) -> Engine:
     paging = PagingStats()
     modules = dict(lazy_model.named_modules())
     experts, ownership, switches, blocks = {}, {}, [], []
+    reading = _reading_stage(world, plan, sites, by_width)
     for site in sites:
         # Cut in width, every rank holds a part of every expert: to the dispatchers it owns them all.
         owners = [world.rank] * site.num_experts if by_width else plan.layers[site.layer]
@@ -125,6 +130,7 @@ def load_engine(world: World, options: LoadOptions) -> Engine:
         if local is not None:
             mx.eval(local.parameters())
             experts[site.layer] = local
+            reading.update(nbytes(local.parameters()))
         try:
             switch = DistributedSwitch(owns, local, first, first=site is sites[0], extras=extras)
         except ValueError as e:
@@ -138,6 +144,7 @@ def load_engine(world: World, options: LoadOptions) -> Engine:
             blocks.append(MoEBlock(site.parent, switch))
             setattr(modules[holder_path], block_attr, blocks[-1])
 
+    reading.close()
     twin = None
     if tp_twin:  # its own (split) arrays are evaluated as it is built
         wrapped = {site.path.rsplit(".", 1)[0]: block for site, block in zip(sites, blocks)}
@@ -183,7 +190,7 @@ def load_engine(world: World, options: LoadOptions) -> Engine:
 
 def _my_memory(world: World) -> Dict[str, Any]:
     found, source = detect_memory(world.rank)
-    return {"bytes": found, "source": source}
+    return {"bytes": found, "source": source, "host": socket.gethostname()}
 
 
 def _room_for_experts(world: World, options: LoadOptions, lazy_model, sites, config, memory) -> Optional[List[float]]:
@@ -209,9 +216,13 @@ def _unequal(room: Optional[List[float]], options: LoadOptions) -> Optional[List
     return room
 
 
-def _say(line: str) -> None:
-    """A line about the load's progress, on this rank's stderr."""
-    print(f"mlxdist: {line}", file=sys.stderr, flush=True)
+def _reading_stage(world: World, plan, sites, by_width: bool) -> Stage:
+    """Rank 0's progress while it reads its experts (the bytes it keeps)."""
+    per_expert = bytes_per_expert(sites)
+    share = 1 / world.size if by_width else None
+    total = sum(per_expert[s.layer] * (s.num_experts * share if share else plan.held_counts(world.size)[s.layer][0])
+                for s in sites)
+    return Stage("read rank 0's experts", int(total), show=world.is_root)
 
 
 def _fingerprint(options: LoadOptions, located: Located, plan, world: World) -> Dict[str, Any]:
