@@ -4,8 +4,10 @@ link, in bounded chunks: what a rank without the model is sent
 
 The ranges are one stream cut into chunks of ``CHUNK`` bytes (the last one
 shorter); both sides cut it alike, so no chunk carries a header. Each side
-holds two chunk buffers: the sender reads the next chunk while the last one
-is on the wire, the receiver waits for the next while it writes the last.
+holds two chunk buffers: on the sender a thread reads the next chunk while
+this one is on the wire, on the receiver a thread writes the last chunk
+while the next arrives (the messages themselves stay on the calling thread:
+MPI is entered from one thread at a time).
 The sender sends a CRC-32 of every range after the data; the receiver
 computes its own as it writes and returns the ranges that differ.
 
@@ -14,6 +16,8 @@ under mpirun, whatever MLX's backend) and ``MlxLink`` (MLX's
 ``send``/``recv`` on the job's group, under ``mlx.launch``: ring and jaccl).
 """
 
+import queue
+import threading
 import zlib
 from abc import ABC, abstractmethod
 from typing import Callable, Iterator, List, Optional, Tuple
@@ -122,33 +126,32 @@ def chunks(spans: List[Span], chunk: int = CHUNK) -> Iterator[List[Tuple[int, in
 def send_spans(link: Link, dst: int, read: Callable[[str, int, memoryview], None], spans: List[Span],
                progress: Progress = None, chunk: int = CHUNK) -> int:
     """Send ``spans`` to ``dst``; ``read(name, offset, view)`` fills ``view``
-    from the file. Returns the bytes sent."""
-    bufs, pending = [np.empty(chunk, np.uint8), np.empty(chunk, np.uint8)], [None, None]
-    crcs, sent, failed = [0] * len(spans), 0, None
-    for k, pieces in enumerate(chunks(spans, chunk)):
-        b = k % 2
-        if pending[b] is not None:
-            pending[b].wait()
-        view = memoryview(bufs[b])
+    from the file. Returns the bytes sent. A thread reads and checksums the
+    next chunk while this one sends (the messages stay on this thread)."""
+    plan = list(chunks(spans, chunk))
+    crcs, failed = [0] * len(spans), []
+
+    def fill(buf: np.ndarray, pieces) -> None:
+        view = memoryview(buf)
         for i, offset, length, at in pieces:
             part = view[at:at + length]
             try:
                 read(spans[i][0], offset, part)
             except Exception as e:  # noqa: BLE001 - the stream goes on (the receiver waits for it), marked bad
-                failed = failed or e
+                failed.append(e)
                 crcs[i] ^= 0xFFFFFFFF
             crcs[i] = zlib.crc32(part, crcs[i])
-        n = pieces[-1][3] + pieces[-1][2]
-        pending[b] = link.isend(bufs[b][:n], dst)
+
+    sent = 0
+    for buf, pieces in _pipelined(plan, chunk, fill, before=True):
+        n = _size(pieces)
+        link.isend(buf[:n], dst).wait()
         sent += n
         if progress is not None:
             progress(n)
-    for p in pending:
-        if p is not None:
-            p.wait()
     link.isend(np.array(crcs, dtype=np.uint32).view(np.uint8), dst).wait()
-    if failed is not None:
-        raise failed
+    if failed:
+        raise failed[0]
     return sent
 
 
@@ -156,36 +159,64 @@ def recv_spans(link: Link, src: int, write: Callable[[str, int, memoryview], Non
                progress: Progress = None, chunk: int = CHUNK) -> List[int]:
     """Receive ``spans`` from ``src``; ``write(name, offset, view)`` puts
     ``view`` in the file. Returns the CRC-32 of each span, after checking
-    them against the sender's (``UserError`` naming the first that differs)."""
+    them against the sender's (``UserError`` naming the first that differs).
+    A thread writes and checksums each chunk while the next one arrives."""
     plan = list(chunks(spans, chunk))
-    sizes = [p[-1][3] + p[-1][2] for p in plan]
-    bufs = [np.empty(chunk, np.uint8), np.empty(chunk, np.uint8)]
-    crcs = [0] * len(spans)
-    pending = link.irecv(bufs[0][:sizes[0]], src) if plan else None
-    failed = None
-    for k, pieces in enumerate(plan):
-        pending.wait()
-        if k + 1 < len(plan):
-            pending = link.irecv(bufs[(k + 1) % 2][:sizes[k + 1]], src)
-        view = memoryview(bufs[k % 2])
+    crcs, failed = [0] * len(spans), []
+
+    def drain(buf: np.ndarray, pieces) -> None:
+        view = memoryview(buf)
         for i, offset, length, at in pieces:
             part = view[at:at + length]
             try:
-                if failed is None:
+                if not failed:
                     write(spans[i][0], offset, part)
             except Exception as e:  # noqa: BLE001 - the stream is drained all the same
-                failed = e
+                failed.append(e)
             crcs[i] = zlib.crc32(part, crcs[i])
+
+    for buf, pieces in _pipelined(plan, chunk, drain, before=False):
+        link.irecv(buf[:_size(pieces)], src).wait()
         if progress is not None:
-            progress(sizes[k])
+            progress(_size(pieces))
     theirs = np.empty(len(spans), dtype=np.uint32)
     link.irecv(theirs.view(np.uint8), src).wait()
-    if failed is not None:
-        raise failed
+    if failed:
+        raise failed[0]
     for (name, start, end), mine, sent in zip(spans, crcs, theirs.tolist()):
         if mine != sent:
             raise UserError(f"bytes {start}..{end} of {name} arrived damaged from rank {src} (CRC-32 differs)")
     return crcs
+
+
+def _size(pieces) -> int:
+    return pieces[-1][3] + pieces[-1][2]
+
+
+def _pipelined(plan, chunk: int, work: Callable, before: bool):
+    """Yield (buffer, pieces) per chunk of ``plan`` to the caller, which
+    moves the buffer over the link, while a thread runs ``work(buffer,
+    pieces)`` on each chunk: before the caller has it (sending: reading) or
+    after (receiving: writing). Two buffers: the thread works on one while
+    the caller moves the other."""
+    free, ready = queue.Queue(), queue.Queue()
+    for _ in range(min(2, len(plan))):
+        free.put(np.empty(chunk, np.uint8))
+    handed = queue.Queue() if not before else None
+
+    def run() -> None:
+        for pieces in plan:
+            buf = free.get() if before else handed.get()
+            work(buf, pieces)
+            (ready if before else free).put(buf)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    for pieces in plan:
+        buf = ready.get() if before else free.get()
+        yield buf, pieces
+        (free if before else handed).put(buf)
+    thread.join()
 
 
 def send_blob(link: Link, dst: int, data: bytes) -> None:
