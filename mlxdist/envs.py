@@ -23,9 +23,14 @@ class Variable:
 
 
 def _bool(text: str) -> bool:
-    return text.strip().lower() in ("1", "true", "yes", "on")
+    word = text.strip().lower()
+    if word not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+        raise ValueError(word)
+    return word in ("1", "true", "yes", "on")
 
 
+_KINDS = {"int": "a whole number", "bool": "one of 1/0, true/false, yes/no, on/off", "str": "text",
+          "path": "a path", "flag": "text"}
 _READERS: Dict[str, Callable[[str], Any]] = {"str": str, "int": int, "bool": _bool, "path": Path, "flag": str.strip}
 
 VARIABLES: Dict[str, Variable] = {v.name: v for v in (
@@ -95,7 +100,10 @@ def get(name: str) -> Any:
     text = os.environ.get(name)
     if text is None or not text.strip():
         return var.default
-    return _READERS[var.kind](text)
+    try:
+        return _READERS[var.kind](text)
+    except ValueError:
+        raise RuntimeError(f"{name}={text!r:.40} is not {_KINDS[var.kind]}") from None
 
 
 def is_set(name: str) -> bool:

@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=0, help="sample from the k likeliest tokens; 0: all (default %(default)s)")
     p.add_argument("--min-p", type=float, default=0.0, help="minimum probability relative to the likeliest token "
                                                            "(default %(default)s)")
-    p.add_argument("--seed", type=int, default=None, help="random seed of the sampler (default: 0 on every rank)")
+    p.add_argument("--seed", type=int, default=None, help="random seed of the sampler (default: one drawn at random on rank 0)")
     p.add_argument("--verbose", type=_str2bool, default=True, metavar="{True,False}",
                    help="as mlx_lm.generate: print the summary line after the text when True, only the text "
                         "when False (default %(default)s)")
@@ -72,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--record-routing", metavar="FILE",
                    help="write the job's routed slots per (layer, expert) to FILE at exit (python -m mlxdist.place "
                         "reads it; docs/placement.md)")
-    p.add_argument("--rank-memory", metavar="HOST=GB,...|A,B,...", type=_rank_memory, default=None,
+    p.add_argument("--rank-memory", metavar="HOST=GB,...|A,B,...", type=rank_memory_arg, default=None,
                    help="GB of expert weights each host (matched by name; or a JSON hostfile with memory_gb) or "
                         "each rank (in order) may keep resident: experts are spread in proportion, and a placement "
                         "that does not fit is refused (default: from the memory each rank finds)")
@@ -104,8 +104,9 @@ class RankZeroParser(argparse.ArgumentParser):
         super().error(message)
 
 
-def _rank_memory(text: str):
-    """GB per host name (HOST=GB,... or a JSON hostfile), or per rank (A,B,...)."""
+def rank_memory_arg(text: str):
+    """``--rank-memory`` (here and in ``mlxdist.serve``): GB per host name
+    (HOST=GB,... or a JSON hostfile), or per rank (A,B,...)."""
     try:
         return host_budgets(text) or parse_rank_memory(text)
     except UserError as e:

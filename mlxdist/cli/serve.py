@@ -11,9 +11,8 @@ from typing import List, Optional
 from mlxdist.api import init
 from mlxdist.config import EXPERT_SPLITS
 from mlxdist.errors import UserError, say_error
-from mlxdist.model.balance import host_budgets
+from mlxdist.cli.run import rank_memory_arg
 from mlxdist.runtime.progress import set_quiet
-from mlxdist.model.placement import parse_rank_memory
 from mlxdist.runtime.watchdog import DEFAULT_TIMEOUT
 from mlxdist.runtime.world import BACKENDS, launcher_rank, set_exit_code
 from mlxdist.serving.http import (
@@ -73,20 +72,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "SECONDS, between two steps on every rank (docs/placement.md); default: never")
     p.add_argument("--rebalance-replicas", type=int, default=0, metavar="R",
                    help="replica slots per rank in those placements (default %(default)s)")
-    p.add_argument("--rank-memory", metavar="HOST=GB,...|A,B,...", type=_rank_memory, default=None,
+    p.add_argument("--rank-memory", metavar="HOST=GB,...|A,B,...", type=rank_memory_arg, default=None,
                    help="GB of expert weights each host (by name) or each rank (in order) may keep resident "
                         "(docs/placement.md)")
     p.add_argument("--timeout", type=float, default=None, help="Seconds without progress before a rank is declared hung.")
     p.add_argument("--log-level", default="WARNING", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     return p
-
-
-def _rank_memory(text: str):
-    """GB per host name (HOST=GB,... or a JSON hostfile), or per rank (A,B,...)."""
-    try:
-        return host_budgets(text) or parse_rank_memory(text)
-    except UserError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def check_options(args: argparse.Namespace) -> Optional[str]:
