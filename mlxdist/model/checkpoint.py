@@ -28,7 +28,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU, SwitchLinear, SwitchMLP
 
-from mlxdist.dispatch.wire import from_numpy
+from mlxdist.arrays import from_numpy
 from mlxdist.errors import CheckpointError, ModelNotFound, UserError
 
 SWITCH_TYPES = (SwitchGLU, SwitchMLP)
