@@ -224,3 +224,31 @@ def test_progress_is_one_line_per_stage_and_quiet_is_silent(checkpoint, tmp_path
     proc = run_viewed(2, view, ["--model", path, "-p", "hi", "-m", "2", "--quiet"])
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert not [l for l in proc.stderr.splitlines() if l.startswith("mlxdist: ")], proc.stderr[-2000:]
+
+
+def test_progress_on_a_terminal_is_a_tqdm_bar(checkpoint):
+    """stderr a terminal (a pty): rank 0's experts are read under a tqdm bar with bytes and rate."""
+    import fcntl
+    import os
+    import pty
+    import struct
+    import termios
+
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))  # a terminal 120 wide
+    proc = subprocess.Popen([sys.executable, "-m", "mlxdist.run", "--model", str(checkpoint("qwen3_moe")), "-p", "hi",
+                             "-m", "1"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=follower,
+                            cwd=ROOT, env=mpirun_env())
+    os.close(follower)
+    out = b""
+    while True:
+        try:
+            data = os.read(leader, 4096)
+        except OSError:  # the child closed its end
+            break
+        if not data:
+            break
+        out += data
+    assert proc.wait(timeout=120) == 0, out[-2000:]
+    text = out.decode(errors="replace")
+    assert "mlxdist: read rank 0's experts: 100%" in text and "B/s" in text, text[-2000:]
