@@ -252,3 +252,18 @@ def test_progress_on_a_terminal_is_a_tqdm_bar(checkpoint):
     assert proc.wait(timeout=120) == 0, out[-2000:]
     text = out.decode(errors="replace")
     assert "mlxdist: read rank 0's experts: 100%" in text and "B/s" in text, text[-2000:]
+
+
+def test_receiving_a_share_holds_two_chunks_at_most(checkpoint, tmp_path):
+    """A share of ~100 MB (six chunks): the receiving rank's resident memory grows by at most its two chunk
+    buffers while it receives (Linux's peak resident set, reset before the transfer)."""
+    from mlxdist.model.transfer import CHUNK
+
+    path = checkpoint("qwen3_moe", overrides=dict(hidden_size=256, num_experts=32, moe_intermediate_size=512,
+                                                  num_hidden_layers=4))
+    proc = run_viewed(2, ["--hide", path.parent, "--cache", tmp_path / "cache"],
+                      ["--model", path, "-p", "hi", "-m", "2", "--json"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rank1 = last_json(proc.stdout)["weights_gb"][1]
+    assert rank1["received"] * 1e9 > 3 * CHUNK
+    assert 0 < rank1["transfer_peak"] * 1e9 <= 2 * CHUNK + (4 << 20), rank1

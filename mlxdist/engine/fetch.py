@@ -33,6 +33,7 @@ from mlxdist.model.fingerprint import (
 from mlxdist.model.share import Share, check_disk
 from mlxdist.model.share_needs import Spans, share_spans, span_bytes
 from mlxdist.model import transfer
+from mlxdist.runtime.memory import reset_rss_peak, rss_now, rss_peak
 from mlxdist.runtime.progress import Stage, say
 from mlxdist.runtime.world import World
 
@@ -52,6 +53,7 @@ class Located:
     share: Optional[Share] = None  # this rank's share, where it has no copy
     received: int = 0  # bytes this rank was sent during this load
     sent: Dict[int, int] = field(default_factory=dict)  # bytes the source sent each rank
+    transfer_peak: int = 0  # the most this rank's resident memory grew while receiving (Linux)
 
     @property
     def everyone_holds(self) -> bool:
@@ -154,11 +156,16 @@ def rank_spans(world: World, options, sources, sites, plan) -> Spans:
 def _receive(located: Located, link, spans) -> Optional[str]:
     """Receive ``spans`` into this rank's share; an error (as one line) once the stream is drained."""
     share = located.share
+    before = rss_now()
+    reset_rss_peak()
     with _Files(share.folder, "r+b") as files:
         try:
             crcs = transfer.recv_spans(link, located.source, files.write, spans)
         except Exception as e:  # noqa: BLE001
             return one_line(e)
+    peak = rss_peak()
+    if before is not None and peak is not None:
+        located.transfer_peak = max(located.transfer_peak, peak - before)
     for (name, start, end), crc in zip(spans, crcs):
         share.record(name, [(start, end, crc)])
     share.save()

@@ -177,7 +177,7 @@ def load_engine(world: World, options: LoadOptions) -> Engine:
         blocks=blocks,
         split_model=twin,
         memory={"expert_bytes": expert_bytes, "dense_bytes": dense_bytes, "load_peak_bytes": mx.get_peak_memory(),
-                "received_bytes": located.received},
+                "received_bytes": located.received, "transfer_peak_bytes": located.transfer_peak},
         fingerprint=fingerprint,
         capacity=capacity,
         paging=paging if capacity is not None else None,

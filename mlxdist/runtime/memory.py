@@ -59,3 +59,34 @@ def set_wired_limit() -> None:
         from mlx_lm.utils import maybe_set_recommended_wired_limit
 
         maybe_set_recommended_wired_limit()
+
+
+def rss_now() -> Optional[int]:
+    """This process's resident set now (Linux; None elsewhere)."""
+    return _status("VmRSS:")
+
+
+def reset_rss_peak() -> None:
+    """Start counting this process's peak resident set afresh (Linux's
+    ``clear_refs``; nothing elsewhere)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def rss_peak() -> Optional[int]:
+    """This process's peak resident set since ``reset_rss_peak`` (Linux; None elsewhere)."""
+    return _status("VmHWM:")
+
+
+def _status(key: str) -> Optional[int]:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
