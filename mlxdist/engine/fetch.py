@@ -20,6 +20,7 @@ every rank, so no rank waits for a message that will never come. Where every
 rank holds a copy, step 1 is one gather and step 2 nothing.
 """
 
+import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -228,8 +229,6 @@ def _check_index(path: Path) -> None:
     index = path / INDEX_FILE
     if not index.is_file():
         return
-    import json
-
     try:
         names = set(json.loads(index.read_text())["weight_map"].values())
     except (ValueError, KeyError, TypeError, AttributeError):
@@ -256,8 +255,6 @@ def _agree(world: World, mine: Dict[str, Any]) -> List[Dict[str, Any]]:
 def _pack_files(path: Path, digests: Dict[str, str]) -> bytes:
     """The model's non-weight files and the weight files' headers, with their
     names and the weight files' sizes, as one message."""
-    import json
-
     names = sorted(digests)
     parts = [header_bytes(path / n) if is_weight_file(n) else (path / n).read_bytes() for n in names]
     head = {"names": names, "lengths": [len(p) for p in parts],
@@ -268,8 +265,6 @@ def _pack_files(path: Path, digests: Dict[str, str]) -> bytes:
 
 def _unpack_files(located: Located, blob: bytes) -> Optional[str]:
     """Start this rank's share from the source's files; an error as one line."""
-    import json
-
     try:
         n = int.from_bytes(blob[:8], "little")
         head = json.loads(blob[8:8 + n])
