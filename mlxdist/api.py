@@ -120,9 +120,10 @@ class Cluster:
         expert_split: str = "whole",
         record_routing: Optional[str] = None,
         record_routing_every: Optional[float] = None,
-        rank_memory_gb: Optional[Sequence[float]] = None,
+        rank_memory_gb: Union[None, Sequence[float], Dict[str, float]] = None,
         count_routing: bool = False,
         draft_model: Optional[str] = None,
+        revision: Optional[str] = None,
     ) -> "Cluster":
         """Load ``model`` (a folder or hub id; None: the built-in random MoE)
         on every rank, releasing any model loaded before.
@@ -142,12 +143,14 @@ class Cluster:
         to (``routing()``; at ``shutdown`` or the next ``load``, and every
         ``record_routing_every`` seconds while it runs, where rank 0 sees
         every slot). ``rank_memory_gb``: GB of expert weights each rank may
-        keep resident, one per rank: the even placement follows them, and a
+        keep resident, one per rank, or a dict by host name (a host's GB
+        shared by its ranks): the even placement follows them, and a
         placement that does not fit is refused (docs/placement.md).
         ``count_routing``: count routed slots per expert without a file (what
         the server's rebalancing reads). ``draft_model``: a small model with
         the same tokenizer for speculative decoding of single prompts
-        (``num_draft_tokens`` per request; docs/modes.md).
+        (``num_draft_tokens`` per request; docs/modes.md). ``revision``: a
+        hub id's branch, tag or commit (None: main).
         Raises ``UserError``/``LoadError`` with one line."""
         if isinstance(placement, str):
             placement = Placement.load(placement)
@@ -160,9 +163,9 @@ class Cluster:
         options = LoadOptions(str(model), dispatch, layout or default_layout(), placement, rank0_experts, stats,
                               expert_capacity, memory_budget_gb, expert_split,
                               record_routing=record_routing is not None or count_routing,
-                              rank_memory_gb=None if rank_memory_gb is None
-                              else budgets_for_ranks(rank_memory_gb, self.world.hosts),
-                              draft_model=draft_model)
+                              rank_memory_gb=budgets_for_ranks(rank_memory_gb, self.world.hosts)
+                              if isinstance(rank_memory_gb, (list, tuple)) else _budgets(rank_memory_gb),
+                              draft_model=draft_model, revision=revision)
         options.validate()
         self._finish_recording()
         self.executor.load(self._broadcast(Command(commands.LOAD, asdict(options))).args)
@@ -374,6 +377,15 @@ class Cluster:
             raise UserError(f"no probe named {name!r} is registered")
         command = self._broadcast(Command(commands.PROBE, {"name": name, "args": args}))
         return self.executor.probe(command.args)
+
+
+def _budgets(rank_memory_gb) -> Union[None, List[float], Dict[str, float]]:
+    """``load``'s budgets as LOAD carries them: GB by host name, or by rank."""
+    if rank_memory_gb is None:
+        return None
+    if isinstance(rank_memory_gb, dict):
+        return {str(k): float(v) for k, v in rank_memory_gb.items()}
+    return [float(b) for b in rank_memory_gb]
 
 
 def init(timeout: float = DEFAULT_TIMEOUT, backend: Optional[str] = None) -> Cluster:

@@ -4,7 +4,7 @@ The dispatch modes themselves and ``auto``'s rule are in ``dispatch/modes.py``.
 """
 
 from dataclasses import dataclass
-from typing import List, Optional, Union
+from typing import Dict, List, Optional, Union
 
 from mlx_lm.generate import DEFAULT_MAX_TOKENS
 from mlx_lm.sample_utils import make_sampler
@@ -33,11 +33,16 @@ class LoadOptions:
     memory_budget_gb: Optional[float] = None  # weight bytes a rank may hold: sets its expert capacity (paging.py)
     expert_split: str = "whole"  # "whole": each expert on one rank; "width": every expert cut over the ranks
     record_routing: bool = False  # count routed slots per expert for the routing file (--record-routing)
-    rank_memory_gb: Optional[List[float]] = None  # GB of expert weights each rank may keep resident (--rank-memory)
+    # GB of expert weights each rank may keep resident (--rank-memory): by rank, or by host name
+    rank_memory_gb: Optional[Union[List[float], Dict[str, float]]] = None
+    revision: Optional[str] = None  # a hub id's branch, tag or commit (--revision); None: main
     draft_model: Optional[str] = None  # speculative decoding's draft model, loaded whole where the dense model runs
 
     def validate(self) -> None:
         modes.mode(self.dispatch)
+        if self.revision is not None and not (isinstance(self.revision, str) and 0 < len(self.revision) <= 256
+                                              and self.revision.isprintable()):
+            raise UserError(f"--revision must be a branch, tag or commit, not {self.revision!r:.60}")
         if self.layout not in LAYOUTS:
             raise UserError(f"unknown layout {self.layout!r} (choose {', '.join(LAYOUTS)})")
         if self.expert_capacity is not None and self.memory_budget_gb is not None:
@@ -49,10 +54,15 @@ class LoadOptions:
         if self.expert_capacity is not None or self.memory_budget_gb is not None:
             if self.expert_capacity is not None and self.expert_capacity < 1:
                 raise UserError(f"--expert-capacity must be at least 1, not {self.expert_capacity}")
-        if self.rank_memory_gb is not None and not (
-                isinstance(self.rank_memory_gb, list) and self.rank_memory_gb
-                and all(isinstance(b, (int, float)) and 0 < b < float("inf") for b in self.rank_memory_gb)):
-            raise UserError(f"--rank-memory must list a positive number of GB per rank, not {self.rank_memory_gb!r:.60}")
+        budgets = self.rank_memory_gb
+        if isinstance(budgets, dict) and all(isinstance(h, str) and h for h in budgets):
+            budgets = list(budgets.values())  # per host name (model/balance.py matches them to ranks)
+        if budgets is not None and not (
+                isinstance(budgets, list) and budgets
+                and all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 < b < float("inf")
+                        for b in budgets)):
+            raise UserError(f"--rank-memory must give a positive number of GB per rank or per host, not "
+                            f"{self.rank_memory_gb!r:.60}")
         if self.draft_model is not None and not (isinstance(self.draft_model, str) and self.draft_model.strip()):
             raise UserError(f"--draft-model takes a folder or hub id, not {self.draft_model!r:.60}")
         if self.expert_split == "width" and (self.record_routing or self.rank_memory_gb is not None):

@@ -51,8 +51,8 @@ VARIABLES: Dict[str, Variable] = {v.name: v for v in (
              "(it is always written to the rank's log file)."),
     Variable("MLXDIST_LOG_DIR", "path", None, "Folder of the per-rank traceback logs "
              "(default: the system's temporary folder)."),
-    Variable("MLXDIST_CACHE", "path", None, "Folder the built-in random checkpoint is written to on first use "
-             "(default: ~/.cache/mlxdist)."),
+    Variable("MLXDIST_CACHE", "path", None, "Folder the built-in random checkpoint is written to on first use, "
+             "and where a rank keeps the shares of models it was sent, under shares/ (default: ~/.cache/mlxdist)."),
     Variable("MLXDIST_STDIN", "path", None, "Rank 0's standard input (a FIFO): set by launch/mpirun, because "
              "Open MPI 5 forwards stdin lines but not their end."),
     Variable("MLXDIST_GROUPED_EXPERTS", "flag", "", "Expert calls grouped by expert: 0 never, 1 always (any "
@@ -71,6 +71,8 @@ VARIABLES: Dict[str, Variable] = {v.name: v for v in (
     Variable("MLXDIST_API_KEY", "str", None, "The server's bearer token where neither --api-key nor "
              "--api-key-file is given (an environment variable does not show in the process list)."),
     # -- test-only -----------------------------------------------------------------------------------
+    Variable("MLXDIST_TEST_MEMORY_GB", "str", None, "Test-only: the memory each rank finds (runtime/memory.py), "
+             "in GB: one figure for every rank, or one per rank separated by commas (16,8).", who="test"),
     Variable("MLXDIST_FAULT", "str", None, "Test-only fault injection, e.g. kill:rank=1,layer=2,step=3 "
              "(also sleep:...,seconds=S and raise:...; layer=-1 every layer; skip=K the (K+1)-th time; "
              "sequence:max_tokens=N,step=S fails the served requests of max_tokens N at their S-th token; "

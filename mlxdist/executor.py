@@ -23,6 +23,7 @@ from mlxdist.engine import Engine, load_engine
 from mlxdist.errors import (
     GenerationFailed, LoadError, MlxdistError, UserError, describe_errors, keep_traceback, one_line,
 )
+from mlxdist.model.fingerprint import differing_files
 from mlxdist.model.placement import Placement
 from mlxdist.runtime import faults
 from mlxdist.runtime.agreement import failed_together
@@ -34,9 +35,8 @@ _FINGERPRINT_NAMES = {
     "mlxdist": "mlxdist version",
     "protocol": "control protocol",
     "options": "load options",
-    "config": "checkpoint config.json",
-    "weights": "checkpoint weight index",
-    "content": "checkpoint weight bytes",
+    "files": "checkpoint file",
+    "revision": "hub revision",
     "placement": "placement",
     "libraries": "MLX / mlx-lm versions",
     "device": "backend or device",
@@ -51,10 +51,19 @@ def describe_mismatch(fingerprints: List[Dict[str, Any]]) -> Optional[str]:
     differ = {r: keys for r, keys in differ.items() if keys}
     if not differ:
         return None
-    parts = [
-        f"rank {r} ({', '.join(_FINGERPRINT_NAMES[k] for k in keys)})" for r, keys in sorted(differ.items())
-    ]
+    parts = [f"rank {r} ({', '.join(_differences(ref, fingerprints[r], keys))})" for r, keys in sorted(differ.items())]
     return "ranks loaded different things than rank 0: " + "; ".join(parts)
+
+
+def _differences(ref: Dict[str, Any], other: Dict[str, Any], keys: List[str]) -> List[str]:
+    """What ``other`` differs from ``ref`` in, by name; a checkpoint file by its own name."""
+    out = []
+    for key in keys:
+        if key == "files" and isinstance(other.get(key), dict):
+            out += [f"checkpoint file {name}" for name in differing_files(ref[key], other[key])]
+        else:
+            out.append(_FINGERPRINT_NAMES.get(key, key))
+    return out
 
 
 def _resident_bytes() -> int:

@@ -95,7 +95,7 @@ def test_ranks_with_different_checkpoints_are_refused(checkpoint, tmp_path):
     argv = ["-m", "mlxdist.run", "--model", "model", "--prompt", "hi"]
     proc = _mpmd([(tmp_path / "a", argv), (tmp_path / "b", argv), (tmp_path / "a", argv)])
     line = _one_error(proc)
-    assert "rank 1 (checkpoint config.json, checkpoint weight index, checkpoint weight bytes)" in line
+    assert "rank 1 (checkpoint file config.json, checkpoint file model.safetensors" in line
     assert "rank 2" not in line
 
 
@@ -107,7 +107,7 @@ def test_ranks_with_checkpoints_of_equal_shapes_but_other_weights_are_refused(ch
         write_checkpoint(tmp_path / sub / "model", "qwen3_moe", seed=seed)
     argv = ["-m", "mlxdist.run", "--model", "model", "--prompt", "hi"]
     line = _one_error(_mpmd([(tmp_path / "a", argv), (tmp_path / "b", argv), (tmp_path / "a", argv)]))
-    assert "rank 1 (checkpoint weight bytes)" in line
+    assert "rank 1 (checkpoint file model.safetensors)" in line
     assert "rank 2" not in line
 
 

@@ -21,7 +21,9 @@ from mlxdist.config import EXPERT_SPLITS, GenerationParams
 from mlxdist.digits import arg_duration, arg_int
 from mlxdist.dispatch import DISPATCH_MODES, LAYOUTS, modes
 from mlxdist.errors import GenerationFailed, UserError, say_error
+from mlxdist.model.balance import host_budgets
 from mlxdist.model.placement import parse_rank_memory
+from mlxdist.runtime.progress import set_quiet
 from mlxdist.runtime.watchdog import DEFAULT_TIMEOUT
 from mlxdist.runtime.world import BACKENDS, launcher_rank, run_or_abort, set_exit_code
 
@@ -29,6 +31,8 @@ from mlxdist.runtime.world import BACKENDS, launcher_rank, run_or_abort, set_exi
 def build_parser() -> argparse.ArgumentParser:
     p = RankZeroParser(prog="python -m mlxdist.run", description=__doc__.splitlines()[0])
     p.add_argument("--model", help="model folder or hub id (default: a small built-in random MoE)")
+    p.add_argument("--quiet", action="store_true", help="no progress lines while the model loads")
+    p.add_argument("--revision", help="a hub id's branch, tag or commit (default: main)")
     p.add_argument("-p", "--prompt", help="one prompt ('-': all of stdin, as mlx_lm.generate); without it, rank 0 "
                                            "reads one prompt per line from stdin")
     p.add_argument("--system-prompt", help="system message for the chat template")
@@ -80,9 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--record-routing", metavar="FILE",
                    help="write the job's routed slots per (layer, expert) to FILE at exit (python -m mlxdist.place "
                         "reads it; docs/placement.md)")
-    p.add_argument("--rank-memory", metavar="A,B,...", type=rank_memory_arg, default=None,
-                   help="GB of expert weights each rank may keep resident, one per rank: experts are spread in "
-                        "proportion, and a placement that does not fit is refused")
+    p.add_argument("--rank-memory", metavar="HOST=GB,...|A,B,...", type=rank_memory_arg, default=None,
+                   help="GB of expert weights each host (matched by name; or a JSON hostfile with memory_gb) or "
+                        "each rank (in order) may keep resident: experts are spread in proportion, and a placement "
+                        "that does not fit is refused (default: from the memory each rank finds)")
     p.add_argument("--expert-capacity", type=arg_int(), default=None,
                    help="experts each rank keeps resident per layer; the rest are read from its checkpoint copy "
                         "on demand into least-recently-used slots (needs --layout compact or --dispatch p2p)")
@@ -129,10 +134,12 @@ def apply_host_flags(args) -> None:
         envs.put("MLXDIST_ALLOW_SLEEP", 1)
 
 
-def rank_memory_arg(text: str) -> List[float]:
-    """--rank-memory for argparse (run and serve): ``parse_rank_memory``, its error argparse's."""
+def rank_memory_arg(text: str):
+    """``--rank-memory`` (here and in ``mlxdist.serve``): GB per host name
+    (HOST=GB,...: ``balance.host_budgets``; or a JSON hostfile:
+    ``placement.parse_rank_memory``), or per rank (A,B,...)."""
     try:
-        return parse_rank_memory(text)
+        return host_budgets(text) if "=" in text else parse_rank_memory(text)
     except UserError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 
@@ -264,7 +271,8 @@ def command_loop(cluster: Cluster, args) -> int:
     try:
         cluster.load(args.model, args.dispatch, args.placement, not args.no_rank0_experts, args.layout, args.stats,
                      args.expert_capacity, args.memory_budget, args.expert_split,
-                     record_routing=args.record_routing, rank_memory_gb=args.rank_memory, draft_model=args.draft_model)
+                     record_routing=args.record_routing, rank_memory_gb=args.rank_memory, draft_model=args.draft_model,
+                     revision=args.revision)
     except UserError as e:
         say_error(str(e))
         if jobs is not None:
@@ -299,6 +307,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.jobs and not args.out:
         build_parser().error("--jobs needs --out")
     apply_host_flags(args)
+    set_quiet(args.quiet)
     cluster = init(timeout=args.timeout, backend=args.backend)
     code = run_or_abort(cluster.world, command_loop, cluster, args)
     cluster.shutdown(code)

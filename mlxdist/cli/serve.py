@@ -15,6 +15,7 @@ from mlxdist.cli.run import RankZeroParser, add_host_flags, apply_host_flags, ra
 from mlxdist.config import EXPERT_SPLITS
 from mlxdist.digits import arg_duration, arg_int
 from mlxdist.errors import UserError, one_line, say_error
+from mlxdist.runtime.progress import set_quiet
 from mlxdist.runtime.watchdog import DEFAULT_TIMEOUT
 from mlxdist.runtime.world import BACKENDS, launcher_rank, set_exit_code
 from mlxdist.serving.connections import (
@@ -28,6 +29,8 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 def build_parser() -> argparse.ArgumentParser:
     p = RankZeroParser(prog="python -m mlxdist.serve", description="An OpenAI-compatible HTTP server over the distributed model.")
     p.add_argument("--model", default=None, help="Model folder or hub id (default: the built-in random MoE).")
+    p.add_argument("--quiet", action="store_true", help="no progress lines while the model loads")
+    p.add_argument("--revision", default=None, help="A hub id's branch, tag or commit (default: main).")
     p.add_argument("--host", default="127.0.0.1", help="Address to bind (default 127.0.0.1; others need --api-key).")
     p.add_argument("--port", type=arg_int(), default=8080)
     p.add_argument("--api-key", default=None,
@@ -93,8 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "SECONDS, between two steps on every rank (docs/placement.md); default: never")
     p.add_argument("--rebalance-replicas", type=arg_int(), default=0, metavar="R",
                    help="replica slots per rank in those placements (default %(default)s)")
-    p.add_argument("--rank-memory", metavar="A,B,...", type=rank_memory_arg, default=None,
-                   help="GB of expert weights each rank may keep resident, one per rank (docs/placement.md)")
+    p.add_argument("--rank-memory", metavar="HOST=GB,...|A,B,...", type=rank_memory_arg, default=None,
+                   help="GB of expert weights each host (by name) or each rank (in order) may keep resident "
+                        "(docs/placement.md)")
     p.add_argument("--timeout", type=arg_duration(), default=DEFAULT_TIMEOUT,
                    help="Seconds without progress before a rank is declared hung; one serving step (it may be a "
                         "long prefill) gets 10 x that (default %(default)s).")
@@ -163,6 +167,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     """``python -m mlxdist.serve``."""
     args = build_parser().parse_args(argv)
     apply_host_flags(args)
+    set_quiet(args.quiet)
     problem = check_options(args)
     if problem:
         if launcher_rank() != 0:
@@ -177,9 +182,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         cluster.load(args.model, dispatch=args.dispatch, expert_split=args.expert_split,
                      record_routing=args.record_routing, record_routing_every=args.record_routing_every,
                      rank_memory_gb=args.rank_memory, count_routing=args.rebalance_every is not None,
-                     draft_model=args.draft_model)
+                     draft_model=args.draft_model, revision=args.revision)
         loaded = ("backend", "timeout", "dispatch", "expert_split", "record_routing", "record_routing_every",
-                  "rank_memory", "api_key_file")
+                  "rank_memory", "api_key_file", "revision", "quiet")
         options = {k: v for k, v in vars(args).items() if k not in loaded}
         options["model"] = cluster.engine.options.model
         cluster.serve_http(options)

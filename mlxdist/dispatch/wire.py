@@ -8,6 +8,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
+from mlxdist.arrays import from_numpy, to_numpy  # noqa: F401 - arrays travel as their bits
+
 TAG_EXPERTS = 17  # rank 0 -> owner: rows to compute, or DONE
 TAG_RESULT = 18  # owner -> rank 0: the computed rows
 OP_EXPERTS = 1
@@ -16,17 +18,6 @@ HEADER_INTS = 8  # op, layer, dtype code, slots, rows, D, step, the layer's slot
 
 WIRE_DTYPES = [mx.float32, mx.float16, mx.bfloat16]
 NUMPY_DTYPES = {mx.float32: np.float32, mx.float16: np.float16, mx.bfloat16: np.uint16}
-
-
-def to_numpy(a: mx.array) -> np.ndarray:
-    """The array's bits as numpy (bfloat16 travels as uint16)."""
-    return np.asarray(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a)
-
-
-def from_numpy(a: np.ndarray, dtype: mx.Dtype) -> mx.array:
-    """Inverse of ``to_numpy``."""
-    out = mx.array(a)
-    return out.view(dtype) if dtype == mx.bfloat16 else out
 
 
 def pack(op: int, layer: int, dtype: mx.Dtype, local_ids: np.ndarray, slot_rows: np.ndarray, x: np.ndarray,

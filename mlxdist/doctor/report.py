@@ -46,18 +46,19 @@ def _model_problems(ranks: List[Dict[str, Any]], min_disk_gb: float) -> List[str
     models = [r["model"] for r in ranks if r["model"] is not None]
     if not models:
         return found
-    for r in ranks:
-        if not r["model"]["present"]:
-            found.append(f"rank {r['rank']}: no model: {r['model']['where']}")
+    # One rank's copy is enough: the others are sent their shares at load (docs/memory.md).
     present = [r for r in ranks if r["model"]["present"]]
+    if not present:
+        return found + [f"no rank has the model: {r['model']['where']}" for r in ranks[:1]]
     if len({r["model"]["fingerprint"] for r in present}) > 1:
         found.append("the model differs between ranks: " + ", ".join(
             f"rank {r['rank']} {r['model']['fingerprint']}" for r in present))
-    for r in present:
-        need = r["model"]["weights_gb"] / len(ranks) * HEADROOM
+    weights_gb = present[0]["model"]["weights_gb"]
+    for r in ranks:
+        need = weights_gb / len(ranks) * HEADROOM
         if r["available_gb"] is not None and need > r["available_gb"]:
             found.append(f"rank {r['rank']}: too little memory for the model: about {need:.1f} GB needed "
-                         f"(its share of {r['model']['weights_gb']:.1f} GB of weights), {r['available_gb']:.1f} "
+                         f"(its share of {weights_gb:.1f} GB of weights), {r['available_gb']:.1f} "
                          f"GB available")
     return found
 
@@ -73,7 +74,7 @@ def table(ranks: List[Dict[str, Any]], addresses: List[Dict[str, Any]], timing: 
     rows = [head]
     for r in ranks:
         v, m = r["versions"], r["model"]
-        model = "-" if m is None else (f"{m['fingerprint']} {m['weights_gb']:.2f} GB" if m["present"] else "missing")
+        model = "-" if m is None else (f"{m['fingerprint']} {m['weights_gb']:.2f} GB" if m["present"] else "missing (sent at load)")
         rows.append([str(r["rank"]), r["host"], r["os"], v["python"], v["mlx"], v["mlx-lm"], v["mlxdist"],
                      v["mpi4py"], f"{r['mpi']} ({r['threads']})", r["backend"],
                      f"{_gb(r['total_gb'])}/{_gb(r['available_gb'])}/{_gb(r['wired_limit_gb'])}",

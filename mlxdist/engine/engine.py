@@ -9,6 +9,7 @@ strategy runs ``dp_schedule.py`` instead. Loading is ``load.py``.
 import copy
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import mlx.core as mx
@@ -63,6 +64,8 @@ class Engine:
     memory: Dict[str, int] = field(default_factory=dict)
     memory_by_rank: List[Dict[str, int]] = field(default_factory=list)
     fingerprint: Dict[str, Any] = field(default_factory=dict)
+    model_path: Optional[Path] = None  # the folder this rank loaded from (its own copy or its share)
+    located: Any = None  # where each rank's model comes from (engine/fetch.py's Located)
     kv_bytes: Optional[int] = None  # this rank's largest KV cache in the last dp generation
     strategy: str = ""  # the strategy the switches use now
     capacity: Optional[int] = None  # experts resident per layer here (--expert-capacity or --memory-budget)
@@ -284,6 +287,12 @@ class Engine:
                  ) -> Dict[int, Tuple[LayerOwnership, Optional[nn.Module]]]:
         """Each MoE layer's ownership and expert module under ``plan``, read
         and evaluated, nothing in use changed."""
+        if self.located is not None:  # a rank holding only its share is sent the experts new to it
+            from mlxdist.engine.fetch import fetch_share, rank_spans
+
+            fetch_share(self.world, self.located, lambda: rank_spans(self.world, self.options, sources,
+                                                                     list(sites.values()), plan))
+            self.memory["received_bytes"] = self.located.received
         paging = self.paging or PagingStats()
         prepared = {}
         for switch in self.switches:
@@ -329,7 +338,7 @@ class Engine:
     def _lazy_model(self) -> Tuple[nn.Module, CheckpointSources]:
         """A fresh lazy mlx-lm model of the checkpoint and where its experts
         are stored: what experts are read from (only those asked for)."""
-        path = resolve_model_path(self.options.model)
+        path = self.model_path or resolve_model_path(self.options.model, self.options.revision)
         lazy_model, _, sources = load_lazy(path, read_safetensors_index(path))
         return lazy_model, sources
 

@@ -7,7 +7,8 @@ executor, so ranks that loaded different things never generate together.
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass, field
+import socket
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -20,12 +21,16 @@ from mlxdist.config import LoadOptions
 from mlxdist.dispatch import DenseRanks, LayerOwnership, RowDispatcher, make_dispatcher, modes
 from mlxdist.engine.engine import Engine
 from mlxdist.errors import UserError, one_line
+from mlxdist.engine.fetch import Located, fetch_share, locate_model, rank_spans
 from mlxdist.model.checkpoint import (
-    check_config, find_switch_sites, nbytes, read_safetensors_index, resolve_model_path,
+    check_config, find_switch_sites, nbytes, read_safetensors_index,
     split_experts_by_width, split_shared_by_width, switch_extras,
 )
 from mlxdist.model.paging import PagingStats, capacity_for_budget, expert_module
-from mlxdist.model.balance import bytes_per_expert, check_rank_memory
+from mlxdist.model.balance import (
+    KV_RESERVE_TOKENS, budgets_by_rank, bytes_per_expert, check_plan_fits, check_rank_memory, expert_budgets,
+    kv_bytes_per_token,
+)
 from mlxdist.model.placement import Placement, resolve_placement
 from mlxdist.model.routing import RouterWeights, RoutingWeightsNotFound, activation_dtype, find_router_weights
 from mlxdist.model.sources import load_lazy
@@ -33,9 +38,11 @@ from mlxdist.model.switch import DistributedSwitch, MoEBlock
 from mlxdist.model.tensor_parallel import can_shard, own_bytes, shard_dense, tensor_parallel_twin
 from mlxdist.runtime import faults
 from mlxdist.runtime.control import PROTOCOL_VERSION
+from mlxdist.runtime.memory import detect_memory, set_wired_limit
+from mlxdist.runtime.progress import Stage
 from mlxdist.runtime.world import World
 
-__all__ = ["load_engine", "sample_digest"]
+__all__ = ["load_engine"]
 
 
 @dataclass
@@ -67,9 +74,12 @@ def load_engine(world: World, options: LoadOptions) -> Engine:
     modes.check_survival(options.dispatch, world.size, world.tolerant)
     modes.check_launcher(options.dispatch, world.size, world.control.has_mpi)
     mx.reset_peak_memory()  # the load's own peak is reported (memory["load_peak_bytes"])
-    lazy = _read_lazy(options.model)
-    plan = _placement(world, options, lazy.sites)
+    located = locate_model(world, options.model, options.revision)  # a rank without the model gets its share
+    lazy = _read_lazy(located.path)
+    options, plan = _placement(world, options, lazy)
     by_width = options.expert_split == "width" and world.size > 1
+    # Before anything is evaluated (finding the routers runs them).
+    fetch_share(world, located, lambda: rank_spans(world, options, lazy.sources, lazy.sites, plan))
     strategies, routers = _strategies(world, options, lazy, by_width)
     dispatchers = _dispatchers(world, options, lazy, strategies, routers, by_width)
     first = dispatchers[strategies[0]]
@@ -80,7 +90,8 @@ def load_engine(world: World, options: LoadOptions) -> Engine:
         shard_dense(lazy.model, lazy.sites, world, lazy.config, whole_blocks=by_width)
     capacity = _capacity(world, options, lazy, plan, runs_dense)
     faults.arm(world.rank)
-    modules = _replace_switches(world, lazy, plan, first, routers, by_width, capacity)
+    modules = _replace_switches(world, lazy, plan, first, routers, by_width, capacity,
+                                _reading_stage(world, plan, lazy.sites, by_width))
     twin = None
     if tp_twin:  # its own (split) arrays are evaluated as it is built
         wrapped = {site.path.rsplit(".", 1)[0]: block for site, block in zip(lazy.sites, modules.blocks)}
@@ -90,7 +101,7 @@ def load_engine(world: World, options: LoadOptions) -> Engine:
     if runs_dense:
         model, tokenizer = lazy.model, _dense_part(lazy)
         dense_bytes = nbytes(model.parameters()) - expert_bytes + (own_bytes(twin, model) if twin is not None else 0)
-    return Engine(
+    engine = Engine(
         world,
         options,
         plan,
@@ -103,16 +114,20 @@ def load_engine(world: World, options: LoadOptions) -> Engine:
         dispatchers,
         blocks=modules.blocks,
         split_model=twin,
-        memory={"expert_bytes": expert_bytes, "dense_bytes": dense_bytes, "load_peak_bytes": mx.get_peak_memory()},
-        fingerprint=_fingerprint(world, options, lazy, plan),
+        memory={"expert_bytes": expert_bytes, "dense_bytes": dense_bytes, "load_peak_bytes": mx.get_peak_memory(),
+                "received_bytes": located.received, "transfer_peak_bytes": located.transfer_peak},
+        fingerprint=_fingerprint(options, located, plan, world),
         capacity=capacity,
         paging=modules.paging if capacity is not None else None,
     )
+    engine.model_path = lazy.path  # a rank's share, where it has no copy of its own: what it reads again later
+    engine.located = located
+    set_wired_limit()
+    return engine
 
 
-def _read_lazy(model: str) -> _Lazy:
+def _read_lazy(path: Path) -> _Lazy:
     """The checkpoint's index and mlx-lm's lazy model, with its MoE layers."""
-    path = resolve_model_path(model)
     check_config(path)
     index = read_safetensors_index(path)
     try:
@@ -128,13 +143,26 @@ def _read_lazy(model: str) -> _Lazy:
     return _Lazy(path, index, lazy_model, config, sources, sites)
 
 
-def _placement(world: World, options: LoadOptions, sites) -> Placement:
-    """The placement the job uses (the given one, else the even policy in proportion to the budgets)."""
+def _placement(world: World, options: LoadOptions, lazy: _Lazy) -> Tuple[LoadOptions, Placement]:
+    """The placement the job uses: the given one, else the even policy in
+    proportion to the budgets (given by rank, or by host name and matched to
+    the ranks' hosts here), else to the memory each rank found; a plan that
+    cannot fit is refused before a byte is read. The options with budgets by rank."""
+    sites = lazy.sites
+    experts_per_layer = {s.layer: s.num_experts for s in sites}
+    found = world.control.allgather_json(_my_memory(world))  # every rank's memory and host
+    memory = [m["bytes"] for m in found]
+    if isinstance(options.rank_memory_gb, dict):  # budgets per host: matched by name, never by position
+        options = replace(options, rank_memory_gb=budgets_by_rank(options.rank_memory_gb, [m["host"] for m in found]))
     budgets = options.rank_memory_gb
     if budgets is not None and len(budgets) != world.size:
         raise UserError(f"--rank-memory gives {len(budgets)} budgets for {world.size} ranks")
-    experts_per_layer = {s.layer: s.num_experts for s in sites}
-    return resolve_placement(options.placement, experts_per_layer, world.size, options.rank0_experts, budgets)
+    room = _room_for_experts(world, options, lazy.model, sites, lazy.config, memory) if budgets is None else None
+    plan = resolve_placement(options.placement, experts_per_layer, world.size, options.rank0_experts,
+                             budgets or _unequal(room, options))
+    if room is not None:  # refused before a byte is read
+        check_plan_fits(plan, room, bytes_per_expert(sites), memory)
+    return options, plan
 
 
 def _strategies(world: World, options: LoadOptions, lazy: _Lazy,
@@ -183,10 +211,10 @@ def _capacity(world: World, options: LoadOptions, lazy: _Lazy, plan: Placement, 
 
 
 def _replace_switches(world: World, lazy: _Lazy, plan: Placement, dispatcher, routers: Dict[type, RouterWeights],
-                      by_width: bool, capacity: Optional[int]) -> _Modules:
+                      by_width: bool, capacity: Optional[int], reading: Stage) -> _Modules:
     """Each MoE layer's expert module replaced by a ``DistributedSwitch``
-    holding this rank's experts (read now), and its block wrapped where the
-    exchange needs the whole block."""
+    holding this rank's experts (read now, shown by ``reading``), and its
+    block wrapped where the exchange needs the whole block."""
     out = _Modules()
     named = dict(lazy.model.named_modules())
     for site in lazy.sites:
@@ -203,6 +231,7 @@ def _replace_switches(world: World, lazy: _Lazy, plan: Placement, dispatcher, ro
         if local is not None:
             mx.eval(local.parameters())
             out.experts[site.layer] = local
+            reading.update(nbytes(local.parameters()))
         try:
             switch = DistributedSwitch(owns, local, dispatcher, first=site is lazy.sites[0], extras=extras)
         except ValueError as e:
@@ -214,6 +243,7 @@ def _replace_switches(world: World, lazy: _Lazy, plan: Placement, dispatcher, ro
             holder_path, block_attr, _ = site.path.rsplit(".", 2)
             out.blocks.append(MoEBlock(site.parent, switch))
             setattr(named[holder_path], block_attr, out.blocks[-1])
+    reading.close()
     return out
 
 
@@ -226,17 +256,54 @@ def _dense_part(lazy: _Lazy):
         raise UserError(f"cannot load the tokenizer in {lazy.path} (tokenizer.json): {one_line(e)}") from None
 
 
-def _fingerprint(world: World, options: LoadOptions, lazy: _Lazy, plan: Placement) -> Dict[str, str]:
-    """What this rank loaded, comparable across ranks (the executor compares them)."""
+def _my_memory(world: World) -> Dict[str, Any]:
+    found, source = detect_memory(world.rank)
+    return {"bytes": found, "source": source, "host": socket.gethostname()}
+
+
+def _room_for_experts(world: World, options: LoadOptions, lazy_model, sites, config, memory) -> Optional[List[float]]:
+    """[N] GB each rank can give its experts, from the memory each found
+    (``runtime/memory.py``; ``model/balance.py``'s budgets); None where the
+    load decides residency otherwise (paging, experts cut in width) or a
+    rank's memory is unknown."""
+    if options.expert_capacity is not None or options.memory_budget_gb is not None or not all(memory):
+        return None
+    if options.expert_split == "width" and world.size > 1:
+        return None
+    per_expert = bytes_per_expert(sites)
+    dense = nbytes(lazy_model.parameters()) - sum(per_expert[s.layer] * s.num_experts for s in sites)
+    runs_dense = [r == 0 or options.dispatch != "p2p" for r in range(world.size)]  # p2p's workers run none
+    return expert_budgets(memory, [dense if d else 0 for d in runs_dense], KV_RESERVE_TOKENS * kv_bytes_per_token(config))
+
+
+def _unequal(room: Optional[List[float]], options: LoadOptions) -> Optional[List[float]]:
+    """Budgets the even placement follows: ``room`` where the ranks differ
+    by more than 1 % (equal ranks keep the plain even placement)."""
+    if room is None or not options.rank0_experts or max(room) <= 1.01 * min(room):
+        return None
+    return room
+
+
+def _reading_stage(world: World, plan, sites, by_width: bool) -> Stage:
+    """Rank 0's progress while it reads its experts (the bytes it keeps)."""
+    per_expert = bytes_per_expert(sites)
+    share = 1 / world.size if by_width else None
+    total = sum(per_expert[s.layer] * (s.num_experts * share if share else plan.held_counts(world.size)[s.layer][0])
+                for s in sites)
+    return Stage("read rank 0's experts", int(total), show=world.is_root)
+
+
+def _fingerprint(options: LoadOptions, located: Located, plan, world: World) -> Dict[str, Any]:
+    """What this rank loaded, as digests the executor compares over the ranks
+    (``model/fingerprint.py``): one per checkpoint file, the hub revision, the
+    options and placement, the versions and the device."""
     options_seen = {**asdict(options), "model": None, "placement": None}  # paths may differ per rank
-    index = lazy.index
     return {
         "mlxdist": __version__,
         "protocol": PROTOCOL_VERSION,
         "options": _digest(json.dumps(options_seen, sort_keys=True).encode()),
-        "config": _digest((lazy.path / "config.json").read_bytes()),
-        "weights": _digest(json.dumps(sorted((k, e.dtype, e.shape) for k, e in index.items())).encode()),
-        "content": sample_digest(sorted({e.file for e in index.values()})),
+        "files": located.digests,
+        "revision": located.revision,
         "placement": _digest(json.dumps(plan.to_json(), sort_keys=True).encode()),
         "libraries": f"mlx {_version('mlx')}, mlx-lm {_version('mlx-lm')}",
         "device": f"{world.backend} on {mx.default_device()}",
@@ -268,22 +335,6 @@ def _find_routing_weights(model: nn.Module, sites, config: Dict[str, Any]) -> Di
         shapes = sorted({f"top-{w.top_k} {w.dtype}" for w in found.values()})
         raise UserError(f"--dispatch dp needs one top-k and weight dtype in every MoE layer, found {shapes}")
     return found
-
-
-def sample_digest(files, sample: int = 1 << 16) -> str:
-    """A digest of every weight file's size and of ``sample`` bytes at its
-    start, middle and end: the same on every rank that holds the same
-    checkpoint (each rank reads different experts, so what it loaded cannot
-    be compared), different for another checkpoint of the same shapes."""
-    h = hashlib.sha256()
-    for file in files:
-        size = file.stat().st_size
-        h.update(f"{file.name}:{size}".encode())
-        with open(file, "rb") as f:
-            for offset in sorted({0, max(size // 2 - sample // 2, 0), max(size - sample, 0)}):
-                f.seek(offset)
-                h.update(f.read(sample))
-    return h.hexdigest()[:16]
 
 
 def _version(package: str) -> str:

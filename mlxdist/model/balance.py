@@ -185,3 +185,94 @@ def check_rank_memory(placement: Placement, rank: int, budget_gb: float, expert_
                         f"--rank-memory {budget_gb:g} GB by {need - budget_gb:.3g} GB (give it fewer experts, "
                         f"or page them with --expert-capacity)")
     return need
+
+
+# Memory found by itself (runtime/memory.py): what each rank keeps free besides its weights.
+KV_RESERVE_TOKENS = 32768  # KV-cache tokens reserved on every rank that runs attention (e.g. 8 x 4096)
+MARGIN = 0.10  # of each rank's memory, kept free for activations, buffers and the system
+
+
+def kv_bytes_per_token(config) -> int:
+    """Bytes of KV cache per token over every layer, from the config (keys
+    and values at 2 bytes; a model without the usual keys: hidden size x 2)."""
+    cfg = config.get("text_config", config)
+    layers = int(cfg.get("num_hidden_layers") or cfg.get("n_layers") or 1)
+    heads = int(cfg.get("num_attention_heads") or cfg.get("n_heads") or 1)
+    kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    hidden = int(cfg.get("hidden_size") or cfg.get("d_model") or 0)
+    head_dim = int(cfg.get("head_dim") or (hidden // heads if heads else 0))
+    return layers * 2 * kv_heads * head_dim * 2
+
+
+def expert_budgets(memory: Sequence[int], dense: Sequence[int], kv: int) -> List[float]:
+    """[N] GB each rank can give its experts: its memory less its dense part,
+    its KV reserve and ``MARGIN``. Raises ``UserError`` naming the first rank
+    left with nothing."""
+    out = []
+    for rank, (has, d) in enumerate(zip(memory, dense)):
+        left = has * (1 - MARGIN) - d - (kv if d else 0)
+        if left <= 0:
+            raise UserError(f"rank {rank} has {has / 1e9:.3g} GB: its dense part ({d / 1e9:.3g} GB), KV reserve "
+                            f"({(kv if d else 0) / 1e9:.3g} GB) and margin ({has * MARGIN / 1e9:.3g} GB) leave "
+                            f"nothing for experts")
+        out.append(left / 1e9)
+    return out
+
+
+def check_plan_fits(placement: Placement, budgets_gb: Sequence[float], expert_bytes: Dict[int, float],
+                    memory: Sequence[int]) -> None:
+    """Raise ``UserError`` naming the first rank whose experts under
+    ``placement`` exceed its budget (``expert_budgets``)."""
+    held = placement.held_counts(len(budgets_gb))
+    for rank, budget in enumerate(budgets_gb):
+        need = sum(counts[rank] * expert_bytes[l] for l, counts in held.items()) / 1e9
+        if need > budget:
+            raise UserError(f"rank {rank} would hold {need:.3g} GB of experts but has room for {budget:.3g} GB "
+                            f"({memory[rank] / 1e9:.3g} GB of memory, less its dense part, KV reserve and margin): "
+                            f"the model does not fit (more ranks, or page experts with --expert-capacity)")
+
+
+def host_budgets(text: str) -> Optional[Dict[str, float]]:
+    """``--rank-memory`` given per host: ``host=GB,host=GB`` or a JSON
+    hostfile (each host's ``ssh`` name and ``ips``, with its ``memory_gb``):
+    GB by host name; None where it gives budgets by rank (``A,B,...``)."""
+    if text.endswith(".json"):
+        from mlxdist.model.placement import parse_rank_memory, read_json
+
+        budgets = parse_rank_memory(text)  # checks every host's memory_gb
+        out: Dict[str, float] = {}
+        for host, gb in zip(read_json(text, "--rank-memory host", PlacementError), budgets):
+            for name in [host.get("ssh")] + list(host.get("ips") or []):
+                if isinstance(name, str) and name:
+                    out[name] = gb
+        if len(out) < len(budgets):
+            raise PlacementError(f"hostfile {text}: every host needs an \"ssh\" name to match its ranks by")
+        return out
+    if "=" not in text:
+        return None
+    out = {}
+    for part in text.split(","):
+        name, _, gb = part.partition("=")
+        try:
+            value = float(gb)
+        except ValueError:
+            value = float("nan")
+        if not name.strip() or not 0 < value < float("inf"):
+            raise PlacementError(f"--rank-memory takes HOST=GB per host separated by commas, not {part!r:.40}")
+        out[name.strip()] = value
+    return out
+
+
+def budgets_by_rank(by_host: Dict[str, float], hosts: Sequence[str]) -> List[float]:
+    """[N] GB per rank from GB per host: matched by host name (or its first
+    label, ``mac-2`` for ``mac-2.local``), a host's GB split evenly over its
+    ranks. Raises ``UserError`` naming a rank whose host is not named."""
+    short = {name.split(".")[0]: gb for name, gb in by_host.items()}
+    out = []
+    for rank, host in enumerate(hosts):
+        gb = by_host.get(host, short.get(host.split(".")[0]))
+        if gb is None:
+            raise UserError(f"rank {rank} runs on host {host}, which --rank-memory does not name (it names "
+                            f"{', '.join(sorted(by_host))[:80]})")
+        out.append(gb / sum(h == host for h in hosts))
+    return out

@@ -28,7 +28,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU, SwitchLinear, SwitchMLP
 
-from mlxdist.dispatch.wire import from_numpy
+from mlxdist.arrays import from_numpy
 from mlxdist.errors import CheckpointError, ModelNotFound, UserError
 
 SWITCH_TYPES = (SwitchGLU, SwitchMLP)
@@ -46,23 +46,31 @@ _DTYPES = {
 }
 
 
-def resolve_model_path(model: str) -> Path:
-    """A local folder, or a hub id fetched into the hub cache by mlx-lm's own
+def resolve_model_path(model: str, revision: Optional[str] = None) -> Path:
+    """A local folder, or a hub id (at ``revision``: a branch, tag or
+    commit; None: main) fetched into the hub cache by mlx-lm's own
     resolution (its file patterns)."""
     from mlxdist.compat import download as _download
 
     path = Path(model).expanduser()
     if path.exists():
+        if revision is not None:
+            raise ModelNotFound(f"--revision is for hub ids; {path} is a local folder")
         if not (path / "config.json").is_file():
             raise ModelNotFound(f"{path} has no config.json: not an mlx-lm model folder")
         return path
-    if model.startswith((".", "/", "~")) or model.count("/") != 1:
+    if not is_hub_id(model):
         raise ModelNotFound(f"model path {model} does not exist")
     try:
-        return _download(model)
+        return _download(model, revision=revision)
     except Exception as e:
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise ModelNotFound(f"cannot fetch {model!r} from the Hugging Face hub: {reason}") from None
+
+
+def is_hub_id(model: str) -> bool:
+    """Whether ``model``, not found as a folder, reads as a hub id ("org/name")."""
+    return not model.startswith((".", "/", "~")) and model.count("/") == 1
 
 
 def check_config(path: Path) -> None:
@@ -79,6 +87,12 @@ class TensorEntry:
     dtype: str
     shape: Tuple[int, ...]
     offset: int  # absolute byte offset of the tensor's data in the file
+    nbytes: int = 0  # bytes of the tensor's data
+
+    @property
+    def end(self) -> int:
+        """The absolute byte offset just past the tensor's data."""
+        return self.offset + self.nbytes
 
 
 def read_safetensors_index(model_path: Path) -> Dict[str, TensorEntry]:
@@ -98,7 +112,7 @@ def read_safetensors_index(model_path: Path) -> Dict[str, TensorEntry]:
             start, end = info["data_offsets"]
             if 8 + n + end > size:
                 raise CheckpointError(f"{file} is truncated (tensor {name} ends past the file)")
-            entries[name] = TensorEntry(file, info["dtype"], tuple(info["shape"]), 8 + n + start)
+            entries[name] = TensorEntry(file, info["dtype"], tuple(info["shape"]), 8 + n + start, end - start)
     return entries
 
 
@@ -130,6 +144,7 @@ def _read_pieces(pieces: List[Tuple[TensorEntry, int]], dtype: str, piece_shape:
     try:
         for i, (entry, r) in enumerate(pieces):
             f = files.get(entry.file) or files.setdefault(entry.file, open(entry.file, "rb", buffering=0))
+            check_held(entry.file, entry.offset + r * piece_bytes, piece_bytes)
             f.seek(entry.offset + r * piece_bytes)
             view, done = memoryview(out[i]).cast("B"), 0
             while done < piece_bytes:  # unbuffered: exactly these bytes, in as many reads as the OS needs
@@ -141,6 +156,31 @@ def _read_pieces(pieces: List[Tuple[TensorEntry, int]], dtype: str, piece_shape:
         for f in files.values():
             f.close()
     return from_numpy(out.reshape((len(pieces),) + tuple(piece_shape)), mx_dtype)
+
+
+# A rank that holds only its share of a checkpoint (model/share.py) registers, per file of its
+# share, the byte ranges it holds: a read outside them would read a hole (zeros) and is refused.
+_HELD: Dict[Path, List[Tuple[int, int]]] = {}
+
+
+def register_held(file: Path, ranges: List[Tuple[int, int]]) -> None:
+    """Only ``ranges`` (sorted, disjoint [start, end)) of ``file`` may be read from now on."""
+    _HELD[Path(file)] = sorted(ranges)
+
+
+def check_held(file: Path, start: int, length: int) -> None:
+    """Raise ``CheckpointError`` where ``file`` is part of a share that lacks these bytes."""
+    ranges = _HELD.get(Path(file))
+    if ranges is None or length == 0:
+        return
+    end, at = start + length, start
+    for s, e in ranges:
+        if s <= at < e:
+            at = e
+            if at >= end:
+                return
+    raise CheckpointError(f"{file} is this rank's share of the model, which lacks bytes {start}..{end} "
+                          f"(experts it did not hold at load: load again to fetch them)")
 
 
 @dataclass

@@ -95,6 +95,24 @@ class CheckpointSources:
                 parts.append(_Whole(name, value))
         return ExpertSource(parts)
 
+    def stored_experts(self, site: SwitchSite) -> List[Tuple[TensorEntry, Optional[int]]]:
+        """The stored tensors ``expert_source`` reads the site's experts from,
+        using nothing up: (entry, expert) for a tensor of one expert, (entry,
+        None) for one whose rows are the experts. Experts that ``sanitize``
+        computes from other tensors are not here (``model/share_needs.py``
+        finds them by name)."""
+        experts, out = site.num_experts, []
+        for name, value, entry in stacked_tensors(site, self.index):
+            stack = self._stacks.get(id(value))
+            cut = self._fused_outputs(experts).get(f"{site.path}.{name}") if entry is None and stack is None else None
+            if entry is not None:
+                out.append((entry, None))
+            elif stack is not None and stack.result is value and len(stack.names) == experts:
+                out += [(self.index[n], e) for e, n in enumerate(stack.names) if n in self.index]
+            elif cut is not None:
+                out.append((self.index[cut[0]], None))
+        return out
+
     def _fused_outputs(self, experts: int) -> Dict[str, Tuple[str, Tuple[int, ...], mx.Dtype]]:
         """Sanitized name -> (the source tensor it is cut from, shape of one
         expert's part, dtype), over every stored tensor with a leading axis of

@@ -78,8 +78,6 @@ def start_ring(comm):
     lists and connect to its right neighbour's: so each rank lists its
     address toward its left neighbour (one address per link, as a ring of
     cables needs)."""
-    import mlx.core as mx
-
     rank, size = comm.Get_rank(), comm.Get_size()
     hosts = _hosts(comm)
     left = hosts[(rank - 1) % size]
@@ -200,6 +198,8 @@ def _start_backend(name: str, written: str, waiting: str):
     """MLX's ``name`` backend, ended in one line where it does not connect
     (``waiting``: who waits for whom); ``written``, the file its init reads,
     removed after."""
+    import mlx.core as mx
+
     with _Deadline(f"MLX's {name} backend did not connect: {waiting}"):
         try:
             return mx.distributed.init(backend=name, strict=True)

@@ -1,0 +1,76 @@
+"""Throughput of sending a rank its share (``model/transfer.py``: chunks read
+from a file, CRC-32 on both sides, written into a sparse file) beside a plain
+mpi4py ``Send``/``Recv`` of the same bytes from memory to memory, in the same
+job. Rounds alternate the two; prints one JSON line with each round's GB/s
+and the median ratio.
+
+    mpirun -np 2 python benchmarks/transfer.py [--mb 512] [--rounds 3] [--dir /tmp]
+"""
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from mlxdist.runtime.world import init_world
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--mb", type=int, default=512)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--dir", default=tempfile.gettempdir())
+    args = p.parse_args()
+    world = init_world("mpi")
+    from mlxdist.engine.fetch import _Files
+    from mlxdist.model.transfer import MpiLink, recv_spans, send_spans
+
+    n = args.mb << 20
+    folder = Path(args.dir) / f"mlxdist-transfer-{os.getpid() if world.is_root else 'r'}"
+    folder = Path(world.control.allgather_json(str(folder))[0] + f"-rank{world.rank}")
+    folder.mkdir(parents=True, exist_ok=True)
+    file = folder / "data.bin"
+    if world.is_root:
+        file.write_bytes(np.random.default_rng(0).integers(0, 256, n, dtype=np.uint8).tobytes())
+    else:
+        with open(file, "wb") as f:
+            f.truncate(n)
+    spans = [("data.bin", 0, n)]
+    link, comm = MpiLink(world.comm), world.comm
+    plain, ours = [], []
+    buf = np.fromfile(file, dtype=np.uint8) if world.is_root else np.empty(n, np.uint8)
+    for _ in range(args.rounds):
+        comm.Barrier()
+        tic = time.perf_counter()
+        if world.is_root:
+            comm.Send(buf, dest=1, tag=5)
+            comm.Recv(np.empty(1, np.uint8), source=1, tag=6)
+        else:
+            comm.Recv(buf, source=0, tag=5)
+            comm.Send(np.empty(1, np.uint8), dest=0, tag=6)
+        plain.append(n / (time.perf_counter() - tic) / 1e9)
+        comm.Barrier()
+        tic = time.perf_counter()
+        if world.is_root:
+            with _Files(folder, "rb") as files:
+                send_spans(link, 1, files.read, spans)
+            comm.Recv(np.empty(1, np.uint8), source=1, tag=6)
+        else:
+            with _Files(folder, "r+b") as files:
+                recv_spans(link, 0, files.write, spans)
+            comm.Send(np.empty(1, np.uint8), dest=0, tag=6)
+        ours.append(n / (time.perf_counter() - tic) / 1e9)
+    if world.is_root:
+        ratios = [o / p for o, p in zip(ours, plain)]
+        print(json.dumps({"bytes": n, "plain_gbps": plain, "share_gbps": ours, "ratio_median": statistics.median(ratios)}))
+    file.unlink()
+    folder.rmdir()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""The shares of models this host keeps (``model/share.py``): listing and removing them."""

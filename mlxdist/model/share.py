@@ -1,0 +1,176 @@
+"""A rank's cached share of a checkpoint: what a rank without its own copy
+was sent, kept on its disk so that the next load reads it locally.
+
+One folder per checkpoint content and rank,
+``<MLXDIST_CACHE>/shares/<content key>/rank<r>/`` (the key digests the
+sender's file digests, ``model/fingerprint.py``), holding
+
+- the checkpoint's non-weight files (config, tokenizer files), whole;
+- each weight file as a *sparse* safetensors file of the original's size and
+  header, with only the byte ranges this rank reads written (a hole costs
+  no disk), so that every reader of the checkpoint (offset reads, mlx-lm's
+  lazy ``mx.load``, ``sanitize``) works on it unchanged;
+- ``share.json``: the sender's digests and revision, each weight file's
+  size, and the ranges held with a CRC-32 of each.
+
+Before a load uses a range it is read again and checked against its CRC: a
+damaged range is dropped and fetched again. Ranges held from an earlier
+placement stay; a new placement fetches only what it adds.
+"""
+
+import json
+import os
+import shutil
+import zlib
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+from mlxdist import envs
+from mlxdist.errors import UserError
+from mlxdist.model.checkpoint import register_held
+from mlxdist.model.fingerprint import file_digest, is_weight_file
+from mlxdist.model.share_needs import Spans, merge, subtract
+
+MANIFEST = "share.json"
+VERSION = 1
+DISK_MARGIN = 1 << 30  # bytes left free on the disk after a share is written
+_READ = 8 << 20  # bytes read at a time when checking a range
+
+
+def shares_root() -> Path:
+    """Where cached shares are kept: ``$MLXDIST_CACHE/shares`` (default ~/.cache/mlxdist/shares)."""
+    root = envs.get("MLXDIST_CACHE") or Path.home() / ".cache" / "mlxdist"
+    return Path(root).expanduser() / "shares"
+
+
+class Share:
+    """One rank's share of one checkpoint (see the module's docstring)."""
+
+    def __init__(self, folder: Path, manifest: Dict):
+        self.folder = folder
+        self.manifest = manifest
+
+    @classmethod
+    def open(cls, key: str, rank: int) -> "Share":
+        """The share of checkpoint ``key`` for ``rank``, empty if none is
+        cached or its manifest cannot be read."""
+        folder = shares_root() / key / f"rank{rank}"
+        try:
+            manifest = json.loads((folder / MANIFEST).read_text())
+            if not isinstance(manifest, dict) or manifest.get("version") != VERSION:
+                manifest = {}
+        except (OSError, ValueError):
+            manifest = {}
+        return cls(folder, manifest)
+
+    @property
+    def digests(self) -> Dict[str, str]:
+        return dict(self.manifest.get("digests") or {})
+
+    @property
+    def revision(self) -> Optional[str]:
+        return self.manifest.get("revision")
+
+    def has_files(self, digests: Dict[str, str]) -> bool:
+        """Whether the share holds the checkpoint whose file digests are
+        ``digests``: its non-weight files whole and unchanged, its weight
+        files at their size with their header."""
+        if self.digests != digests:
+            return False
+        sizes = self.manifest.get("sizes") or {}
+        for name, digest in digests.items():
+            file = self.folder / name
+            try:
+                if is_weight_file(name):
+                    if file.stat().st_size != sizes.get(name) or not self._header_ok(name):
+                        return False
+                elif file_digest(file) != digest:
+                    return False
+            except (OSError, UserError):
+                return False
+        return True
+
+    def write_files(self, digests: Dict[str, str], revision: Optional[str], files: Dict[str, bytes],
+                    sizes: Dict[str, int]) -> None:
+        """Start the share afresh: the non-weight ``files`` whole, and each
+        weight file (in ``files``: its header) sparse at its size."""
+        if self.folder.exists():
+            shutil.rmtree(self.folder)
+        self.folder.mkdir(parents=True)
+        check_disk(self.folder, sum(len(b) for b in files.values()), "the model's files")
+        held = {}
+        for name, data in files.items():
+            with open(self.folder / name, "wb") as f:
+                f.write(data)
+                if is_weight_file(name):
+                    f.truncate(sizes[name])
+                    held[name] = [[0, len(data), zlib.crc32(data)]]
+        self.manifest = {"version": VERSION, "digests": digests, "revision": revision, "sizes": sizes, "held": held}
+        self.save()
+
+    def missing(self, need: Spans) -> Spans:
+        """The ranges of ``need`` this share lacks, after checking each held
+        range that ``need`` touches against its CRC (a damaged one is dropped)."""
+        held = self.manifest["held"]
+        for name, want in need.items():
+            kept = []
+            for start, end, crc in held.get(name, []):
+                if _touches(start, end, want) and _crc(self.folder / name, start, end) != crc:
+                    continue
+                kept.append([start, end, crc])
+            held[name] = kept
+        self.save()
+        return subtract(need, self.held_spans())
+
+    def held_spans(self) -> Spans:
+        return merge({n: [(s, e) for s, e, _ in r] for n, r in self.manifest["held"].items()})
+
+    def record(self, name: str, ranges: List[Tuple[int, int, int]]) -> None:
+        """Ranges written and checked: [start, end, crc32]."""
+        self.manifest["held"].setdefault(name, []).extend([list(r) for r in ranges])
+
+    def save(self) -> None:
+        tmp = self.folder / (MANIFEST + ".tmp")
+        tmp.write_text(json.dumps(self.manifest))
+        os.replace(tmp, self.folder / MANIFEST)
+
+    def guard(self) -> None:
+        """From now on, reads of this share's weight files outside the
+        ranges it holds are refused (they would read holes)."""
+        for name, ranges in self.held_spans().items():
+            register_held(self.folder / name, ranges)
+
+    def _header_ok(self, name: str) -> bool:
+        first = (self.manifest.get("held") or {}).get(name, [[0, 0, 0]])[0]
+        return first[0] == 0 and _crc(self.folder / name, first[0], first[1]) == first[2]
+
+
+def check_disk(folder: Path, need: int, what: str) -> None:
+    """Raise ``UserError`` unless ``need`` bytes fit on ``folder``'s disk with
+    ``DISK_MARGIN`` to spare."""
+    folder.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(folder).free
+    if need + DISK_MARGIN > free:
+        raise UserError(f"no room for {what} ({need / 1e9:.2f} GB) in {folder}: {free / 1e9:.2f} GB free, "
+                        f"{DISK_MARGIN / 1e9:.0f} GB kept spare (set MLXDIST_CACHE to another disk)")
+
+
+def _touches(start: int, end: int, want: List[Tuple[int, int]]) -> bool:
+    return any(s < end and start < e for s, e in want)
+
+
+def _crc(file: Path, start: int, end: int) -> int:
+    crc = 0
+    try:
+        with open(file, "rb") as f:
+            f.seek(start)
+            at = start
+            while at < end:
+                data = f.read(min(_READ, end - at))
+                if not data:
+                    return -1
+                crc = zlib.crc32(data, crc)
+                at += len(data)
+    except OSError:
+        return -1
+    return crc

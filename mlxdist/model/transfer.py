@@ -1,0 +1,235 @@
+"""Sending byte ranges of files from one rank to another over the job's own
+link, in bounded chunks: what a rank without the model is sent
+(``engine/fetch.py``).
+
+The ranges are one stream cut into chunks of ``CHUNK`` bytes (the last one
+shorter); both sides cut it alike, so no chunk carries a header. Each side
+holds two chunk buffers: on the sender a thread reads the next chunk while
+this one is on the wire, on the receiver a thread writes the last chunk
+while the next arrives (the messages themselves stay on the calling thread:
+MPI is entered from one thread at a time).
+The sender sends a CRC-32 of every range after the data; the receiver
+computes its own as it writes and returns the ranges that differ.
+
+Links, one per launcher: ``MpiLink`` (mpi4py's point-to-point messages,
+under mpirun, whatever MLX's backend) and ``MlxLink`` (MLX's
+``send``/``recv`` on the job's group, under ``mlx.launch``: ring and jaccl).
+"""
+
+import queue
+import threading
+import zlib
+from abc import ABC, abstractmethod
+from typing import Callable, Iterator, List, Optional, Tuple
+
+import numpy as np
+
+from mlxdist.errors import UserError
+
+CHUNK = 16 << 20  # bytes per message
+_TAG = 733
+
+Span = Tuple[str, int, int]  # (file name, start, end)
+Progress = Optional[Callable[[int], None]]  # called with the bytes of each chunk sent or received
+
+
+class Link(ABC):
+    """Point-to-point byte messages between two ranks."""
+
+    @abstractmethod
+    def isend(self, buf: np.ndarray, dst: int):
+        """Start sending ``buf`` (uint8) to ``dst``; returns something with ``wait()``."""
+
+    @abstractmethod
+    def irecv(self, buf: np.ndarray, src: int):
+        """Start receiving into ``buf`` (uint8, its exact size) from ``src``; returns something with ``wait()``."""
+
+
+class MpiLink(Link):
+    def __init__(self, comm):
+        self.comm = comm
+
+    def isend(self, buf, dst):
+        from mpi4py import MPI
+
+        return self.comm.Isend([buf, MPI.BYTE], dest=dst, tag=_TAG)
+
+    def irecv(self, buf, src):
+        from mpi4py import MPI
+
+        return self.comm.Irecv([buf, MPI.BYTE], source=src, tag=_TAG)
+
+
+class _Done:
+    def wait(self):
+        pass
+
+
+class _Received:
+    def __init__(self, array, buf):
+        self.array, self.buf = array, buf
+
+    def wait(self):
+        import mlx.core as mx
+
+        mx.eval(self.array)
+        self.buf[:] = np.array(self.array, copy=False)
+
+
+class MlxLink(Link):
+    """MLX's send/recv on ``group``, on the CPU stream."""
+
+    def __init__(self, group, backend: str):
+        if backend == "nccl":
+            raise UserError("a rank without the model is sent its share by point-to-point messages, which MLX's "
+                            "nccl backend lacks: give every rank the model, or launch with mpirun")
+        self.group = group
+
+    def isend(self, buf, dst):
+        import mlx.core as mx
+
+        mx.eval(mx.distributed.send(mx.array(buf), dst, group=self.group, stream=mx.cpu))
+        return _Done()
+
+    def irecv(self, buf, src):
+        import mlx.core as mx
+
+        array = mx.distributed.recv((buf.size,), mx.uint8, src, group=self.group, stream=mx.cpu)
+        return _Received(array, buf)
+
+
+def link_for(world) -> Link:
+    """The link of ``world``'s launcher."""
+    if world.control.has_mpi:
+        return MpiLink(world.comm)
+    return MlxLink(world.group, world.backend)
+
+
+def chunks(spans: List[Span], chunk: int = CHUNK) -> Iterator[List[Tuple[int, int, int, int]]]:
+    """The stream of ``spans`` cut in chunks: per chunk, its pieces as (span
+    index, offset in the file, length, offset in the chunk)."""
+    pieces, filled = [], 0
+    for i, (_, start, end) in enumerate(spans):
+        at = start
+        while at < end:
+            length = min(end - at, chunk - filled)
+            pieces.append((i, at, length, filled))
+            filled += length
+            at += length
+            if filled == chunk:
+                yield pieces
+                pieces, filled = [], 0
+    if pieces:
+        yield pieces
+
+
+def send_spans(link: Link, dst: int, read: Callable[[str, int, memoryview], None], spans: List[Span],
+               progress: Progress = None, chunk: int = CHUNK) -> int:
+    """Send ``spans`` to ``dst``; ``read(name, offset, view)`` fills ``view``
+    from the file. Returns the bytes sent. A thread reads and checksums the
+    next chunk while this one sends (the messages stay on this thread)."""
+    plan = list(chunks(spans, chunk))
+    crcs, failed = [0] * len(spans), []
+
+    def fill(buf: np.ndarray, pieces) -> None:
+        view = memoryview(buf)
+        for i, offset, length, at in pieces:
+            part = view[at:at + length]
+            try:
+                read(spans[i][0], offset, part)
+            except Exception as e:  # noqa: BLE001 - the stream goes on (the receiver waits for it), marked bad
+                failed.append(e)
+                crcs[i] ^= 0xFFFFFFFF
+            crcs[i] = zlib.crc32(part, crcs[i])
+
+    sent = 0
+    for buf, pieces in _pipelined(plan, chunk, fill, before=True):
+        n = _size(pieces)
+        link.isend(buf[:n], dst).wait()
+        sent += n
+        if progress is not None:
+            progress(n)
+    link.isend(np.array(crcs, dtype=np.uint32).view(np.uint8), dst).wait()
+    if failed:
+        raise failed[0]
+    return sent
+
+
+def recv_spans(link: Link, src: int, write: Callable[[str, int, memoryview], None], spans: List[Span],
+               progress: Progress = None, chunk: int = CHUNK) -> List[int]:
+    """Receive ``spans`` from ``src``; ``write(name, offset, view)`` puts
+    ``view`` in the file. Returns the CRC-32 of each span, after checking
+    them against the sender's (``UserError`` naming the first that differs).
+    A thread writes and checksums each chunk while the next one arrives."""
+    plan = list(chunks(spans, chunk))
+    crcs, failed = [0] * len(spans), []
+
+    def drain(buf: np.ndarray, pieces) -> None:
+        view = memoryview(buf)
+        for i, offset, length, at in pieces:
+            part = view[at:at + length]
+            try:
+                if not failed:
+                    write(spans[i][0], offset, part)
+            except Exception as e:  # noqa: BLE001 - the stream is drained all the same
+                failed.append(e)
+            crcs[i] = zlib.crc32(part, crcs[i])
+
+    for buf, pieces in _pipelined(plan, chunk, drain, before=False):
+        link.irecv(buf[:_size(pieces)], src).wait()
+        if progress is not None:
+            progress(_size(pieces))
+    theirs = np.empty(len(spans), dtype=np.uint32)
+    link.irecv(theirs.view(np.uint8), src).wait()
+    if failed:
+        raise failed[0]
+    for (name, start, end), mine, sent in zip(spans, crcs, theirs.tolist()):
+        if mine != sent:
+            raise UserError(f"bytes {start}..{end} of {name} arrived damaged from rank {src} (CRC-32 differs)")
+    return crcs
+
+
+def _size(pieces) -> int:
+    return pieces[-1][3] + pieces[-1][2]
+
+
+def _pipelined(plan, chunk: int, work: Callable, before: bool):
+    """Yield (buffer, pieces) per chunk of ``plan`` to the caller, which
+    moves the buffer over the link, while a thread runs ``work(buffer,
+    pieces)`` on each chunk: before the caller has it (sending: reading) or
+    after (receiving: writing). Two buffers: the thread works on one while
+    the caller moves the other."""
+    free, ready = queue.Queue(), queue.Queue()
+    for _ in range(min(2, len(plan))):
+        free.put(np.empty(chunk, np.uint8))
+    handed = queue.Queue() if not before else None
+
+    def run() -> None:
+        for pieces in plan:
+            buf = free.get() if before else handed.get()
+            work(buf, pieces)
+            (ready if before else free).put(buf)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    for pieces in plan:
+        buf = ready.get() if before else free.get()
+        yield buf, pieces
+        (free if before else handed).put(buf)
+    thread.join()
+
+
+def send_blob(link: Link, dst: int, data: bytes) -> None:
+    """Send ``data`` whole (small: the model's config and tokenizer files)."""
+    link.isend(np.array([len(data)], dtype=np.int64).view(np.uint8), dst).wait()
+    send_spans(link, dst, lambda _, offset, view: view.__setitem__(slice(None), data[offset:offset + len(view)]),
+               [("", 0, len(data))])
+
+
+def recv_blob(link: Link, src: int) -> bytes:
+    n = np.empty(1, dtype=np.int64)
+    link.irecv(n.view(np.uint8), src).wait()
+    out = bytearray(int(n[0]))
+    recv_spans(link, src, lambda _, offset, view: out.__setitem__(slice(offset, offset + len(view)), view),
+               [("", 0, len(out))])
+    return bytes(out)

@@ -1,0 +1,77 @@
+"""Memory found by itself (runtime/memory.py; docs/memory.md): with no
+budgets, the even placement follows what each rank can hold after its dense
+part, a KV reserve and a margin, and a model that fits no way is refused,
+naming the rank, before a byte is read. Each rank's figure comes from the
+test-only override MLXDIST_TEST_MEMORY_GB."""
+
+import json
+import sys
+
+from conftest import error_lines, last_json, launch
+from test_exact import MAX_TOKENS, PROMPT, reference
+
+
+def _figures(path):
+    """(dense bytes, KV reserve bytes, expert bytes of the whole model) of a checkpoint, from one rank's load."""
+    from mlxdist.model.balance import KV_RESERVE_TOKENS, kv_bytes_per_token
+
+    got = last_json(launch(0, ["--model", path, "-p", "hi", "-m", "1", "--json"]).stdout)["weights_gb"][0]
+    kv = KV_RESERVE_TOKENS * kv_bytes_per_token(json.loads((path / "config.json").read_text()))
+    return got["dense"] * 1e9, kv, got["expert"] * 1e9
+
+
+def _run(path, memory_gb, *args):
+    return launch(2, ["--model", path, "-p", PROMPT, "-m", MAX_TOKENS, "--json", "--ignore-chat-template",
+                      "--dispatch", "collective", *args], env={"MLXDIST_TEST_MEMORY_GB": memory_gb})
+
+
+def test_shares_follow_the_memory_each_rank_finds(checkpoint):
+    from mlxdist.model.balance import MARGIN
+
+    path = checkpoint("qwen3_moe")
+    dense, kv, experts = _figures(path)
+    room = [experts / 4, 3 * experts / 4]  # rank 1 can hold three times rank 0's experts
+    memory = [(1.05 * r + dense + kv) / (1 - MARGIN) for r in room]
+    proc = _run(path, ",".join(f"{m / 1e9:.9f}" for m in memory))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = last_json(proc.stdout)
+    assert got["tokens"] == reference(path)[0]
+    held = [w["expert"] * 1e9 for w in got["weights_gb"]]
+    assert 2.5 < held[1] / held[0] < 3.5, held
+
+
+def test_a_model_that_fits_no_way_is_refused_naming_the_rank(checkpoint):
+    from mlxdist.model.balance import MARGIN
+
+    path = checkpoint("qwen3_moe")
+    dense, kv, experts = _figures(path)
+    memory = (experts / 3 + dense + kv) / (1 - MARGIN)  # two thirds of the experts fit on two such ranks
+    proc = _run(path, f"{memory / 1e9:.9f}")
+    lines = error_lines(proc.stderr)
+    assert proc.returncode != 0 and lines, proc.stderr[-2000:]
+    assert "rank 0 would hold" in lines[0] and "the model does not fit" in lines[0], lines[0]
+    proc = _run(path, f"{dense / 1e9:.9f}")
+    lines = error_lines(proc.stderr)
+    assert lines and "rank 0 has" in lines[0] and "leave nothing for experts" in lines[0], lines[0]
+
+
+def test_budgets_per_host_are_matched_by_host_name(checkpoint, tmp_path):
+    """Two ranks on hosts h0 and h1 (a UTS namespace each); the JSON hostfile lists h1 first with three times
+    h0's budget: rank 1 (on h1) holds three times rank 0's experts. A host the file does not name is refused."""
+    from test_share import VIEW
+
+    path = checkpoint("qwen3_moe")
+    hosts = tmp_path / "hosts.json"
+    hosts.write_text(json.dumps([{"ssh": "h1", "memory_gb": 3.0}, {"ssh": "h0", "memory_gb": 1.0}]))
+    view = [VIEW, "--ranks", "0,1", "--hostname-prefix", "h", "--", sys.executable, "-m", "mlxdist.run",
+            "--model", path, "-p", PROMPT, "-m", MAX_TOKENS, "--json", "--ignore-chat-template", "--dispatch",
+            "collective", "--rank-memory"]
+    proc = launch(2, [*view, hosts], module=None)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = last_json(proc.stdout)
+    assert got["tokens"] == reference(path)[0]
+    held = [w["expert"] for w in got["weights_gb"]]
+    assert held[1] == 3 * held[0], held
+    proc = launch(2, [*view, "h0=1"], module=None)
+    lines = error_lines(proc.stderr)
+    assert lines and "rank 1 runs on host h1, which --rank-memory does not name" in lines[0], proc.stderr[-2000:]
