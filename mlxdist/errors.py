@@ -38,6 +38,10 @@ class ModelNotFound(UserError):
     pass
 
 
+class NotInHubCache(ModelNotFound):
+    """A hub id this host's hub cache does not hold (another rank may send it)."""
+
+
 class CheckpointError(UserError, RuntimeError):
     pass
 

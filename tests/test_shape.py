@@ -174,7 +174,7 @@ def test_mlx_launch_refuses_what_needs_mpi_in_one_line(checkpoint):
 # The layers, bottom up; a module may import (at module level) only from its
 # own layer or below. Entry points (cli/, the shims, bench/) sit on top.
 LAYERS = [
-    {"mlxdist.envs", "mlxdist.errors", "mlxdist.digits", "mlxdist.synth", "mlxdist.compat"},
+    {"mlxdist.envs", "mlxdist.errors", "mlxdist.digits", "mlxdist.arrays", "mlxdist.synth", "mlxdist.compat"},
     {"mlxdist.runtime"},
     {"mlxdist.dispatch"},
     {"mlxdist.model", "mlxdist.config"},
@@ -182,7 +182,7 @@ LAYERS = [
     {"mlxdist.serving", "mlxdist.executor"},
     {"mlxdist.api"},
     {"mlxdist.cli", "mlxdist.bench", "mlxdist.run", "mlxdist.serve", "mlxdist.supervise", "mlxdist.place",
-     "mlxdist.doctor"},
+     "mlxdist.doctor", "mlxdist.cache"},
 ]
 
 

@@ -23,6 +23,7 @@ class Mode:
     routing_on_host: bool = False  # reads the routing back per layer whatever the layout (can page experts)
     survives_rank_loss: bool = False
     mlx_collectives: bool = True  # its exchange runs on MLX's collectives (else: mpi4py's sends)
+    dense_on_root: bool = False  # rank 0 alone runs the dense model (the others hold experts only)
 
 
 MODES: Dict[str, Mode] = {m.name: m for m in (
@@ -31,7 +32,7 @@ MODES: Dict[str, Mode] = {m.name: m for m in (
     Mode("collective", "every rank runs the dense model, one all_sum of the slots per layer (exact)"),
     Mode("collective-tp", "collective with attention split by mlx-lm's shard() (not bit-exact)"),
     Mode("p2p", "rank 0 runs the dense model, workers hold experts only (exact; survives a lost rank)",
-         takes_width=False, routing_on_host=True, survives_rank_loss=True, mlx_collectives=False),
+         takes_width=False, routing_on_host=True, survives_rank_loss=True, mlx_collectives=False, dense_on_root=True),
 )}
 DISPATCH_MODES = tuple(MODES)
 
@@ -46,6 +47,11 @@ def mode(name: str) -> Mode:
     if name not in MODES:
         raise UserError(f"unknown dispatch mode {name!r} (choose {', '.join(DISPATCH_MODES)})")
     return MODES[name]
+
+
+def runs_dense(name: str, rank: int) -> bool:
+    """Whether ``rank`` runs the dense model under mode ``name`` (before its dispatchers exist)."""
+    return rank == 0 or not mode(name).dense_on_root
 
 
 def check_options(name: str, layout: str, expert_split: str, pages: bool, placed: bool) -> None:

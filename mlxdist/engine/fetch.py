@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
-from mlxdist.errors import ModelNotFound, UserError, describe_errors, one_line
+from mlxdist.errors import ModelNotFound, NotInHubCache, UserError, describe_errors, one_line
 from mlxdist.model.checkpoint import check_config, is_hub_id, read_safetensors_index, resolve_model_path
 from mlxdist.model.fingerprint import (
     checkpoint_digests, content_key, differing_files, header_bytes, hub_revision, is_weight_file,
@@ -145,11 +145,11 @@ def rank_spans(world: World, options, sources, sites, plan) -> Spans:
     """The byte ranges of the checkpoint this rank reads under ``plan`` with
     ``options`` (``model/share_needs.py``): p2p's workers alone run no dense
     layer; experts cut in width read every tensor."""
-    from mlxdist.dispatch import LayerOwnership
+    from mlxdist.dispatch import LayerOwnership, modes
 
     owned = {s.layer: LayerOwnership.build(s.layer, plan.layers[s.layer], world.rank, world.size).owned_experts.tolist()
              for s in sites}
-    dense = world.is_root or options.dispatch != "p2p"
+    dense = modes.runs_dense(options.dispatch, world.rank)
     whole = options.expert_split == "width" and world.size > 1
     return share_spans(sources.index, sources, sites, owned, dense, whole)
 
@@ -184,11 +184,7 @@ def _probe(model: str, revision: Optional[str], download: bool = False):
         return path, {"digests": checkpoint_digests(path), "revision": hub_revision(path), "error": None,
                       "absent": False}
     except Exception as e:  # noqa: BLE001 - reported to every rank
-        return None, {"digests": None, "revision": None, "error": one_line(e), "absent": isinstance(e, _NotCached)}
-
-
-class _NotCached(ModelNotFound):
-    pass
+        return None, {"digests": None, "revision": None, "error": one_line(e), "absent": isinstance(e, NotInHubCache)}
 
 
 def _local_copy(model: str, revision: Optional[str], download: bool) -> Path:
@@ -205,7 +201,7 @@ def _local_copy(model: str, revision: Optional[str], download: bool) -> Path:
         return Path(snapshot_download(model, revision=revision, allow_patterns=DEFAULT_ALLOW_PATTERNS,
                                       local_files_only=True))
     except Exception:  # noqa: BLE001 - not in this host's hub cache
-        raise _NotCached(f"{model} is not in this host's hub cache") from None
+        raise NotInHubCache(f"{model} is not in this host's hub cache") from None
 
 
 def _check_room_to_download(model: str, revision: Optional[str]) -> None:

@@ -272,7 +272,7 @@ def _room_for_experts(world: World, options: LoadOptions, lazy_model, sites, con
         return None
     per_expert = bytes_per_expert(sites)
     dense = nbytes(lazy_model.parameters()) - sum(per_expert[s.layer] * s.num_experts for s in sites)
-    runs_dense = [r == 0 or options.dispatch != "p2p" for r in range(world.size)]  # p2p's workers run none
+    runs_dense = [modes.runs_dense(options.dispatch, r) for r in range(world.size)]  # p2p's workers run none
     return expert_budgets(memory, [dense if d else 0 for d in runs_dense], KV_RESERVE_TOKENS * kv_bytes_per_token(config))
 
 
