@@ -200,6 +200,8 @@ def _start_backend(name: str, written: str, waiting: str):
     """MLX's ``name`` backend, ended in one line where it does not connect
     (``waiting``: who waits for whom); ``written``, the file its init reads,
     removed after."""
+    import mlx.core as mx
+
     with _Deadline(f"MLX's {name} backend did not connect: {waiting}"):
         try:
             return mx.distributed.init(backend=name, strict=True)
