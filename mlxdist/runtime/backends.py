@@ -78,8 +78,6 @@ def start_ring(comm):
     lists and connect to its right neighbour's: so each rank lists its
     address toward its left neighbour (one address per link, as a ring of
     cables needs)."""
-    import mlx.core as mx
-
     rank, size = comm.Get_rank(), comm.Get_size()
     hosts = _hosts(comm)
     left = hosts[(rank - 1) % size]
