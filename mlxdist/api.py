@@ -13,7 +13,6 @@ the cluster usable.
 
 import random
 import sys
-import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
 
@@ -389,9 +388,6 @@ def _budgets(rank_memory_gb) -> Union[None, List[float], Dict[str, float]]:
     return [float(b) for b in rank_memory_gb]
 
 
-OTHERS_SPEAK_AFTER = 5.0  # seconds a rank other than 0 waits before reporting a start-up failure itself
-
-
 def init(timeout: float = DEFAULT_TIMEOUT, backend: Optional[str] = None) -> Cluster:
     """Join the job. On rank 0, returns the ``Cluster`` handle; on every
     other rank, serves rank 0's commands and exits the process at shutdown.
@@ -415,11 +411,8 @@ def init(timeout: float = DEFAULT_TIMEOUT, backend: Optional[str] = None) -> Clu
             say_error(f"rank {rank}: a rank failed while the job started: {e}")
         elif rank == 0:  # the same problem on every rank: rank 0 speaks for all
             say_error(str(e))
-        else:
-            # Rank 0 speaks first where it has the same problem (the launcher then stops this rank);
-            # where it has not (a variable set on this host alone), this rank speaks after a moment.
-            time.sleep(OTHERS_SPEAK_AFTER)
-            say_error(f"rank {rank}: {e}")
+        else:  # and gives the job its status: were this rank to fail first, its launcher could stop rank 0 unheard
+            code = 0
         set_exit_code(code)
         raise SystemExit(code) from None
     start_watchdog(world, timeout)
