@@ -13,6 +13,7 @@ the cluster usable.
 
 import random
 import sys
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
 
@@ -388,6 +389,9 @@ def _budgets(rank_memory_gb) -> Union[None, List[float], Dict[str, float]]:
     return [float(b) for b in rank_memory_gb]
 
 
+OTHERS_EXIT_AFTER = 3.0  # seconds a rank other than 0 gives rank 0 to report a start-up failure they share
+
+
 def init(timeout: float = DEFAULT_TIMEOUT, backend: Optional[str] = None) -> Cluster:
     """Join the job. On rank 0, returns the ``Cluster`` handle; on every
     other rank, serves rank 0's commands and exits the process at shutdown.
@@ -411,8 +415,8 @@ def init(timeout: float = DEFAULT_TIMEOUT, backend: Optional[str] = None) -> Clu
             say_error(f"rank {rank}: a rank failed while the job started: {e}")
         elif rank == 0:  # the same problem on every rank: rank 0 speaks for all
             say_error(str(e))
-        else:  # and gives the job its status: were this rank to fail first, its launcher could stop rank 0 unheard
-            code = 0
+        else:  # after a moment: were this rank to fail first, its launcher could stop rank 0 unheard
+            time.sleep(OTHERS_EXIT_AFTER)
         set_exit_code(code)
         raise SystemExit(code) from None
     start_watchdog(world, timeout)
