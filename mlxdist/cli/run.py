@@ -139,7 +139,7 @@ def rank_memory_arg(text: str):
     (HOST=GB,...: ``balance.host_budgets``; or a JSON hostfile:
     ``placement.parse_rank_memory``), or per rank (A,B,...)."""
     try:
-        return host_budgets(text) if "=" in text else parse_rank_memory(text)
+        return host_budgets(text) or parse_rank_memory(text)
     except UserError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 

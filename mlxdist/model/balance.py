@@ -233,22 +233,10 @@ def check_plan_fits(placement: Placement, budgets_gb: Sequence[float], expert_by
 
 
 def host_budgets(text: str) -> Optional[Dict[str, float]]:
-    """``--rank-memory`` given per host: ``host=GB,host=GB`` or a JSON
-    hostfile (each host's ``ssh`` name and ``ips``, with its ``memory_gb``):
-    GB by host name; None where it gives budgets by rank (``A,B,...``)."""
-    if text.endswith(".json"):
-        from mlxdist.model.placement import parse_rank_memory, read_json
-
-        budgets = parse_rank_memory(text)  # checks every host's memory_gb
-        out: Dict[str, float] = {}
-        for host, gb in zip(read_json(text, "--rank-memory host", PlacementError), budgets):
-            for name in [host.get("ssh")] + list(host.get("ips") or []):
-                if isinstance(name, str) and name:
-                    out[name] = gb
-        if len(out) < len(budgets):
-            raise PlacementError(f"hostfile {text}: every host needs an \"ssh\" name to match its ranks by")
-        return out
-    if "=" not in text:
+    """``--rank-memory`` given per host as ``host=GB,host=GB``: GB by host
+    name; None where it gives budgets otherwise (``A,B,...`` by rank, or a
+    JSON hostfile: ``placement.parse_rank_memory``)."""
+    if "=" not in text or text.endswith(".json"):
         return None
     out = {}
     for part in text.split(","):
