@@ -142,17 +142,13 @@ def rank_slots(ranks: int, hostfile: Optional[str], rank_memory: Optional[str]) 
 
 def _host_budgets(path: str) -> List[Tuple[str, float]]:
     """(host, memory_gb) per entry of a JSON hostfile (``ssh``, else the first of ``ips``)."""
-    from mlxdist.model.placement import _hostfile_budgets, read_json
+    from mlxdist.model.placement import _hostfile_budgets
 
-    budgets = _hostfile_budgets(path)  # checked: a list of hosts, each with a number memory_gb
-    entries = read_json(path, "--rank-memory host", UserError)
-    names = []
-    for i, entry in enumerate(entries):
-        name = entry.get("ssh") or (entry.get("ips") or [None])[0]
+    budgets = _hostfile_budgets(path)  # checked: hosts, each with a number memory_gb; either of mlx.launch's forms
+    for i, name in enumerate(budgets.hosts):
         if not isinstance(name, str) or not name:
             raise UserError(f"hostfile {path}: host {i} has no \"ssh\" name to match ranks by")
-        names.append(name)
-    return list(zip(names, budgets))
+    return list(zip(budgets.hosts, budgets))
 
 
 def lost_ranks(stderr: str, slots: List[RankSlot]) -> List[int]:

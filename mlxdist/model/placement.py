@@ -198,7 +198,7 @@ def _check_owners(owners: Owners, num_ranks: int, where: str) -> None:
 
 class HostBudgets(list):
     """Budgets read from a JSON hostfile, in the file's order, with the
-    host names (``"ssh"``) they belong to: ``for_ranks`` puts them in the
+    host names (``"ssh"``, else the first of ``"ips"``) they belong to: ``for_ranks`` puts them in the
     job's rank order by host name."""
 
     def __init__(self, budgets: Sequence[float], hosts: Sequence[Optional[str]]):
@@ -244,7 +244,7 @@ def _hostfile_budgets(path: str) -> HostBudgets:
             raise PlacementError(f"hostfile {path}: host {i} has no number \"memory_gb\" "
                                  f"(GB of expert weights it may keep resident)")
         budgets.append(float(gb))
-    return HostBudgets(budgets, [h.get("ssh") for h in hosts])
+    return HostBudgets(budgets, [h.get("ssh") or (h.get("ips") or [None])[0] for h in hosts])
 
 
 def _short(value: Any) -> str:
