@@ -286,7 +286,8 @@ class Engine:
     def _prepare(self, plan: Placement, sites: Dict[int, Any], sources: CheckpointSources
                  ) -> Dict[int, Tuple[LayerOwnership, Optional[nn.Module]]]:
         """Each MoE layer's ownership and expert module under ``plan``, read
-        and evaluated, nothing in use changed."""
+        and evaluated, nothing in use changed (a rank holding only its share
+        is first sent the experts new to it)."""
         if self.located is not None:  # a rank holding only its share is sent the experts new to it
             from mlxdist.engine.fetch import fetch_share, rank_spans
 
