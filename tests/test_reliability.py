@@ -170,12 +170,15 @@ def test_a_script_that_fails_ends_every_rank(checkpoint):
 
 
 def test_mpi_allows_threads_and_control_has_its_own_communicator():
+    """Also: with nothing set, every rank starts MPI without Open MPI's
+    libfabric layer (docs/notes/openmpi-start.md)."""
     proc = launch(2, ["-c", (
-        "from mlxdist.runtime.world import init_world; w = init_world('mpi'); from mpi4py import MPI; "
-        "print(MPI.Query_thread() >= MPI.THREAD_SERIALIZED, MPI.Comm.Compare(w.comm, MPI.COMM_WORLD) == MPI.CONGRUENT)")],
-        module=None, timeout=60)
+        "import os; from mlxdist.runtime.world import init_world; w = init_world('mpi'); from mpi4py import MPI; "
+        "print(MPI.Query_thread() >= MPI.THREAD_SERIALIZED, MPI.Comm.Compare(w.comm, MPI.COMM_WORLD) == MPI.CONGRUENT, "
+        "os.environ['OMPI_MCA_btl'])")],
+        module=None, timeout=60, env={"OMPI_MCA_btl": None})
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.split() == ["True", "True"] * 2
+    assert proc.stdout.split() == ["True", "True", "^ofi"] * 2
 
 
 def test_exit_status_survives_finalize():
