@@ -6,11 +6,13 @@ The dispatch modes themselves and ``auto``'s rule are in ``dispatch/modes.py``.
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Union
 
-from mlx_lm.generate import DEFAULT_MAX_TOKENS
-from mlx_lm.sample_utils import make_sampler
-
 from mlxdist.dispatch import LAYOUTS, modes
 from mlxdist.errors import UserError
+
+# mlx_lm.generate's DEFAULT_MAX_TOKENS, written here so that the command lines
+# parse (and refuse a bad flag) before mlx-lm is imported; tests/test_compat.py
+# checks that the two agree.
+DEFAULT_MAX_TOKENS = 100
 
 __all__ = ["EXPERT_SPLITS", "GenerationParams", "LoadOptions"]
 
@@ -120,4 +122,6 @@ class GenerationParams:
         return list(self.max_tokens) if isinstance(self.max_tokens, list) else [self.max_tokens] * n
 
     def sampler(self):
+        from mlx_lm.sample_utils import make_sampler
+
         return make_sampler(self.temp, top_p=self.top_p, min_p=self.min_p, top_k=self.top_k)

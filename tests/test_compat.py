@@ -113,3 +113,19 @@ def test_loading_leaves_mlx_core_as_it_is(checkpoint):
     path = checkpoint("mixtral")
     load_lazy(path, read_safetensors_index(path))
     assert mx.load is load and mx.stack is stack
+
+
+def test_the_command_lines_parse_before_mlx_lm_is_imported():
+    """config.DEFAULT_MAX_TOKENS is mlx_lm.generate's, written out so that
+    run and serve refuse a bad flag without importing mlx-lm (seconds)."""
+    import subprocess
+    import sys
+
+    from mlx_lm.generate import DEFAULT_MAX_TOKENS
+
+    from mlxdist.config import DEFAULT_MAX_TOKENS as ours
+
+    assert ours == DEFAULT_MAX_TOKENS
+    code = "import sys, mlxdist.cli.run, mlxdist.cli.serve; print(sorted(m for m in ('mlx_lm', 'transformers') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True).stdout
+    assert out.split() == ["[]"]

@@ -7,17 +7,17 @@ rank; an unexpected error aborts the whole MPI job. Options follow
 ``mlx_lm.generate`` where both have them.
 """
 
+from __future__ import annotations
+
 import argparse
 import json
 import sys
-from typing import Iterator, List, Optional
+from typing import TYPE_CHECKING, Iterator, List, Optional
 
 import mlx.core as mx
-from mlx_lm.generate import DEFAULT_MAX_TOKENS
 
 from mlxdist import envs
-from mlxdist.api import Cluster, init
-from mlxdist.config import EXPERT_SPLITS, GenerationParams
+from mlxdist.config import DEFAULT_MAX_TOKENS, EXPERT_SPLITS, GenerationParams
 from mlxdist.digits import arg_duration, arg_int
 from mlxdist.dispatch import DISPATCH_MODES, LAYOUTS, modes
 from mlxdist.errors import GenerationFailed, UserError, say_error
@@ -26,6 +26,9 @@ from mlxdist.model.placement import parse_rank_memory
 from mlxdist.runtime.progress import set_quiet
 from mlxdist.runtime.watchdog import DEFAULT_TIMEOUT
 from mlxdist.runtime.world import BACKENDS, launcher_rank, run_or_abort, set_exit_code
+
+if TYPE_CHECKING:
+    from mlxdist.api import Cluster
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -308,6 +311,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         build_parser().error("--jobs needs --out")
     apply_host_flags(args)
     set_quiet(args.quiet)
+    from mlxdist.api import init  # mlx-lm and transformers: seconds, so only once the command line is good
+
     cluster = init(timeout=args.timeout, backend=args.backend)
     code = run_or_abort(cluster.world, command_loop, cluster, args)
     cluster.shutdown(code)

@@ -10,7 +10,6 @@ import sys
 from typing import List, Optional
 
 from mlxdist import envs
-from mlxdist.api import init
 from mlxdist.cli.run import RankZeroParser, add_host_flags, apply_host_flags, rank_memory_arg
 from mlxdist.config import EXPERT_SPLITS
 from mlxdist.digits import arg_duration, arg_int
@@ -19,9 +18,9 @@ from mlxdist.runtime.progress import set_quiet
 from mlxdist.runtime.watchdog import DEFAULT_TIMEOUT
 from mlxdist.runtime.world import BACKENDS, launcher_rank, set_exit_code
 from mlxdist.serving.connections import (
-    DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_HEADERS, DEFAULT_REQUEST_TIMEOUT, HTTPServer,
+    DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_BODY, DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_HEADERS,
+    DEFAULT_MAX_QUEUED, DEFAULT_MAX_QUEUED_CHARS, DEFAULT_REQUEST_TIMEOUT, HTTPServer,
 )
-from mlxdist.serving.http import DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_BODY, DEFAULT_MAX_QUEUED, DEFAULT_MAX_QUEUED_CHARS
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -175,6 +174,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             # could stop rank 0 before it said why)
         say_error(problem)
         return 2
+    from mlxdist.api import init  # mlx-lm and transformers: seconds, so only once the command line is good
+
     cluster = init(timeout=args.timeout, backend=args.backend)  # other ranks serve inside
     code = 0
     try:

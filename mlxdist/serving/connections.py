@@ -31,6 +31,10 @@ DEFAULT_REQUEST_TIMEOUT = 30.0  # seconds for a whole request: request line, hea
 DEFAULT_MAX_HEADER_BYTES = 32 << 10  # the request line and every header line together
 DEFAULT_MAX_HEADERS = 64
 DEFAULT_MAX_CONNECTIONS = 256
+DEFAULT_MAX_BODY = 4 << 20  # bytes
+DEFAULT_IDLE_TIMEOUT = 30.0  # seconds a connection may send nothing
+DEFAULT_MAX_QUEUED = 256  # requests waiting for the generation loop
+DEFAULT_MAX_QUEUED_CHARS = 8 << 20  # their prompt text, together
 
 
 class Connection:

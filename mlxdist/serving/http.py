@@ -20,16 +20,13 @@ from mlx_lm import server as lm_server
 from mlxdist.digits import parse_int
 from mlxdist.errors import GenerationFailed, HeadersTooLarge, RankLost, RequestError, RequestTimeout
 from mlxdist.serving.connections import (
+    DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_QUEUED, DEFAULT_MAX_QUEUED_CHARS,
     DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_HEADERS, DEFAULT_REQUEST_TIMEOUT, RequestReader,
 )
 from mlxdist.serving.lockstep import HANDLER_STATUS
 from mlxdist.serving.schema import RequestLimits, check_request, error_body
 from mlxdist.serving.templates import render
 
-DEFAULT_MAX_BODY = 4 << 20  # bytes
-DEFAULT_IDLE_TIMEOUT = 30.0  # seconds a connection may send nothing
-DEFAULT_MAX_QUEUED = 256  # requests waiting for the generation loop
-DEFAULT_MAX_QUEUED_CHARS = 8 << 20  # their prompt text, together
 
 
 

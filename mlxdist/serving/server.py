@@ -41,7 +41,8 @@ from mlxdist.errors import UserError
 from mlxdist.serving.connections import (
     DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_HEADERS, DEFAULT_REQUEST_TIMEOUT, HTTPServer,
 )
-from mlxdist.serving.http import DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_QUEUED, DEFAULT_MAX_QUEUED_CHARS, make_handler
+from mlxdist.serving.connections import DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_QUEUED, DEFAULT_MAX_QUEUED_CHARS
+from mlxdist.serving.http import make_handler
 from mlxdist.serving.isolation import guard_tokenizer, guarded_factories
 from mlxdist.serving.rebalance import Rebalancer
 from mlxdist.serving.lockstep import LockstepResponseGenerator
