@@ -29,7 +29,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU, SwitchLinear, SwitchMLP
 
 from mlxdist.arrays import from_numpy
-from mlxdist.errors import CheckpointError, ModelNotFound, UserError
+from mlxdist.errors import CheckpointError, ModelNotFound, UserError, one_line
 
 SWITCH_TYPES = (SwitchGLU, SwitchMLP)
 PROJECTION_TYPES = (SwitchLinear, QuantizedSwitchLinear)
@@ -64,8 +64,21 @@ def resolve_model_path(model: str, revision: Optional[str] = None) -> Path:
     try:
         return _download(model, revision=revision)
     except Exception as e:
-        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise ModelNotFound(f"cannot fetch {model!r} from the Hugging Face hub: {reason}") from None
+        raise ModelNotFound(f"cannot fetch {model!r} from the Hugging Face hub: {_hub_reason(e, revision)}") from None
+
+
+def _hub_reason(e: Exception, revision: Optional[str]) -> str:
+    """Why a hub download failed, in a few words: the hub's own message for a
+    missing repo or revision begins with a bare "404 Client Error."."""
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
+
+    if isinstance(e, GatedRepoError):
+        return "the repo is gated: accept its terms on the hub, then log in (hf auth login)"
+    if isinstance(e, RepositoryNotFoundError):
+        return "the hub has no such repo, or it is private (log in with hf auth login)"
+    if isinstance(e, RevisionNotFoundError):
+        return f"the repo has no revision {revision or 'main'!r}"
+    return one_line(e)
 
 
 def is_hub_id(model: str) -> bool:
