@@ -269,17 +269,6 @@ def find_switch_sites(model: nn.Module) -> List[SwitchSite]:
     return sorted(sites, key=lambda s: s.layer)
 
 
-def slice_experts(site: SwitchSite, expert_ids: List[int], sources) -> nn.Module:
-    """The site's expert module holding only the experts ``expert_ids``, in
-    order, read from ``sources`` (``model/sources.py``'s ``CheckpointSources``,
-    or a plain index, which reads mlx-lm's layout by offset and slices any
-    other). Only the stacked projections' tensors are sliced (those whose
-    first dimension is the experts); anything else the module holds stays whole."""
-    from mlxdist.model.sources import as_sources, load_experts  # sources.py builds on this module
-
-    return load_experts(site, as_sources(sources).expert_source(site), expert_ids)
-
-
 # Expert projections by direction, for cutting experts in width: from the
 # model's width to the experts' hidden units, and back.
 INTO_HIDDEN = ("gate_proj", "up_proj", "fc1")
