@@ -28,9 +28,10 @@ from mlxdist.model.checkpoint import (
 )
 from mlxdist.model.paging import PagingStats, capacity_for_budget, expert_module
 from mlxdist.model.balance import (
-    KV_RESERVE_TOKENS, budgets_by_rank, bytes_per_expert, check_plan_fits, check_rank_memory, expert_budgets,
+    KV_RESERVE_TOKENS, bytes_per_expert, check_plan_fits, check_rank_memory, expert_budgets,
     kv_bytes_per_token,
 )
+from mlxdist.model.budgets import budgets_for_ranks
 from mlxdist.model.placement import Placement, resolve_placement
 from mlxdist.model.routing import RouterWeights, RoutingWeightsNotFound, activation_dtype, find_router_weights
 from mlxdist.model.sources import load_lazy
@@ -152,11 +153,9 @@ def _placement(world: World, options: LoadOptions, lazy: _Lazy) -> Tuple[LoadOpt
     experts_per_layer = {s.layer: s.num_experts for s in sites}
     found = world.control.allgather_json(_my_memory(world))  # every rank's memory and host
     memory = [m["bytes"] for m in found]
-    if isinstance(options.rank_memory_gb, dict):  # budgets per host: matched by name, never by position
-        options = replace(options, rank_memory_gb=budgets_by_rank(options.rank_memory_gb, [m["host"] for m in found]))
+    if options.rank_memory_gb is not None:  # per rank as given, per host by the ranks' host names
+        options = replace(options, rank_memory_gb=budgets_for_ranks(options.rank_memory_gb, [m["host"] for m in found]))
     budgets = options.rank_memory_gb
-    if budgets is not None and len(budgets) != world.size:
-        raise UserError(f"--rank-memory gives {len(budgets)} budgets for {world.size} ranks")
     room = _room_for_experts(world, options, lazy.model, sites, lazy.config, memory) if budgets is None else None
     plan = resolve_placement(options.placement, experts_per_layer, world.size, options.rank0_experts,
                              budgets or _unequal(room, options))
