@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from mlxdist.digits import is_digits
-from mlxdist.errors import PlacementError
+from mlxdist.errors import PlacementError, one_line
 
 PLACEMENT_VERSION = 2  # the newest version written (1: one owner per expert)
 MAX_RANKS = 1 << 16
@@ -234,7 +234,7 @@ def read_json(path: Union[str, Path], what: str, error: type) -> Any:
     except json.JSONDecodeError as e:
         raise error(f"{what} file {path} is not JSON: {e}") from None
     except (ValueError, RecursionError) as e:  # an integer of thousands of digits, nesting past the stack
-        raise error(f"{what} file {path} is not JSON mlxdist reads: {str(e).splitlines()[0][:80]}") from None
+        raise error(f"{what} file {path} is not JSON mlxdist reads: {one_line(e)[:80]}") from None
 
 
 def write_json_atomic(path: Union[str, Path], obj: Any) -> None:
