@@ -24,7 +24,7 @@ from mlxdist.errors import UserError, one_line
 from mlxdist.engine.fetch import Located, fetch_share, locate_model, rank_spans
 from mlxdist.model.checkpoint import (
     check_config, find_switch_sites, nbytes, read_safetensors_index,
-    split_experts_by_width, split_shared_by_width, switch_extras,
+    split_experts_by_width, split_shared_by_width, switch_extras, text_config,
 )
 from mlxdist.model.paging import PagingStats, capacity_for_budget, expert_module
 from mlxdist.model.balance import (
@@ -321,7 +321,7 @@ def _in_last_layer(model: nn.Module, sites) -> bool:
 
 def _find_routing_weights(model: nn.Module, sites, config: Dict[str, Any]) -> Dict[type, RouterWeights]:
     """Per MoE block class: its top-k and the dtype its router weights are exact in."""
-    cfg = config.get("text_config", config)
+    cfg = text_config(config)
     dtype = activation_dtype(model)
     found: Dict[type, RouterWeights] = {}
     try:

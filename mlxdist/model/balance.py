@@ -31,6 +31,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from mlx.utils import tree_flatten
 
 from mlxdist.errors import PlacementError, UserError
+from mlxdist.model.checkpoint import text_config
 from mlxdist.model.placement import Owners, Placement, proportional_counts
 
 MAX_SWAPS = 10_000  # per layer: a bound, never reached in practice (each swap lowers a pair's maximum)
@@ -195,7 +196,7 @@ MARGIN = 0.10  # of each rank's memory, kept free for activations, buffers and t
 def kv_bytes_per_token(config) -> int:
     """Bytes of KV cache per token over every layer, from the config (keys
     and values at 2 bytes; a model without the usual keys: hidden size x 2)."""
-    cfg = config.get("text_config", config)
+    cfg = text_config(config)
     layers = int(cfg.get("num_hidden_layers") or cfg.get("n_layers") or 1)
     heads = int(cfg.get("num_attention_heads") or cfg.get("n_heads") or 1)
     kv_heads = int(cfg.get("num_key_value_heads") or heads)

@@ -86,6 +86,12 @@ def is_hub_id(model: str) -> bool:
     return not model.startswith((".", "/", "~")) and model.count("/") == 1
 
 
+def text_config(config: Dict[str, Any]) -> Dict[str, Any]:
+    """The language model's part of a model's config.json: its
+    ``text_config`` where it has one (a model that also reads images), else all of it."""
+    return config.get("text_config", config)
+
+
 def check_config(path: Path) -> None:
     """Raise ``CheckpointError`` unless ``config.json`` is JSON."""
     try:
