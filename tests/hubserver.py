@@ -90,7 +90,7 @@ class Hub:
             return None, "RepoNotFound"
         if revision in branches:
             return branches[revision], None
-        if revision in self.commits and revision in branches.values():
+        if revision in branches.values():  # a commit of this repo
             return revision, None
         return None, "RevisionNotFound"
 
@@ -101,7 +101,7 @@ def blob_id(data: bytes) -> str:
 
 
 class _Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"  # keep-alive, as huggingface_hub's client expects of the hub
+    protocol_version = "HTTP/1.1"  # connections kept alive, as the hub's are
 
     @property
     def hub(self) -> Hub:
@@ -117,6 +117,7 @@ class _Handler(BaseHTTPRequestHandler):
         pass
 
     def _answer(self, body: bool) -> None:
+        pid = _client_pid(self.client_address[1], self.server.server_address[1])  # while the client waits
         url = urlsplit(self.path)
         path, query = unquote(url.path), parse_qs(url.query)
         parts = path.strip("/").split("/")
@@ -126,7 +127,6 @@ class _Handler(BaseHTTPRequestHandler):
             status = self._resolve(f"{parts[0]}/{parts[1]}", parts[3], "/".join(parts[4:]), body)
         else:
             status = self._send(404, b"", {}, body)
-        pid = _client_pid(self.client_address[1], self.server.server_address[1])
         self.hub.log.append(Request(self.command, path, status, pid, _rank_of(pid)))
 
     def _api(self, repo_id: str, rest: List[str], query: Dict[str, List[str]], body: bool) -> int:
