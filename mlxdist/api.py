@@ -25,7 +25,7 @@ from mlxdist.engine import Engine
 from mlxdist.errors import GenerationFailed, LoadError, UserError, say_error
 from mlxdist.executor import PROBES, CommandExecutor
 from mlxdist.runtime.world import World, abort, init_world, launcher_rank, run_or_abort, set_exit_code
-from mlxdist.model.placement import Placement, budgets_for_ranks
+from mlxdist.model.placement import Placement
 from mlxdist.model.routing_file import RoutingStats
 from mlxdist.dispatch.stats import add_shares
 from mlxdist.engine.routing_record import RoutingRecorder
@@ -164,8 +164,7 @@ class Cluster:
         options = LoadOptions(str(model), dispatch, layout or default_layout(), placement, rank0_experts, stats,
                               expert_capacity, memory_budget_gb, expert_split,
                               record_routing=record_routing is not None or count_routing,
-                              rank_memory_gb=budgets_for_ranks(rank_memory_gb, self.world.hosts)
-                              if isinstance(rank_memory_gb, (list, tuple)) else _budgets(rank_memory_gb),
+                              rank_memory_gb=_budgets(rank_memory_gb),
                               draft_model=draft_model, revision=revision)
         options.validate()
         self._finish_recording()

@@ -58,7 +58,7 @@ class LoadOptions:
                 raise UserError(f"--expert-capacity must be at least 1, not {self.expert_capacity}")
         budgets = self.rank_memory_gb
         if isinstance(budgets, dict) and all(isinstance(h, str) and h for h in budgets):
-            budgets = list(budgets.values())  # per host name (model/balance.py matches them to ranks)
+            budgets = list(budgets.values())  # per host name (model/budgets.py matches them to ranks)
         if budgets is not None and not (
                 isinstance(budgets, list) and budgets
                 and all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 < b < float("inf")

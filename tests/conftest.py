@@ -152,3 +152,16 @@ def hosts(tmp_path_factory):
         pytest.skip(str(e))
     yield made
     made.close()
+
+
+@pytest.fixture
+def hub():
+    """A stand-in for the Hugging Face hub on 127.0.0.1 (tests/hubserver.py),
+    serving no repo until the test ``add``s one; point a launch at ``hub.url``
+    with HF_ENDPOINT."""
+    from hubserver import Hub
+
+    made = Hub()
+    made.start()
+    yield made
+    made.stop()

@@ -99,17 +99,6 @@ def test_budgets_follow_host_names_not_the_order_of_the_file(hosts, checkpoint, 
     assert held[2] > held[1] > held[0], held  # rank 2 runs on host2
 
 
-def test_budgets_for_ranks_by_name_else_in_order():
-    from mlxdist.model.placement import HostBudgets, PlacementError, budgets_for_ranks
-
-    named = HostBudgets([64.0, 32.0], ["mac1.local", "Mac2"])
-    assert budgets_for_ranks(named, ["mac2.local", "MAC1"]) == [32.0, 64.0]
-    assert budgets_for_ranks(named, ["a", "b"]) == [64.0, 32.0]  # names not the ranks' hosts: the file's order
-    assert budgets_for_ranks([1.0, 2.0], ["mac2", "mac1"]) == [1.0, 2.0]
-    with pytest.raises(PlacementError, match="several ranks run on one host"):
-        budgets_for_ranks(HostBudgets([1.0, 2.0], ["a", "b"]), ["a", "a"])
-
-
 def test_server_answers_a_client_on_another_host(hosts, checkpoint):
     """The server on host0 and host1; the client on host2 reaches host0's address."""
     path = checkpoint("qwen3_moe")
@@ -163,12 +152,12 @@ def test_a_pulled_cable_mid_generation(hosts, checkpoint):
 
 
 def test_rank_memory_reads_mlx_distributed_config_object(tmp_path):
-    from mlxdist.model.placement import parse_rank_memory
+    from mlxdist.model.budgets import parse_rank_memory
 
     hosts = tmp_path / "hosts.json"
     hosts.write_text(json.dumps({"backend": "ring", "envs": [], "hosts": [
         {"ssh": "a", "ips": ["10.0.0.1"], "rdma": [], "memory_gb": 64}, {"ssh": "b", "ips": [], "memory_gb": 32}]}))
-    assert parse_rank_memory(str(hosts), 2) == [64.0, 32.0]
+    assert parse_rank_memory(str(hosts)) == {"a": 64.0, "b": 32.0}
 
 
 def test_a_mac_rank_holds_a_sleep_assertion_unless_allowed(tmp_path, monkeypatch):

@@ -101,7 +101,8 @@ def test_experts_that_sanitize_computes_are_read_for_the_owned_experts_only(tmp_
     from mlx_lm.utils import load_model
 
     from mlxdist.errors import UserError
-    from mlxdist.model.checkpoint import find_switch_sites, read_safetensors_index, slice_experts
+    from mlxdist.model.checkpoint import find_switch_sites, read_safetensors_index
+    from mlxdist.model.sources import slice_experts
     from mlxdist.model.paging import PagingStats, expert_module
     from mlxdist.model.sources import load_lazy
     from mlxdist.synth import write_checkpoint

@@ -75,3 +75,27 @@ def test_budgets_per_host_are_matched_by_host_name(checkpoint, tmp_path):
     proc = launch(2, [*view, "h0=1"], module=None)
     lines = error_lines(proc.stderr)
     assert lines and "rank 1 runs on host h1, which --rank-memory does not name" in lines[0], proc.stderr[-2000:]
+
+
+def test_a_hosts_budget_is_split_over_its_ranks(checkpoint, tmp_path):
+    """Three ranks, two on this machine and rank 2 on host h2 (a UTS namespace); the JSON hostfile lists this
+    machine once per rank (mlx.launch's form) by another spelling of its name (upper case, a domain) with 4 GB,
+    and h2 with 1 GB: ranks 0 and 1 get 2 GB each, rank 2 1 GB, so they hold experts 2 : 2 : 1 (5, 5 and 2
+    of 12 a layer), with mlx-lm's tokens."""
+    import socket
+
+    from test_share import VIEW
+
+    path = checkpoint("qwen3_moe")
+    here = f"{socket.gethostname().split('.')[0].upper()}.local"
+    hosts = tmp_path / "hosts.json"
+    hosts.write_text(json.dumps([{"ssh": here, "memory_gb": 4.0}, {"ssh": here, "memory_gb": 4.0},
+                                 {"ssh": "h2", "memory_gb": 1.0}]))
+    proc = launch(3, [VIEW, "--ranks", "2", "--hostname-prefix", "h", "--", sys.executable, "-m", "mlxdist.run",
+                      "--model", path, "-p", PROMPT, "-m", MAX_TOKENS, "--json", "--ignore-chat-template",
+                      "--dispatch", "collective", "--rank-memory", hosts], module=None)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = last_json(proc.stdout)
+    assert got["tokens"] == reference(path)[0]
+    held = [w["expert"] for w in got["weights_gb"]]
+    assert held[0] == held[1] and abs(held[0] - 2.5 * held[2]) <= 1e-9 * held[0], held

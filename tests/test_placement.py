@@ -13,7 +13,8 @@ import pytest
 from conftest import error_lines, last_json, launch
 from mlxdist.errors import PlacementError, UserError
 from mlxdist.model.balance import balanced, check_rank_memory, imbalance
-from mlxdist.model.placement import Placement, parse_rank_memory
+from mlxdist.model.budgets import budgets_for_ranks, parse_rank_memory
+from mlxdist.model.placement import Placement
 from mlxdist.model.routing_file import RoutingStats
 
 NP = 2
@@ -98,9 +99,28 @@ def test_even_with_budgets_gives_experts_in_proportion():
     assert held == {0: [8, 4], 1: [8, 4]}
     assert Placement.even({0: 8}, 3, budgets=[100, 1, 1]).held_counts()[0] == [6, 1, 1]  # each at least one
     assert parse_rank_memory("64,32.5") == [64.0, 32.5]
-    for bad in ("64,x", "64,0", "64,-1", "inf,1"):
+    assert parse_rank_memory("mac1.local=64,Mac2=32") == {"mac1.local": 64.0, "Mac2": 32.0}
+    for bad in ("64,x", "64,0", "64,-1", "inf,1", "a=1,b=0", "=3", "a=1,A.local=2"):
         with pytest.raises(UserError):
             parse_rank_memory(bad)
+
+
+def test_budgets_for_ranks_by_host_name_never_by_position():
+    """One matcher for every form: names without case or domain (an IP address whole), a host's GB split
+    evenly over its ranks, a rank on a host not named refused naming it; a list is per rank, as given."""
+    named = {"mac1.local": 64.0, "Mac2": 32.0}
+    assert budgets_for_ranks(named, ["mac2.local", "MAC1"]) == [32.0, 64.0]
+    assert budgets_for_ranks(named, ["mac1", "Mac1.lan", "mac2"]) == [32.0, 32.0, 32.0]
+    assert budgets_for_ranks({"10.0.0.1": 8.0}, ["10.0.0.1", "10.0.0.1"]) == [4.0, 4.0]
+    with pytest.raises(UserError, match="rank 1 runs on host a, which --rank-memory does not name"):
+        budgets_for_ranks(named, ["mac1", "a"])
+    with pytest.raises(UserError, match="rank 0 runs on host 10.0.0.2"):
+        budgets_for_ranks({"10.0.0.1": 8.0}, ["10.0.0.2"])
+    with pytest.raises(UserError, match="gives host MAC1 two budgets"):
+        budgets_for_ranks({"mac1": 1.0, "MAC1": 2.0}, ["mac1"])
+    assert budgets_for_ranks([1.0, 2.0], ["mac2", "mac1"]) == [1.0, 2.0]
+    with pytest.raises(UserError, match="2 budgets for 3 ranks"):
+        budgets_for_ranks([1.0, 2.0], ["a", "b", "c"])
 
 
 def test_rank_memory_check_names_the_rank_and_the_excess():
@@ -162,6 +182,8 @@ def test_place_command(tmp_path, capfd):
     bad.write_text(json.dumps({"kind": "mlxdist-routing", "version": 1, "model": {}, "layers": {"0": [1, -2]}}))
     assert main([str(bad), "--ranks", "2", "-o", str(out)]) == 1
     assert "count >= 0" in capfd.readouterr().err
+    assert main([str(routing), "--ranks", "2", "--rank-memory", "mac1=2,mac2=1", "-o", str(out)]) == 1
+    assert "plans for ranks, not hosts" in capfd.readouterr().err
 
 
 # -- under mpirun ----------------------------------------------------------------
@@ -283,17 +305,17 @@ def refused(args):
 def test_rank_memory_from_a_json_hostfile(tmp_path):
     import json
 
-    from mlxdist.model.placement import parse_rank_memory
-
     hosts = tmp_path / "hosts.json"
     hosts.write_text(json.dumps([{"ssh": "a", "ips": ["10.0.0.1"], "memory_gb": 64}, {"ssh": "b", "memory_gb": 32}]))
-    assert parse_rank_memory(str(hosts), 2) == [64.0, 32.0]
-    with pytest.raises(PlacementError, match="budgets for 3 ranks"):
-        parse_rank_memory(str(hosts), 3)
+    assert parse_rank_memory(str(hosts), 2) == {"a": 64.0, "b": 32.0}
+    with pytest.raises(PlacementError, match="rank 2 runs on host c, which --rank-memory does not name"):
+        budgets_for_ranks(parse_rank_memory(str(hosts)), ["b", "a", "c"])
     for bad, message in [('[{"ssh": "a"}]', 'host 0 has no number "memory_gb"'),
                          ('[{"ssh": "a", "memory_gb": true}]', 'host 0 has no number "memory_gb"'),
                          ('{"ssh": "a"}', "must be a JSON list of hosts"), ("[", "is not JSON"),
-                         ('[{"memory_gb": -1}]', "must be positive")]:
+                         ('[{"ssh": "a", "memory_gb": -1}]', "must be positive"),
+                         ('[{"memory_gb": 1}]', 'host 0 has no "ssh" name'),
+                         ('[{"ssh": "a", "memory_gb": 1}, {"ssh": "A.local", "memory_gb": 2}]', "two budgets")]:
         hosts.write_text(bad)
         with pytest.raises(PlacementError, match=message):
             parse_rank_memory(str(hosts))

@@ -7,11 +7,14 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT, launch, mpirun_env
 from mlxdist.cli.supervise import RankSlot, lost_ranks, rank_slots
+from mlxdist.errors import UserError
 
 HOSTS = [{"ssh": "mac-a", "memory_gb": 0.004}, {"ssh": "mac-b", "memory_gb": 0.001},
-         {"ssh": "mac-c", "memory_gb": 0.002}]  # unequal: experts are spread 4 : 1 : 2
+         {"ssh": "mac-c", "memory_gb": 0.002}]
 
 
 def supervise(args, env=None, timeout=300):
@@ -24,21 +27,20 @@ def records(path):
 
 
 def test_an_unequal_cluster_that_loses_a_rank_goes_on_with_replanned_budgets(checkpoint, tmp_path):
-    """3 ranks with budgets 4 : 1 : 2 (a JSON hostfile's memory_gb) and a
-    placement for 3; rank 1 (host mac-b) is killed mid-job. The supervisor
-    starts 2 ranks with mac-a's and mac-c's budgets (by host: 0.004, 0.002)
-    and a placement for 2 rebuilt from the recorded routing (used to be
-    refused: 3 budgets for 2 ranks); every job once, tokens equal to an
-    undisturbed run's."""
+    """3 ranks on this machine with budgets 4 : 1 : 2, given per rank (per
+    host, one machine's ranks would share its budget evenly; matching by
+    host name is test_budgets_follow_hosts_by_name's) and a placement for 3; rank 1 is killed mid-job. The supervisor starts 2
+    ranks with ranks 0's and 2's budgets (0.004, 0.002) and a placement for
+    2 rebuilt from the recorded routing (used to be refused: 3 budgets for
+    2 ranks); every job once, tokens equal to an undisturbed run's."""
     from mlxdist.model.balance import balanced
     from mlxdist.model.routing_file import RoutingStats
 
-    model, jobs, hosts = checkpoint("qwen3_moe"), tmp_path / "jobs.jsonl", tmp_path / "hosts.json"
+    model, jobs = checkpoint("qwen3_moe"), tmp_path / "jobs.jsonl"
     jobs.write_text("".join(json.dumps({"id": f"j{i}", "prompt": f"job number {i} " * (i % 3 + 1)}) + "\n"
                             for i in range(6)))
-    hosts.write_text(json.dumps(HOSTS))
     routing, placement3 = tmp_path / "routing.json", tmp_path / "placement3.json"
-    common = ["--model", model, "--jobs", jobs, "-m", 8, "--batch-size", 1, "--rank-memory", hosts]
+    common = ["--model", model, "--jobs", jobs, "-m", 8, "--batch-size", 1, "--rank-memory", "0.004,0.001,0.002"]
     clean = launch(3, [*common, "--out", tmp_path / "clean.jsonl", "--record-routing", routing,
                        "--save-placement", placement3])
     assert clean.returncode == 0, clean.stderr[-3000:]
@@ -47,7 +49,7 @@ def test_an_unequal_cluster_that_loses_a_rank_goes_on_with_replanned_budgets(che
                       "--save-placement", used], env={"MLXDIST_FAULT": "kill:rank=1,layer=1,step=5,skip=5"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stderr.count("mlxdist.supervise: starting") == 2, proc.stderr[-3000:]
-    assert (f"restart on 2 ranks after losing rank(s) [1] (budgets mac-a 0.004, mac-c 0.002 GB; "
+    assert (f"restart on 2 ranks after losing rank(s) [1] (budgets localhost 0.004, localhost 0.002 GB; "
             f"placement from {routing}): first result") in proc.stderr
     expected = balanced(RoutingStats.load(routing).layers, 2, 0, [0.004, 0.002])
     assert json.loads(used.read_text()) == expected.to_json()
@@ -94,14 +96,22 @@ def test_what_counts_as_a_lost_rank():
 
 
 def test_budgets_follow_hosts_by_name(tmp_path):
-    """A JSON hostfile's memory_gb goes to the ranks of the host of that name
-    in the Open MPI hostfile, whatever the order of either file."""
+    """Budgets are matched as the run matches them (budgets.budgets_for_ranks): a JSON hostfile's memory_gb
+    goes to the ranks of the host of that name in the Open MPI hostfile, whatever the order of either file,
+    split evenly over the host's ranks; without a hostfile every rank is on this machine, matched by its name,
+    and a host the budgets do not name is refused."""
+    import socket
+
     hostfile, hosts = tmp_path / "hostfile", tmp_path / "hosts.json"
-    hostfile.write_text("mac-c slots=2\nmac-a slots=1\n")
+    hostfile.write_text("MAC-C.local slots=2\nmac-a slots=1\n")
     hosts.write_text(json.dumps(HOSTS))
-    assert rank_slots(3, str(hostfile), str(hosts)) == [RankSlot("mac-c", 0.002), RankSlot("mac-c", 0.002),
-                                                        RankSlot("mac-a", 0.004)]
+    assert rank_slots(3, str(hostfile), str(hosts)) == [RankSlot("MAC-C.local", 0.001),
+                                                        RankSlot("MAC-C.local", 0.001), RankSlot("mac-a", 0.004)]
     assert rank_slots(2, None, "3,1") == [RankSlot("localhost", 3.0), RankSlot("localhost", 1.0)]
+    assert rank_slots(2, None, f"{socket.gethostname()}=3") == [RankSlot("localhost", 1.5)] * 2
+    with pytest.raises(UserError, match=f"rank 0 runs on host {socket.gethostname()}, which --rank-memory does "
+                                        f"not name"):
+        rank_slots(3, None, str(hosts))
 
 
 def test_fewer_ranks_are_planned_again(tmp_path):

@@ -16,7 +16,8 @@ import statistics
 import sys
 from typing import Any, Dict, List, Optional
 
-from mlxdist.bench.harness import random_prompts, text_config
+from mlxdist.bench.harness import random_prompts
+from mlxdist.model.checkpoint import text_config
 
 
 def measure(cluster, model: str, capacity: Optional[int], args) -> Dict[str, Any]:

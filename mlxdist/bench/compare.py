@@ -142,14 +142,14 @@ def aggregate(trials: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
 def model_shape(model: str, rows: List[Dict[str, Any]]):
     """What the traffic model needs (links.Shape), from the checkpoint's
     config and the mlxdist rows (MoE layer count, activation dtype)."""
-    from mlxdist.model.checkpoint import resolve_model_path
+    from mlxdist.model.checkpoint import resolve_model_path, text_config
     from mlxdist.bench.links import Shape
 
     try:
         config = json.loads((resolve_model_path(model) / "config.json").read_text())
     except Exception:
         return None
-    cfg = config.get("text_config", config)
+    cfg = text_config(config)
     ours = next((r for r in rows if r.get("moe_layers")), {})
     dtype = (ours.get("floor_bytes") or {}).get("dtype", "bfloat16")
     return Shape(cfg["hidden_size"], cfg.get("num_experts_per_tok", 1), cfg["num_hidden_layers"],

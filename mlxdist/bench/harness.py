@@ -23,6 +23,7 @@ import mlx.core as mx
 from mlxdist.bench import probes  # noqa: F401  (registers the probes, on every rank)
 from mlxdist.dispatch import DISPATCH_MODES, RowDispatcher, modes, traffic
 from mlxdist.config import EXPERT_SPLITS
+from mlxdist.model.checkpoint import text_config
 from mlxdist.runtime.world import BACKENDS
 
 MODES = ("auto", "collective", "p2p")  # the default; "dp" and "collective-tp" on request (--dispatch)
@@ -32,10 +33,6 @@ def random_prompts(vocab_size: int, batch: int, length: int, seed: int = 0) -> L
     """``batch`` prompts of ``length`` random token ids (as mlx_lm.benchmark)."""
     mx.random.seed(seed)
     return mx.random.randint(0, vocab_size, (batch, length)).tolist()
-
-
-def text_config(config: Dict[str, Any]) -> Dict[str, Any]:
-    return config.get("text_config", config)
 
 
 def versions() -> Dict[str, str]:

@@ -27,7 +27,8 @@ import mlx.core as mx
 from mlxdist import envs
 from mlxdist.compat import never_stop_at_eos
 from mlxdist.runtime.world import default_backend
-from mlxdist.bench.harness import median_row, parse_args as _bench_args, random_prompts, text_config, versions
+from mlxdist.bench.harness import median_row, parse_args as _bench_args, random_prompts, versions
+from mlxdist.model.checkpoint import text_config
 
 MODES = ("single", "tensor", "pipeline", "replicas")
 

@@ -19,9 +19,10 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from mlxdist.bench.harness import bench_case, median_row, random_prompts, run_on_every_rank, text_config, versions
+from mlxdist.bench.harness import bench_case, median_row, random_prompts, run_on_every_rank, versions
 from mlxdist.dispatch import DenseRanks, modes
 from mlxdist.model.balance import balanced, imbalance
+from mlxdist.model.checkpoint import text_config
 from mlxdist.model.placement import Placement
 
 

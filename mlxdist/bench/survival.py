@@ -22,7 +22,8 @@ import time
 from typing import Any, Dict, List, Optional
 
 from mlxdist.executor import register_probe
-from mlxdist.bench.harness import random_prompts, text_config
+from mlxdist.bench.harness import random_prompts
+from mlxdist.model.checkpoint import text_config
 
 
 @register_probe("process")

@@ -16,7 +16,8 @@ from typing import List, Optional
 
 from mlxdist.errors import UserError, say_error
 from mlxdist.model.balance import balanced, imbalance
-from mlxdist.model.placement import Placement, parse_rank_memory
+from mlxdist.model.budgets import parse_rank_memory
+from mlxdist.model.placement import Placement
 from mlxdist.model.routing_file import RoutingStats
 
 
@@ -37,6 +38,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         routing = RoutingStats.load(args.routing)
         budgets = parse_rank_memory(args.rank_memory, args.ranks) if args.rank_memory else None
+        if isinstance(budgets, dict):
+            raise UserError("mlxdist.place plans for ranks, not hosts: give --rank-memory per rank, in the job's "
+                            "rank order (A,B,...)")
         plan = balanced(routing.layers, args.ranks, args.replicas, budgets)
         even = Placement.even({l: len(c) for l, c in routing.layers.items()}, args.ranks, budgets=budgets)
         plan.save(args.output)

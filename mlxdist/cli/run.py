@@ -21,8 +21,7 @@ from mlxdist.config import DEFAULT_MAX_TOKENS, EXPERT_SPLITS, GenerationParams
 from mlxdist.digits import arg_duration, arg_int
 from mlxdist.dispatch import DISPATCH_MODES, LAYOUTS, modes
 from mlxdist.errors import GenerationFailed, UserError, say_error
-from mlxdist.model.balance import host_budgets
-from mlxdist.model.placement import parse_rank_memory
+from mlxdist.model.budgets import parse_rank_memory
 from mlxdist.runtime.progress import set_quiet
 from mlxdist.runtime.watchdog import DEFAULT_TIMEOUT
 from mlxdist.runtime.world import BACKENDS, launcher_rank, run_or_abort, set_exit_code
@@ -88,9 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write the job's routed slots per (layer, expert) to FILE at exit (python -m mlxdist.place "
                         "reads it; docs/placement.md)")
     p.add_argument("--rank-memory", metavar="HOST=GB,...|A,B,...", type=rank_memory_arg, default=None,
-                   help="GB of expert weights each host (matched by name; or a JSON hostfile with memory_gb) or "
-                        "each rank (in order) may keep resident: experts are spread in proportion, and a placement "
-                        "that does not fit is refused (default: from the memory each rank finds)")
+                   help="GB of expert weights each host (matched by name, split evenly over its ranks; or a JSON "
+                        "hostfile with memory_gb) or each rank (in order) may keep resident: experts are spread in "
+                        "proportion, and a placement that does not fit is refused (default: from the memory each "
+                        "rank finds)")
     p.add_argument("--expert-capacity", type=arg_int(), default=None,
                    help="experts each rank keeps resident per layer; the rest are read from its checkpoint copy "
                         "on demand into least-recently-used slots (needs --layout compact or --dispatch p2p)")
@@ -139,10 +139,10 @@ def apply_host_flags(args) -> None:
 
 def rank_memory_arg(text: str):
     """``--rank-memory`` (here and in ``mlxdist.serve``): GB per host name
-    (HOST=GB,...: ``balance.host_budgets``; or a JSON hostfile:
-    ``placement.parse_rank_memory``), or per rank (A,B,...)."""
+    (HOST=GB,... or a JSON hostfile) or per rank (A,B,...), as
+    ``budgets.parse_rank_memory`` reads them."""
     try:
-        return host_budgets(text) or parse_rank_memory(text)
+        return parse_rank_memory(text)
     except UserError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 

@@ -96,7 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rebalance-replicas", type=arg_int(), default=0, metavar="R",
                    help="replica slots per rank in those placements (default %(default)s)")
     p.add_argument("--rank-memory", metavar="HOST=GB,...|A,B,...", type=rank_memory_arg, default=None,
-                   help="GB of expert weights each host (by name) or each rank (in order) may keep resident "
+                   help="GB of expert weights each host (by name, split evenly over its ranks; or a JSON hostfile with "
+                        "memory_gb) or each rank (in order) may keep resident "
                         "(docs/placement.md)")
     p.add_argument("--timeout", type=arg_duration(), default=DEFAULT_TIMEOUT,
                    help="Seconds without progress before a rank is declared hung; one serving step (it may be a "

@@ -18,11 +18,12 @@ status ``job_file.INPUT_ERROR``), and duplicate ids are refused here before
 any start.
 
 What depended on N is planned again for the survivors: each rank's
-``--rank-memory`` budget belongs to its host (a JSON hostfile's
-``memory_gb`` is matched to ranks by host name), so the survivors keep
-theirs; a ``--placement`` is rebuilt for the fewer ranks from the routing
-recorded so far (``--routing``, else the run's ``--record-routing`` file
-where it exists) or, without one, left to the even policy.
+``--rank-memory`` budget is matched to it as the run matches it (budgets
+per host by host name, a host's split evenly over its ranks), so the
+survivors keep theirs; a ``--placement`` is rebuilt for the fewer ranks
+from the routing recorded so far (``--routing``, else the run's
+``--record-routing`` file where it exists) or, without one, left to the
+even policy.
 
 This is for the modes whose running job cannot survive a loss (MLX's
 collectives cannot continue past a dead peer). A p2p job launched with
@@ -34,6 +35,7 @@ import argparse
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -44,6 +46,7 @@ from typing import List, Optional, Set, Tuple
 from mlxdist.cli.job_file import INPUT_ERROR, load_job_file
 from mlxdist.cli.job_results import recorded_ids
 from mlxdist.errors import UserError
+from mlxdist.model.budgets import budgets_for_ranks, parse_rank_memory
 from mlxdist.runtime.world import LAUNCHER_FAILURE, LAUNCHER_RETRIES
 
 
@@ -113,42 +116,23 @@ def read_hostfile(path: str) -> List[Tuple[str, int]]:
 
 def rank_slots(ranks: int, hostfile: Optional[str], rank_memory: Optional[str]) -> List[RankSlot]:
     """Each starting rank's host and budget. Open MPI fills each host's
-    slots in order; without a hostfile every rank is local (``localhost``),
-    or, with a JSON ``--rank-memory`` hostfile, named by its entry's host."""
+    slots in order; without a hostfile every rank is local (``localhost``).
+    Budgets are matched to the ranks as the run matches them
+    (``budgets.budgets_for_ranks``: per host by name, a local rank's host
+    being this machine's name)."""
     hosts = [h for h, slots in read_hostfile(hostfile) for _ in range(slots)][:ranks] if hostfile else None
     if hosts is not None and len(hosts) < ranks:
         raise UserError(f"--hostfile {hostfile} has {len(hosts)} slots for --ranks {ranks}")
+    hosts = hosts or ["localhost"] * ranks
     if rank_memory is None:
-        return [RankSlot(h) for h in hosts or ["localhost"] * ranks]
-    if not rank_memory.endswith(".json"):
-        from mlxdist.model.placement import parse_rank_memory
-
-        budgets = parse_rank_memory(rank_memory, ranks)
-        return [RankSlot(h, b) for h, b in zip(hosts or ["localhost"] * ranks, budgets)]
-    named = _host_budgets(rank_memory)
-    if hosts is None:  # mlx.launch's form: one entry per rank, in rank order
-        if len(named) != ranks:
-            raise UserError(f"--rank-memory {rank_memory} lists {len(named)} hosts for --ranks {ranks}")
-        return [RankSlot(h, b) for h, b in named]
-    by_host = {}
-    for host, budget in named:
-        if by_host.setdefault(host, budget) != budget:
-            raise UserError(f"--rank-memory {rank_memory} gives host {host} two budgets")
-    missing = sorted(set(hosts) - set(by_host))
-    if missing:
-        raise UserError(f"--rank-memory {rank_memory} has no memory_gb for host {', '.join(missing)} of {hostfile}")
-    return [RankSlot(h, by_host[h]) for h in hosts]
+        return [RankSlot(h) for h in hosts]
+    budgets = budgets_for_ranks(parse_rank_memory(rank_memory), [_machine(h) for h in hosts])
+    return [RankSlot(h, b) for h, b in zip(hosts, budgets)]
 
 
-def _host_budgets(path: str) -> List[Tuple[str, float]]:
-    """(host, memory_gb) per entry of a JSON hostfile (``ssh``, else the first of ``ips``)."""
-    from mlxdist.model.placement import _hostfile_budgets
-
-    budgets = _hostfile_budgets(path)  # checked: hosts, each with a number memory_gb; either of mlx.launch's forms
-    for i, name in enumerate(budgets.hosts):
-        if not isinstance(name, str) or not name:
-            raise UserError(f"hostfile {path}: host {i} has no \"ssh\" name to match ranks by")
-    return list(zip(budgets.hosts, budgets))
+def _machine(host: str) -> str:
+    """The host name a rank started on ``host`` finds (``socket.gethostname``)."""
+    return socket.gethostname() if host in ("localhost", "127.0.0.1") else host
 
 
 def lost_ranks(stderr: str, slots: List[RankSlot]) -> List[int]:

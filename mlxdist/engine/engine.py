@@ -26,7 +26,7 @@ from mlxdist.engine.speculative import drafter, load_draft
 from mlxdist.errors import UserError, describe_errors, one_line
 from mlxdist.model.balance import bytes_per_expert, check_rank_memory
 from mlxdist.model.checkpoint import (
-    find_switch_sites, nbytes, read_safetensors_index, resolve_model_path, restack_experts,
+    find_switch_sites, nbytes, read_safetensors_index, resolve_model_path, restack_experts, text_config,
 )
 from mlxdist.model.experts import RankExperts
 from mlxdist.model.paging import PagingStats, expert_module
@@ -120,7 +120,7 @@ class Engine:
     @property
     def vocab_size(self) -> int:
         """The rows of the model's output: what a token id may index."""
-        cfg = self.config.get("text_config", self.config)
+        cfg = text_config(self.config)
         size = cfg.get("vocab_size") or self.config.get("vocab_size")
         if isinstance(size, int) and size > 0:
             return size
@@ -128,7 +128,7 @@ class Engine:
 
     @property
     def context_length(self) -> Optional[int]:
-        cfg = self.config.get("text_config", self.config)
+        cfg = text_config(self.config)
         return cfg.get("max_position_embeddings")
 
     def observe(self, observer: Optional[Observer]) -> None:

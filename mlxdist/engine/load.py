@@ -24,13 +24,14 @@ from mlxdist.errors import UserError, one_line
 from mlxdist.engine.fetch import Located, fetch_share, locate_model, rank_spans
 from mlxdist.model.checkpoint import (
     check_config, find_switch_sites, nbytes, read_safetensors_index,
-    split_experts_by_width, split_shared_by_width, switch_extras,
+    split_experts_by_width, split_shared_by_width, switch_extras, text_config,
 )
 from mlxdist.model.paging import PagingStats, capacity_for_budget, expert_module
 from mlxdist.model.balance import (
-    KV_RESERVE_TOKENS, budgets_by_rank, bytes_per_expert, check_plan_fits, check_rank_memory, expert_budgets,
+    KV_RESERVE_TOKENS, bytes_per_expert, check_plan_fits, check_rank_memory, expert_budgets,
     kv_bytes_per_token,
 )
+from mlxdist.model.budgets import budgets_for_ranks
 from mlxdist.model.placement import Placement, resolve_placement
 from mlxdist.model.routing import RouterWeights, RoutingWeightsNotFound, activation_dtype, find_router_weights
 from mlxdist.model.sources import load_lazy
@@ -152,11 +153,9 @@ def _placement(world: World, options: LoadOptions, lazy: _Lazy) -> Tuple[LoadOpt
     experts_per_layer = {s.layer: s.num_experts for s in sites}
     found = world.control.allgather_json(_my_memory(world))  # every rank's memory and host
     memory = [m["bytes"] for m in found]
-    if isinstance(options.rank_memory_gb, dict):  # budgets per host: matched by name, never by position
-        options = replace(options, rank_memory_gb=budgets_by_rank(options.rank_memory_gb, [m["host"] for m in found]))
+    if options.rank_memory_gb is not None:  # per rank as given, per host by the ranks' host names
+        options = replace(options, rank_memory_gb=budgets_for_ranks(options.rank_memory_gb, [m["host"] for m in found]))
     budgets = options.rank_memory_gb
-    if budgets is not None and len(budgets) != world.size:
-        raise UserError(f"--rank-memory gives {len(budgets)} budgets for {world.size} ranks")
     room = _room_for_experts(world, options, lazy.model, sites, lazy.config, memory) if budgets is None else None
     plan = resolve_placement(options.placement, experts_per_layer, world.size, options.rank0_experts,
                              budgets or _unequal(room, options))
@@ -322,7 +321,7 @@ def _in_last_layer(model: nn.Module, sites) -> bool:
 
 def _find_routing_weights(model: nn.Module, sites, config: Dict[str, Any]) -> Dict[type, RouterWeights]:
     """Per MoE block class: its top-k and the dtype its router weights are exact in."""
-    cfg = config.get("text_config", config)
+    cfg = text_config(config)
     dtype = activation_dtype(model)
     found: Dict[type, RouterWeights] = {}
     try:

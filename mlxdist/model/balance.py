@@ -31,6 +31,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from mlx.utils import tree_flatten
 
 from mlxdist.errors import PlacementError, UserError
+from mlxdist.model.checkpoint import text_config
 from mlxdist.model.placement import Owners, Placement, proportional_counts
 
 MAX_SWAPS = 10_000  # per layer: a bound, never reached in practice (each swap lowers a pair's maximum)
@@ -195,7 +196,7 @@ MARGIN = 0.10  # of each rank's memory, kept free for activations, buffers and t
 def kv_bytes_per_token(config) -> int:
     """Bytes of KV cache per token over every layer, from the config (keys
     and values at 2 bytes; a model without the usual keys: hidden size x 2)."""
-    cfg = config.get("text_config", config)
+    cfg = text_config(config)
     layers = int(cfg.get("num_hidden_layers") or cfg.get("n_layers") or 1)
     heads = int(cfg.get("num_attention_heads") or cfg.get("n_heads") or 1)
     kv_heads = int(cfg.get("num_key_value_heads") or heads)
@@ -230,37 +231,3 @@ def check_plan_fits(placement: Placement, budgets_gb: Sequence[float], expert_by
             raise UserError(f"rank {rank} would hold {need:.3g} GB of experts but has room for {budget:.3g} GB "
                             f"({memory[rank] / 1e9:.3g} GB of memory, less its dense part, KV reserve and margin): "
                             f"the model does not fit (more ranks, or page experts with --expert-capacity)")
-
-
-def host_budgets(text: str) -> Optional[Dict[str, float]]:
-    """``--rank-memory`` given per host as ``host=GB,host=GB``: GB by host
-    name; None where it gives budgets otherwise (``A,B,...`` by rank, or a
-    JSON hostfile: ``placement.parse_rank_memory``)."""
-    if "=" not in text or text.endswith(".json"):
-        return None
-    out = {}
-    for part in text.split(","):
-        name, _, gb = part.partition("=")
-        try:
-            value = float(gb)
-        except ValueError:
-            value = float("nan")
-        if not name.strip() or not 0 < value < float("inf"):
-            raise PlacementError(f"--rank-memory takes HOST=GB per host separated by commas, not {part!r:.40}")
-        out[name.strip()] = value
-    return out
-
-
-def budgets_by_rank(by_host: Dict[str, float], hosts: Sequence[str]) -> List[float]:
-    """[N] GB per rank from GB per host: matched by host name (or its first
-    label, ``mac-2`` for ``mac-2.local``), a host's GB split evenly over its
-    ranks. Raises ``UserError`` naming a rank whose host is not named."""
-    short = {name.split(".")[0]: gb for name, gb in by_host.items()}
-    out = []
-    for rank, host in enumerate(hosts):
-        gb = by_host.get(host, short.get(host.split(".")[0]))
-        if gb is None:
-            raise UserError(f"rank {rank} runs on host {host}, which --rank-memory does not name (it names "
-                            f"{', '.join(sorted(by_host))[:80]})")
-        out.append(gb / sum(h == host for h in hosts))
-    return out

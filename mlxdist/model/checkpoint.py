@@ -29,7 +29,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU, SwitchLinear, SwitchMLP
 
 from mlxdist.arrays import from_numpy
-from mlxdist.errors import CheckpointError, ModelNotFound, UserError
+from mlxdist.errors import CheckpointError, ModelNotFound, UserError, one_line
 
 SWITCH_TYPES = (SwitchGLU, SwitchMLP)
 PROJECTION_TYPES = (SwitchLinear, QuantizedSwitchLinear)
@@ -64,13 +64,32 @@ def resolve_model_path(model: str, revision: Optional[str] = None) -> Path:
     try:
         return _download(model, revision=revision)
     except Exception as e:
-        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise ModelNotFound(f"cannot fetch {model!r} from the Hugging Face hub: {reason}") from None
+        raise ModelNotFound(f"cannot fetch {model!r} from the Hugging Face hub: {_hub_reason(e, revision)}") from None
+
+
+def _hub_reason(e: Exception, revision: Optional[str]) -> str:
+    """Why a hub download failed, in a few words: the hub's own message for a
+    missing repo or revision begins with a bare "404 Client Error."."""
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
+
+    if isinstance(e, GatedRepoError):
+        return "the repo is gated: accept its terms on the hub, then log in (hf auth login)"
+    if isinstance(e, RepositoryNotFoundError):
+        return "the hub has no such repo, or it is private (log in with hf auth login)"
+    if isinstance(e, RevisionNotFoundError):
+        return f"the repo has no revision {revision or 'main'!r}"
+    return one_line(e)
 
 
 def is_hub_id(model: str) -> bool:
     """Whether ``model``, not found as a folder, reads as a hub id ("org/name")."""
     return not model.startswith((".", "/", "~")) and model.count("/") == 1
+
+
+def text_config(config: Dict[str, Any]) -> Dict[str, Any]:
+    """The language model's part of a model's config.json: its
+    ``text_config`` where it has one (a model that also reads images), else all of it."""
+    return config.get("text_config", config)
 
 
 def check_config(path: Path) -> None:
@@ -254,17 +273,6 @@ def find_switch_sites(model: nn.Module) -> List[SwitchSite]:
         parent_path, attr = path.rsplit(".", 1)
         sites.append(SwitchSite(layer, path, modules[parent_path], attr, module))
     return sorted(sites, key=lambda s: s.layer)
-
-
-def slice_experts(site: SwitchSite, expert_ids: List[int], sources) -> nn.Module:
-    """The site's expert module holding only the experts ``expert_ids``, in
-    order, read from ``sources`` (``model/sources.py``'s ``CheckpointSources``,
-    or a plain index, which reads mlx-lm's layout by offset and slices any
-    other). Only the stacked projections' tensors are sliced (those whose
-    first dimension is the experts); anything else the module holds stays whole."""
-    from mlxdist.model.sources import as_sources, load_experts  # sources.py builds on this module
-
-    return load_experts(site, as_sources(sources).expert_source(site), expert_ids)
 
 
 # Expert projections by direction, for cutting experts in width: from the

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from mlxdist.digits import is_digits
-from mlxdist.errors import PlacementError
+from mlxdist.errors import PlacementError, one_line
 
 PLACEMENT_VERSION = 2  # the newest version written (1: one owner per expert)
 MAX_RANKS = 1 << 16
@@ -196,57 +196,6 @@ def _check_owners(owners: Owners, num_ranks: int, where: str) -> None:
         raise PlacementError(f"placement: {where} lists a rank twice ({list(owners)})")
 
 
-class HostBudgets(list):
-    """Budgets read from a JSON hostfile, in the file's order, with the
-    host names (``"ssh"``, else the first of ``"ips"``) they belong to: ``for_ranks`` puts them in the
-    job's rank order by host name."""
-
-    def __init__(self, budgets: Sequence[float], hosts: Sequence[Optional[str]]):
-        super().__init__(budgets)
-        self.hosts = list(hosts)
-
-
-def _short_name(name: str) -> str:
-    return name.split(".")[0].lower()
-
-
-def budgets_for_ranks(budgets: Sequence[float], rank_hosts: Sequence[str]) -> List[float]:
-    """``budgets`` in rank order: by host name where they came from a
-    hostfile naming every rank's host (``HostBudgets``; names compared
-    without case or domain, so ``mac1.local`` is ``Mac1``), else as given."""
-    names = [_short_name(h) for h in getattr(budgets, "hosts", []) if isinstance(h, str)]
-    if len(names) != len(budgets) or len(set(names)) != len(names):
-        return [float(b) for b in budgets]
-    by_name = dict(zip(names, budgets))
-    ranks = [_short_name(h) for h in rank_hosts]
-    if not all(r in by_name for r in ranks):
-        return [float(b) for b in budgets]
-    if len(set(ranks)) != len(ranks):  # several ranks on one host share its budget
-        raise PlacementError("--rank-memory hostfile: several ranks run on one host; give one budget per rank "
-                             "(A,B,...) instead")
-    return [float(by_name[r]) for r in ranks]
-
-
-def _hostfile_budgets(path: str) -> HostBudgets:
-    """Each host's ``memory_gb`` from a JSON hostfile, in order: a list of
-    hosts, or ``mlx.distributed_config``'s object (``{"backend", "envs",
-    "hosts": [...]}``)."""
-    hosts = read_json(path, "--rank-memory host", PlacementError)
-    if isinstance(hosts, dict) and "hosts" in hosts:
-        hosts = hosts["hosts"]
-    if not isinstance(hosts, list) or not hosts:
-        raise PlacementError(f"hostfile {path} must be a JSON list of hosts or an object with \"hosts\" "
-                             f"(mlx.launch's forms)")
-    budgets = []
-    for i, host in enumerate(hosts):
-        gb = host.get("memory_gb") if isinstance(host, dict) else None
-        if isinstance(gb, bool) or not isinstance(gb, (int, float)):
-            raise PlacementError(f"hostfile {path}: host {i} has no number \"memory_gb\" "
-                                 f"(GB of expert weights it may keep resident)")
-        budgets.append(float(gb))
-    return HostBudgets(budgets, [h.get("ssh") or (h.get("ips") or [None])[0] for h in hosts])
-
-
 def _short(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 40 else text[:37] + "..."
@@ -285,7 +234,7 @@ def read_json(path: Union[str, Path], what: str, error: type) -> Any:
     except json.JSONDecodeError as e:
         raise error(f"{what} file {path} is not JSON: {e}") from None
     except (ValueError, RecursionError) as e:  # an integer of thousands of digits, nesting past the stack
-        raise error(f"{what} file {path} is not JSON mlxdist reads: {str(e).splitlines()[0][:80]}") from None
+        raise error(f"{what} file {path} is not JSON mlxdist reads: {one_line(e)[:80]}") from None
 
 
 def write_json_atomic(path: Union[str, Path], obj: Any) -> None:
@@ -324,24 +273,3 @@ def resolve_placement(
         result = Placement.from_json(placement)
     result.validate(experts_per_layer, num_ranks)
     return result
-
-
-def parse_rank_memory(text: str, num_ranks: Optional[int] = None) -> List[float]:
-    """``--rank-memory A,B,...``: GB of expert weights per rank, one per rank;
-    or a JSON hostfile (``mlx.launch``'s list or ``mlx.distributed_config``'s
-    object) whose every host carries ``"memory_gb"``: a ``HostBudgets``,
-    which ``budgets_for_ranks`` orders by the ranks' host names (else the
-    file's order is the ranks')."""
-    if text.endswith(".json"):
-        budgets = _hostfile_budgets(text)
-    else:
-        try:
-            budgets = [float(part) for part in text.split(",")]
-        except ValueError:
-            raise PlacementError(f"--rank-memory takes GB per rank separated by commas (e.g. 64,32) or a JSON "
-                                 f"hostfile, not {_short(text)}") from None
-    if not all(0 < b < float("inf") for b in budgets):
-        raise PlacementError(f"--rank-memory budgets must be positive numbers of GB, not {_short(text)}")
-    if num_ranks is not None and len(budgets) != num_ranks:
-        raise PlacementError(f"--rank-memory gives {len(budgets)} budgets for {num_ranks} ranks")
-    return budgets

@@ -29,7 +29,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_unflatten
 
-from mlxdist.dispatch.wire import from_numpy, to_numpy
+from mlxdist.arrays import from_numpy, to_numpy
 from mlxdist.errors import CheckpointError
 from mlxdist.model.checkpoint import SwitchSite, TensorEntry, entry_dtype, read_rows, read_stacked, stacked_tensors
 
@@ -140,6 +140,15 @@ class CheckpointSources:
 
 def as_sources(sources: Union[CheckpointSources, Dict[str, TensorEntry]]) -> CheckpointSources:
     return sources if isinstance(sources, CheckpointSources) else CheckpointSources(sources)
+
+
+def slice_experts(site: SwitchSite, expert_ids: List[int], sources) -> nn.Module:
+    """The site's expert module holding only the experts ``expert_ids``, in
+    order, read from ``sources`` (``CheckpointSources``, or a plain index,
+    which reads mlx-lm's layout by offset and slices any other). Only the
+    stacked projections' tensors are sliced (those whose first dimension is
+    the experts); anything else the module holds stays whole."""
+    return load_experts(site, as_sources(sources).expert_source(site), expert_ids)
 
 
 def load_lazy(path: Path, index: Dict[str, TensorEntry]) -> Tuple[nn.Module, Dict[str, Any], CheckpointSources]:

@@ -18,7 +18,7 @@ from mlx.utils import tree_flatten, tree_map, tree_unflatten
 from mlx_lm.utils import load_model
 
 from mlxdist.errors import UserError
-from mlxdist.model.checkpoint import SwitchSite
+from mlxdist.model.checkpoint import SwitchSite, text_config
 from mlxdist.runtime.world import World
 
 __all__ = ["can_shard", "own_bytes", "shard_dense", "tensor_parallel_twin"]
@@ -85,7 +85,7 @@ def _own_arrays(twin: nn.Module, model: nn.Module) -> List[mx.array]:
 
 
 def _heads_left_over(config: Dict[str, Any], ranks: int) -> List[str]:
-    cfg = config.get("text_config", config)
+    cfg = text_config(config)
     return [f"{key} = {cfg[key]}" for key in ("num_attention_heads", "num_key_value_heads")
             if cfg.get(key) is not None and cfg[key] % ranks]
 

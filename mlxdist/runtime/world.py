@@ -30,7 +30,6 @@ after a correct run).
 
 import atexit
 import os
-import socket
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, List, Optional, Tuple
@@ -84,7 +83,6 @@ class World:
     lost: List[int] = field(default_factory=list)
     on_loss: List[Callable[[List[int]], None]] = field(default_factory=list)
     control: Optional[Control] = None  # the control plane (None: mpi4py on comm, or nothing with one rank)
-    hosts: List[str] = field(default_factory=list)  # each rank's host name, in rank order (init_world gathers them)
 
     def __post_init__(self):
         self.alive = self.alive or list(range(self.size))
@@ -126,7 +124,6 @@ def init_world(backend: Optional[str] = None) -> World:
         envs.check()  # a malformed variable stops every rank here, before any waits on another
         awake.hold()
         _WORLD = _start(backend)
-        _WORLD.hosts = _WORLD.control.allgather_json(socket.gethostname())
     return _WORLD
 
 
