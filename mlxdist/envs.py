@@ -98,6 +98,9 @@ VARIABLES: Dict[str, Variable] = {v.name: v for v in (
     Variable("OMPI_MCA_btl", "str", "^ofi", "Open MPI's transports for MPI's messages: every one but ofi "
              "(libfabric), which costs about a second at every MPI start probing for fabrics that Macs and "
              "Ethernet clusters lack; shared memory and TCP remain (docs/notes/openmpi-start.md).", who="set"),
+    Variable("OMPI_MCA_mpi_yield_when_idle", "str", "1", "Open MPI yields the core while a rank waits on MPI: "
+             "where ranks share cores with each other or with other jobs, two ranks polling one core otherwise "
+             "make a collective cost milliseconds (docs/notes/openmpi-start.md).", who="set"),
     Variable("MLX_RANK", "int", None, "nccl, ring and jaccl backends: this rank, for MLX's init (from MPI). Set "
              "by mlx.launch too: without mpirun's variables it marks a job whose control plane runs on MLX's "
              "collectives.", who="set"),
