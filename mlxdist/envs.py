@@ -57,6 +57,9 @@ VARIABLES: Dict[str, Variable] = {v.name: v for v in (
              "Open MPI 5 forwards stdin lines but not their end."),
     Variable("MLXDIST_GROUPED_EXPERTS", "flag", "", "Expert calls grouped by expert: 0 never, 1 always (any "
              "device), unset: on GPUs from two slots per expert (docs/notes/grouped-experts.md). Read at import."),
+    Variable("MLXDIST_AUTO_LINK", "str", "measure", "What --dispatch auto takes the link between the ranks to "
+             "cost: measure (at load: a few all_sums and a pass over the dense layers) or local (one host's: the "
+             "rule measured there, nothing measured); rank 0's setting holds for every rank (docs/modes.md)."),
     Variable("MLXDIST_BACKEND", "str", None, "MLX's transport for arrays when --backend (or init's backend) is not "
              "given: mpi, nccl, ring, jaccl or jaccl-ring (default: the one mlx.launch started, else nccl on CUDA, else mpi)."),
     Variable("MLXDIST_RING_INTERFACE", "str", None, "ring backend under mpirun, ranks on several hosts: the network "
