@@ -57,6 +57,9 @@ VARIABLES: Dict[str, Variable] = {v.name: v for v in (
              "Open MPI 5 forwards stdin lines but not their end."),
     Variable("MLXDIST_GROUPED_EXPERTS", "flag", "", "Expert calls grouped by expert: 0 never, 1 always (any "
              "device), unset: on GPUs from two slots per expert (docs/notes/grouped-experts.md). Read at import."),
+    Variable("MLXDIST_AUTO_LINK", "str", "measure", "What --dispatch auto takes the link between the ranks to "
+             "cost: measure (at load: a few all_sums and a pass over the dense layers) or local (one host's: the "
+             "rule measured there, nothing measured); rank 0's setting holds for every rank (docs/modes.md)."),
     Variable("MLXDIST_BACKEND", "str", None, "MLX's transport for arrays when --backend (or init's backend) is not "
              "given: mpi, nccl, ring, jaccl or jaccl-ring (default: the one mlx.launch started, else nccl on CUDA, else mpi)."),
     Variable("MLXDIST_RING_INTERFACE", "str", None, "ring backend under mpirun, ranks on several hosts: the network "
@@ -98,6 +101,9 @@ VARIABLES: Dict[str, Variable] = {v.name: v for v in (
     Variable("OMPI_MCA_btl", "str", "^ofi", "Open MPI's transports for MPI's messages: every one but ofi "
              "(libfabric), which costs about a second at every MPI start probing for fabrics that Macs and "
              "Ethernet clusters lack; shared memory and TCP remain (docs/notes/openmpi-start.md).", who="set"),
+    Variable("OMPI_MCA_mpi_yield_when_idle", "str", "1", "Open MPI yields the core while a rank waits on MPI: "
+             "where ranks share cores with each other or with other jobs, two ranks polling one core otherwise "
+             "make a collective cost milliseconds (docs/notes/openmpi-start.md).", who="set"),
     Variable("MLX_RANK", "int", None, "nccl, ring and jaccl backends: this rank, for MLX's init (from MPI). Set "
              "by mlx.launch too: without mpirun's variables it marks a job whose control plane runs on MLX's "
              "collectives.", who="set"),

@@ -27,6 +27,11 @@ def mpirun_env() -> dict:
         OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
         OMPI_MCA_rmaps_base_oversubscribe="1",
         OMPI_MCA_btl=env.get("OMPI_MCA_btl", "^ofi"),  # as mlxdist sets it, for scripts that start MPI themselves
+        OMPI_MCA_mpi_yield_when_idle=env.get("OMPI_MCA_mpi_yield_when_idle", "1"),  # likewise
+        # auto's choices asserted here are its rule on one host's link: ranks sharing this box's
+        # cores with other jobs measure their link anywhere from 10 us to milliseconds a collective.
+        # Tests of the measurement set "measure" (test_auto_link.py).
+        MLXDIST_AUTO_LINK=env.get("MLXDIST_AUTO_LINK", "local"),
         PRTE_MCA_rmaps_default_mapping_policy=":oversubscribe",
         HF_HUB_OFFLINE="1",
         PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""),

@@ -140,6 +140,8 @@ def bench_case(cluster, mode: str, prompts: List[List[int]], args) -> Dict[str, 
 
     strategy = engine.strategy  # what auto (or dp at b = 1) actually ran
     row.update(dispatch=mode, strategy=strategy, batch=len(prompts), ranks=cluster.world.size, moe_layers=layers)
+    if engine.choice is not None:  # auto measured its link at load: what it chose from
+        row["link_choice"] = {"measured": engine.auto_inputs.describe(), "choice": engine.choice.describe()}
     # (max - mean) / mean of the slots each rank computed, per MoE layer and step (ExchangeStats.count_balance);
     # experts cut in width: every rank computes 1/N of every slot.
     row["imbalance"] = 0.0 if args.expert_split == "width" and cluster.world.size > 1 else stats[0].get("imbalance")

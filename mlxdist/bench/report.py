@@ -160,6 +160,12 @@ def markdown(result: Dict[str, Any]) -> str:
                   f"{r['vs_exact'].get('reference', 'collective')}: {100 * r['vs_exact']['equal_sequences']:.0f} % of "
                   f"sequences token-equal, first difference at step {r['vs_exact']['first_difference']}, "
                   f"max |logprob diff| {r['vs_exact']['max_logprob_diff']:.2e} before it" for r in close]
+    chosen = [r for r in result["results"] if r.get("link_choice")]
+    if chosen:
+        lines += ["", "What `auto` measured at load and chose from (`dispatch/linkcost.py`, docs/modes.md):", ""]
+        for measured in dict.fromkeys(r["link_choice"]["measured"] for r in chosen):
+            lines += [f"- {measured}:"] + [f"  - {r['link_choice']['choice']}" for r in chosen
+                                           if r["link_choice"]["measured"] == measured]
     if result["unsupported"]:
         lines += ["", "Not supported by mlx-lm here:", ""]
         lines += [f"- {k}: {v}" for k, v in result["unsupported"].items()]

@@ -254,6 +254,15 @@ def _run_prompt(cluster: Cluster, args, text: str, logprobs: List) -> None:
             print(_summary(stats, len(tokens)), file=sys.stderr, flush=True)
 
 
+def _explain_auto(engine) -> None:
+    """--verbose under auto: what it measured at load, then each choice
+    where it changes, with every candidate's estimated step."""
+    if engine.auto_inputs is None:
+        return
+    print(f"auto: {engine.auto_inputs.describe()}", file=sys.stderr, flush=True)
+    engine.on_choice = lambda choice: print(choice.describe(), file=sys.stderr, flush=True)
+
+
 def command_loop(cluster: Cluster, args) -> int:
     """Rank 0: LOAD, then GENERATE each prompt (or the job file)."""
     try:
@@ -281,6 +290,8 @@ def command_loop(cluster: Cluster, args) -> int:
         if jobs is not None:
             jobs.close()
         return 1
+    if args.verbose:
+        _explain_auto(cluster.engine)
     if args.save_placement:
         cluster.engine.placement.save(args.save_placement)
     if jobs is not None:

@@ -18,11 +18,13 @@ per module, built by name in ``make_dispatcher``:
     p2p            p2p.py           rank 0 runs the dense model, sends slots to owners
     dp             dataparallel.py  each rank its own sequences; per-token combine (not bit-exact)
 
-``auto`` (chosen per batch, ``modes.choose``) holds both collective and dp
-(with experts cut in width on MPI: collective-tp and dp).
+``auto`` holds both collective and dp (with experts cut in width on MPI,
+collective-tp too) and picks per batch the one whose step costs the least
+over the link measured at load (``modes.auto_choice``, ``linkcost.py``).
 
 ``ownership.py`` holds the per-layer expert-to-rank map, ``stats.py`` the
-counters, ``wire.py`` the p2p message format. With one rank every strategy
+counters, ``wire.py`` the p2p message format, ``traffic.py`` what each
+strategy puts on the wire per step. With one rank every strategy
 is an identity: the expert module sees the layer's input as is.
 """
 

@@ -1,14 +1,17 @@
 """The dispatch modes a user picks (``--dispatch``), what each is, and which
 strategy runs a batch: the one place a mode's name decides anything.
 
-A mode builds one or two strategies (dispatchers) at load; ``auto`` and
-``dp`` hold a data-parallel one for batches and a collective one for single
-sequences, and ``choose`` picks between them per generation.
+A mode builds one or more strategies (dispatchers) at load; ``auto`` and
+``dp`` hold a data-parallel one for batches and a collective one (or two)
+for single sequences, and ``choose`` picks between them per generation
+(``auto``: ``auto_choice``, from the link the ranks measured at load and
+``linkcost.py``'s estimate of each candidate's step).
 """
 
 from dataclasses import dataclass
 from typing import Dict, List
 
+from mlxdist.dispatch.linkcost import AutoInputs, Choice, cheapest
 from mlxdist.errors import UserError
 
 
@@ -24,10 +27,13 @@ class Mode:
     survives_rank_loss: bool = False
     mlx_collectives: bool = True  # its exchange runs on MLX's collectives (else: mpi4py's sends)
     dense_on_root: bool = False  # rank 0 alone runs the dense model (the others hold experts only)
+    measures_link: bool = False  # chooses among its strategies from the link measured at load (auto_choice)
 
 
 MODES: Dict[str, Mode] = {m.name: m for m in (
-    Mode("auto", "dp for batches of at least one sequence per rank (8 on NCCL with whole experts), else collective"),
+    Mode("auto", "per generation, the strategy whose decode step costs the least over the link measured at load: "
+                 "on a fast link dp for batches of at least one sequence per rank (8 on NCCL with whole experts), "
+                 "else collective", measures_link=True),
     Mode("dp", "each rank its own sequences, per-token combine (not bit-exact)"),
     Mode("collective", "every rank runs the dense model, one all_sum of the slots per layer (exact)"),
     Mode("collective-tp", "collective with attention split by mlx-lm's shard() (not bit-exact)"),
@@ -94,11 +100,12 @@ def strategies(name: str, by_width: bool, backend: str, shardable: bool) -> List
     """The strategies a load of mode ``name`` builds, the first the default:
     ``auto`` and ``dp`` hold collective and dp; ``auto`` with experts cut in
     width on MPI runs single sequences as collective-tp where mlx-lm can
-    ``shard()`` the model (on a twin of it: ``splits_attention``)."""
+    ``shard()`` the model (on a twin of it: ``splits_attention``), or as
+    collective where the link makes its fewer collectives cheaper."""
     if name not in ("auto", "dp"):
         return [name]
     if name == "auto" and by_width and backend == "mpi" and shardable:
-        return ["collective-tp", "dp"]
+        return ["collective-tp", "collective", "dp"]
     return ["collective", "dp"]
 
 
@@ -115,28 +122,52 @@ def without_router_weights(name: str, names: List[str], reason: UserError) -> Li
     return [n for n in names if n != "dp"] or ["collective"]
 
 
+def dp_rows_per_rank(backend: str, expert_split: str) -> int:
+    """Rows per rank from which ``auto`` may run dp: one with experts cut in
+    width, else ``AUTO_DP_ROWS_PER_RANK`` for the transport."""
+    return 1 if expert_split == "width" else AUTO_DP_ROWS_PER_RANK.get(backend, 1)
+
+
 def auto_strategy(batch: int, ranks: int, backend: str, expert_split: str = "whole") -> str:
-    """``auto``'s choice for a generation of ``batch`` sequences: the
-    data-parallel mode once the batch gives every rank enough rows (one with
-    experts cut in width, else ``AUTO_DP_ROWS_PER_RANK`` for the transport),
-    a collective one below: with experts cut in width on MPI, collective-tp
-    (attention split as tensor parallelism splits it; where the model has no
-    mlx-lm ``shard()`` the engine runs collective)."""
-    rows = 1 if expert_split == "width" else AUTO_DP_ROWS_PER_RANK.get(backend, 1)
-    if batch >= ranks * rows:
+    """``auto``'s choice on a fast link (one host's, ``linkcost.LOCAL``) for
+    a generation of ``batch`` sequences: the data-parallel mode once the
+    batch gives every rank enough rows (``dp_rows_per_rank``), a collective
+    one below: with experts cut in width on MPI, collective-tp (attention
+    split as tensor parallelism splits it; where the model has no mlx-lm
+    ``shard()`` the engine runs collective)."""
+    if batch >= ranks * dp_rows_per_rank(backend, expert_split):
         return "dp"
     return "collective-tp" if expert_split == "width" and backend == "mpi" else "collective"
 
 
+def auto_choice(loaded: List[str], batch: int, ranks: int, backend: str, expert_split: str,
+                inputs: AutoInputs) -> Choice:
+    """``auto``'s choice among the ``loaded`` strategies from the measured
+    link and the model's shapes (``linkcost.cheapest``), on either side of
+    the threshold measured on one host (``dp_rows_per_rank``): from it, dp or
+    collective (fewer collectives; collective-tp puts no fewer collectives or
+    bytes on the wire than dp); below it, the collective strategies (exact
+    with whole experts, where dp's ranks would idle). Ties go to
+    ``auto_strategy``'s choice."""
+    fast = auto_strategy(batch, ranks, backend, expert_split)
+    fast = fast if fast in loaded else loaded[0]
+    if batch >= ranks * dp_rows_per_rank(backend, expert_split):
+        candidates = [s for s in loaded if s in ("dp", "collective")]
+    else:
+        candidates = [s for s in loaded if s != "dp"]
+    return cheapest(candidates, fast, batch, ranks, expert_split, inputs)
+
+
 def choose(name: str, loaded: List[str], batch: int, ranks: int, backend: str, expert_split: str) -> str:
     """Which of the ``loaded`` strategies runs a generation of ``batch``
-    sequences: ``auto``'s rule; ``dp`` for any batch of two or more."""
-    if "dp" not in loaded:
+    sequences without a measured link: ``auto``'s fast-link rule; ``dp`` for
+    any batch of two or more. With a measured link ``auto`` is ``auto_choice``."""
+    if len(loaded) == 1:
         return loaded[0]
     if name == "auto":
         choice = auto_strategy(batch, ranks, backend, expert_split)
         return choice if choice in loaded else loaded[0]
-    return "dp" if batch >= 2 else loaded[0]
+    return "dp" if batch >= 2 and "dp" in loaded else loaded[0]
 
 
 def help_text() -> str:

@@ -10,7 +10,7 @@ import copy
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -19,6 +19,7 @@ from mlx_lm.generate import BatchResponse, GenerationResponse, generation_stream
 
 from mlxdist.config import GenerationParams, LoadOptions
 from mlxdist.dispatch import DenseRanks, Dispatcher, LayerOwnership, RowDispatcher, modes
+from mlxdist.dispatch.linkcost import AutoInputs, Choice
 from mlxdist.engine.batch import batch_generate
 from mlxdist.engine.dp_schedule import DataParallelGeneration
 from mlxdist.engine.sampling import sequence_samplers
@@ -71,6 +72,9 @@ class Engine:
     capacity: Optional[int] = None  # experts resident per layer here (--expert-capacity or --memory-budget)
     paging: Optional[PagingStats] = None  # with --expert-capacity: hits, misses, bytes and time paged in
     draft_model: Optional[nn.Module] = None  # --draft-model, whole, where this rank runs the dense model
+    auto_inputs: Optional[AutoInputs] = None  # auto: the link and dense work measured at load, agreed by every rank
+    choice: Optional[Choice] = None  # auto: the latest choice and what it was chosen from
+    on_choice: Optional[Callable[[Choice], None]] = None  # called where auto's choice changes (rank 0's --verbose)
 
     def __post_init__(self):
         self.base_model = self.model
@@ -94,9 +98,20 @@ class Engine:
         return self.dispatcher
 
     def strategy_for(self, batch: int) -> str:
-        """The loaded strategy that runs a generation of ``batch`` sequences (``modes.choose``)."""
-        return modes.choose(self.options.dispatch, list(self.dispatchers), batch, self.world.size,
-                            self.world.backend, self.options.expert_split)
+        """The loaded strategy that runs a generation of ``batch`` sequences:
+        from the link measured at load where there is one (``modes.auto_choice``),
+        else ``modes.choose``. The same on every rank: its inputs are agreed."""
+        loaded = list(self.dispatchers)
+        if self.auto_inputs is None or len(loaded) < 2:
+            return modes.choose(self.options.dispatch, loaded, batch, self.world.size, self.world.backend,
+                                self.options.expert_split)
+        choice = modes.auto_choice(loaded, batch, self.world.size, self.world.backend, self.options.expert_split,
+                                   self.auto_inputs)
+        changed = self.choice is None or choice.strategy != self.choice.strategy
+        self.choice = choice
+        if changed and self.on_choice is not None:
+            self.on_choice(choice)
+        return choice.strategy
 
     @property
     def dispatch(self) -> str:

@@ -19,6 +19,8 @@ from mlx_lm.utils import load_tokenizer
 from mlxdist import __version__, envs
 from mlxdist.config import LoadOptions
 from mlxdist.dispatch import DenseRanks, LayerOwnership, RowDispatcher, make_dispatcher, modes
+from mlxdist.dispatch.linkcost import AutoInputs
+from mlxdist.engine.costs import measure_auto_inputs, model_shape, split_bytes
 from mlxdist.engine.engine import Engine
 from mlxdist.errors import UserError, one_line
 from mlxdist.engine.fetch import Located, fetch_share, locate_model, rank_spans
@@ -102,6 +104,7 @@ def load_engine(world: World, options: LoadOptions) -> Engine:
     if runs_dense:
         model, tokenizer = lazy.model, _dense_part(lazy)
         dense_bytes = nbytes(model.parameters()) - expert_bytes + (own_bytes(twin, model) if twin is not None else 0)
+    auto = _measure_for_auto(world, options, lazy, dispatchers, routers, twin)
     engine = Engine(
         world,
         options,
@@ -120,6 +123,7 @@ def load_engine(world: World, options: LoadOptions) -> Engine:
         fingerprint=_fingerprint(options, located, plan, world),
         capacity=capacity,
         paging=modules.paging if capacity is not None else None,
+        auto_inputs=auto,
     )
     engine.model_path = lazy.path  # a rank's share, where it has no copy of its own: what it reads again later
     engine.located = located
@@ -196,6 +200,25 @@ def _dispatchers(world: World, options: LoadOptions, lazy: _Lazy, strategies: Li
     if row_dispatcher is not None and _in_last_layer(lazy.model, lazy.sites):
         row_dispatcher.final_layer = lazy.sites[-1].layer  # nothing after it but the head
     return dispatchers
+
+
+def _measure_for_auto(world: World, options: LoadOptions, lazy: _Lazy, dispatchers: Dict[str, Any],
+                      routers: Dict[type, RouterWeights], twin: Optional[nn.Module]) -> Optional[AutoInputs]:
+    """What ``auto`` chooses from besides b and N (``engine/costs.py``),
+    where it has a choice: measured here, on every rank, agreed; None
+    (its rule on one host's link) where rank 0 has MLXDIST_AUTO_LINK=local."""
+    if not modes.mode(options.dispatch).measures_link or len(dispatchers) < 2:
+        return None
+    wanted = world.control.allgather_json(envs.get("MLXDIST_AUTO_LINK"))[0]  # rank 0's, on every rank
+    if wanted not in ("measure", "local"):
+        raise UserError(f"MLXDIST_AUTO_LINK takes measure or local, not {wanted!r:.40}")
+    if wanted == "local":
+        return None
+    cfg = lazy.config.get("text_config", lazy.config)
+    top_k = next(iter(routers.values())).top_k if routers else cfg.get("num_experts_per_tok") or 1
+    dtype = activation_dtype(lazy.model)
+    shape = model_shape(lazy.model, lazy.config, len(lazy.sites), top_k, dtype)
+    return measure_auto_inputs(world, lazy.model, shape, dtype, split_bytes(twin, lazy.model, world.size))
 
 
 def _capacity(world: World, options: LoadOptions, lazy: _Lazy, plan: Placement, runs_dense: bool) -> Optional[int]:

@@ -1,0 +1,141 @@
+"""``auto``'s cost model: which loaded strategy runs a decode step the
+cheapest over the link the ranks measured at load (``engine/costs.py``).
+
+Notation: b sequences in the batch, N ranks, L layers (L_moe of them MoE).
+Per decode step and rank, for each candidate strategy s:
+
+    estimate(s) = dense(s) + layers(s) x sum over its collectives of
+                  (latency beyond LOCAL + bytes beyond a row x seconds per byte beyond LOCAL)
+
+    dense(collective)     = fixed + b x per_row            every rank runs every row
+    dense(dp)             = fixed + ceil(b/N) x per_row    each rank its own rows
+    dense(collective-tp)  = dense(collective) x (1 - split x (1 - 1/N))
+
+The collectives and their bytes are ``traffic.collectives`` (collective:
+one all_sum of [b, K, D] per MoE layer; dp: an all_gather of [b/N, D] and an
+all_sum of [b, D] per MoE layer; collective-tp: two all_sums of [b, D] in
+every layer). The experts' own work is the same in every candidate (each
+rank computes the slots routed to its experts), so it is left out.
+
+Today's thresholds stay as they were measured (``modes.auto_strategy``):
+``dp`` is a candidate only from ``AUTO_DP_ROWS_PER_RANK`` rows per rank, and
+ties go to the fast-link choice. Those thresholds were measured on ranks of
+one host, whose collectives cost what ``LOCAL`` says; a link is charged only
+what it costs beyond that, so on such a link every candidate's wire term is
+zero, the cheapest is the one with the least dense work, and the model is
+today's rule. Every input is agreed by all ranks, so every rank chooses
+alike.
+"""
+
+from dataclasses import dataclass
+from typing import List, Sequence, Tuple
+
+from mlxdist.dispatch import traffic
+
+
+@dataclass(frozen=True)
+class LinkCost:
+    """What one collective costs on the dispatch's group."""
+
+    latency: float  # seconds per collective, whatever its size
+    seconds_per_byte: float  # beyond the latency, per byte a rank puts on the wire (traffic.py's ring count)
+
+    def describe(self) -> str:
+        rate = f"{1e-9 / self.seconds_per_byte:.3g} GB/s" if self.seconds_per_byte > 0 else "no measurable byte cost"
+        return f"{self.latency * 1e6:.0f} us per collective + {rate}"
+
+
+# A collective between ranks of one host (MPI over shared memory: 10-60 us
+# for a row between two ranks of the 2-core CPU, more with three ranks or
+# other jobs on its cores; NCCL over NVLink less), where AUTO_DP_ROWS_PER_RANK
+# and the width rule were measured.
+LOCAL = LinkCost(latency=100e-6, seconds_per_byte=1 / 10e9)
+
+
+@dataclass(frozen=True)
+class DenseCost:
+    """One rank's dense work (everything but the routed experts) per decode
+    step: ``fixed + rows x per_row`` seconds; ``split`` is the share of it
+    that mlx-lm's ``shard()`` divides over the ranks (collective-tp)."""
+
+    fixed: float
+    per_row: float
+    split: float = 0.0
+
+    def seconds(self, rows: int) -> float:
+        return self.fixed + rows * self.per_row
+
+
+@dataclass(frozen=True)
+class AutoInputs:
+    """What ``auto`` chooses from besides b and N, the same on every rank."""
+
+    link: LinkCost
+    dense: DenseCost
+    shape: traffic.Shape
+
+    def describe(self) -> str:
+        return (f"link {self.link.describe()} (measured; charged beyond {LOCAL.describe()}); dense work "
+                f"{self.dense.fixed * 1e3:.3f} ms + {self.dense.per_row * 1e3:.3f} ms per row, "
+                f"{self.dense.split:.0%} split by shard(); {self.shape.layers} layers, {self.shape.moe_layers} MoE, "
+                f"D = {self.shape.hidden}, K = {self.shape.top_k}")
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """One candidate's estimated decode step, in seconds."""
+
+    strategy: str
+    dense: float
+    wire: float
+    collectives: int  # per step
+
+    @property
+    def total(self) -> float:
+        return self.dense + self.wire
+
+
+@dataclass(frozen=True)
+class Choice:
+    """``auto``'s choice for one generation, with what it was chosen from."""
+
+    strategy: str
+    batch: int
+    ranks: int
+    estimates: Tuple[Estimate, ...]  # the candidates, cheapest first
+
+    def describe(self) -> str:
+        costs = ", ".join(f"{e.strategy} {e.total * 1e3:.3f} ms ({e.dense * 1e3:.3f} dense + {e.wire * 1e3:.3f} "
+                          f"link, {e.collectives} collectives)" for e in self.estimates)
+        return f"auto: b = {self.batch} on {self.ranks} ranks runs {self.strategy}; per step: {costs}"
+
+
+def estimate(strategy: str, batch: int, ranks: int, expert_split: str, inputs: AutoInputs) -> Estimate:
+    """``strategy``'s decode step of ``batch`` sequences on ``ranks`` ranks (see the module's docstring)."""
+    rows = -(-batch // ranks) if strategy == "dp" else batch
+    dense = inputs.dense.seconds(rows)
+    if strategy == "collective-tp":
+        dense *= 1 - inputs.dense.split * (1 - 1 / ranks)
+    ops, layers = traffic.collectives(traffic.wire_name(strategy, expert_split), ranks, batch, inputs.shape)
+    latency = max(0.0, inputs.link.latency - LOCAL.latency)
+    per_byte = max(0.0, inputs.link.seconds_per_byte - LOCAL.seconds_per_byte)
+    row = row_bytes(ranks, inputs.shape)
+    wire = layers * sum(latency + max(0.0, size - row) * per_byte for size, _ in ops)
+    return Estimate(strategy, dense, wire, layers * len(ops))
+
+
+def row_bytes(ranks: int, shape: traffic.Shape) -> float:
+    """The bytes a rank puts on the wire in an all_sum of one row [1, D]:
+    what the latency is measured with, so only bytes beyond it are charged
+    by the bandwidth (on one host, whose large messages go in fragments, a
+    byte of a row costs less than one of a large message)."""
+    return 2 * (ranks - 1) / ranks * shape.hidden * shape.itemsize
+
+
+def cheapest(candidates: Sequence[str], fast_choice: str, batch: int, ranks: int, expert_split: str,
+             inputs: AutoInputs) -> Choice:
+    """The candidate with the cheapest estimated step; ``fast_choice`` (the
+    rule on a link as fast as ``LOCAL``) where it ties."""
+    found: List[Estimate] = [estimate(s, batch, ranks, expert_split, inputs) for s in candidates]
+    found.sort(key=lambda e: (e.total, e.strategy != fast_choice))
+    return Choice(found[0].strategy, batch, ranks, tuple(found))

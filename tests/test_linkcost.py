@@ -1,0 +1,100 @@
+"""auto's cost model (dispatch/linkcost.py, modes.auto_choice) as plain
+functions: on a link as fast as one host's it is the rule measured there
+(modes.auto_strategy); a dearer link moves it to the strategy that puts
+less on the wire per step, by the measured latency and bandwidth."""
+
+import pytest
+
+from mlxdist.dispatch import modes
+from mlxdist.dispatch.linkcost import LOCAL, AutoInputs, DenseCost, LinkCost, estimate
+from mlxdist.dispatch.traffic import Shape
+
+TINY = Shape(hidden=64, top_k=4, layers=3, moe_layers=3, itemsize=4)  # the tests' qwen3_moe
+QWEN3_30B = Shape(hidden=2048, top_k=8, layers=48, moe_layers=48, itemsize=2)
+DENSE = [DenseCost(0.0, 0.0), DenseCost(1e-4, 1e-4, 0.5), DenseCost(5e-3, 1e-6, 0.9), DenseCost(2e-3, 3e-4, 0.3)]
+FAST = [LinkCost(0.0, 0.0), LinkCost(13e-6, 1 / 20e9), LOCAL]  # up to one host's
+TEN_GBE = LinkCost(275e-6, 1 / 1.1e9)  # the benchmark's 10gbe preset: 100 us + Metal's hand-off, 1.1 GB/s
+SLOW = LinkCost(50e-3, 1 / 1000e9)  # tests/test_auto_link.py's emulated link
+
+
+def loaded(split: str, backend: str, shardable: bool = True):
+    return modes.strategies("auto", split == "width", backend, shardable)
+
+
+def choose(batch, ranks, backend, split, link, dense=DENSE[1], shape=TINY, shardable=True):
+    return modes.auto_choice(loaded(split, backend, shardable), batch, ranks, backend, split,
+                             AutoInputs(link, dense, shape))
+
+
+@pytest.mark.parametrize("backend", ["mpi", "nccl"])
+@pytest.mark.parametrize("split", ["whole", "width"])
+@pytest.mark.parametrize("shardable", [True, False])
+def test_on_a_fast_link_it_is_the_rule_measured_on_one_host(backend, split, shardable):
+    for link in FAST:
+        for dense in DENSE:
+            for ranks in (2, 3, 4):
+                for batch in range(1, 8 * ranks + 3):
+                    names = loaded(split, backend, shardable)
+                    rule = modes.auto_strategy(batch, ranks, backend, split)
+                    expect = rule if rule in names else names[0]
+                    got = choose(batch, ranks, backend, split, link, dense, shardable=shardable)
+                    assert got.strategy == expect, (link, dense, ranks, batch, got.describe())
+
+
+def test_a_slow_link_runs_fewer_collectives_per_step():
+    """One sequence per rank: dp on a fast link (each rank runs half the
+    rows), collective on a slow one (one all_sum per MoE layer where dp runs
+    an all_gather and an all_sum)."""
+    assert choose(2, 2, "mpi", "whole", FAST[1]).strategy == "dp"
+    slow = choose(2, 2, "mpi", "whole", SLOW)
+    assert slow.strategy == "collective"
+    steps = {e.strategy: e for e in slow.estimates}
+    assert (steps["collective"].collectives, steps["dp"].collectives) == (3, 6)
+    assert steps["dp"].wire == pytest.approx(2 * steps["collective"].wire, rel=1e-3)
+
+
+def test_experts_cut_in_width_one_sequence_splits_attention_only_on_a_fast_link():
+    """collective-tp runs two all_sums in every layer, collective one per MoE layer."""
+    assert choose(1, 2, "mpi", "width", FAST[1]).strategy == "collective-tp"
+    assert choose(1, 2, "mpi", "width", SLOW).strategy == "collective"
+    assert choose(2, 2, "mpi", "width", SLOW).strategy == "collective"
+
+
+def test_bytes_bring_dp_back_for_large_batches():
+    """Qwen3-30B-A3B's shapes on 10 GbE, a rank's dense work 10 ms + 0.15 ms
+    a row: collective's all_sum of [b, K, D] grows K times faster than dp's
+    rows, so past a few sequences dp's bytes outweigh its second collective."""
+    dense = DenseCost(10e-3, 0.15e-3)
+    runs = {b: choose(b, 2, "mpi", "whole", TEN_GBE, dense, QWEN3_30B).strategy for b in (2, 4, 8, 16, 32, 64)}
+    assert runs == {2: "collective", 4: "collective", 8: "dp", 16: "dp", 32: "dp", 64: "dp"}, runs
+    # Without the bytes (an infinitely wide link of the same latency) collective would keep every batch here.
+    wide = LinkCost(TEN_GBE.latency, 0.0)
+    assert {choose(b, 2, "mpi", "whole", wide, dense, QWEN3_30B).strategy for b in (2, 8, 64)} == {"collective"}
+
+
+def test_dp_is_never_a_candidate_below_its_rows_per_rank():
+    """Below one row per rank (eight on NCCL with whole experts) no link makes
+    auto run dp: collective is exact there and dp's ranks would idle."""
+    cheap_bytes_dear_compute = LinkCost(0.0, 1e-6)
+    for batch, ranks, backend in ((1, 2, "mpi"), (3, 4, "mpi"), (15, 2, "nccl")):
+        got = choose(batch, ranks, backend, "whole", cheap_bytes_dear_compute, DenseCost(0.0, 1.0))
+        assert [e.strategy for e in got.estimates] == ["collective"]
+
+
+def test_estimates_follow_the_traffic_model():
+    inputs = AutoInputs(LinkCost(LOCAL.latency + 1e-3, LOCAL.seconds_per_byte), DenseCost(1.0, 0.5, 0.5), TINY)
+    coll = estimate("collective", 4, 2, "whole", inputs)
+    dp = estimate("dp", 4, 2, "whole", inputs)
+    tp = estimate("collective-tp", 4, 2, "width", inputs)
+    assert (coll.dense, dp.dense, tp.dense) == (3.0, 2.0, 3.0 * 0.75)
+    assert (coll.collectives, dp.collectives, tp.collectives) == (3, 6, 6)
+    assert coll.wire == pytest.approx(3e-3) and dp.wire == pytest.approx(6e-3)
+    assert coll.total == coll.dense + coll.wire
+
+
+def test_the_choice_says_what_it_was_chosen_from():
+    inputs = AutoInputs(SLOW, DENSE[1], TINY)
+    text = modes.auto_choice(["collective", "dp"], 2, 2, "mpi", "whole", inputs).describe()
+    assert text.startswith("auto: b = 2 on 2 ranks runs collective; per step: collective ")
+    assert "dp " in text and "6 collectives" in text
+    assert "50000 us per collective" in inputs.describe()
