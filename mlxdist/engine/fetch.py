@@ -13,7 +13,7 @@ only. Two steps of LOAD, each called by every rank at the same point:
    reads). Each rank without a copy works out the byte ranges it reads
    (``model/share_needs.py``), checks those its share holds, and asks for
    the rest; the source streams each rank its ranges in bounded chunks
-   (``model/transfer.py``), checked by CRC-32, written into the share.
+   (``model/transfer.py``), checked by a checksum (``model/checksum.py``), written into the share.
 
 Every step ends with the ranks agreeing: an error on any rank is raised on
 every rank, so no rank waits for a message that will never come. Where every
@@ -161,14 +161,14 @@ def _receive(located: Located, link, spans) -> Optional[str]:
     reset_rss_peak()
     with _Files(share.folder, "r+b") as files:
         try:
-            crcs = transfer.recv_spans(link, located.source, files.write, spans)
+            sums = transfer.recv_spans(link, located.source, files.write, spans)
         except Exception as e:  # noqa: BLE001
             return one_line(e)
     peak = rss_peak()
     if before is not None and peak is not None:
         located.transfer_peak = max(located.transfer_peak, peak - before)
-    for (name, start, end), crc in zip(spans, crcs):
-        share.record(name, [(start, end, crc)])
+    for (name, start, end), value in zip(spans, sums):
+        share.record(name, [(start, end, value)])
     share.save()
     located.received += sum(e - s for _, s, e in spans)
     return None

@@ -11,9 +11,9 @@ sender's file digests, ``model/fingerprint.py``), holding
   no disk), so that every reader of the checkpoint (offset reads, mlx-lm's
   lazy ``mx.load``, ``sanitize``) works on it unchanged;
 - ``share.json``: the sender's digests and revision, each weight file's
-  size, and the ranges held with a CRC-32 of each.
+  size, and the ranges held with a checksum of each (``model/checksum.py``).
 
-Before a load uses a range it is read again and checked against its CRC: a
+Before a load uses a range it is read again and checked against its checksum: a
 damaged range is dropped and fetched again. Ranges held from an earlier
 placement stay; a new placement fetches only what it adds.
 """
@@ -21,18 +21,18 @@ placement stay; a new placement fetches only what it adds.
 import json
 import os
 import shutil
-import zlib
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 from mlxdist import envs
 from mlxdist.errors import UserError
 from mlxdist.model.checkpoint import register_held
+from mlxdist.model.checksum import Checksum, checksum
 from mlxdist.model.fingerprint import file_digest, is_weight_file
 from mlxdist.model.share_needs import Spans, merge, subtract
 
 MANIFEST = "share.json"
-VERSION = 1
+VERSION = 2  # 1 kept CRC-32s: such a share is dropped and sent again
 DISK_MARGIN = 1 << 30  # bytes left free on the disk after a share is written
 _READ = 8 << 20  # bytes read at a time when checking a range
 
@@ -104,20 +104,20 @@ class Share:
                 f.write(data)
                 if is_weight_file(name):
                     f.truncate(sizes[name])
-                    held[name] = [[0, len(data), zlib.crc32(data)]]
+                    held[name] = [[0, len(data), checksum(data)]]
         self.manifest = {"version": VERSION, "digests": digests, "revision": revision, "sizes": sizes, "held": held}
         self.save()
 
     def missing(self, need: Spans) -> Spans:
         """The ranges of ``need`` this share lacks, after checking each held
-        range that ``need`` touches against its CRC (a damaged one is dropped)."""
+        range that ``need`` touches against its checksum (a damaged one is dropped)."""
         held = self.manifest["held"]
         for name, want in need.items():
             kept = []
-            for start, end, crc in held.get(name, []):
-                if _touches(start, end, want) and _crc(self.folder / name, start, end) != crc:
+            for start, end, value in held.get(name, []):
+                if _touches(start, end, want) and _checksum(self.folder / name, start, end) != value:
                     continue
-                kept.append([start, end, crc])
+                kept.append([start, end, value])
             held[name] = kept
         self.save()
         return subtract(need, self.held_spans())
@@ -126,7 +126,7 @@ class Share:
         return merge({n: [(s, e) for s, e, _ in r] for n, r in self.manifest["held"].items()})
 
     def record(self, name: str, ranges: List[Tuple[int, int, int]]) -> None:
-        """Ranges written and checked: [start, end, crc32]."""
+        """Ranges written and checked: [start, end, checksum]."""
         self.manifest["held"].setdefault(name, []).extend([list(r) for r in ranges])
 
     def save(self) -> None:
@@ -142,7 +142,7 @@ class Share:
 
     def _header_ok(self, name: str) -> bool:
         first = (self.manifest.get("held") or {}).get(name, [[0, 0, 0]])[0]
-        return first[0] == 0 and _crc(self.folder / name, first[0], first[1]) == first[2]
+        return first[0] == 0 and _checksum(self.folder / name, first[0], first[1]) == first[2]
 
 
 def check_disk(folder: Path, need: int, what: str) -> None:
@@ -159,8 +159,9 @@ def _touches(start: int, end: int, want: List[Tuple[int, int]]) -> bool:
     return any(s < end and start < e for s, e in want)
 
 
-def _crc(file: Path, start: int, end: int) -> int:
-    crc = 0
+def _checksum(file: Path, start: int, end: int) -> int:
+    """The checksum of bytes ``start..end`` of ``file``; -1 where they cannot all be read."""
+    value = Checksum()
     try:
         with open(file, "rb") as f:
             f.seek(start)
@@ -169,8 +170,8 @@ def _crc(file: Path, start: int, end: int) -> int:
                 data = f.read(min(_READ, end - at))
                 if not data:
                     return -1
-                crc = zlib.crc32(data, crc)
+                value.update(data)
                 at += len(data)
     except OSError:
         return -1
-    return crc
+    return value.value()

@@ -8,8 +8,9 @@ holds two chunk buffers: on the sender a thread reads the next chunk while
 this one is on the wire, on the receiver a thread writes the last chunk
 while the next arrives (the messages themselves stay on the calling thread:
 MPI is entered from one thread at a time).
-The sender sends a CRC-32 of every range after the data; the receiver
-computes its own as it writes and returns the ranges that differ.
+The sender sends a checksum of every range after the data
+(``model/checksum.py``); the receiver computes its own as it writes and
+refuses a range whose checksum differs.
 
 Links, one per launcher: ``MpiLink`` (mpi4py's point-to-point messages,
 under mpirun, whatever MLX's backend) and ``MlxLink`` (MLX's
@@ -18,13 +19,13 @@ under mpirun, whatever MLX's backend) and ``MlxLink`` (MLX's
 
 import queue
 import threading
-import zlib
 from abc import ABC, abstractmethod
 from typing import Callable, Iterator, List, Optional, Tuple
 
 import numpy as np
 
 from mlxdist.errors import UserError
+from mlxdist.model.checksum import Checksum
 
 CHUNK = 16 << 20  # bytes per message
 _TAG = 733
@@ -129,7 +130,7 @@ def send_spans(link: Link, dst: int, read: Callable[[str, int, memoryview], None
     from the file. Returns the bytes sent. A thread reads and checksums the
     next chunk while this one sends (the messages stay on this thread)."""
     plan = list(chunks(spans, chunk))
-    crcs, failed = [0] * len(spans), []
+    sums, failed, bad = [Checksum() for _ in spans], [], set()
 
     def fill(buf: np.ndarray, pieces) -> None:
         view = memoryview(buf)
@@ -139,8 +140,8 @@ def send_spans(link: Link, dst: int, read: Callable[[str, int, memoryview], None
                 read(spans[i][0], offset, part)
             except Exception as e:  # noqa: BLE001 - the stream goes on (the receiver waits for it), marked bad
                 failed.append(e)
-                crcs[i] ^= 0xFFFFFFFF
-            crcs[i] = zlib.crc32(part, crcs[i])
+                bad.add(i)
+            sums[i].update(part)
 
     sent = 0
     for buf, pieces in _pipelined(plan, chunk, fill, before=True):
@@ -149,7 +150,8 @@ def send_spans(link: Link, dst: int, read: Callable[[str, int, memoryview], None
         sent += n
         if progress is not None:
             progress(n)
-    link.isend(np.array(crcs, dtype=np.uint32).view(np.uint8), dst).wait()
+    values = [s.value() ^ (0xFFFFFFFFFFFFFFFF if i in bad else 0) for i, s in enumerate(sums)]
+    link.isend(np.array(values, dtype=np.uint64).view(np.uint8), dst).wait()
     if failed:
         raise failed[0]
     return sent
@@ -158,11 +160,12 @@ def send_spans(link: Link, dst: int, read: Callable[[str, int, memoryview], None
 def recv_spans(link: Link, src: int, write: Callable[[str, int, memoryview], None], spans: List[Span],
                progress: Progress = None, chunk: int = CHUNK) -> List[int]:
     """Receive ``spans`` from ``src``; ``write(name, offset, view)`` puts
-    ``view`` in the file. Returns the CRC-32 of each span, after checking
-    them against the sender's (``UserError`` naming the first that differs).
-    A thread writes and checksums each chunk while the next one arrives."""
+    ``view`` in the file. Returns the checksum of each span
+    (``model/checksum.py``), after checking them against the sender's
+    (``UserError`` naming the first that differs). A thread writes and
+    checksums each chunk while the next one arrives."""
     plan = list(chunks(spans, chunk))
-    crcs, failed = [0] * len(spans), []
+    sums, failed = [Checksum() for _ in spans], []
 
     def drain(buf: np.ndarray, pieces) -> None:
         view = memoryview(buf)
@@ -173,20 +176,21 @@ def recv_spans(link: Link, src: int, write: Callable[[str, int, memoryview], Non
                     write(spans[i][0], offset, part)
             except Exception as e:  # noqa: BLE001 - the stream is drained all the same
                 failed.append(e)
-            crcs[i] = zlib.crc32(part, crcs[i])
+            sums[i].update(part)
 
     for buf, pieces in _pipelined(plan, chunk, drain, before=False):
         link.irecv(buf[:_size(pieces)], src).wait()
         if progress is not None:
             progress(_size(pieces))
-    theirs = np.empty(len(spans), dtype=np.uint32)
+    theirs = np.empty(len(spans), dtype=np.uint64)
     link.irecv(theirs.view(np.uint8), src).wait()
     if failed:
         raise failed[0]
-    for (name, start, end), mine, sent in zip(spans, crcs, theirs.tolist()):
-        if mine != sent:
-            raise UserError(f"bytes {start}..{end} of {name} arrived damaged from rank {src} (CRC-32 differs)")
-    return crcs
+    mine = [s.value() for s in sums]
+    for (name, start, end), ours, sent in zip(spans, mine, theirs.tolist()):
+        if ours != sent:
+            raise UserError(f"bytes {start}..{end} of {name} arrived damaged from rank {src} (their checksum differs)")
+    return mine
 
 
 def _size(pieces) -> int:
