@@ -23,6 +23,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+from mlxdist import envs
 from mlxdist.runtime.world import LAUNCHER_FAILURE, LAUNCHER_RETRIES
 from mlxdist.bench.harness import median_row, versions
 from mlxdist.bench.linkemu import PRESETS, EmulatedLink, link_env, measure, parse_link
@@ -58,6 +59,8 @@ def _env(link: Optional[EmulatedLink] = None) -> Dict[str, str]:
         HF_HUB_OFFLINE=env.get("HF_HUB_OFFLINE", "0"),
         PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""),
     )
+    for name in ("OMPI_MCA_btl", "OMPI_MCA_mpi_yield_when_idle"):  # mlxdist's ranks set these; mlx-lm's get them too
+        env.setdefault(name, str(envs.VARIABLES[name].default))
     env.update(link_env(link))
     return env
 
