@@ -1,5 +1,5 @@
-"""Throughput of sending a rank its share (``model/transfer.py``: chunks read
-from a file, CRC-32 on both sides, written into a sparse file) beside a plain
+"""Throughput of sending a rank its share (``model/transfer.py``: a file's
+pages sent, checksummed on both sides, received into a sparse file) beside a plain
 mpi4py ``Send``/``Recv`` of the same bytes from memory to memory, in the same
 job. Rounds alternate the two; prints one JSON line with each round's GB/s
 and the median ratio.
@@ -27,8 +27,7 @@ def main() -> None:
     p.add_argument("--dir", default=tempfile.gettempdir())
     args = p.parse_args()
     world = init_world("mpi")
-    from mlxdist.engine.fetch import _Files
-    from mlxdist.model.transfer import MpiLink, recv_spans, send_spans
+    from mlxdist.model.transfer import FolderFiles, MpiLink, recv_spans, send_spans
 
     n = args.mb << 20
     folder = Path(args.dir) / f"mlxdist-transfer-{os.getpid() if world.is_root else 'r'}"
@@ -57,12 +56,12 @@ def main() -> None:
         comm.Barrier()
         tic = time.perf_counter()
         if world.is_root:
-            with _Files(folder, "rb") as files:
-                send_spans(link, 1, files.read, spans)
+            with FolderFiles(folder, "rb") as files:
+                send_spans(link, 1, files, spans)
             comm.Recv(np.empty(1, np.uint8), source=1, tag=6)
         else:
-            with _Files(folder, "r+b") as files:
-                recv_spans(link, 0, files.write, spans)
+            with FolderFiles(folder, "r+b") as files:
+                recv_spans(link, 0, files, spans)
             comm.Send(np.empty(1, np.uint8), dest=0, tag=6)
         ours.append(n / (time.perf_counter() - tic) / 1e9)
     if world.is_root:

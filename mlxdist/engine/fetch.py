@@ -129,9 +129,9 @@ def fetch_share(world: World, located: Located, spans: Callable[[], Spans]) -> N
             continue
         if world.rank == located.source:
             try:
-                with _Files(located.path, "rb") as files, Stage(f"sent rank {r} its share",
+                with transfer.FolderFiles(located.path, "rb") as files, Stage(f"sent rank {r} its share",
                                                                 sum(e - s for _, s, e in wanted)) as stage:
-                    located.sent[r] = transfer.send_spans(link, r, files.read, wanted, stage.update)
+                    located.sent[r] = transfer.send_spans(link, r, files, wanted, stage.update)
             except Exception as e:  # noqa: BLE001
                 error = one_line(e)
         elif world.rank == r:
@@ -159,9 +159,9 @@ def _receive(located: Located, link, spans) -> Optional[str]:
     share = located.share
     before = rss_now()
     reset_rss_peak()
-    with _Files(share.folder, "r+b") as files:
+    with transfer.FolderFiles(share.folder, "r+b") as files:
         try:
-            sums = transfer.recv_spans(link, located.source, files.write, spans)
+            sums = transfer.recv_spans(link, located.source, files, spans)
         except Exception as e:  # noqa: BLE001
             return one_line(e)
     peak = rss_peak()
@@ -276,39 +276,3 @@ def _unpack_files(located: Located, blob: bytes) -> Optional[str]:
     except Exception as e:  # noqa: BLE001
         return one_line(e)
     return None
-
-
-class _Files:
-    """Open files of one folder, by name, for ``read``/``write`` at offsets."""
-
-    def __init__(self, folder: Path, mode: str):
-        self.folder, self.mode, self.open = folder, mode, {}
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        for f in self.open.values():
-            f.close()
-
-    def _file(self, name: str):
-        if name not in self.open:
-            self.open[name] = open(self.folder / name, self.mode, buffering=0)
-        return self.open[name]
-
-    def read(self, name: str, offset: int, view: memoryview) -> None:
-        f = self._file(name)
-        f.seek(offset)
-        done = 0
-        while done < len(view):
-            n = f.readinto(view[done:])
-            if not n:
-                raise UserError(f"{self.folder / name} ends before byte {offset + len(view)}")
-            done += n
-
-    def write(self, name: str, offset: int, view: memoryview) -> None:
-        f = self._file(name)
-        f.seek(offset)
-        done = 0
-        while done < len(view):
-            done += f.write(view[done:])
