@@ -22,6 +22,7 @@ from mlxdist.runtime.control import Command
 from mlxdist.dispatch import default_layout
 from mlxdist.config import GenerationParams, LoadOptions
 from mlxdist.engine import Engine
+from mlxdist.engine.speculative import DraftTally
 from mlxdist.errors import GenerationFailed, LoadError, UserError, say_error
 from mlxdist.executor import PROBES, CommandExecutor
 from mlxdist.runtime.world import World, abort, init_world, launcher_rank, run_or_abort, set_exit_code
@@ -264,28 +265,36 @@ class Cluster:
 
     def stream(self, request: Command, stats: Optional[Dict[str, Any]] = None) -> Iterator[Piece]:
         """Run a one-prompt ``request`` on every rank, yielding each piece.
-        ``stats`` (a dict) receives mlx-lm's counters, the peak memory of
-        every rank and the exchange counters once the stream ends."""
+        ``stats`` (a dict) receives mlx-lm's counters, speculative
+        decoding's (``draft_tokens``, ``draft_tokens_accepted``,
+        ``acceptance``, ``tokens_per_forward``), the peak memory of every
+        rank and the exchange counters once the stream ends."""
         stats = {} if stats is None else stats
         responses = self.executor.generate(self._broadcast(request).args)
         self._open_stream = responses
-        drafted = 0  # tokens that came from the drafter (speculative decoding) and were kept
+        tally = self._draft_tally(request)
         try:
             for response in responses:
-                drafted += bool(response.from_draft)
+                tally.add(response.from_draft)
                 stats.update(
                     prompt_tokens=response.prompt_tokens,
                     prompt_tps=response.prompt_tps,
                     generation_tokens=response.generation_tokens,
                     generation_tps=response.generation_tps,
                     finish_reason=response.finish_reason,
-                    draft_tokens_accepted=drafted,
-                    tokens_per_forward=response.generation_tokens / max(response.generation_tokens - drafted, 1),
+                    **tally.stats(),
                 )
                 yield Piece(response.text, response.token, response.finish_reason, response.logprobs)
         finally:
             if self._open_stream is responses:  # not ended already by shutdown()
                 self._end_stream(stats)
+
+    def _draft_tally(self, request: Command) -> DraftTally:
+        """The counter of drafted and kept tokens for a one-prompt ``request``
+        (speculative where a draft model is loaded or prompt lookup asked)."""
+        sampling = GenerationParams(**request.args["sampling"])
+        speculative = self.engine.draft_model is not None or sampling.prompt_lookup_ngram
+        return DraftTally(sampling.num_draft_tokens if speculative else 0, sampling.max_tokens_each(1)[0])
 
     def _end_stream(self, stats: Dict[str, Any]) -> None:
         """End the open stream on every rank (at this token, where its reader stopped early)."""

@@ -9,6 +9,12 @@ launches every contender once (a warm-up and one timed trial per batch), so
 drift of the machine hits every contender alike; each number is the median
 over rounds. Writes ``results.json``, ``results.md`` (ratios to mlx-lm single
 and tensor parallel, the targets) and ``generation_tps.png`` under ``--out``.
+
+With ``--prompt-lookup-ngram`` or ``--draft-model`` (``speculative.py``),
+each mlxdist launch adds speculative rows at b = 1 beside its plain row;
+their ratio to plain decoding is the median of the rounds' ratios.
+``--link`` makes every contender pay an emulated link (``linkemu/``);
+``--mlxdist-only`` leaves mlx-lm's contenders out.
 """
 
 import argparse
@@ -21,10 +27,11 @@ import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 from mlxdist import envs
 from mlxdist.runtime.world import LAUNCHER_FAILURE, LAUNCHER_RETRIES
+from mlxdist.bench import speculative
 from mlxdist.bench.harness import median_row, versions
 from mlxdist.bench.linkemu import PRESETS, EmulatedLink, link_env, measure, parse_link
 from mlxdist.errors import UserError
@@ -76,12 +83,15 @@ def command(ranks: int, module: str, args: List[str]) -> List[str]:
 
 
 def contenders(ranks: List[int], dispatch: List[str], layout: Optional[str] = None,
-               placements: Optional[Dict[int, str]] = None) -> List[Dict[str, Any]]:
+               placements: Optional[Dict[int, str]] = None, speculative_args: Sequence[str] = (),
+               mlx_lm: bool = True) -> List[Dict[str, Any]]:
     """What one round launches, in order. ``placements``: N -> a placement
-    file, for one more mlxdist contender at that N ("placed")."""
+    file, for one more mlxdist contender at that N ("placed").
+    ``speculative_args``: the drafters mlxdist's launches add speculative
+    rows for (``speculative.py``). ``mlx_lm``: False leaves mlx-lm's out."""
     out = [{"name": "mlx-lm single", "ranks": 1, "module": "mlxdist.bench.mlxlm", "extra": ["--mode", "single"]}]
     for n in ranks:
-        extra = ["--dispatch", ",".join(dispatch)] + (["--layout", layout] if layout else [])
+        extra = ["--dispatch", ",".join(dispatch)] + (["--layout", layout] if layout else []) + list(speculative_args)
         out.append({"name": "mlxdist", "ranks": n, "module": "mlxdist.bench", "extra": extra})
         if (placements or {}).get(n):
             out.append({"name": "mlxdist placed", "ranks": n, "module": "mlxdist.bench",
@@ -91,7 +101,7 @@ def contenders(ranks: List[int], dispatch: List[str], layout: Optional[str] = No
                 out.append({"name": f"mlx-lm {mode}", "ranks": n, "module": "mlxdist.bench.mlxlm", "extra": ["--mode", mode]})
             out.append({"name": "mlx-lm replicas", "ranks": n, "module": "mlxdist.bench.mlxlm", "processes": 1,
                         "extra": ["--mode", "replicas", "--replicas", str(n)]})
-    return out
+    return out if mlx_lm else [c for c in out if c["name"].startswith("mlxdist")]
 
 
 def launch(contender: Dict[str, Any], common: List[str], timeout: float, log,
@@ -124,6 +134,9 @@ def _rows(report: Dict[str, Any], name: str, ranks: int, round_: int) -> List[Di
         label = f"mlxdist {r['dispatch']}{name[len('mlxdist'):]}" if name.startswith("mlxdist") else name
         if r.get("link") is False:  # --no-link: not comparable with the linked rows
             label += " (no link)"
+        if r.get("speculative"):  # beside the plain row of its mode, same launch
+            r = {**r, "plain_contender": label}
+            label += f" + {r['speculative']}"
         rows.append({**r, "contender": label, "ranks": ranks, "round": round_})
     return rows
 
@@ -136,6 +149,8 @@ def aggregate(trials: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     out = []
     for key, rows in groups.items():
         row = median_row(rows)
+        if "tokens_equal_plain" in row:  # speculative: equal in every round
+            row["tokens_equal_plain"] = all(r["tokens_equal_plain"] for r in rows)
         row["rounds"] = len(rows)
         row["rounds_generation_tps"] = {r["round"]: r["generation_tps"] for r in rows}
         out.append(row)
@@ -160,14 +175,16 @@ def model_shape(model: str, rows: List[Dict[str, Any]]):
 
 
 def add_ratios(rows: List[Dict[str, Any]]) -> None:
-    """Each row's generation tok/s over mlx-lm single (same batch) and over
-    mlx-lm tensor parallel, pipeline and N replicas (same N and batch), from
+    """Each row's generation tok/s over mlx-lm single (same batch), over
+    mlx-lm tensor parallel, pipeline and N replicas (same N and batch) and,
+    for a speculative row, over plain decoding of its mode (``vs_plain``), from
     this run: the median of the ratios of the rounds both ran (a round's
     contenders ran back to back, so drift between rounds cancels), with the
     rounds' ratios beside it (``<key>_rounds``)."""
     index = {(r["contender"], r["ranks"], r["batch"]): r["rounds_generation_tps"] for r in rows}
     for r in rows:
-        for key, ref in (("vs_single", index.get(("mlx-lm single", 1, r["batch"]))),
+        for key, ref in (("vs_plain", index.get((r.get("plain_contender"), r["ranks"], r["batch"]))),
+                         ("vs_single", index.get(("mlx-lm single", 1, r["batch"]))),
                          ("vs_tensor", index.get(("mlx-lm tensor", r["ranks"], r["batch"]))),
                          ("vs_pipeline", index.get(("mlx-lm pipeline", r["ranks"], r["batch"]))),
                          ("vs_replicas", index.get(("mlx-lm replicas", r["ranks"], r["batch"])))):
@@ -182,8 +199,10 @@ def run(args) -> Dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     model = checkpoint(args)
     common = ["--model", model, "-p", str(args.prompt_tokens), "-g", str(args.generation_tokens),
-              "-b", ",".join(map(str, args.batch_sizes)), "-n", "1", "--warmup-tokens", str(args.warmup_tokens)]
-    plan = contenders(args.ranks, args.dispatch, args.layout, dict(args.placement))
+              "-b", ",".join(map(str, args.batch_sizes)), "-n", "1", "--warmup-tokens", str(args.warmup_tokens),
+              "--prompt-kind", args.prompt_kind]
+    plan = contenders(args.ranks, args.dispatch, args.layout, dict(args.placement), _speculative_args(args),
+                      mlx_lm=not args.mlxdist_only)
     trials, unsupported, errors = [], {}, {}
     started = datetime.now(timezone.utc).isoformat(timespec="seconds")
     link = None
@@ -220,6 +239,7 @@ def run(args) -> Dict[str, Any]:
         "ranks": args.ranks,
         "rounds": args.num_trials,
         "layout": args.layout,
+        "prompt_kind": args.prompt_kind,
         "machine": {"cpus": os.cpu_count()},
         "versions": versions(),
         "unsupported": unsupported,
@@ -256,9 +276,24 @@ def parse_args(argv=None):
     parser.add_argument("--warmup-tokens", type=int, default=8)
     parser.add_argument("--timeout", type=float, default=900, help="Seconds per launch.")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "out"))
+    parser.add_argument("--mlxdist-only", action="store_true",
+                        help="Launch mlxdist's contenders alone (no mlx-lm rows, no ratios to them).")
+    speculative.add_arguments(parser)
     args = parser.parse_args(argv)
+    speculative.check_arguments(args, parser.error)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     return args
+
+
+def _speculative_args(args) -> List[str]:
+    """The speculative options the mlxdist contenders are launched with (none: [])."""
+    out = []
+    if args.prompt_lookup_ngram:
+        out += ["--prompt-lookup-ngram", str(args.prompt_lookup_ngram)]
+    if args.draft_model:  # a folder of this machine, as the launches (run from the repository) see it
+        draft = args.draft_model
+        out += ["--draft-model", str(Path(draft).resolve()) if Path(draft).exists() else draft]
+    return out + ["--num-draft-tokens", str(args.num_draft_tokens)] if out else []
 
 
 def _link(text: str) -> EmulatedLink:

@@ -5,10 +5,13 @@
 For each dispatch mode and batch size: a warm-up generation, ``-n`` timed
 trials (median of each number), then one profiling pass (which also counts
 the expert load) and the transport's floor (see ``probes``). Prompts are random token ids drawn as
-``mlx_lm.benchmark`` draws them; EOS is ignored, so every trial generates
+``mlx_lm.benchmark`` draws them (``--prompt-kind repetitive``: one random id
+repeated); EOS is ignored, so every trial generates
 ``-g`` tokens per sequence. Prompt and generation tok/s are mlx-lm's own
 (``stream_generate`` at batch 1, ``batch_generate`` above), exactly as
-``mlx_lm.benchmark`` reports them.
+``mlx_lm.benchmark`` reports them. With ``--prompt-lookup-ngram`` or
+``--draft-model``, each mode's b = 1 row is followed by speculative rows
+(``speculative.py``).
 """
 
 import argparse
@@ -21,6 +24,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import mlx.core as mx
 
 from mlxdist.bench import probes  # noqa: F401  (registers the probes, on every rank)
+from mlxdist.bench import speculative
 from mlxdist.dispatch import DISPATCH_MODES, RowDispatcher, modes, traffic
 from mlxdist.config import EXPERT_SPLITS
 from mlxdist.model.checkpoint import text_config
@@ -33,6 +37,14 @@ def random_prompts(vocab_size: int, batch: int, length: int, seed: int = 0) -> L
     """``batch`` prompts of ``length`` random token ids (as mlx_lm.benchmark)."""
     mx.random.seed(seed)
     return mx.random.randint(0, vocab_size, (batch, length)).tolist()
+
+
+def make_prompts(kind: str, vocab_size: int, batch: int, length: int, seed: int = 0) -> List[List[int]]:
+    """``batch`` prompts of ``length`` tokens: random ids (``random``), or
+    one random id repeated (``repetitive``: a prompt prompt lookup can draft from)."""
+    if kind == "repetitive":
+        return [ids * length for ids in random_prompts(vocab_size, batch, 1, seed)]
+    return random_prompts(vocab_size, batch, length, seed)
 
 
 def versions() -> Dict[str, str]:
@@ -62,23 +74,25 @@ def median_row(rows: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
     return out
 
 
-def _generate(cluster, prompts: List[List[int]], max_tokens: int) -> Dict[str, Any]:
-    """One generation of exactly these token ids on every rank."""
-    request = cluster.request(prompts, max_tokens=max_tokens, seed=0)
+def _generate(cluster, prompts: List[List[int]], max_tokens: int, **sampling) -> Dict[str, Any]:
+    """One generation of exactly these token ids on every rank (greedy);
+    ``sampling``: more generation parameters (speculative decoding's). One
+    prompt: also its tokens and the drafted and kept counts."""
+    request = cluster.request(prompts, max_tokens=max_tokens, seed=0, **sampling)
     if len(prompts) == 1:
         stats: Dict[str, Any] = {}
-        for _ in cluster.stream(request, stats):
-            pass
-        tokens = stats["generation_tokens"]
+        made = [piece.token for piece in cluster.stream(request, stats)]
+        one = {"tokens": made, **{k: stats[k] for k in ("draft_tokens", "draft_tokens_accepted", "acceptance",
+                                                        "tokens_per_forward")}}
     else:
-        stats = cluster.run_batch(request)[0].stats
-        tokens = stats["generation_tokens"]
+        stats, one = cluster.run_batch(request)[0].stats, {}
     return {
         "prompt_tps": stats["prompt_tps"],
         "generation_tps": stats["generation_tps"],
-        "generation_tokens": tokens,
+        "generation_tokens": stats["generation_tokens"],
         "peak_memory_gb": stats["peak_memory_gb"],
         "kv_cache_gb": stats.get("kv_cache_gb"),  # per rank, where dp ran
+        **one,
     }
 
 
@@ -121,14 +135,18 @@ def breakdown(
 
 
 def bench_case(cluster, mode: str, prompts: List[List[int]], args) -> Dict[str, Any]:
-    """Warm-up, timed trials, profiling pass and floor for one batch."""
+    """Warm-up, timed trials, profiling pass and floor for one batch; at
+    b = 1 the row carries the trials' greedy ``tokens``."""
     engine = cluster.engine
     cfg = text_config(engine.config)
     layers = len(engine.ownership)
     _generate(cluster, prompts, min(args.generation_tokens, args.warmup_tokens))
     trials = [_generate(cluster, prompts, args.generation_tokens) for _ in range(args.num_trials)]
+    tokens = [t.pop("tokens", None) for t in trials]
     row = median_row(trials)
     row["trials_generation_tps"] = [t["generation_tps"] for t in trials]
+    if len(prompts) == 1:  # greedy: every trial's; what speculative rows must equal
+        row["tokens"] = tokens[0]
 
     # Counters and syncs cost time: only in the separate profiling pass.
     cluster.stats(reset=True, collect=True)
@@ -170,20 +188,35 @@ def bench_case(cluster, mode: str, prompts: List[List[int]], args) -> Dict[str, 
     return row
 
 
+def _load(cluster, mode: str, args, draft_model: Optional[str] = None) -> None:
+    """Load ``args.model`` in ``mode`` (with a draft model where given), EOS ignored."""
+    cluster.load(args.model, dispatch=mode, layout=args.layout, expert_split=args.expert_split,
+                 placement=args.placement, draft_model=draft_model)
+    cluster.probe("no_eos")
+    if args.no_link:
+        cluster.probe("no_link", on=True)
+
+
 def run(cluster, args) -> Dict[str, Any]:
     """Every requested dispatch mode and batch size (on rank 0)."""
     rows = []
     for mode in args.dispatch:
-        cluster.load(args.model, dispatch=mode, layout=args.layout, expert_split=args.expert_split,
-                     placement=args.placement)
-        cluster.probe("no_eos")
-        if args.no_link:
-            cluster.probe("no_link", on=True)
+        _load(cluster, mode, args)
         vocab = text_config(cluster.engine.config)["vocab_size"]
+        plain = None
         for batch in args.batch_sizes:
-            prompts = random_prompts(vocab, batch, args.prompt_tokens, args.seed)
+            prompts = make_prompts(args.prompt_kind, vocab, batch, args.prompt_tokens, args.seed)
             rows.append({**bench_case(cluster, mode, prompts, args), "expert_split": args.expert_split})
+            plain = (prompts[0], rows[-1]) if batch == 1 else plain
             print(f"# {mode} b={batch}: {rows[-1]['generation_tps']:.1f} gen tok/s", file=sys.stderr, flush=True)
+        if plain is not None:  # speculative rows where asked, against the b = 1 row's tokens
+            prompt, plain_row = plain
+            for row in speculative.rows(cluster, mode, prompt, plain_row, args, _generate,
+                                        lambda **kw: _load(cluster, mode, args, **kw)):
+                rows.append({**row, "expert_split": args.expert_split})
+                print(f"# {mode} b=1 {row['speculative']}: {row['generation_tps']:.1f} gen tok/s, "
+                      f"{row['vs_plain']:.2f} x plain", file=sys.stderr, flush=True)
+            plain_row.pop("tokens")
     return {
         "contender": "mlxdist",
         "model": args.model,
@@ -191,6 +224,7 @@ def run(cluster, args) -> Dict[str, Any]:
         "prompt_tokens": args.prompt_tokens,
         "generation_tokens": args.generation_tokens,
         "num_trials": args.num_trials,
+        "prompt_kind": args.prompt_kind,
         "layout": cluster.engine.options.layout if cluster.engine is not None else args.layout,
         "link": not args.no_link,
         "expert_split": args.expert_split,
@@ -213,6 +247,8 @@ def format_table(report: Dict[str, Any]) -> str:
     )
     lines = []
     for r in report["results"]:
+        if r.get("speculative"):  # their own table, below
+            continue
         peaks = "/".join(f"{p:.2f}" for p in r["peak_memory_gb"])
         lines.append(
             f"{r['dispatch'] + ('*' if r.get('link') is False else ''):<10} {r['batch']:>2}  {r['prompt_tps']:>10.1f}  {r['generation_tps']:>7.1f}  "
@@ -226,7 +262,7 @@ def format_table(report: Dict[str, Any]) -> str:
         + ("\n*: --no-link, MLX's collectives replaced by local stand-ins (no transport, no waiting; "
            "tokens not the model's)." if any(r.get("link") is False for r in report["results"]) else "")
     )
-    return head + "\n".join(lines) + note
+    return head + "\n".join(lines) + note + speculative.format_rows(report["results"])
 
 
 def parse_args(argv=None):
@@ -250,6 +286,7 @@ def parse_args(argv=None):
                         help="Replace MLX's collectives by local stand-ins of the same shapes: what each step "
                              "costs without the exchange's transport and waiting (tokens are not the model's; "
                              "not for p2p, whose exchange is mpi4py's).")
+    speculative.add_arguments(parser)
     args = parser.parse_args(argv)
     for mode in args.dispatch:
         if mode not in DISPATCH_MODES:
@@ -258,6 +295,7 @@ def parse_args(argv=None):
             parser.error(f"--no-link replaces MLX's collectives; {mode} exchanges through mpi4py")
     if args.num_trials < 1 or min(args.batch_sizes) < 1:
         parser.error("-n and every batch size must be at least 1")
+    speculative.check_arguments(args, parser.error)
     return args
 
 

@@ -27,7 +27,7 @@ import mlx.core as mx
 from mlxdist import envs
 from mlxdist.compat import never_stop_at_eos
 from mlxdist.runtime.world import default_backend
-from mlxdist.bench.harness import median_row, parse_args as _bench_args, random_prompts, versions
+from mlxdist.bench.harness import make_prompts, median_row, parse_args as _bench_args, versions
 from mlxdist.model.checkpoint import text_config
 
 MODES = ("single", "tensor", "pipeline", "replicas")
@@ -160,7 +160,7 @@ def run(args) -> Dict[str, Any]:
     vocab = text_config(config)["vocab_size"]
     rows = []
     for batch in args.batch_sizes:
-        prompts = random_prompts(vocab, batch, args.prompt_tokens, args.seed)
+        prompts = make_prompts(args.prompt_kind, vocab, batch, args.prompt_tokens, args.seed)
         generate(model, tokenizer, prompts, min(args.generation_tokens, args.warmup_tokens), group)
         trials = [generate(model, tokenizer, prompts, args.generation_tokens, group) for _ in range(args.num_trials)]
         row = median_row(trials)

@@ -76,6 +76,7 @@ def run(cluster, args) -> Dict[str, Any]:
             for batch in args.batch_sizes:
                 prompts = random_prompts(vocab, batch, args.prompt_tokens, args.seed)
                 row = bench_case(cluster, args.dispatch, prompts, args)
+                row.pop("tokens", None)  # b = 1's greedy tokens: not compared here
                 row.update(placement=name, predicted_imbalance=imbalance(used, counts),
                            experts_per_rank=[sum(len(used.experts_of(l, r)) for l in used.layers) for r in range(n)])
                 trials.setdefault((name, batch), []).append(row)

@@ -3,6 +3,7 @@
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+from mlxdist.bench import speculative
 from mlxdist.bench.links import WIDTH_STRATEGIES
 
 # (what, threshold): generation tok/s ratios and the exchange over its floor.
@@ -11,6 +12,8 @@ TARGET_TP_B1 = 0.95  # np>1, batch 1, vs mlx-lm tensor parallel
 TARGET_TP_BATCH = 1.1  # np>1, batch >= 8
 TARGET_FLOOR = 1.5  # per-layer exchange <= 1.5 x the transport floor
 TARGET_REPLICAS = 0.85  # np>1, batch >= N: within 15 % of N independent replicas
+TARGET_SPECULATIVE = 1.5  # np>1, b = 1, speculative over plain decoding of the same mode, at >= 70 % acceptance
+SPECULATIVE_ACCEPTANCE = 0.7
 
 _COLORS = {"mlx-lm single": "tab:blue", "mlx-lm tensor": "tab:orange", "mlx-lm pipeline": "tab:purple",
            "mlxdist collective": "tab:green", "mlxdist p2p": "tab:red", "mlxdist collective-tp": "tab:olive",
@@ -28,6 +31,15 @@ def targets(result: Dict[str, Any]) -> List[Dict[str, Any]]:
         if not r["contender"].startswith("mlxdist") or r.get("link") is False:  # no link: no target to check
             continue
         base = {"contender": r["contender"], "ranks": r["ranks"], "batch": r["batch"]}
+        if r.get("speculative"):
+            if r["ranks"] > 1:
+                out.append({**base, "value": r.get("vs_plain"), "need": TARGET_SPECULATIVE,
+                            "target": f"speculative ≥ {TARGET_SPECULATIVE}× plain at acceptance ≥ "
+                                      f"{SPECULATIVE_ACCEPTANCE:.0%} (here {_f(r.get('acceptance'), '.0%')}, tokens "
+                                      f"{'equal' if r.get('tokens_equal_plain') else '**not equal**'})",
+                            "applies": (r.get("acceptance") or 0) >= SPECULATIVE_ACCEPTANCE,
+                            "tokens_equal": r.get("tokens_equal_plain")})
+            continue
         if r["ranks"] == 1:
             out.append({**base, "target": "gen ≥ 0.95× mlx-lm single", "value": r["vs_single"], "need": TARGET_SINGLE})
             continue
@@ -50,6 +62,10 @@ def targets(result: Dict[str, Any]) -> List[Dict[str, Any]]:
             t["met"], t["by"] = v <= need, v / need - 1
         else:
             t["met"], t["by"] = v >= need, v / need - 1
+        if t.pop("tokens_equal", True) is False:  # speculative: greedy tokens must equal plain decoding's
+            t["met"] = False
+        if t.pop("applies", True) is False:  # speculative below the acceptance the target is set at
+            t["met"] = None
     return out
 
 
@@ -103,7 +119,7 @@ def links_section(result: Dict[str, Any]) -> List[str]:
              "|---|---|---|---|---|" + "---|" * len(names)]
     for r in result["results"]:
         strategy = _strategy(r)
-        if r["ranks"] < 2 or strategy is None:
+        if r["ranks"] < 2 or strategy is None or r.get("speculative"):
             continue
         t = traffic(strategy, r["ranks"], r["batch"], shape)
         step = r["batch"] / r["generation_tps"] if r.get("generation_tps") else None
@@ -152,6 +168,7 @@ def markdown(result: Dict[str, Any]) -> str:
         "uses (`all_sum` / mpi4py Isend+Irecv round trip) on the same bytes. *imbalance*: (max - mean) / "
         "mean of the routed slots each rank computed, per MoE layer and step, averaged.",
     ]
+    lines += speculative.markdown(result)
     close = [r for r in result["results"] if r.get("vs_exact")]
     if close:
         lines += ["", "dp against the strategy loaded beside it (`collective`, exact with whole experts) on the same "

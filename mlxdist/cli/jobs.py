@@ -161,9 +161,9 @@ def _generate(cluster, run: JobRun, batch: List[Job], bar) -> int:
             "batch_size": len(batch),
             "elapsed_s": round(elapsed, 4),
         }
-        if result.stats.get("draft_tokens_accepted"):  # speculative decoding
-            record.update(draft_tokens_accepted=result.stats["draft_tokens_accepted"],
-                          tokens_per_forward=result.stats["tokens_per_forward"])
+        if result.stats.get("draft_tokens"):  # speculative decoding
+            record.update({k: result.stats[k] for k in
+                           ("draft_tokens", "draft_tokens_accepted", "acceptance", "tokens_per_forward")})
         run.out.write(record)
         tokens += len(result.tokens)
     bar.update(len(batch))

@@ -210,8 +210,8 @@ def _summary(stats: dict, tokens: int) -> str:
     return (
         f"prompt: {stats.get('prompt_tokens', 0)} tokens, {stats.get('prompt_tps', 0.0):.1f} tok/s | "
         f"generation: {tokens} tokens, {stats.get('generation_tps', 0.0):.1f} tok/s | "
-        + (f"drafted and kept: {stats['draft_tokens_accepted']}, {stats['tokens_per_forward']:.2f} tokens per "
-           f"forward | " if stats.get("draft_tokens_accepted") else "") +
+        + (f"drafted {stats['draft_tokens']}, kept {stats['draft_tokens_accepted']} ({stats['acceptance']:.0%}), "
+           f"{stats['tokens_per_forward']:.2f} tokens per forward | " if stats.get("draft_tokens") else "") +
         f"peak memory (GB) per rank: [{peaks}]"
     )
 
@@ -236,7 +236,9 @@ def _run_prompt(cluster: Cluster, args, text: str, logprobs: List) -> None:
             "prompt_tps": stats.get("prompt_tps", 0.0),
             "generation_tps": stats.get("generation_tps", 0.0),
             "finish_reason": stats.get("finish_reason"),
+            "draft_tokens": stats.get("draft_tokens", 0),
             "draft_tokens_accepted": stats.get("draft_tokens_accepted", 0),
+            "acceptance": stats.get("acceptance"),
             "tokens_per_forward": stats.get("tokens_per_forward", 1.0),
             "peak_memory_gb": stats["peak_memory_gb"],
             "weights_gb": [{k.replace("_bytes", ""): v / 1e9 for k, v in m.items()} for m in engine.memory_by_rank],

@@ -19,6 +19,7 @@ each position and keeps the draft's where they agree: every token is the
 model's sample given the tokens before it.
 """
 
+from dataclasses import dataclass
 from typing import Any, List, Optional
 
 import mlx.core as mx
@@ -26,7 +27,7 @@ import mlx.nn as nn
 
 from mlxdist.errors import UserError
 
-__all__ = ["PromptLookup", "drafter", "load_draft"]
+__all__ = ["DraftTally", "PromptLookup", "drafter", "load_draft"]
 
 
 class TokenHistory:
@@ -110,3 +111,36 @@ def drafter(draft_model: Optional[nn.Module], prompt_lookup_ngram: int, vocab_si
     if prompt_lookup_ngram:
         return PromptLookup(prompt_lookup_ngram, vocab_size)
     return None
+
+
+@dataclass
+class DraftTally:
+    """What one generation drafted, kept and verified, counted from its
+    stream of tokens: mlx-lm's loop drafts min(k, tokens still to make)
+    tokens for each forward, yields the kept ones, then (unless the
+    generation is full) the model's own token, which ends that forward.
+    With ``num_draft_tokens`` 0 (plain decoding) every token is a forward."""
+
+    num_draft_tokens: int
+    max_tokens: int
+    tokens: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    forwards: int = 0
+    _in_forward: bool = False  # the current forward's tokens are being yielded
+
+    def add(self, from_draft: bool) -> None:
+        if not self._in_forward:
+            self.forwards += 1
+            self.drafted += min(self.num_draft_tokens, self.max_tokens - self.tokens)
+            self._in_forward = True
+        self.tokens += 1
+        self.accepted += bool(from_draft)
+        self._in_forward = bool(from_draft)
+
+    def stats(self) -> dict:
+        """``draft_tokens`` drafted, ``draft_tokens_accepted`` kept, their
+        ratio ``acceptance`` (None without drafts) and ``tokens_per_forward``."""
+        return {"draft_tokens": self.drafted, "draft_tokens_accepted": self.accepted,
+                "acceptance": self.accepted / self.drafted if self.drafted else None,
+                "tokens_per_forward": self.tokens / max(self.forwards, 1)}
