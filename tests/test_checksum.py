@@ -43,18 +43,3 @@ def test_an_unaligned_view_reads_as_its_bytes():
     data = np.random.default_rng(1).integers(0, 256, 3 * BLOCK, dtype=np.uint8)
     assert checksum(memoryview(data)[3:]) == checksum(data[3:].tobytes())
 
-
-def test_the_transfer_plan_packs_short_ranges_and_maps_long_ones():
-    """model/transfer.py's messages: short ranges packed into chunks first,
-    then each long range in chunks of its own (what is mapped), covering
-    every byte once; both sides compute it alike from the ranges alone."""
-    from mlxdist.model.transfer import MAP_MIN, plan
-
-    chunk = 4 * MAP_MIN
-    spans = [("a", 0, 100), ("b", 0, 9 * MAP_MIN + 7), ("a", 100, 300), ("c", 5, 5 + MAP_MIN)]
-    messages = plan(spans, chunk)
-    assert [mapped for mapped, _ in messages] == [False, True, True, True, True]
-    assert messages[0][1] == [(0, 0, 100, 0), (2, 100, 200, 100)]
-    assert [pieces for _, pieces in messages[1:]] == [
-        [(1, 0, chunk, 0)], [(1, chunk, chunk, 0)], [(1, 2 * chunk, MAP_MIN + 7, 0)], [(3, 5, MAP_MIN, 0)]]
-    assert plan(spans, chunk) == messages

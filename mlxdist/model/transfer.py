@@ -2,18 +2,12 @@
 link, in bounded chunks: what a rank without the model is sent
 (``engine/fetch.py``).
 
-Both sides cut the ranges alike (``plan``), so no message carries a header:
-ranges shorter than ``MAP_MIN`` are packed together into chunks of ``CHUNK``
-bytes, copied through a buffer; the longer ones follow, each cut in chunks
-that move straight between the files' pages and the link (``FolderFiles.map``:
-the sender sends from its file's pages, the receiver receives into its
-file's pages), with no copy of ours on either side. Each side has two chunks
-in flight: on the sender a thread reads and checksums the next while one is
-on the wire, on the receiver a thread writes and checksums the last while the
-next arrives (the messages themselves stay on the calling thread: MPI is
-entered from one thread at a time). So memory on either side grows by two
-chunks at most.
-
+The ranges are one stream cut into chunks of ``CHUNK`` bytes (the last one
+shorter); both sides cut it alike, so no chunk carries a header. Each side
+holds two chunk buffers: on the sender a thread reads the next chunk while
+this one is on the wire, on the receiver a thread writes the last chunk
+while the next arrives (the messages themselves stay on the calling thread:
+MPI is entered from one thread at a time).
 The sender sends a checksum of every range after the data
 (``model/checksum.py``); the receiver computes its own as it writes and
 refuses a range whose checksum differs.
@@ -23,8 +17,6 @@ under mpirun, whatever MLX's backend) and ``MlxLink`` (MLX's
 ``send``/``recv`` on the job's group, under ``mlx.launch``: ring and jaccl).
 """
 
-import mmap
-import os
 import queue
 import threading
 from abc import ABC, abstractmethod
@@ -37,11 +29,9 @@ from mlxdist.errors import UserError
 from mlxdist.model.checksum import Checksum
 
 CHUNK = 16 << 20  # bytes per message
-MAP_MIN = 1 << 20  # ranges at least this long move between the files' pages and the link
 _TAG = 733
 
 Span = Tuple[str, int, int]  # (file name, start, end)
-Piece = Tuple[int, int, int, int]  # (span index, offset in the file, length, offset in the message)
 Progress = Optional[Callable[[int], None]]  # called with the bytes of each chunk sent or received
 
 
@@ -117,7 +107,7 @@ def link_for(world) -> Link:
     return MlxLink(world.group, world.backend)
 
 
-def chunks(spans: List[Span], chunk: int = CHUNK) -> Iterator[List[Piece]]:
+def chunks(spans: List[Span], chunk: int = CHUNK) -> Iterator[List[Tuple[int, int, int, int]]]:
     """The stream of ``spans`` cut in chunks: per chunk, its pieces as (span
     index, offset in the file, length, offset in the chunk)."""
     pieces, filled = [], 0
@@ -135,33 +125,103 @@ def chunks(spans: List[Span], chunk: int = CHUNK) -> Iterator[List[Piece]]:
         yield pieces
 
 
-def plan(spans: List[Span], chunk: int = CHUNK) -> List[Tuple[bool, List[Piece]]]:
-    """The messages ``spans`` travel in, the same on both sides: (whether the
-    message maps the file, its pieces). First the ranges shorter than
-    ``MAP_MIN``, packed in chunks; then each longer range in chunks of its own."""
-    short = [i for i, (_, s, e) in enumerate(spans) if e - s < MAP_MIN]
-    packed = [[(short[i], offset, length, at) for i, offset, length, at in pieces]
-              for pieces in chunks([spans[i] for i in short], chunk)]
-    out = [(False, pieces) for pieces in packed]
-    for i, (_, start, end) in enumerate(spans):
-        if end - start >= MAP_MIN:
-            out += [(True, [(i, at, min(chunk, end - at), 0)]) for at in range(start, end, chunk)]
-    return out
+def send_spans(link: Link, dst: int, files, spans: List[Span], progress: Progress = None,
+               chunk: int = CHUNK) -> int:
+    """Send ``spans`` to ``dst`` from ``files`` (``FolderFiles``-like:
+    ``read(name, offset, view)`` fills ``view``). Returns the bytes sent. A thread reads and checksums the
+    next chunk while this one sends (the messages stay on this thread)."""
+    plan = list(chunks(spans, chunk))
+    sums, failed, bad = [Checksum() for _ in spans], [], set()
+
+    def fill(buf: np.ndarray, pieces) -> None:
+        view = memoryview(buf)
+        for i, offset, length, at in pieces:
+            part = view[at:at + length]
+            try:
+                files.read(spans[i][0], offset, part)
+            except Exception as e:  # noqa: BLE001 - the stream goes on (the receiver waits for it), marked bad
+                failed.append(e)
+                bad.add(i)
+            sums[i].update(part)
+
+    sent = 0
+    for buf, pieces in _pipelined(plan, chunk, fill, before=True):
+        n = _size(pieces)
+        link.isend(buf[:n], dst).wait()
+        sent += n
+        if progress is not None:
+            progress(n)
+    values = [s.value() ^ (0xFFFFFFFFFFFFFFFF if i in bad else 0) for i, s in enumerate(sums)]
+    link.isend(np.array(values, dtype=np.uint64).view(np.uint8), dst).wait()
+    if failed:
+        raise failed[0]
+    return sent
 
 
-class Mapped:
-    """Bytes of a file in memory, as its own pages: ``array`` [length] uint8."""
+def recv_spans(link: Link, src: int, files, spans: List[Span], progress: Progress = None,
+               chunk: int = CHUNK) -> List[int]:
+    """Receive ``spans`` from ``src`` into ``files`` (``FolderFiles``-like:
+    ``write(name, offset, view)`` puts ``view`` in the file). Returns the checksum of each span
+    (``model/checksum.py``), after checking them against the sender's
+    (``UserError`` naming the first that differs). A thread writes and
+    checksums each chunk while the next one arrives."""
+    plan = list(chunks(spans, chunk))
+    sums, failed = [Checksum() for _ in spans], []
 
-    def __init__(self, region: mmap.mmap, skip: int, length: int):
-        self.region = region
-        self.array = np.frombuffer(region, dtype=np.uint8, count=length, offset=skip)
+    def drain(buf: np.ndarray, pieces) -> None:
+        view = memoryview(buf)
+        for i, offset, length, at in pieces:
+            part = view[at:at + length]
+            try:
+                if not failed:
+                    files.write(spans[i][0], offset, part)
+            except Exception as e:  # noqa: BLE001 - the stream is drained all the same
+                failed.append(e)
+            sums[i].update(part)
 
-    def close(self) -> None:
-        self.array = None
-        try:
-            self.region.close()
-        except BufferError:  # a view is still held somewhere: unmapped when it goes
-            pass
+    for buf, pieces in _pipelined(plan, chunk, drain, before=False):
+        link.irecv(buf[:_size(pieces)], src).wait()
+        if progress is not None:
+            progress(_size(pieces))
+    theirs = np.empty(len(spans), dtype=np.uint64)
+    link.irecv(theirs.view(np.uint8), src).wait()
+    if failed:
+        raise failed[0]
+    mine = [s.value() for s in sums]
+    for (name, start, end), ours, sent in zip(spans, mine, theirs.tolist()):
+        if ours != sent:
+            raise UserError(f"bytes {start}..{end} of {name} arrived damaged from rank {src} (their checksum differs)")
+    return mine
+
+
+def _size(pieces) -> int:
+    return pieces[-1][3] + pieces[-1][2]
+
+
+def _pipelined(plan, chunk: int, work: Callable, before: bool):
+    """Yield (buffer, pieces) per chunk of ``plan`` to the caller, which
+    moves the buffer over the link, while a thread runs ``work(buffer,
+    pieces)`` on each chunk: before the caller has it (sending: reading) or
+    after (receiving: writing). Two buffers: the thread works on one while
+    the caller moves the other."""
+    free, ready = queue.Queue(), queue.Queue()
+    for _ in range(min(2, len(plan))):
+        free.put(np.empty(chunk, np.uint8))
+    handed = queue.Queue() if not before else None
+
+    def run() -> None:
+        for pieces in plan:
+            buf = free.get() if before else handed.get()
+            work(buf, pieces)
+            (ready if before else free).put(buf)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    for pieces in plan:
+        buf = ready.get() if before else free.get()
+        yield buf, pieces
+        (free if before else handed).put(buf)
+    thread.join()
 
 
 class FolderFiles:
@@ -200,166 +260,6 @@ class FolderFiles:
         while done < len(view):
             done += f.write(view[done:])
 
-    def map(self, name: str, offset: int, length: int) -> Optional[Mapped]:
-        """Bytes ``offset..offset+length`` of ``name`` as the file's own pages
-        (read-only when reading); ``UserError`` where the file is shorter.
-        (A store that cannot map returns None: the bytes go through a buffer.)"""
-        f = self._file(name)
-        if os.fstat(f.fileno()).st_size < offset + length:  # a page past the end would kill the process on use
-            raise UserError(f"{self.folder / name} ends before byte {offset + length}")
-        start = offset - offset % mmap.ALLOCATIONGRANULARITY
-        prot = mmap.PROT_READ | (mmap.PROT_WRITE if "+" in self.mode else 0)
-        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)  # Linux: the pages at once, not one fault each
-        return Mapped(mmap.mmap(f.fileno(), offset + length - start, flags=flags, prot=prot, offset=start),
-                      offset - start, length)
-
-
-class _Slot:
-    """One chunk in flight: its buffer, made when a packed message first needs it."""
-
-    def __init__(self, chunk: int):
-        self.chunk, self._buf = chunk, None
-
-    def buffer(self) -> np.ndarray:
-        if self._buf is None:
-            self._buf = np.empty(self.chunk, np.uint8)
-        return self._buf
-
-    def drop(self) -> None:
-        """The packed messages are over: let the buffer go."""
-        self._buf = None
-
-
-def _slots(n: int, chunk: int) -> "queue.Queue[_Slot]":
-    free = queue.Queue()
-    for _ in range(n):
-        free.put(_Slot(chunk))
-    return free
-
-
-def send_spans(link: Link, dst: int, files, spans: List[Span], progress: Progress = None,
-               chunk: int = CHUNK) -> int:
-    """Send ``spans`` to ``dst`` from ``files`` (``FolderFiles``-like: ``read``,
-    and ``map`` for the long ranges). Returns the bytes sent. A thread reads and
-    checksums the next chunk while this one sends."""
-    messages = plan(spans, chunk)
-    sums, failed, bad = [Checksum() for _ in spans], [], set()
-    free, ready = _slots(min(2, len(messages)), chunk), queue.Queue()
-
-    def produce(slot: _Slot, mapped: bool, pieces) -> Tuple[np.ndarray, Optional[Mapped]]:
-        if mapped:
-            slot.drop()
-            i, offset, length, _ = pieces[0]
-            try:
-                region = files.map(spans[i][0], offset, length)
-            except Exception:  # noqa: BLE001 - read through a buffer instead, which says what is wrong
-                region = None
-            if region is not None:
-                sums[i].update(region.array)
-                return region.array, region
-        buf = slot.buffer()
-        view = memoryview(buf)
-        for i, offset, length, at in pieces:
-            part = view[at:at + length]
-            try:
-                files.read(spans[i][0], offset, part)
-            except Exception as e:  # noqa: BLE001 - the stream goes on (the receiver waits for it), marked bad
-                failed.append(e)
-                bad.add(i)
-            sums[i].update(part)
-        return buf[:_size(pieces)], None
-
-    def run() -> None:
-        for mapped, pieces in messages:
-            slot = free.get()
-            ready.put((slot, *produce(slot, mapped, pieces)))
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    sent = 0
-    for _ in messages:
-        slot, payload, region = ready.get()
-        link.isend(payload, dst).wait()
-        sent += payload.size
-        if progress is not None:
-            progress(payload.size)
-        del payload
-        if region is not None:
-            region.close()
-        free.put(slot)
-    thread.join()
-    values = [s.value() ^ (0xFFFFFFFFFFFFFFFF if i in bad else 0) for i, s in enumerate(sums)]
-    link.isend(np.array(values, dtype=np.uint64).view(np.uint8), dst).wait()
-    if failed:
-        raise failed[0]
-    return sent
-
-
-def recv_spans(link: Link, src: int, files, spans: List[Span], progress: Progress = None,
-               chunk: int = CHUNK) -> List[int]:
-    """Receive ``spans`` from ``src`` into ``files`` (``FolderFiles``-like:
-    ``write``, and ``map`` for the long ranges). Returns the checksum of each
-    span (``model/checksum.py``), after checking them against the sender's
-    (``UserError`` naming the first that differs). A thread writes and
-    checksums each chunk while the next one arrives."""
-    messages = plan(spans, chunk)
-    sums, failed = [Checksum() for _ in spans], []
-    free, handed = _slots(min(2, len(messages)), chunk), queue.Queue()
-
-    def target(slot: _Slot, mapped: bool, pieces) -> Tuple[np.ndarray, Optional[Mapped]]:
-        if mapped and not failed:
-            slot.drop()
-            i, offset, length, _ = pieces[0]
-            try:
-                region = files.map(spans[i][0], offset, length)
-                if region is not None:
-                    return region.array, region
-            except Exception as e:  # noqa: BLE001 - the stream is drained all the same
-                failed.append(e)
-        return slot.buffer()[:_size(pieces)], None
-
-    def run() -> None:
-        for _ in messages:
-            slot, pieces, data, region = handed.get()
-            view = memoryview(data)
-            for i, offset, length, at in pieces:
-                part = view[at:at + length]
-                try:
-                    if region is None and not failed:
-                        files.write(spans[i][0], offset, part)
-                except Exception as e:  # noqa: BLE001 - the stream is drained all the same
-                    failed.append(e)
-                sums[i].update(part)
-            del view, part, data
-            if region is not None:
-                region.close()
-            free.put(slot)
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    for mapped, pieces in messages:
-        slot = free.get()
-        data, region = target(slot, mapped, pieces)
-        link.irecv(data, src).wait()
-        if progress is not None:
-            progress(data.size)
-        handed.put((slot, pieces, data, region))
-        del data, region
-    thread.join()
-    theirs = np.empty(len(spans), dtype=np.uint64)
-    link.irecv(theirs.view(np.uint8), src).wait()
-    if failed:
-        raise failed[0]
-    mine = [s.value() for s in sums]
-    for (name, start, end), ours, sent in zip(spans, mine, theirs.tolist()):
-        if ours != sent:
-            raise UserError(f"bytes {start}..{end} of {name} arrived damaged from rank {src} (their checksum differs)")
-    return mine
-
-
-def _size(pieces) -> int:
-    return pieces[-1][3] + pieces[-1][2]
-
 
 class _Blob:
     """One file held in memory, named "", for the blob messages."""
@@ -372,9 +272,6 @@ class _Blob:
 
     def write(self, _, offset: int, view: memoryview) -> None:
         self.data[offset:offset + len(view)] = view
-
-    def map(self, *_) -> None:
-        return None  # copied through a buffer
 
 
 def send_blob(link: Link, dst: int, data: bytes) -> None:
