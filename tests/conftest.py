@@ -107,6 +107,18 @@ def last_json(stdout: str) -> dict:
 _CHECKPOINTS = {}
 
 
+@pytest.fixture(scope="session", autouse=True)
+def share_cache(tmp_path_factory):
+    """Shares the tests' jobs cache go to a folder of this session (a test
+    may name its own), never the user's ~/.cache/mlxdist, nor another
+    session's running beside it: the synthetic checkpoints of two sessions
+    have the same content, so their shares the same key."""
+    folder = tmp_path_factory.mktemp("mlxdist-cache")
+    with pytest.MonkeyPatch.context() as m:
+        m.setenv("MLXDIST_CACHE", str(folder))
+        yield folder
+
+
 @pytest.fixture(scope="session")
 def checkpoint(tmp_path_factory):
     """checkpoint(preset, bits=None) -> path, written once per session."""
