@@ -162,6 +162,18 @@ def is_set(name: str) -> bool:
     return name in os.environ
 
 
+# How every rank starts Open MPI unless told otherwise (runtime/world.py sets them in-process;
+# launch/mpirun exports the same): what a process that starts MPI beside mlxdist's ranks (mlx-lm's
+# contenders in the benchmark, the tests' scripts) is given too.
+MPI_START = ("OMPI_MCA_btl", "OMPI_MCA_mpi_yield_when_idle")
+
+
+def mpi_start_defaults(env: Dict[str, str]) -> Dict[str, str]:
+    """``MPI_START``'s variables for a child process: ``env``'s value where
+    it sets one, else the registered default."""
+    return {name: env.get(name) or str(VARIABLES[name].default) for name in MPI_START}
+
+
 def setdefault(name: str, value: Any = None) -> str:
     """Set ``name`` for a library mlxdist starts, unless the user set it, to
     ``value`` (None: the registry's default); the value in force."""

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from mlxdist import envs
 from mlxdist.runtime.world import LAUNCHER_FAILURE, LAUNCHER_RETRIES
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -26,8 +27,7 @@ def mpirun_env() -> dict:
         OMPI_ALLOW_RUN_AS_ROOT="1",
         OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
         OMPI_MCA_rmaps_base_oversubscribe="1",
-        OMPI_MCA_btl=env.get("OMPI_MCA_btl", "^ofi"),  # as mlxdist sets it, for scripts that start MPI themselves
-        OMPI_MCA_mpi_yield_when_idle=env.get("OMPI_MCA_mpi_yield_when_idle", "1"),  # likewise
+        **envs.mpi_start_defaults(env),  # as mlxdist's ranks start MPI, for scripts that start it themselves
         # auto's choices asserted here are its rule on one host's link: ranks sharing this box's
         # cores with other jobs measure their link anywhere from 10 us to milliseconds a collective.
         # Tests of the measurement set "measure" (test_auto_link.py).

@@ -66,8 +66,7 @@ def _env(link: Optional[EmulatedLink] = None) -> Dict[str, str]:
         HF_HUB_OFFLINE=env.get("HF_HUB_OFFLINE", "0"),
         PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""),
     )
-    for name in ("OMPI_MCA_btl", "OMPI_MCA_mpi_yield_when_idle"):  # mlxdist's ranks set these; mlx-lm's get them too
-        env.setdefault(name, str(envs.VARIABLES[name].default))
+    env.update(envs.mpi_start_defaults(env))  # mlxdist's ranks start MPI so; mlx-lm's contenders too
     env.update(link_env(link))
     return env
 

@@ -138,8 +138,8 @@ def _start(backend: Optional[str]) -> World:
         return _init_mlx_launch(backend)
     if _launched_by_mpirun() <= 1:
         return World(0, 1, mx.distributed.init(strict=False))
-    envs.setdefault("OMPI_MCA_btl")  # before anything starts MPI: mpi4py below or MLX's MPI backend
-    envs.setdefault("OMPI_MCA_mpi_yield_when_idle")
+    for name in envs.MPI_START:  # before anything starts MPI: mpi4py below or MLX's MPI backend
+        envs.setdefault(name)
 
     if backend in ("ring", "jaccl", "jaccl-ring"):
         # MLX's TCP or RDMA backend carries the arrays; mpi4py starts MPI for the control plane.
