@@ -30,6 +30,7 @@ from mlxdist.model.checkpoint import register_held
 from mlxdist.model.checksum import Checksum, checksum
 from mlxdist.model.fingerprint import file_digest, is_weight_file
 from mlxdist.model.share_needs import Spans, merge, subtract
+from mlxdist.model.transfer import FolderFiles
 
 MANIFEST = "share.json"
 VERSION = 2  # 1 kept CRC-32s: such a share is dropped and sent again
@@ -161,17 +162,13 @@ def _touches(start: int, end: int, want: List[Tuple[int, int]]) -> bool:
 
 def _checksum(file: Path, start: int, end: int) -> int:
     """The checksum of bytes ``start..end`` of ``file``; -1 where they cannot all be read."""
-    value = Checksum()
+    value, buf = Checksum(), memoryview(bytearray(min(_READ, end - start)))
     try:
-        with open(file, "rb") as f:
-            f.seek(start)
-            at = start
-            while at < end:
-                data = f.read(min(_READ, end - at))
-                if not data:
-                    return -1
-                value.update(data)
-                at += len(data)
-    except OSError:
+        with FolderFiles(file.parent, "rb") as files:
+            for at in range(start, end, _READ):
+                part = buf[:min(_READ, end - at)]
+                files.read(file.name, at, part)
+                value.update(part)
+    except (OSError, UserError):  # UserError: the file ends before ``end``
         return -1
     return value.value()
