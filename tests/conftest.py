@@ -7,13 +7,12 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 from pathlib import Path
 
 import pytest
 
 from mlxdist import envs
-from mlxdist.runtime.world import LAUNCHER_FAILURE, LAUNCHER_RETRIES
+from mlxdist.runtime.world import retry_launcher
 
 ROOT = Path(__file__).resolve().parent.parent
 MPIRUN = str(Path(sys.executable).parent / "mpirun")
@@ -47,18 +46,9 @@ def launch(np_: int, args, timeout: float = 120, input: str = None, module: str 
     (a value None unsets the variable). A launch that Open MPI's launcher
     failed before any rank ran (LAUNCHER_FAILURE; in bursts here: twice in a
     row once) is tried again, up to LAUNCHER_RETRIES times."""
-    return relaunch(lambda: _launch(np_, args, timeout, input, module, env, mpirun_args))
+    return retry_launcher(lambda: _launch(np_, args, timeout, input, module, env, mpirun_args))
 
 
-def relaunch(start):
-    """``start()`` (a finished launch), again while Open MPI's launcher
-    failed before any rank ran (LAUNCHER_FAILURE), up to LAUNCHER_RETRIES times."""
-    for _ in range(LAUNCHER_RETRIES + 1):
-        proc = start()
-        if proc.returncode == 0 or LAUNCHER_FAILURE not in proc.stderr:
-            break
-        time.sleep(1)
-    return proc
 
 
 def _launch(np_: int, args, timeout: float, input: str, module: str, env: dict, mpirun_args):

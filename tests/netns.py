@@ -22,7 +22,9 @@ import sys
 from pathlib import Path
 from typing import List, Optional, Sequence
 
-from conftest import ROOT, mpirun_env, relaunch
+from conftest import ROOT, mpirun_env
+
+from mlxdist.runtime.world import retry_launcher
 
 SUBNET = "198.18.0"
 NETWORK = f"{SUBNET}.0/24"
@@ -174,7 +176,7 @@ exec {self.agent} "$@"
         """``python -m module args`` (a script where module is None), one rank
         on each host of ``order`` in that order, mpirun on the first."""
         cmd = [sys.executable, *(["-m", module] if module else []), *args]
-        return relaunch(lambda: self.on(order[0], self.mpirun_command(order, cmd, mpirun_args), timeout=timeout,
+        return retry_launcher(lambda: self.on(order[0], self.mpirun_command(order, cmd, mpirun_args), timeout=timeout,
                                         env=env))
 
     def mlx_launch(self, order: Sequence[int], args: Sequence, module: Optional[str] = "mlxdist.run",

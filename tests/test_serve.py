@@ -17,7 +17,8 @@ import urllib.request
 
 import pytest
 
-from conftest import LAUNCHER_FAILURE, LAUNCHER_RETRIES, MPIRUN, ROOT, mpirun_env
+from conftest import MPIRUN, ROOT, mpirun_env
+from mlxdist.runtime.world import LAUNCHER_FAILURE, LAUNCHER_RETRIES
 
 KEY = "test-key-123"
 PROMPTS = [f"Request {i}: " + "tokens " * (i % 5) for i in range(8)]

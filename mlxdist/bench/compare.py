@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 from mlxdist import envs
-from mlxdist.runtime.world import LAUNCHER_FAILURE, LAUNCHER_RETRIES
+from mlxdist.runtime.world import retry_launcher
 from mlxdist.bench import speculative
 from mlxdist.bench.harness import median_row, versions
 from mlxdist.bench.linkemu import PRESETS, EmulatedLink, link_env, measure, parse_link
@@ -109,15 +109,16 @@ def launch(contender: Dict[str, Any], common: List[str], timeout: float, log,
     cmd = command(contender.get("processes", contender["ranks"]), contender["module"], common + contender["extra"])
     print(" ".join(cmd), file=log, flush=True)
     tic = time.perf_counter()
-    for _ in range(LAUNCHER_RETRIES + 1):
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env(link), cwd=ROOT)
-        except subprocess.TimeoutExpired:
-            return {"error": f"timed out after {timeout:.0f} s"}
+
+    def run():
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env(link), cwd=ROOT)
         log.write(proc.stderr)
-        if proc.returncode == 0 or LAUNCHER_FAILURE not in proc.stderr:
-            break
-        time.sleep(1)  # Open MPI's launcher failed before any rank ran: launch again
+        return proc
+
+    try:
+        proc = retry_launcher(run)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:.0f} s"}
     lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
     if proc.returncode != 0 or not lines:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
