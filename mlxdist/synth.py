@@ -371,6 +371,8 @@ def _shape_output_head(params: Dict[str, mx.array], keep_rows: mx.array) -> None
 
 
 _HEAD_RE = re.compile(r"(^|\.)lm_head(\.linear)?\.weight$")
+_RESIDUAL_RE = re.compile(r"(^|\.)(o_proj|down_proj)\.weight$")  # what a block adds to the residual stream
+_LAYER_RE = re.compile(r"(^|\.)layers\.(\d+)\.")
 _EMBED_RE = re.compile(r"(^|\.)(embed_tokens|word_embeddings|embeddings|wte)\.weight$")
 
 
@@ -422,6 +424,7 @@ def write_checkpoint(
     skew_order: str = "random",
     layout: str = "mlx",
     mxfp4_experts: bool = False,
+    residual_scale: float = 1.0,
 ) -> Path:
     """Write a random-weight checkpoint of ``preset`` in mlx-lm layout, or
     in the model's hub layout (``layout="hub"``, ``HUB_LAYOUTS``).
@@ -438,7 +441,11 @@ def write_checkpoint(
     worst case for even contiguous blocks) gets ``-router_skew * log(1 + rank_e)``.
     ``mxfp4_experts`` quantizes the experts' projections alone to mxfp4 (the
     rest stays ``dtype``), as OpenAI ships gpt-oss; the hub layout of gpt_oss
-    implies it. The same arguments in either layout give the same weights
+    implies it. ``residual_scale`` multiplies what every block adds to the
+    residual stream (its attention's and MLPs' output projections): well
+    under 1, the next token hangs on the current one's embedding, and a
+    draft cut from the model (``write_draft``) agrees with it by
+    construction. The same arguments in either layout give the same weights
     once mlx-lm has loaded them.
 
     Returns:
@@ -471,6 +478,8 @@ def write_checkpoint(
     params = {k: _random_param(k, v) for k, v in tree_flatten(model.parameters())}
     if router_skew:
         _skew_routers(params, router_skew, skew_order)
+    if residual_scale != 1.0:
+        params = {k: v * residual_scale if _RESIDUAL_RE.search(k) else v for k, v in params.items()}
     _shape_output_head(params, keep_rows)
     params = [(k, v.astype(getattr(mx, dtype))) for k, v in params.items()]
     model.update(tree_unflatten(params))
@@ -492,6 +501,37 @@ def write_checkpoint(
     else:
         save_model(path, model)
     save_config(config, path / "config.json")
+    return path
+
+
+def write_draft(path: Union[str, Path], target: Union[str, Path], layers: int = 1) -> Path:
+    """Write a draft model for speculative decoding cut from ``target``: its
+    first ``layers`` layers and everything outside the layers (embedding,
+    final norm, output head), its tokenizer. Of a model written with a small
+    ``residual_scale`` it predicts the same greedy tokens (a draft that
+    agrees by construction, at a fraction of the cost)."""
+    target, path = Path(target), Path(path)
+    config = json.loads((target / "config.json").read_text())
+    if not 1 <= layers <= config["num_hidden_layers"]:
+        raise ValueError(f"a draft of {target} has 1..{config['num_hidden_layers']} layers, not {layers}")
+    path.mkdir(parents=True, exist_ok=True)
+    weights = {}
+    for f in sorted(target.glob("*.safetensors")):
+        for name, value in mx.load(str(f)).items():
+            m = _LAYER_RE.search(name)
+            if m is None or int(m.group(2)) < layers:
+                weights[name] = value
+    config["num_hidden_layers"] = layers
+    for key in ("quantization", "quantization_config"):  # per-module entries of the layers cut off go too
+        if isinstance(config.get(key), dict):
+            config[key] = {k: v for k, v in config[key].items()
+                           if (m := _LAYER_RE.search(k)) is None or int(m.group(2)) < layers}
+    _fix_layer_lists(config)
+    _save_weights(path, weights)
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    for f in target.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(f, path / f.name)
     return path
 
 
@@ -660,7 +700,17 @@ def main():
                         help="Quantize the experts alone to mxfp4 (gpt-oss's form; implied by --layout hub there).")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="Override a config value (JSON), e.g. --set num_local_experts=64.")
+    parser.add_argument("--residual-scale", type=float, default=1.0,
+                        help="Scale what each block adds to the residual stream: well under 1 (0.01), the next token "
+                             "hangs on the current one's embedding, and a --draft-of cut agrees with the model.")
+    parser.add_argument("--draft-of", metavar="TARGET",
+                        help="Write a speculative-decoding draft cut from the checkpoint TARGET instead: its first "
+                             "--layers layers (default 1), embedding, norm, head and tokenizer.")
     args = parser.parse_args()
+    if args.draft_of:
+        path = write_draft(args.out_dir, args.draft_of, args.layers or 1)
+        print(f"Wrote a {args.layers or 1}-layer draft of {args.draft_of} to {path}")
+        return
 
     overrides = {}
     if args.layers is not None:
@@ -683,6 +733,7 @@ def main():
         skew_order=args.skew_order,
         layout=args.layout,
         mxfp4_experts=args.mxfp4_experts,
+        residual_scale=args.residual_scale,
     )
     size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
     print(f"Wrote {args.preset} to {path} ({size / 2**20:.1f} MiB of weights)")

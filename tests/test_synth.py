@@ -5,7 +5,6 @@ import sys
 
 import mlx.core as mx
 import pytest
-from mlx.utils import tree_flatten
 
 from mlxdist import synth
 
@@ -321,3 +320,34 @@ def test_clustered_skew_favours_the_first_experts(tmp_path):
     assert biases
     for bias in biases:  # expert 0 most favoured, then each next one less
         assert (bias[1:] < bias[:-1]).all().item()
+
+
+def test_a_draft_cut_from_a_model_of_small_residuals_agrees_with_it(tmp_path):
+    """--residual-scale 0.01 and --draft-of: the draft holds the first
+    layer alone (with the embedding, norm and head) and mlx-lm's greedy
+    tokens from it equal the model's: a draft that agrees by construction
+    (docs/benchmarks.md). Without the small residuals they differ."""
+    from mlx_lm.generate import generate_step
+
+    import mlx_lm
+
+    def greedy(path, prompt, n=24):
+        model, tokenizer = mlx_lm.load(str(path))
+        steps = generate_step(mx.array(tokenizer.encode(prompt)), model, max_tokens=n)
+        return [int(y) for (y, _), _ in zip(steps, range(n))]
+
+    small = synth.write_checkpoint(tmp_path / "small", "qwen3_moe", overrides={"num_hidden_layers": 4},
+                                   residual_scale=0.01)
+    plain = synth.write_checkpoint(tmp_path / "plain", "qwen3_moe", overrides={"num_hidden_layers": 4})
+    for target in (small, plain):
+        synth.write_draft(target.parent / f"{target.name}-draft", target, layers=1)
+    draft = tmp_path / "small-draft"
+    assert json.loads((draft / "config.json").read_text())["num_hidden_layers"] == 1
+    names = load_weights(draft)
+    assert any(".layers.0." in n for n in names) and not any(".layers.1." in n for n in names)
+    assert set(names) <= set(load_weights(small))
+    for prompt in ("hello world", "the weather today is"):
+        assert greedy(small, prompt) == greedy(draft, prompt)
+    assert any(greedy(plain, p) != greedy(tmp_path / "plain-draft", p) for p in ("hello world", "the weather today is"))
+    with pytest.raises(ValueError, match="1..4 layers"):
+        synth.write_draft(tmp_path / "bad", small, layers=5)
