@@ -5,6 +5,8 @@ that does not fit is refused and the last one kept. Prints JSON, one entry
 per mode.
 
     python place_live.py CKPT MAX_TOKENS DISPATCH [DISPATCH ...]
+
+``run`` does the same on a cluster already started (tests/scripts/several.py).
 """
 
 import json
@@ -36,7 +38,12 @@ def place_live(cluster, path: str, dispatch: str, max_tokens: int) -> dict:
             "placed": cluster.engine.placement.to_json() == plan.to_json(), "refused": refused}
 
 
+def run(cluster, args) -> dict:
+    """place_live.py's work for ``args`` (its command line) on ``cluster``: mode -> its result."""
+    path, max_tokens, *modes = map(str, args)
+    return {mode: place_live(cluster, path, mode, int(max_tokens)) for mode in modes}
+
+
 if __name__ == "__main__":
-    path, max_tokens, *modes = sys.argv[1:]
     with mlxdist.init() as cluster:
-        print(json.dumps({mode: place_live(cluster, path, mode, int(max_tokens)) for mode in modes}))
+        print(json.dumps(run(cluster, sys.argv[1:])))
