@@ -12,12 +12,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import ROOT, error_lines, launch
+from conftest import error_lines, last_json, launch
+from shared_launch import launch_several
+from test_dataparallel import ARCHS as DP_ARCHS
 from test_dataparallel import MAX_TOKENS as DP_MAX_TOKENS
 from test_dataparallel import TOLERANCE as DP_TOLERANCE
+from test_dataparallel import batch_run
 from test_dataparallel import reference as dp_reference
-from test_dataparallel import run as dp_run
-from test_exact import MAX_TOKENS, PROMPT
+from test_exact import MAX_TOKENS, generated
 from test_exact import reference as exact_reference
 from test_serve import KEY, Server, alone, completion
 
@@ -27,19 +29,33 @@ CHECKPOINTS = [("qwen3_moe", None), ("mixtral", 4)]
 WORLDS = [("collective", 2), ("collective", 3), ("collective", 4), ("p2p", 3)]
 
 
-def generate_over_ring(checkpoint, tmp_path, dispatch, nranks):
-    paths = [str(checkpoint(a, b)) for a, b in CHECKPOINTS]
-    proc = launch(nranks, [ROOT / "tests/scripts/generate_each.py", tmp_path, dispatch, "masked", PROMPT, MAX_TOKENS,
-                           *paths], module=None, timeout=240, env=RING)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "[ring] Rank 0 accepting" in proc.stderr, proc.stderr[-2000:]
-    summary = json.loads((tmp_path / "summary.json").read_text())
-    return {p: (s["tokens"], np.load(tmp_path / f"{s['index']}.npy"), s["num_ranks"]) for p, s in summary.items()}
+_RING = {}
+
+
+@pytest.fixture(scope="module")
+def over_ring(checkpoint, tmp_path_factory):
+    """(mode, nranks) -> its result over ring, one launch per world size:
+    each dispatch of WORLDS at it, {path: (tokens, logprobs, num_ranks)},
+    and at 2 ("dp", 2): batch_each's dp batch of test_dataparallel."""
+
+    def get(mode, nranks):
+        if nranks not in _RING:
+            runs = {d: generated(d, "masked", MAX_TOKENS, CHECKPOINTS) for d, n in WORLDS if n == nranks}
+            if nranks == 2:
+                runs["dp"] = batch_run("dp", "masked", [DP_MAX_TOKENS], 3, 2048, DP_ARCHS)
+            made = {m: make(checkpoint, tmp_path_factory) for m, make in runs.items()}
+            proc = launch_several(nranks, [step for step, _ in made.values()], env=RING)
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            assert "[ring] Rank 0 accepting" in proc.stderr, proc.stderr[-2000:]
+            _RING[nranks] = {m: read(got) for (m, (_, read)), got in zip(made.items(), last_json(proc.stdout)["steps"])}
+        return _RING[nranks][mode]
+
+    return get
 
 
 @pytest.mark.parametrize("dispatch,nranks", WORLDS)
-def test_exact_modes_over_ring_equal_mlx_lm(checkpoint, tmp_path, dispatch, nranks):
-    runs = generate_over_ring(checkpoint, tmp_path, dispatch, nranks)
+def test_exact_modes_over_ring_equal_mlx_lm(checkpoint, over_ring, dispatch, nranks):
+    runs = over_ring(dispatch, nranks)
     for arch, bits in CHECKPOINTS:
         path = checkpoint(arch, bits)
         ref_tokens, ref_logprobs = exact_reference(path)
@@ -49,8 +65,8 @@ def test_exact_modes_over_ring_equal_mlx_lm(checkpoint, tmp_path, dispatch, nran
         assert np.max(np.abs(logprobs - ref_logprobs)) == 0.0, (arch, bits)
 
 
-def test_dp_over_ring_within_its_tolerance(checkpoint):
-    got = dp_run(checkpoint, 2, "dp", "masked", DP_MAX_TOKENS, 3, env={"MLXDIST_BACKEND": "ring"})
+def test_dp_over_ring_within_its_tolerance(over_ring):
+    got = over_ring("dp", 2)
     for path, result in got.items():
         ref_tokens, ref_logprobs = dp_reference(path, len(DP_MAX_TOKENS))
         assert result["strategy"] == "dp"

@@ -10,7 +10,8 @@ import json
 
 import pytest
 
-from conftest import ROOT, last_json, launch
+from conftest import ROOT
+from shared_launch import declare, result
 
 ARCHS = ["qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss"]
 MAX_TOKENS = [24, 30, 26, 24, 28]  # ragged: sequences finish at different steps
@@ -41,15 +42,6 @@ def reference(path, n):
     return _REFERENCE[path]
 
 
-def run(checkpoint, nranks, dispatch, layout, max_tokens, completion, prefill_step=2048, env=None):
-    paths = [str(checkpoint(a)) for a in ARCHS]
-    proc = launch(nranks, [ROOT / "tests/scripts/batch_each.py", dispatch, layout,
-                           ",".join(map(str, max_tokens)), completion, prefill_step, *paths], module=None, timeout=300,
-                  env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return last_json(proc.stdout)
-
-
 # Experts whole on their owners, and cut in width over the ranks (--expert-split width:
 # each rank holds 1/N of every expert's and shared expert's hidden units and runs whole MoE blocks
 # on every rank's rows; the layout does not apply).
@@ -57,10 +49,54 @@ WIDTH_CASES = [(2, "masked", 3, 2048), (4, "compact", 0, 4)]
 RUNS = [("whole", c) for c in CASES] + [("width", c) for c in WIDTH_CASES]
 
 
+# With experts cut in width, attention can be split too (mlx-lm's shard() on
+# the dense layers, the MoE block summed over the ranks): tensor parallelism
+# with mlxdist's experts. auto on MPI runs it for batches below one sequence
+# per rank, on a second model that shares everything but the split layers.
+TP_ARCHS = ["qwen3_moe", "deepseek_v3", "gpt_oss"]  # mlx-lm has shard() for these
+AUTO_BATCHES = [MAX_TOKENS, MAX_TOKENS[:1], MAX_TOKENS[:3]]
+MORE_BLOCK_SHAPES = ["qwen2_moe", "olmoe"]
+
+
+def batch_run(dispatch, layout, lengths, completion, prefill_step, archs):
+    """A batch_each run of the batches ``lengths`` (one after another on one
+    load) on ``archs``' float32 checkpoints, for ``shared_launch.declare``."""
+
+    def make(checkpoint, _):
+        return ("batch_each", [dispatch, layout, "/".join(",".join(map(str, b)) for b in lengths), completion,
+                               prefill_step, *(checkpoint(a) for a in archs)]), lambda got: got
+
+    return make
+
+
+def _declare() -> None:
+    """This module's runs, in the session's launches (shared_launch.py), named as the tests read them."""
+    for split, case in RUNS:
+        nranks, layout, completion, prefill_step = case
+        declare(__name__, nranks, f"dp {split} {case}", batch_run("dp" if split == "whole" else "dp:width", layout,
+                                                                  [MAX_TOKENS], completion, prefill_step, ARCHS))
+    declare(__name__, 2, "dp one prompt width", batch_run("dp:width", "masked", [MAX_TOKENS[:1]], 0, 2048, ARCHS))
+    declare(__name__, 2, "dp more block shapes",
+            batch_run("dp:width", "masked", [MAX_TOKENS], 3, 2048, MORE_BLOCK_SHAPES))
+    declare(__name__, 2, "dp collective-tp:width",
+            batch_run("collective-tp:width", "masked", [MAX_TOKENS], 3, 2048, TP_ARCHS))
+    declare(__name__, 2, "dp auto:width",
+            batch_run("auto:width", "masked", AUTO_BATCHES, 3, 2048, TP_ARCHS + ["mixtral"]))
+    declare(__name__, 3, "dp auto small", batch_run("auto", "masked", [MAX_TOKENS[:2]], 0, 2048, ["qwen3_moe"]))
+    declare(__name__, 3, "dp auto big", batch_run("auto", "masked", [MAX_TOKENS[:3]], 0, 2048, ["qwen3_moe"]))
+
+
+_declare()
+
+
+def launched(request, nranks, name):
+    """Run ``name``'s result (declared above) from the session's launch at ``nranks`` ranks."""
+    return result(request, nranks, f"dp {name}")
+
+
 @pytest.fixture(scope="module")
-def runs(checkpoint):
-    return {(split, case): run(checkpoint, case[0], "dp" if split == "whole" else "dp:width", case[1], MAX_TOKENS,
-                               case[2], case[3]) for split, case in RUNS}
+def runs(request):
+    return {(split, case): launched(request, case[0], f"{split} {case}") for split, case in RUNS}
 
 
 @pytest.mark.parametrize("split, case", RUNS,
@@ -91,8 +127,8 @@ def test_each_rank_holds_kv_caches_for_its_sequences_only(checkpoint, runs, case
 
 
 @pytest.fixture(scope="module")
-def one_prompt_width(checkpoint):
-    return run(checkpoint, 2, "dp:width", "masked", MAX_TOKENS[:1], 0)
+def one_prompt_width(request):
+    return launched(request, 2, "one prompt width")
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -108,8 +144,8 @@ def test_experts_cut_in_width_one_prompt_runs_collective(checkpoint, one_prompt_
     assert max(abs(a - b) for a, b in zip(got["logprobs"][0], ref_logprobs[0])) <= TOLERANCE
 
 
-@pytest.mark.parametrize("arch", ["qwen2_moe", "olmoe"])
-def test_experts_cut_in_width_more_block_shapes(checkpoint, arch):
+@pytest.mark.parametrize("arch", MORE_BLOCK_SHAPES)
+def test_experts_cut_in_width_more_block_shapes(request, checkpoint, arch):
     """Whole blocks exchanged on two more block shapes: a shared expert scaled
     by a gate of its own (qwen2_moe) and a block that routes flattened rows
     (olmoe); close to mlx-lm's batch_generate, like the four above."""
@@ -121,10 +157,7 @@ def test_experts_cut_in_width_more_block_shapes(checkpoint, arch):
     from mlx_lm.generate import batch_generate
 
     path = checkpoint(arch)
-    proc = launch(2, [ROOT / "tests/scripts/batch_each.py", "dp:width", "masked", ",".join(map(str, MAX_TOKENS)), 3,
-                      2048, str(path)], module=None, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got = last_json(proc.stdout)[str(path)]
+    got = launched(request, 2, "more block shapes")[str(path)]
     model, tokenizer = load(str(path))
     ref = batch_generate(model, tokenizer, [tokenizer.encode(p) for p in PROMPTS[:len(MAX_TOKENS)]],
                          max_tokens=MAX_TOKENS, return_token_ids=True, return_logprobs=True)
@@ -132,15 +165,15 @@ def test_experts_cut_in_width_more_block_shapes(checkpoint, arch):
     assert max(abs(a - b) for g, r in zip(got["logprobs"], ref.logprobs) for a, b in zip(g, r)) <= TOLERANCE
 
 
-def test_auto_is_exact_below_one_sequence_per_rank(checkpoint):
+def test_auto_is_exact_below_one_sequence_per_rank(request, checkpoint):
     """auto: 2 prompts on 3 ranks run the exact collective mode (bit-equal to
     mlx-lm's batch_generate); 3 prompts on 3 ranks run dp."""
     path = str(checkpoint("qwen3_moe"))
-    small = run(checkpoint, 3, "auto", "masked", MAX_TOKENS[:2], 0)[path]
+    small = launched(request, 3, "auto small")[path]
     assert small["strategy"] == "collective"
     ref_tokens, _ = reference(path, len(MAX_TOKENS))
     assert small["tokens"] == ref_tokens[:2]
-    big = run(checkpoint, 3, "auto", "masked", MAX_TOKENS[:3], 0)[path]
+    big = launched(request, 3, "auto big")[path]
     assert big["strategy"] == "dp"
     assert big["tokens"] == ref_tokens[:3]
 
@@ -243,25 +276,9 @@ def test_a_block_without_router_weights_is_refused():
         find_router_weights(Ignoring(), "switch", 8, mx.float32)
 
 
-# With experts cut in width, attention can be split too (mlx-lm's shard() on
-# the dense layers, the MoE block summed over the ranks): tensor parallelism
-# with mlxdist's experts. auto on MPI runs it for batches below one sequence
-# per rank, on a second model that shares everything but the split layers.
-TP_ARCHS = ["qwen3_moe", "deepseek_v3", "gpt_oss"]  # mlx-lm has shard() for these
-AUTO_BATCHES = [MAX_TOKENS, MAX_TOKENS[:1], MAX_TOKENS[:3]]
-
-
 @pytest.fixture(scope="module")
-def split_attention_runs(checkpoint):
-    paths = [str(checkpoint(a)) for a in TP_ARCHS + ["mixtral"]]
-    runs = {}
-    for dispatch, batches in (("collective-tp:width", [MAX_TOKENS]), ("auto:width", AUTO_BATCHES)):
-        lengths = "/".join(",".join(map(str, b)) for b in batches)
-        proc = launch(2, [ROOT / "tests/scripts/batch_each.py", dispatch, "masked", lengths, 3, 2048,
-                          *(paths if dispatch.startswith("auto") else paths[:-1])], module=None, timeout=300)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        runs[dispatch] = last_json(proc.stdout)
-    return runs
+def split_attention_runs(request):
+    return {dispatch: launched(request, 2, dispatch) for dispatch in ("collective-tp:width", "auto:width")}
 
 
 @pytest.mark.parametrize("arch", TP_ARCHS)

@@ -1,7 +1,8 @@
 """Distributed greedy generation equals single-process mlx-lm, token for token
 and logit for logit, for every architecture, dispatch mode, quantization and
-world size. mlxdist runs for real under mpirun (one launch per mode and
-world size loads every checkpoint in turn); the reference is mlx-lm's own
+world size. mlxdist runs for real under mpirun (one launch per world size,
+shared by the session's test modules, loads every checkpoint in turn in
+every mode: shared_launch.py); the reference is mlx-lm's own
 stream_generate in this process."""
 
 import json
@@ -10,6 +11,7 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, last_json, launch
+from shared_launch import declare, result
 
 PROMPT = "The quick brown fox jumps over the lazy dog because"
 MAX_TOKENS = 10
@@ -24,12 +26,17 @@ WORLDS = [
     ("collective-compact", 3),
 ]
 
+TP_ARCHS = ["qwen3_moe", "deepseek_v3", "gpt_oss"]  # mlx-lm has shard() for these
+# test_sampling_with_a_seed_is_the_same_on_every_world_size: its request, and its mode per world size
+SAMPLING = json.dumps({"max_tokens": 16, "temp": 0.9, "top_p": 0.95, "seed": 7})
+SAMPLED = {2: "collective", 3: "p2p"}
+
 _REFERENCE = {}
-_RUNS = {}
 
 
 def reference(path):
-    """Tokens and per-step log-probabilities from mlx-lm alone."""
+    """Tokens and per-step log-probabilities from mlx-lm alone (once per checkpoint, a path or its str)."""
+    path = str(path)
     if path not in _REFERENCE:
         import mlx.core as mx
         from mlx_lm import load
@@ -42,29 +49,51 @@ def reference(path):
     return _REFERENCE[path]
 
 
-@pytest.fixture(scope="module")
-def distributed(checkpoint, tmp_path_factory):
-    """(dispatch, nranks) -> {path: (tokens, logprobs, num_ranks)}, one launch each."""
+def generated(dispatch, layout, max_tokens, checkpoints):
+    """A generate_each run of PROMPT on ``checkpoints`` ((arch, bits) pairs),
+    for ``shared_launch.declare``; read as {path: (tokens, logprobs, num_ranks)}."""
 
-    def get(dispatch, nranks):
-        if (dispatch, nranks) not in _RUNS:
-            paths = [str(checkpoint(a, b)) for a, b in CHECKPOINTS]
-            out = tmp_path_factory.mktemp(f"{dispatch}-{nranks}")
-            mode, _, layout = dispatch.partition("-")
-            proc = launch(
-                nranks,
-                [ROOT / "tests/scripts/generate_each.py", out, mode, layout or "masked", PROMPT, MAX_TOKENS, *paths],
-                module=None,
-                timeout=300,
-            )
-            assert proc.returncode == 0, proc.stderr[-3000:]
-            summary = json.loads((out / "summary.json").read_text())
-            _RUNS[dispatch, nranks] = {
-                p: (s["tokens"], np.load(out / f"{s['index']}.npy"), s["num_ranks"]) for p, s in summary.items()
-            }
-        return _RUNS[dispatch, nranks]
+    def make(checkpoint, tmp_path_factory):
+        paths = [str(checkpoint(a, b)) for a, b in checkpoints]
+        out = tmp_path_factory.mktemp(f"{dispatch}-{layout}")
 
-    return get
+        def read(summary):
+            return {p: (s["tokens"], np.load(out / f"{s['index']}.npy"), s["num_ranks"]) for p, s in summary.items()}
+
+        return ("generate_each", [out, dispatch, layout, PROMPT, max_tokens, *paths]), read
+
+    return make
+
+
+def one_prompt_batch(dispatch):
+    """batch_each's one-prompt batch (max_tokens [12]) on qwen3_moe, for ``shared_launch.declare``."""
+    return lambda checkpoint, _: (("batch_each", [dispatch, "masked", "12", 0, 2048, checkpoint("qwen3_moe")]),
+                                  lambda got: got)
+
+
+def _declare() -> None:
+    """This module's runs, in the session's launches (shared_launch.py)."""
+    for mode, nranks in WORLDS:
+        dispatch, _, layout = mode.partition("-")
+        declare(__name__, nranks, f"exact {mode}", generated(dispatch, layout or "masked", MAX_TOKENS, CHECKPOINTS))
+    for nranks, dispatch in SAMPLED.items():
+        declare(__name__, nranks, "exact sampled", generated(dispatch, "default", SAMPLING, [("qwen3_moe", 4)]))
+    declare(__name__, 2, "exact collective-tp",  # the command line's layout
+            generated("collective-tp", "default", MAX_TOKENS, [(a, None) for a in TP_ARCHS]))
+    for dispatch in ("collective", "p2p"):
+        declare(__name__, 2, f"exact batch-{dispatch}", one_prompt_batch(dispatch))
+
+
+_declare()
+
+
+@pytest.fixture
+def distributed(request):
+    """(mode, nranks) -> the result of that run declared above, from the
+    session's launch at nranks ranks (shared_launch.py): a mode of WORLDS,
+    "sampled", "collective-tp" (generate_each's, {path: (tokens, logprobs,
+    num_ranks)}), or "batch-collective" / "batch-p2p" (batch_each's)."""
+    return lambda mode, nranks: result(request, nranks, f"exact {mode}")
 
 
 @pytest.mark.parametrize("dispatch,nranks", WORLDS)
@@ -114,18 +143,16 @@ def test_prompts_from_stdin_keep_the_model_loaded(checkpoint):
         assert json.loads(line)["tokens"] == reference(path)[0]
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3", "gpt_oss"])
-def test_collective_tp_is_close_to_mlx_lm(checkpoint, tmp_path, arch):
+@pytest.mark.parametrize("arch", TP_ARCHS)
+def test_collective_tp_is_close_to_mlx_lm(checkpoint, distributed, arch):
     """Attention and dense layers tensor parallel: not bit-exact (the sums run
     in another order), but the same tokens and logits within float noise."""
     path = checkpoint(arch)
-    out = tmp_path / "logprobs.npy"
-    proc = launch(2, ["--model", path, "--prompt", PROMPT, "--max-tokens", MAX_TOKENS, "--json",
-                      "--ignore-chat-template", "--dispatch", "collective-tp", "--logprobs-out", out])
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    tokens, logprobs, num_ranks = distributed("collective-tp", 2)[str(path)]
     ref_tokens, ref_logprobs = reference(path)
-    assert last_json(proc.stdout)["tokens"] == ref_tokens
-    assert np.max(np.abs(np.load(out) - ref_logprobs)) < 1e-4
+    assert num_ranks == 2
+    assert tokens == ref_tokens
+    assert np.max(np.abs(logprobs - ref_logprobs)) < 1e-4
 
 
 def test_collective_tp_needs_mlx_lm_shard(checkpoint):
@@ -134,17 +161,17 @@ def test_collective_tp_needs_mlx_lm_shard(checkpoint):
     assert "mixtral has no tensor-parallel shard() in mlx-lm" in proc.stderr
 
 
-def test_sampling_with_a_seed_is_the_same_on_every_world_size(checkpoint):
+def test_sampling_with_a_seed_is_the_same_on_every_world_size(checkpoint, distributed):
     """temp > 0: every rank that samples draws the same token (same logits,
-    same seed), so the result does not depend on N or the mode."""
+    same seed), so the result does not depend on N or the mode: the command
+    line alone, and the API at np 2 (collective) and 3 (p2p)."""
     path = checkpoint("qwen3_moe", 4)
-    args = ["--model", path, "--prompt", PROMPT, "--max-tokens", 16, "--json", "--temp", 0.9, "--top-p", 0.95, "--seed", 7,
-            "--ignore-chat-template"]
-    results = []
-    for nranks, dispatch in [(0, "collective"), (2, "collective"), (3, "p2p")]:
-        proc = launch(nranks, [*args, "--dispatch", dispatch])
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        results.append(last_json(proc.stdout)["tokens"])
+    sampling = json.loads(SAMPLING)
+    proc = launch(0, ["--model", path, "--prompt", PROMPT, "--max-tokens", sampling["max_tokens"], "--json", "--temp",
+                      sampling["temp"], "--top-p", sampling["top_p"], "--seed", sampling["seed"],
+                      "--ignore-chat-template", "--dispatch", "collective"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = [last_json(proc.stdout)["tokens"]] + [distributed("sampled", n)[str(path)][0] for n in SAMPLED]
     assert results[0] == results[1] == results[2]
     assert results[0][:MAX_TOKENS] != reference(path)[0]  # it really sampled
 
@@ -172,7 +199,7 @@ def test_negative_zero_survives_the_exchange():
 
 
 @pytest.mark.parametrize("dispatch", ["collective", "p2p"])
-def test_one_prompt_batch_matches_mlx_lm(checkpoint, dispatch):
+def test_one_prompt_batch_matches_mlx_lm(checkpoint, distributed, dispatch):
     """``run_batch`` of a single prompt with a list of max_tokens: one batch
     response, stopping at its max_tokens (it once streamed without end)."""
     import sys
@@ -183,10 +210,7 @@ def test_one_prompt_batch_matches_mlx_lm(checkpoint, dispatch):
     from mlx_lm.generate import batch_generate
 
     path = str(checkpoint("qwen3_moe"))
-    proc = launch(2, [ROOT / "tests/scripts/batch_each.py", dispatch, "masked", "12", 0, 2048, path], module=None,
-                  timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got = last_json(proc.stdout)[path]
+    got = distributed(f"batch-{dispatch}", 2)[path]
     model, tokenizer = load(path)
     ref = batch_generate(model, tokenizer, [tokenizer.encode(PROMPTS[0])], max_tokens=[12], return_token_ids=True,
                          return_logprobs=True)

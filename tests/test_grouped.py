@@ -2,17 +2,15 @@
 mlx-lm's per-slot call, in process and under mpirun with grouping forced on
 (``MLXDIST_GROUPED_EXPERTS=1``; by default it runs on GPUs only)."""
 
-import json
-
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 
-from conftest import ROOT, launch
 from mlxdist.model import grouped
 from mlxdist.model.grouped import CHUNK_ROWS, call_grouped, chunk_map, groups
+from shared_launch import declare, grouping, result
 
 FORCED = {"MLXDIST_GROUPED_EXPERTS": "1"}
 
@@ -76,26 +74,42 @@ def test_grouping_is_chosen_on_gpus_from_two_slots_per_expert(monkeypatch):
     assert not groups(glu, many)
 
 
-def test_exact_modes_stay_bit_exact_with_grouping(checkpoint, tmp_path):
-    """Every tested architecture, float32 and 4-bit, collective on 2 ranks with every expert call grouped."""
-    from test_exact import CHECKPOINTS, MAX_TOKENS, PROMPT, reference
+def _declare() -> None:
+    """This module's runs, each with every expert call grouped (FORCED), in the
+    session's launch at 2 ranks (shared_launch.py): collective on test_exact's
+    checkpoints; dp and dp:width on test_dataparallel's batch."""
+    from test_dataparallel import ARCHS, batch_run
+    from test_dataparallel import MAX_TOKENS as DP_MAX_TOKENS
+    from test_exact import CHECKPOINTS, MAX_TOKENS, generated
 
-    paths = [str(checkpoint(a, b)) for a, b in CHECKPOINTS]
-    proc = launch(2, [ROOT / "tests/scripts/generate_each.py", tmp_path, "collective", "masked", PROMPT, MAX_TOKENS,
-                      *paths], module=None, timeout=300, env=FORCED)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    summary = json.loads((tmp_path / "summary.json").read_text())
-    for path in paths:
+    forced = FORCED["MLXDIST_GROUPED_EXPERTS"]
+    declare(__name__, 2, "grouped collective",
+            grouping(generated("collective", "masked", MAX_TOKENS, CHECKPOINTS), forced))
+    for split in ("dp", "dp:width"):
+        declare(__name__, 2, f"grouped {split}",
+                grouping(batch_run(split, "compact", [DP_MAX_TOKENS], 3, 2048, ARCHS), forced))
+
+
+_declare()
+
+
+def test_exact_modes_stay_bit_exact_with_grouping(request, checkpoint):
+    """Every tested architecture, float32 and 4-bit, collective on 2 ranks with every expert call grouped."""
+    from test_exact import CHECKPOINTS, reference
+
+    got = result(request, 2, "grouped collective")
+    for path in [str(checkpoint(a, b)) for a, b in CHECKPOINTS]:
         ref_tokens, ref_logprobs = reference(path)
-        assert summary[path]["tokens"] == ref_tokens, path
-        assert np.max(np.abs(np.load(tmp_path / f"{summary[path]['index']}.npy") - ref_logprobs)) == 0.0, path
+        tokens, logprobs, _ = got[path]
+        assert tokens == ref_tokens, path
+        assert np.max(np.abs(logprobs - ref_logprobs)) == 0.0, path
 
 
 @pytest.mark.parametrize("split", ["dp", "dp:width"])
-def test_dp_with_grouping_is_close_to_mlx_lm(checkpoint, split):
-    from test_dataparallel import ARCHS, MAX_TOKENS, TOLERANCE, reference, run
+def test_dp_with_grouping_is_close_to_mlx_lm(request, checkpoint, split):
+    from test_dataparallel import ARCHS, MAX_TOKENS, TOLERANCE, reference
 
-    got = run(checkpoint, 2, split, "compact", MAX_TOKENS, 3, env=FORCED)
+    got = result(request, 2, f"grouped {split}")
     for arch in ARCHS:
         path = str(checkpoint(arch))
         ref_tokens, ref_logprobs = reference(path, len(MAX_TOKENS))

@@ -5,18 +5,42 @@ allocator peak on each rank."""
 
 import pytest
 
-from conftest import last_json, launch
+from shared_launch import declare
+from shared_launch import result as shared
 
 EXPERT_HEAVY = {"hidden_size": 256, "num_experts": 32, "moe_intermediate_size": 512, "num_hidden_layers": 4}
+DISPATCHES = ["p2p", "collective"]
+BITS = [None, 4]
 
 
-@pytest.mark.parametrize("dispatch", ["p2p", "collective"])
-@pytest.mark.parametrize("bits", [None, 4])
-def test_peak_memory_per_rank(checkpoint, dispatch, bits):
-    path = checkpoint("qwen3_moe", bits, overrides=EXPERT_HEAVY)
-    proc = launch(4, ["--model", path, "--prompt", "memory", "-m", 4, "--json", "--dispatch", dispatch])
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    result = last_json(proc.stdout)
+def memory_run(dispatch, bits):
+    """A generate_each run on the expert-heavy checkpoint, for ``shared_launch.declare``: its summary's entry
+    (each rank's peak memory and weights, as the command line's --json gives them)."""
+
+    def make(checkpoint, tmp_path_factory):
+        path = checkpoint("qwen3_moe", bits, overrides=EXPERT_HEAVY)
+        out = tmp_path_factory.mktemp(f"memory-{dispatch}-{bits}")
+        return ("generate_each", [out, dispatch, "default", "memory", 4, path]), lambda summary: summary[str(path)]
+
+    return make
+
+
+def _declare() -> None:
+    """This module's runs, in the session's launch at 4 ranks (shared_launch.py)."""
+    for dispatch in DISPATCHES:
+        for bits in BITS:
+            declare(__name__, 4, f"memory {dispatch} {bits}", memory_run(dispatch, bits))
+
+
+_declare()
+
+
+@pytest.mark.parametrize("dispatch", DISPATCHES)
+@pytest.mark.parametrize("bits", BITS)
+def test_peak_memory_per_rank(request, dispatch, bits):
+    """Each case loads in turn on the session's launch at 4 ranks (shared_launch.py): every load and every
+    generation measures its own peak, and the model before is released first."""
+    result = shared(request, 4, f"memory {dispatch} {bits}")
     held = result["weights_gb"]
     total_experts = sum(h["expert"] for h in held)
     for rank, (h, peak) in enumerate(zip(held, result["peak_memory_gb"])):

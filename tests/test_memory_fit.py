@@ -4,6 +4,7 @@ part, a KV reserve and a margin, and a model that fits no way is refused,
 naming the rank, before a byte is read. Each rank's figure comes from the
 test-only override MLXDIST_TEST_MEMORY_GB."""
 
+import functools
 import json
 import sys
 
@@ -11,8 +12,10 @@ from conftest import error_lines, last_json, launch
 from test_exact import MAX_TOKENS, PROMPT, reference
 
 
+@functools.lru_cache(maxsize=None)
 def _figures(path):
-    """(dense bytes, KV reserve bytes, expert bytes of the whole model) of a checkpoint, from one rank's load."""
+    """(dense bytes, KV reserve bytes, expert bytes of the whole model) of a checkpoint, from one rank's load
+    (once per session)."""
     from mlxdist.model.balance import KV_RESERVE_TOKENS, kv_bytes_per_token
 
     got = last_json(launch(0, ["--model", path, "-p", "hi", "-m", "1", "--json"]).stdout)["weights_gb"][0]

@@ -3,26 +3,25 @@
 (collective in both layouts, p2p, collective with every expert call grouped by
 expert) equals mlx-lm's own stream_generate in this
 process, token for token and log-probability for log-probability. One mpirun
-launch per mode loads every checkpoint in turn. A type that mlx-lm itself
+launch loads every checkpoint in turn in every mode. A type that mlx-lm itself
 cannot run here is skipped with mlx-lm's own error; one that mlxdist cannot
 distribute is refused at load."""
 
-import json
 import traceback
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
-from conftest import ROOT, error_lines, last_json, launch
+from conftest import ROOT, error_lines, launch
 from mlxdist.synth import TINY_MODELS, TINY_PREFIX, write_checkpoint
+from shared_launch import several
 
 PROMPT = "The quick brown fox jumps over the lazy dog because"
 MAX_TOKENS = 8
 # compact: the collective layout that computes owned slots only; grouped: every expert call grouped by expert
 # (grouped.py, forced on the CPU as GPUs do from two slots per expert)
 MODES = ["collective", "collective-compact", "p2p", "collective-grouped"]
-GROUPED = {"MLXDIST_GROUPED_EXPERTS": "1"}
 REFUSED = {"dbrx": "(dbrx) has no MoE layers with SwitchGLU/SwitchMLP experts"}
 RUNNABLE = [t for t in sorted(TINY_MODELS) if t not in REFUSED]
 
@@ -57,37 +56,38 @@ def references(checkpoints):
     return out
 
 
+# test_auto_runs_collective_where_dp_cannot_read_the_block: model type -> the strategy auto runs
+AUTO = {"olmoe": "dp", "Klear": "dp", "gemma4_text": "collective"}
+
+
 @pytest.fixture(scope="module")
-def distributed(checkpoints, references, tmp_path_factory):
-    """mode -> {model type: (tokens, logprobs)}, one launch at N = 2 each."""
-    runs = {}
-
-    def get(mode):
-        if mode not in runs:
-            types = [t for t in RUNNABLE if not isinstance(references[t], str)]
-            out = tmp_path_factory.mktemp(mode)
-            dispatch, _, layout = mode.partition("-")
-            env = GROUPED if layout == "grouped" else None
-            layout = "masked" if layout in ("", "grouped") else layout
-            proc = launch(2, [ROOT / "tests/scripts/generate_each.py", out, dispatch, layout, PROMPT,
-                              MAX_TOKENS, *(checkpoints[t] for t in types)], module=None, timeout=300, env=env)
-            assert proc.returncode == 0, proc.stderr[-3000:]
-            summary = json.loads((out / "summary.json").read_text())
-            runs[mode] = {t: (summary[str(checkpoints[t])]["tokens"], np.load(out / f"{i}.npy"))
-                          for i, t in enumerate(types)}
-        return runs[mode]
-
-    return get
+def launched(checkpoints, references, tmp_path_factory):
+    """One launch at N = 2: mode -> {model type: (tokens, logprobs)} for
+    every mode, and "auto" -> batch_each's result for AUTO's types."""
+    types = [t for t in RUNNABLE if not isinstance(references[t], str)]
+    outs = {mode: tmp_path_factory.mktemp(mode) for mode in MODES}
+    steps = []
+    for mode, out in outs.items():
+        dispatch, _, layout = mode.partition("-")
+        grouped = "1" if layout == "grouped" else None  # as MLXDIST_GROUPED_EXPERTS=1 at the launch
+        layout = "masked" if layout in ("", "grouped") else layout
+        steps.append(("generate_each", [out, dispatch, layout, PROMPT, MAX_TOKENS, *(checkpoints[t] for t in types)],
+                      grouped))
+    steps.append(("batch_each", ["auto", "masked", "6,6", 0, 2048, *(checkpoints[t] for t in AUTO)]))
+    *streams, auto = several(2, steps)
+    runs = {mode: {t: (summary[str(checkpoints[t])]["tokens"], np.load(out / f"{i}.npy")) for i, t in enumerate(types)}
+            for (mode, out), summary in zip(outs.items(), streams)}
+    return {**runs, "auto": auto}
 
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("model_type", RUNNABLE)
-def test_matches_mlx_lm(references, distributed, model_type, mode):
+def test_matches_mlx_lm(references, launched, model_type, mode):
     reference = references[model_type]
     if isinstance(reference, str):
         pytest.skip(reference)
     ref_tokens, ref_logprobs = reference
-    tokens, logprobs = distributed(mode)[model_type]
+    tokens, logprobs = launched[mode][model_type]
     assert tokens == ref_tokens
     assert logprobs.shape == ref_logprobs.shape
     assert np.max(np.abs(logprobs - ref_logprobs)) == 0.0
@@ -101,7 +101,7 @@ def test_refused_at_load(checkpoints, model_type):
     assert len(errors) == 1 and REFUSED[model_type] in errors[0], proc.stderr[-2000:]
 
 
-def test_auto_runs_collective_where_dp_cannot_read_the_block(checkpoints):
+def test_auto_runs_collective_where_dp_cannot_read_the_block(checkpoints, launched):
     """A batch as large as the world: ``auto`` runs dp where the block's
     router weights can be read through it (olmoe, whose block routes
     flattened rows; Klear, which scales its routed sum by a per-token
@@ -116,13 +116,9 @@ def test_auto_runs_collective_where_dp_cannot_read_the_block(checkpoints):
     from mlx_lm import load
     from mlx_lm.generate import batch_generate
 
-    expect = {"olmoe": "dp", "Klear": "dp", "gemma4_text": "collective"}
-    paths = [str(checkpoints[t]) for t in expect]
-    proc = launch(2, [ROOT / "tests/scripts/batch_each.py", "auto", "masked", "6,6", 0, 2048, *paths], module=None,
-                  timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got = last_json(proc.stdout)
-    for (t, strategy), path in zip(expect.items(), paths):
+    got = launched["auto"]
+    for t, strategy in AUTO.items():
+        path = str(checkpoints[t])
         model, tokenizer = load(path)
         ref = batch_generate(model, tokenizer, [tokenizer.encode(p) for p in PROMPTS[:2]], max_tokens=[6, 6],
                              return_token_ids=True, return_logprobs=True)

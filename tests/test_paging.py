@@ -6,23 +6,42 @@ slot (rounds of one expert), in the compact collective layout and in p2p."""
 import numpy as np
 import pytest
 
-from conftest import ROOT, last_json, launch
+from conftest import last_json, launch
+from shared_launch import declare, result
 from test_exact import MAX_TOKENS, PROMPT, reference
 
 CHECKPOINTS = [("qwen3_moe", None), ("mixtral", 4), ("gpt_oss", None)]
+# (dispatch, ranks, capacity) of test_paged_generation_is_exact; capacity 1000: every expert resident
+PAGED = [("collective", 2, 1), ("collective", 2, 3), ("p2p", 3, 2)]
+FULL = ("collective", 2, 1000)
 
 
-def run(checkpoint, dispatch, nranks, capacity):
-    paths = [str(checkpoint(a, b)) for a, b in CHECKPOINTS]
-    proc = launch(nranks, [ROOT / "tests/scripts/paged_each.py", dispatch, capacity, PROMPT, MAX_TOKENS, *paths],
-                  module=None, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return last_json(proc.stdout)
+def paged_run(dispatch, capacity, checkpoints):
+    """A paged_each run on ``checkpoints`` ((arch, bits) pairs), for ``shared_launch.declare``."""
+    return lambda checkpoint, _: (("paged_each", [dispatch, capacity, PROMPT, MAX_TOKENS,
+                                                  *(checkpoint(a, b) for a, b in checkpoints)]), lambda got: got)
 
 
-@pytest.mark.parametrize("dispatch,nranks,capacity", [("collective", 2, 1), ("collective", 2, 3), ("p2p", 3, 2)])
-def test_paged_generation_is_exact(checkpoint, dispatch, nranks, capacity):
-    got = run(checkpoint, dispatch, nranks, capacity)
+def _declare() -> None:
+    """This module's runs, in the session's launches (shared_launch.py)."""
+    for dispatch, nranks, capacity in PAGED:
+        declare(__name__, nranks, f"paging {dispatch} {capacity}", paged_run(dispatch, capacity, CHECKPOINTS))
+    dispatch, nranks, capacity = FULL
+    declare(__name__, nranks, f"paging {dispatch} {capacity}", paged_run(dispatch, capacity, [("qwen3_moe", None)]))
+
+
+_declare()
+
+
+def run(request, dispatch, nranks, capacity):
+    """paged_each.py's result for (dispatch, nranks, capacity), declared above,
+    from the session's launch at ``nranks`` ranks."""
+    return result(request, nranks, f"paging {dispatch} {capacity}")
+
+
+@pytest.mark.parametrize("dispatch,nranks,capacity", PAGED)
+def test_paged_generation_is_exact(request, checkpoint, dispatch, nranks, capacity):
+    got = run(request, dispatch, nranks, capacity)
     for arch, bits in CHECKPOINTS:
         path = str(checkpoint(arch, bits))
         tokens, logprobs = reference(checkpoint(arch, bits))
@@ -33,10 +52,10 @@ def test_paged_generation_is_exact(checkpoint, dispatch, nranks, capacity):
         assert all(p["misses"] > 0 and p["bytes_paged_in"] > 0 and 0 <= p["hit_rate"] < 1 for p in paging), paging
 
 
-def test_capacity_bounds_resident_expert_bytes(checkpoint):
+def test_capacity_bounds_resident_expert_bytes(request, checkpoint):
     path = str(checkpoint("qwen3_moe", None))
-    full = run(checkpoint, "collective", 2, 1000)[path]
-    paged = run(checkpoint, "collective", 2, 1)[path]
+    full = run(request, *FULL)[path]
+    paged = run(request, "collective", 2, 1)[path]
     assert full["tokens"] == paged["tokens"]
     assert all(p["misses"] == 0 for p in full["paging"])
     assert all(q < f / 2 for q, f in zip(paged["expert_gb"], full["expert_gb"]))

@@ -5,6 +5,7 @@ command line, the API under dp and the server, reloaded and turned into a
 placement; budgets giving 2:1 experts with tokens equal to mlx-lm's, and a
 budget too small refused naming the rank."""
 
+import functools
 import json
 import time
 
@@ -188,7 +189,9 @@ def test_place_command(tmp_path, capfd):
 
 # -- under mpirun ----------------------------------------------------------------
 
+@functools.lru_cache(maxsize=None)
 def reference_tokens(path, max_tokens):
+    """(prompt tokens, mlx-lm's greedy tokens) in this process, once per session."""
     import mlx.core as mx
     from mlx_lm import load
     from mlx_lm.generate import stream_generate

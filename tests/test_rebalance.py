@@ -7,20 +7,29 @@ import re
 
 import pytest
 
-from conftest import ROOT, last_json, launch
+from shared_launch import declare, result
 from test_serve import PROMPTS, Server, alone, clients_answer_as_alone
+
+DISPATCHES = ["collective", "p2p", "dp"]
+
+
+def _skewed(checkpoint):
+    return checkpoint("deepseek_v3", router_skew=2.0)
 
 
 @pytest.fixture(scope="module")
 def skewed(checkpoint):
-    return checkpoint("deepseek_v3", router_skew=2.0)
+    return _skewed(checkpoint)
 
 
-@pytest.mark.parametrize("dispatch", ["collective", "p2p", "dp"])
-def test_place_between_generations(skewed, dispatch):
-    proc = launch(2, [ROOT / "tests/scripts/place_live.py", skewed, dispatch, 8], module=None, timeout=180)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got = last_json(proc.stdout)
+# place_live.py's run of every mode, in the session's launch at 2 ranks (shared_launch.py)
+declare(__name__, 2, "rebalance place live",
+        lambda checkpoint, _: (("place_live", [_skewed(checkpoint), 8, *DISPATCHES]), lambda got: got))
+
+
+@pytest.mark.parametrize("dispatch", DISPATCHES)
+def test_place_between_generations(request, dispatch):
+    got = result(request, 2, "rebalance place live")[dispatch]
     assert got["after"] == got["before"]
     assert got["placed"] and len(got["seconds"]) == 2
     assert any(len(held) > 6 for held in got["held"].values())  # 12 experts, 2 ranks, 1 replica slot each

@@ -9,7 +9,8 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import ROOT, last_json, launch
+from conftest import ROOT, last_json
+from shared_launch import declare, result
 from mlxdist.dispatch.ownership import LayerOwnership
 
 MAX_TOKENS = [6, 4, 7, 5, 6]
@@ -53,13 +54,23 @@ def _reference(path):
     return r.token_ids, r.logprobs
 
 
-@pytest.mark.parametrize("nranks,arch", [(2, "qwen3_moe"), (3, "deepseek_v3"), (4, "mixtral")])
-def test_replicas_match_mlx_lm(checkpoint, nranks, arch):
+WORLDS = [(2, "qwen3_moe"), (3, "deepseek_v3"), (4, "mixtral")]
+
+
+def _declare() -> None:
+    """replicas_each's run of every mode for each world size, in the session's launches (shared_launch.py)."""
+    for nranks, arch in WORLDS:
+        declare(__name__, nranks, f"replicas {arch}", lambda checkpoint, _, arch=arch: (
+            ("replicas_each", [",".join(map(str, MAX_TOKENS)), checkpoint(arch), *MODES]), lambda got: got))
+
+
+_declare()
+
+
+@pytest.mark.parametrize("nranks,arch", WORLDS)
+def test_replicas_match_mlx_lm(request, checkpoint, nranks, arch):
     path = checkpoint(arch)
-    proc = launch(nranks, [ROOT / "tests/scripts/replicas_each.py", ",".join(map(str, MAX_TOKENS)), path, *MODES],
-                  module=None, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got = last_json(proc.stdout)
+    got = result(request, nranks, f"replicas {arch}")
     ref_tokens, ref_logprobs = _reference(path)
     for mode in MODES:
         even, replicas = got[f"{mode}/even"], got[f"{mode}/replicas"]
@@ -93,12 +104,14 @@ def test_a_lost_worker_with_replicas(checkpoint, tmp_path):
     even = Placement.even({s.layer: s.num_experts for s in sites}, 3).to_json()
     placement = tmp_path / "replicas.json"
     placement.write_text(json.dumps(with_replicas(even, 3)))
-    runs = {}
-    for name, extra, fault in [("even", [], None), ("replicas", [0, placement], None),
-                               ("lost", [0, placement], "kill:rank=2,layer=-1,step=5")]:
-        proc = survive(3, [SCRIPT, path, -1, *extra], fault=fault, module=None)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        runs[name] = last_json(proc.stdout)
+    undisturbed = survive(3, [SCRIPT, path, -1, 0, "even", placement], module=None)  # one job, loaded twice
+    assert undisturbed.returncode == 0, undisturbed.stderr[-3000:]
+    lines = [json.loads(l) for l in undisturbed.stdout.splitlines() if l.startswith("{")]
+    assert len(lines) == 2, undisturbed.stdout[-2000:]
+    runs = {"even": lines[0], "replicas": lines[1]}
+    lost = survive(3, [SCRIPT, path, -1, 0, placement], fault="kill:rank=2,layer=-1,step=5", module=None)
+    assert lost.returncode == 0, lost.stderr[-3000:]
+    runs["lost"] = last_json(lost.stdout)
     assert runs["lost"]["lost"] == [2]
     for key in ("first", "second", "batch"):
         assert runs["lost"][key] == runs["replicas"][key] == runs["even"][key], key

@@ -4,6 +4,7 @@ HTTP statuses, the API key, a load test of concurrent clients whose greedy
 answers equal the same requests sent alone, a client leaving mid-stream, and
 a lost rank."""
 
+import functools
 import json
 import os
 import signal
@@ -74,7 +75,8 @@ class Server:
                 if self.get("/health")[0] == 200:
                     return
             except OSError:
-                time.sleep(0.5)
+                pass
+            time.sleep(0.1)  # a refused connection costs nothing: ask often, to start serving sooner
         raise RuntimeError("server did not come up")
 
     def request(self, method, path, body=None, key=KEY, timeout=120):
@@ -136,14 +138,25 @@ def server(checkpoint):
 
 
 def alone(path, prompt, max_tokens):
-    """mlx-lm's greedy text for a raw prompt, in this process."""
+    """mlx-lm's greedy text for a raw prompt, in this process (once per session)."""
+    return _alone(str(path), prompt, max_tokens)
+
+
+@functools.lru_cache(maxsize=None)
+def _alone(path, prompt, max_tokens):
     import mlx.core as mx
-    from mlx_lm import load
     from mlx_lm.generate import stream_generate
 
-    model, tokenizer = load(str(path))
+    model, tokenizer = _loaded(path)
     return "".join(r.text for r in stream_generate(model, tokenizer, mx.array(tokenizer.encode(prompt)),
                                                    max_tokens=max_tokens))
+
+
+@functools.lru_cache(maxsize=None)
+def _loaded(path):
+    from mlx_lm import load
+
+    return load(path)
 
 
 def completion(server, prompt, max_tokens=8, **extra):

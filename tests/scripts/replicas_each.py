@@ -7,6 +7,7 @@ mode, printing every run's tokens and log-probabilities as JSON.
 CAPACITY: experts each rank keeps resident per layer (the rest paged in).
 
 MAX_TOKENS is a comma-separated list, one per prompt (batch_each.PROMPTS).
+``run`` does the same on a cluster already started (tests/scripts/several.py).
 """
 
 import json
@@ -25,23 +26,29 @@ def with_replicas(placement: dict, num_ranks: int) -> dict:
     return {**placement, "version": 2, "layers": layers}
 
 
-if __name__ == "__main__":
-    max_tokens, path, *modes = sys.argv[1:]
+def run(cluster, args) -> dict:
+    """replicas_each.py's work for ``args`` (its command line) on ``cluster``: "MODE/even" and "MODE/replicas" ->
+    that run's tokens, log-probabilities, strategy and rank 0's experts per layer."""
+    max_tokens, path, *modes = map(str, args)
     lengths = [int(m) for m in max_tokens.split(",")]
     out, even = {}, None
+    for mode in modes:
+        dispatch, layout, capacity = (mode.split(":") + ["", ""])[:3]
+        for name in ("even", "replicas"):
+            placement = None
+            if name == "replicas":
+                placement = with_replicas(even, cluster.world.size)
+            cluster.load(path, dispatch=dispatch, layout=layout or "masked", placement=placement,
+                         expert_capacity=int(capacity) if capacity else None)
+            request = cluster.request([cluster.encode(p) for p in PROMPTS[: len(lengths)]], max_tokens=lengths)
+            results = cluster.run_batch(request)
+            even = even or cluster.engine.placement.to_json()
+            held = {str(l): o.owned_experts.tolist() for l, o in cluster.engine.ownership.items()}
+            out[f"{mode}/{name}"] = {"tokens": [r.tokens for r in results], "logprobs": [r.logprobs for r in results],
+                                     "strategy": cluster.engine.strategy, "held_by_rank0": held}
+    return out
+
+
+if __name__ == "__main__":
     with mlxdist.init() as cluster:
-        for mode in modes:
-            dispatch, layout, capacity = (mode.split(":") + ["", ""])[:3]
-            for name in ("even", "replicas"):
-                placement = None
-                if name == "replicas":
-                    placement = with_replicas(even, cluster.world.size)
-                cluster.load(path, dispatch=dispatch, layout=layout or "masked", placement=placement,
-                             expert_capacity=int(capacity) if capacity else None)
-                request = cluster.request([cluster.encode(p) for p in PROMPTS[: len(lengths)]], max_tokens=lengths)
-                results = cluster.run_batch(request)
-                even = even or cluster.engine.placement.to_json()
-                held = {str(l): o.owned_experts.tolist() for l, o in cluster.engine.ownership.items()}
-                out[f"{mode}/{name}"] = {"tokens": [r.tokens for r in results], "logprobs": [r.logprobs for r in results],
-                                         "strategy": cluster.engine.strategy, "held_by_rank0": held}
-    print(json.dumps(out))
+        print(json.dumps(run(cluster, sys.argv[1:])))

@@ -2,11 +2,13 @@
 checkpoint, with an optional loss between them; prints every result's tokens,
 the lost ranks and the stats' ranks as JSON.
 
-    python survive.py CKPT KILL_BETWEEN [CAPACITY [PLACEMENT]]
+    python survive.py CKPT KILL_BETWEEN [CAPACITY [PLACEMENT [PLACEMENT ...]]]
 
 KILL_BETWEEN: a rank that rank 0 kills (SIGKILL) between the first stream
 and the rest, or -1. A test fault (MLXDIST_FAULT) may kill another rank
-during the first stream.
+during the first stream. PLACEMENT: a placement file, or "even"; several
+run the whole sequence once each, in turn on the same job, one JSON line
+each.
 """
 
 import json
@@ -18,22 +20,29 @@ import time
 import mlxdist
 from mlxdist.bench import survival  # noqa: F401 (registers the "process" probe on every rank)
 
-path, kill_between, *rest = sys.argv[1:]
-capacity = int(rest[0]) if rest and int(rest[0]) > 0 else None
-placement = rest[1] if len(rest) > 1 else None  # a placement file (replicas, ...)
-with mlxdist.init() as cluster:
+
+def run(cluster, path: str, kill_between: int, capacity, placement) -> dict:
+    """Load, stream, (kill a rank), stream and batch: every result and what the ranks report."""
     cluster.load(path, dispatch="p2p", expert_capacity=capacity, placement=placement)
     processes = {p["rank"]: p["pid"] for p in cluster.probe("process")}
     expert_gb_before = cluster.stats()[0]["weights_gb"]["expert"]
     first = [p.token for p in cluster.stream(cluster.request([cluster.encode("a loss is coming")], max_tokens=24))]
-    if int(kill_between) >= 0:
-        os.kill(processes[int(kill_between)], signal.SIGKILL)
+    if kill_between >= 0:
+        os.kill(processes[kill_between], signal.SIGKILL)
         time.sleep(0.5)
     second = [p.token for p in cluster.stream(cluster.request([cluster.encode("and then another")], max_tokens=16))]
     batch = cluster.run_batch(cluster.request([cluster.encode(f"prompt {i} " * (i + 1)) for i in range(5)],
                                               max_tokens=12))
     stats = cluster.stats()
-    out = {"first": first, "second": second, "batch": [r.tokens for r in batch], "lost": cluster.world.lost,
-           "stats_ranks": [s["rank"] for s in stats],
-           "rank0_expert_gb": [expert_gb_before, stats[0]["weights_gb"]["expert"]]}
-print(json.dumps(out))
+    return {"first": first, "second": second, "batch": [r.tokens for r in batch], "lost": cluster.world.lost,
+            "stats_ranks": [s["rank"] for s in stats],
+            "rank0_expert_gb": [expert_gb_before, stats[0]["weights_gb"]["expert"]]}
+
+
+path, kill_between, *rest = sys.argv[1:]
+capacity = int(rest[0]) if rest and int(rest[0]) > 0 else None
+placements = [None if p == "even" else p for p in rest[1:]] or [None]  # placement files (replicas, ...)
+with mlxdist.init() as cluster:
+    outs = [run(cluster, path, int(kill_between), capacity, placement) for placement in placements]
+for out in outs:
+    print(json.dumps(out))
