@@ -5,7 +5,7 @@ server) raises.
 The others may be inside that step's collectives, waiting for this rank, or
 may have failed at the same point (a failure made by the shared input is
 every rank's). The failing rank asks them, outside the collectives, within
-``AGREE_SECONDS`` (``Control.failed_together``):
+``MLXDIST_AGREE_SECONDS`` (``Control.failed_together``):
 
 - every rank failed: the step fails on every rank alike (the request ends
   with an error) and the job goes on;
@@ -18,11 +18,10 @@ server's rebalancing) agree instead on the message their ranks already
 exchange at that step; see docs/failures.md.
 """
 
+from mlxdist import envs
 from mlxdist.errors import MlxdistError, RankLost, describe_errors, keep_traceback, one_line, say_error
 from mlxdist.runtime.watchdog import ACTIVITY
 from mlxdist.runtime.world import World, abort
-
-AGREE_SECONDS = 5.0  # how long a failed rank waits for the others to say they failed too
 
 
 def failed_together(world: World, error: BaseException) -> str:
@@ -32,7 +31,8 @@ def failed_together(world: World, error: BaseException) -> str:
     ACTIVITY.progress()  # this wait has its own deadline, shorter than the watchdog's
     try:
         lost = isinstance(error, RankLost)  # a lost rank cannot answer
-        messages = None if lost else world.control.failed_together(one_line(error), AGREE_SECONDS)
+        messages = None if lost else world.control.failed_together(one_line(error),
+                                                                          envs.get("MLXDIST_AGREE_SECONDS"))
     except Exception:  # noqa: BLE001 - a peer gone under MPI: this rank's own error is the report
         messages = None
     if messages is None:
