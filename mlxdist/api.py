@@ -22,14 +22,13 @@ from mlxdist.dispatch import default_layout
 from mlxdist.config import GenerationParams, LoadOptions
 from mlxdist.engine import Engine
 from mlxdist.engine.speculative import DraftTally
-from mlxdist.errors import GenerationFailed, LoadError, UserError, say_error
+from mlxdist.errors import GenerationFailed, LoadError, UserError, failure_line, say_error
 from mlxdist.executor import PROBES, CommandExecutor
 from mlxdist.runtime.world import World, abort, join, run_or_abort, set_exit_code
 from mlxdist.model.placement import Placement
 from mlxdist.model.routing_file import RoutingStats
 from mlxdist.dispatch.stats import add_shares
 from mlxdist.engine.routing_record import RoutingRecorder
-from mlxdist.runtime.agreement import failure_line
 from mlxdist.runtime.watchdog import ACTIVITY, DEFAULT_TIMEOUT, start_watchdog
 
 __all__ = ["Cluster", "LoadError", "Piece", "Result", "UserError", "init"]

@@ -19,9 +19,9 @@ exchange at that step; see docs/failures.md.
 """
 
 from mlxdist import envs
-from mlxdist.errors import MlxdistError, RankLost, describe_errors, keep_traceback, one_line, say_error
+from mlxdist.errors import RankLost, describe_errors, one_line
 from mlxdist.runtime.watchdog import ACTIVITY
-from mlxdist.runtime.world import World, abort
+from mlxdist.runtime.world import World, stop_job
 
 
 def failed_together(world: World, error: BaseException) -> str:
@@ -38,18 +38,3 @@ def failed_together(world: World, error: BaseException) -> str:
     if messages is None:
         stop_job(world, error)
     return describe_errors(messages)
-
-
-def stop_job(world: World, error: BaseException) -> None:
-    """End every rank now with one line naming this rank and ``error`` and
-    where its traceback went, as ``world.run_or_abort`` does. Called in ``except``."""
-    path = keep_traceback(world.rank)
-    where = f" (traceback: {path})" if path else ""
-    say_error(f"{failure_line(world.rank, error)}{where}")
-    abort(world, 1)
-
-
-def failure_line(rank: int, error: BaseException) -> str:
-    """``rank R: Type: first line``: how a rank that ends the job names itself and the cause."""
-    text = one_line(error)
-    return f"rank {rank}: {text if not isinstance(error, MlxdistError) else f'{type(error).__name__}: {text}'}"

@@ -38,7 +38,7 @@ from typing import Any, Callable, List, Optional, Tuple
 import mlx.core as mx
 
 from mlxdist import envs
-from mlxdist.errors import keep_traceback, say_error
+from mlxdist.errors import failure_line, keep_traceback, say_error
 from mlxdist.runtime import awake, backends, survival
 from mlxdist.runtime.libmpi import find_libmpi
 from mlxdist.runtime.plane import Control, MlxControl, MpiControl, SoloControl, comm_allgather_json
@@ -316,11 +316,16 @@ def run_or_abort(world: World, fn, *args):
     except KeyboardInterrupt:
         abort(world, 130)
     except Exception as e:
-        text = str(e).splitlines()[0] if str(e) else ""
-        path = keep_traceback(world.rank)
-        where = f" (traceback: {path})" if path else ""
-        say_error(f"rank {world.rank}: {type(e).__name__}: {text}{where}")
-        abort(world, 1)
+        stop_job(world, e)
+
+
+def stop_job(world: World, error: BaseException) -> None:
+    """End every rank now with one line naming this rank and ``error`` and
+    where its traceback went. Called in ``except``."""
+    path = keep_traceback(world.rank)
+    where = f" (traceback: {path})" if path else ""
+    say_error(f"{failure_line(world.rank, error)}{where}")
+    abort(world, 1)
 
 
 def _mpi():
