@@ -20,9 +20,9 @@ def survive(np_, args, fault=None, module="mlxdist.run", timeout=180):
     env = {"MLXDIST_FAULT": fault} if fault else {}
     proc = launch(np_, args, timeout=timeout, env=env, module=module, mpirun_args=MPIRUN_FT_FLAGS)
     if proc.returncode != 0 and "Segmentation fault" in proc.stderr and _failed_starting(proc.stderr):
-        # Open MPI's fault tolerance: a rank crashed inside MPI's start-up, before any mlxdist code
-        # ran (5 in 40 launches with the detector's own thread, none in 40 without it, as now); the
-        # others then fail in init_world. Not what these tests are about: tried once more.
+        # Open MPI's fault tolerance can crash a rank inside MPI's start-up, before any mlxdist code
+        # runs (the failure detector's own thread made it likelier); the others then fail in
+        # init_world. Not what these tests are about: tried once more.
         proc = launch(np_, args, timeout=timeout, env=env, module=module, mpirun_args=MPIRUN_FT_FLAGS)
     return proc
 
