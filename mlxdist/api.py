@@ -13,7 +13,6 @@ the cluster usable.
 
 import random
 import sys
-import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
 
@@ -23,14 +22,13 @@ from mlxdist.dispatch import default_layout
 from mlxdist.config import GenerationParams, LoadOptions
 from mlxdist.engine import Engine
 from mlxdist.engine.speculative import DraftTally
-from mlxdist.errors import GenerationFailed, LoadError, UserError, say_error
+from mlxdist.errors import GenerationFailed, LoadError, UserError, failure_line, say_error
 from mlxdist.executor import PROBES, CommandExecutor
-from mlxdist.runtime.world import World, abort, init_world, launcher_rank, run_or_abort, set_exit_code
+from mlxdist.runtime.world import World, abort, join, run_or_abort, set_exit_code
 from mlxdist.model.placement import Placement
 from mlxdist.model.routing_file import RoutingStats
 from mlxdist.dispatch.stats import add_shares
 from mlxdist.engine.routing_record import RoutingRecorder
-from mlxdist.runtime.agreement import failure_line
 from mlxdist.runtime.watchdog import ACTIVITY, DEFAULT_TIMEOUT, start_watchdog
 
 __all__ = ["Cluster", "LoadError", "Piece", "Result", "UserError", "init"]
@@ -397,36 +395,22 @@ def _budgets(rank_memory_gb) -> Union[None, List[float], Dict[str, float]]:
     return [float(b) for b in rank_memory_gb]
 
 
-OTHERS_EXIT_AFTER = 3.0  # seconds a rank other than 0 gives rank 0 to report a start-up failure they share
-
-
 def init(timeout: float = DEFAULT_TIMEOUT, backend: Optional[str] = None) -> Cluster:
     """Join the job. On rank 0, returns the ``Cluster`` handle; on every
     other rank, serves rank 0's commands and exits the process at shutdown.
 
     The one start-up path: the command line, the server, the benchmark and
-    scripts all begin here. A job that cannot start (no MPI library, a
-    peer lost while starting, a launcher mlxdist cannot run under) ends
-    with status 1 and one line (from rank 0 alone where every rank has the
-    same problem).
+    scripts all begin here (``mlxdist.run`` joins the job first, with
+    ``world.join``, to check its input before this module's imports). A job
+    that cannot start (no MPI library, a peer lost while starting, a
+    launcher mlxdist cannot run under) ends with status 1 and one line (from
+    rank 0 alone where every rank has the same problem).
 
     ``timeout``: seconds a generation may make no progress (a rank hung)
     before the job is ended with a report of who was waiting on whom.
     ``backend``: MLX's transport for arrays, "mpi", "nccl", "ring", "jaccl" or "jaccl-ring" (default: nccl
     where MLX runs on CUDA, else mpi)."""
-    try:
-        world = init_world(backend)
-    except RuntimeError as e:
-        rank = launcher_rank()
-        code = 1
-        if type(e).__module__.startswith("mpi4py"):  # a peer failed (it may be rank 0): each rank says so
-            say_error(f"rank {rank}: a rank failed while the job started: {e}")
-        elif rank == 0:  # the same problem on every rank: rank 0 speaks for all
-            say_error(str(e))
-        else:  # after a moment: were this rank to fail first, its launcher could stop rank 0 unheard
-            time.sleep(OTHERS_EXIT_AFTER)
-        set_exit_code(code)
-        raise SystemExit(code) from None
+    world = join(backend)
     start_watchdog(world, timeout)
     if world.is_root:
         return Cluster(world)

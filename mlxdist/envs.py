@@ -71,6 +71,10 @@ VARIABLES: Dict[str, Variable] = {v.name: v for v in (
     Variable("MLXDIST_JACCL_DEVICES", "path", None, "jaccl backend under mpirun: JSON of the RDMA device names "
              "between the ranks (row i, column j: the device rank i reaches rank j by; null on the diagonal), or "
              "a hostfile from mlx.distributed_config --backend jaccl."),
+    Variable("MLXDIST_AGREE_SECONDS", "int", 5, "Seconds a rank whose part of a shared step (a forward pass, a "
+             "paging read, a batch step of the server) failed waits for the other ranks to say they failed too: "
+             "if all did, the step fails everywhere and the job goes on; if not, this rank ends the job "
+             "(docs/failures.md)."),
     Variable("MLXDIST_API_KEY", "str", None, "The server's bearer token where neither --api-key nor "
              "--api-key-file is given (an environment variable does not show in the process list)."),
     # -- test-only -----------------------------------------------------------------------------------

@@ -106,6 +106,12 @@ def one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
+def failure_line(rank: int, error: BaseException) -> str:
+    """``rank R: Type: first line``: how a rank that ends the job names itself and the cause."""
+    text = one_line(error)
+    return f"rank {rank}: {text if not isinstance(error, MlxdistError) else f'{type(error).__name__}: {text}'}"
+
+
 def describe_errors(errors: List[Optional[str]]) -> str:
     """One line: the first error, naming the ranks that hit it where not all did."""
     first = next(e for e in errors if e)

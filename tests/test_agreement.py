@@ -15,6 +15,9 @@ from test_serve import Server, alone
 
 PROMPT, MAX_TOKENS = "Experts are routed by a gate", 8  # as tests/scripts/agree.py
 AGREE_FAULTS = "fail:at=place,rank={v},skip=1;fail:at=command,rank={v},op=probe;fail:at=balance,rank=0"
+# Where one rank alone fails, no other rank ever says it failed too: the failed rank's wait for
+# them (MLXDIST_AGREE_SECONDS, 5 s by default) is all slack, so these tests shorten it.
+ALONE = {"MLXDIST_AGREE_SECONDS": "1"}
 
 
 @pytest.mark.parametrize("dispatch,victim", [("collective", 1), ("p2p", 0)])
@@ -60,7 +63,7 @@ def test_a_forward_failing_on_one_rank_ends_the_job(checkpoint, dispatch, fault,
     the step's collectives (or, in p2p, released), so the job ends within
     seconds of the failure, the failed rank named with its cause."""
     script = [ROOT / "tests/scripts/fail_alone.py", checkpoint("qwen3_moe"), dispatch, *([capacity] if capacity else [])]
-    proc = launch(2, script, module=None, timeout=90, env={"MLXDIST_FAULT": fault})
+    proc = launch(2, script, module=None, timeout=90, env={"MLXDIST_FAULT": fault, **ALONE})
     ended = time.time()
     assert proc.returncode != 0 and "went on" not in proc.stdout, proc.stdout
     loaded = float(proc.stdout.split("loaded at ")[1].split()[0])
@@ -86,7 +89,7 @@ def test_a_server_step_failing_on_one_rank_ends_the_job(checkpoint, victim, seed
     """A batch step (unseeded requests) or a request served alone (seeded)
     failing on one rank: the server stops within seconds naming the rank,
     not after the watchdog's 10 x --timeout."""
-    s = Server(checkpoint("qwen3_moe"), env={"MLXDIST_FAULT": f"raise:rank={victim},layer=1,step=3"})
+    s = Server(checkpoint("qwen3_moe"), env={"MLXDIST_FAULT": f"raise:rank={victim},layer=1,step=3", **ALONE})
     try:
         tic = time.time()
         body = {"prompt": PROMPT, "max_tokens": MAX_TOKENS, **({"seed": seed} if seed is not None else {})}
@@ -137,7 +140,8 @@ def test_a_job_file_through_failures_on_every_rank(checkpoint, tmp_path):
 
 def test_fault_specs_several_and_every_rank(monkeypatch):
     """MLXDIST_FAULT holds several faults; rank=all arms every rank; a fail
-    fault fires once, after its skips."""
+    fault fires once, after its skips; several faults at expert steps on
+    one rank each fire at their own moment."""
     from mlxdist.runtime import faults
 
     monkeypatch.setenv("MLXDIST_FAULT", "raise:rank=all,layer=1,step=2;fail:at=place,rank=1,skip=1")
@@ -147,5 +151,10 @@ def test_fault_specs_several_and_every_rank(monkeypatch):
     with pytest.raises(RuntimeError, match=r"injected fault at place \(layer 2\)"):
         faults.point("place", 1, layer=2)
     faults.point("place", 1, layer=3)  # once only
+    monkeypatch.setenv("MLXDIST_FAULT", "sleep:rank=1,layer=0,step=1,seconds=0;raise:rank=1,layer=-1,step=5")
+    assert faults.arm(1).action == "sleep"
+    faults.at_layer(0, 1)  # the first fault's moment
+    with pytest.raises(RuntimeError, match="injected fault at layer 1 of step 5"):
+        faults.at_layer(1, 5)  # the second's: each fault of a rank fires
     monkeypatch.delenv("MLXDIST_FAULT")
     assert faults.arm(1) is None

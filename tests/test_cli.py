@@ -28,17 +28,25 @@ def templated(path, messages):
     return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
 
 
+@pytest.fixture(scope="module")
+def by_arg(checkpoint):
+    """``-p PROMPT -m 8 --json --stats``: one run that several tests read."""
+    proc = launch(2, ["--model", checkpoint("qwen3_moe"), "-p", PROMPT, "-m", 8, "--json", "--stats"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return last_json(proc.stdout)
+
+
 @pytest.mark.parametrize("system", [None, "You are terse."])
-def test_chat_template_by_default(checkpoint, system):
+def test_chat_template_by_default(checkpoint, request, system):
     path = checkpoint("qwen3_moe")
-    args = ["--model", path, "-p", PROMPT, "-m", 8, "--json"]
     messages = [{"role": "user", "content": PROMPT}]
     if system:
-        args += ["--system-prompt", system]
+        proc = launch(2, ["--model", path, "-p", PROMPT, "-m", 8, "--json", "--system-prompt", system])
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        result = last_json(proc.stdout)
         messages.insert(0, {"role": "system", "content": system})
-    proc = launch(2, args)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    result = last_json(proc.stdout)
+    else:
+        result = request.getfixturevalue("by_arg")
     ids = templated(path, messages)
     assert result["prompt_tokens"] == len(ids)
     assert result["tokens"] == mlx_lm_tokens(path, ids, 8)
@@ -70,11 +78,8 @@ def test_defaults_follow_mlx_lm():
     assert args.dispatch == "auto" and args.layout is None and args.backend is None
 
 
-def test_stats_flag_reports_expert_load(checkpoint):
-    path = checkpoint("qwen3_moe")
-    proc = launch(2, ["--model", path, "-p", PROMPT, "-m", 4, "--json", "--stats"])
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    load = last_json(proc.stdout)["expert_load"]
+def test_stats_flag_reports_expert_load(by_arg):
+    load = by_arg["expert_load"]
     assert load and all(sum(counts) > 0 for counts in load.values())
 
 
@@ -98,14 +103,13 @@ def test_logprobs_out_on_a_bf16_quantized_checkpoint(checkpoint, tmp_path):
     assert last_json(proc.stdout)["tokens"] == [s.token for s in steps]
 
 
-def test_mlx_lm_habits_prompt_from_stdin_verbose_and_one_argparse_error(checkpoint):
+def test_mlx_lm_habits_prompt_from_stdin_verbose_and_one_argparse_error(checkpoint, by_arg):
     """-p - reads the prompt from stdin; --verbose False prints the text alone;
     a bad option is reported once, by rank 0, whatever the number of ranks."""
     path = checkpoint("qwen3_moe")
-    by_arg = launch(2, ["--model", path, "-p", PROMPT, "-m", 6, "--json"])
-    by_stdin = launch(2, ["--model", path, "-p", "-", "-m", 6, "--json"], input=PROMPT)
-    assert by_arg.returncode == by_stdin.returncode == 0, by_stdin.stderr[-2000:]
-    assert last_json(by_stdin.stdout)["tokens"] == last_json(by_arg.stdout)["tokens"]
+    by_stdin = launch(2, ["--model", path, "-p", "-", "-m", 8, "--json"], input=PROMPT)
+    assert by_stdin.returncode == 0, by_stdin.stderr[-2000:]
+    assert last_json(by_stdin.stdout)["tokens"] == by_arg["tokens"]
     quiet = launch(2, ["--model", path, "-p", PROMPT, "-m", 6, "--verbose", "False"])
     loud = launch(2, ["--model", path, "-p", PROMPT, "-m", 6])
     assert quiet.returncode == loud.returncode == 0
@@ -116,13 +120,22 @@ def test_mlx_lm_habits_prompt_from_stdin_verbose_and_one_argparse_error(checkpoi
     assert bad.stderr.count("error: argument --temp") == 1, bad.stderr
 
 
-@pytest.mark.parametrize("max_tokens,wait", [(4, 8), (4000, 10)])  # idle at stdin; mid-generation
-def test_ctrl_c_stops_every_rank_with_status_0(checkpoint, max_tokens, wait):
-    """Ctrl-C (SIGINT to the terminal's process group) under launch/mpirun:
-    every rank stops, status 0, no error line."""
+def _drain(stream, into: bytearray) -> None:
+    """Append everything ``stream`` yields to ``into``, as it comes, until EOF."""
+    for chunk in iter(lambda: stream.read1(65536), b""):
+        into.extend(chunk)
+
+
+@pytest.mark.parametrize("max_tokens,moment", [(4, "idle at stdin"), (4000, "mid-generation")])
+def test_ctrl_c_stops_every_rank_with_status_0(checkpoint, max_tokens, moment):
+    """Ctrl-C (SIGINT to the terminal's process group) under launch/mpirun,
+    while rank 0 waits for its next prompt (the first one answered, its
+    summary printed) or while an answer streams: every rank stops, status 0,
+    no error line."""
     import os
     import signal
     import subprocess
+    import threading
     import time
 
     from conftest import ROOT, mpirun_env
@@ -130,14 +143,30 @@ def test_ctrl_c_stops_every_rank_with_status_0(checkpoint, max_tokens, wait):
     path = str(checkpoint("qwen3_moe"))
     proc = subprocess.Popen([str(ROOT / "launch" / "mpirun"), "-np", "2", "python", "-m", "mlxdist.run", "--model",
                              path, "-m", str(max_tokens)], cwd=ROOT, env=mpirun_env(), stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    proc.stdin.write(PROMPT + "\n")
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    out, err = bytearray(), bytearray()
+    readers = [threading.Thread(target=_drain, args=pair, daemon=True) for pair in ((proc.stdout, out),
+                                                                                   (proc.stderr, err))]
+    for reader in readers:
+        reader.start()
+    proc.stdin.write(PROMPT.encode() + b"\n")
     proc.stdin.flush()
-    time.sleep(wait)
+    reached = (lambda: b"generation:" in err) if moment == "idle at stdin" else (lambda: len(out) > 0)
+    deadline = time.time() + 60
+    while not reached() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    assert reached(), err.decode(errors="replace")[-2000:]
+    time.sleep(0.5)  # rank 0 back at its stdin, or a few tokens further into the answer
     assert proc.poll() is None
     os.killpg(os.getpgid(proc.pid), signal.SIGINT)
-    out, err = proc.communicate(timeout=60)
+    proc.stdin.close()
+    proc.wait(timeout=60)
+    for reader in readers:
+        reader.join(10)
+    err = err.decode(errors="replace")
     assert proc.returncode == 0, err[-2000:]
     assert "mlxdist: error" not in err, err[-2000:]
+    if moment == "mid-generation":
+        assert "generation:" not in err  # the answer was cut short, not finished
     left = subprocess.run(["pgrep", "-f", path], capture_output=True, text=True).stdout.split()
     assert not left, f"ranks left running: {left}"

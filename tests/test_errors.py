@@ -2,16 +2,17 @@
 and no traceback. Each case runs for real under mpirun with a timeout."""
 
 import json
+import os
 
 import pytest
 
-from conftest import error_lines, launch
+from conftest import ROOT, error_lines, launch
 
 NP = 2
 
 
-def run_bad(args, nranks=NP, timeout=90):
-    proc = launch(nranks, args, timeout=timeout)
+def run_bad(args, nranks=NP, timeout=90, env=None):
+    proc = launch(nranks, args, timeout=timeout, env=env)
     assert proc.returncode != 0, proc.stdout
     assert "Traceback" not in proc.stderr, proc.stderr
     errors = error_lines(proc.stderr, "mlxdist: error:")
@@ -40,25 +41,29 @@ def test_malformed_placement(checkpoint, tmp_path):
     assert "not JSON" in line
 
 
-def test_placement_for_other_world_size(checkpoint, tmp_path):
-    path = checkpoint("qwen3_moe")
-    saved = tmp_path / "p.json"
-    proc = launch(3, ["--model", path, "--prompt", "hi", "--max-tokens", 2, "--save-placement", saved])
+@pytest.fixture(scope="module")
+def saved_placement(checkpoint, tmp_path_factory):
+    """The placement file a run of NP ranks saves (--save-placement)."""
+    saved = tmp_path_factory.mktemp("placement") / "p.json"
+    proc = launch(NP, ["--model", checkpoint("qwen3_moe"), "--prompt", "hi", "--max-tokens", 2, "--save-placement", saved])
     assert proc.returncode == 0, proc.stderr
-    assert json.loads(saved.read_text())["num_ranks"] == 3
-    line = run_bad(["--model", path, "--prompt", "hi", "--placement", saved])
-    assert "placement is for 3 ranks, the job has 2" in line
+    return saved
 
 
-def test_placement_with_missing_expert_owner(checkpoint, tmp_path):
-    path = checkpoint("qwen3_moe")
-    saved = tmp_path / "p.json"
-    assert launch(NP, ["--model", path, "--prompt", "hi", "--max-tokens", 2, "--save-placement", saved]).returncode == 0
-    placement = json.loads(saved.read_text())
+def test_placement_for_other_world_size(checkpoint, saved_placement):
+    assert json.loads(saved_placement.read_text())["num_ranks"] == NP
+    line = run_bad(["--model", checkpoint("qwen3_moe"), "--prompt", "hi", "--placement", saved_placement], nranks=3)
+    assert f"placement is for {NP} ranks, the job has 3" in line
+
+
+def test_placement_with_missing_expert_owner(checkpoint, saved_placement, tmp_path):
+    placement = json.loads(saved_placement.read_text())
     first = next(iter(placement["layers"]))
     placement["layers"][first][0] = 7
-    saved.write_text(json.dumps(placement))
-    assert "owner rank 7 does not exist" in run_bad(["--model", path, "--prompt", "hi", "--placement", saved])
+    bad = tmp_path / "p.json"
+    bad.write_text(json.dumps(placement))
+    assert "owner rank 7 does not exist" in run_bad(["--model", checkpoint("qwen3_moe"), "--prompt", "hi",
+                                                     "--placement", bad])
 
 
 def test_prompt_longer_than_context(checkpoint):
@@ -90,3 +95,18 @@ def test_nccl_backend_without_cuda_is_refused(checkpoint):
         pytest.skip("MLX runs on CUDA here: nccl is a valid backend")
     line = run_bad(["--model", checkpoint("qwen3_moe"), "--prompt", "hi", "--backend", "nccl"])
     assert "the nccl backend needs MLX's CUDA build" in line
+
+
+def test_what_needs_no_model_is_refused_before_mlx_lm_is_imported(checkpoint, tmp_path):
+    """Sampling flags and the placement file are checked before mlx-lm's
+    imports (seconds on every rank): with an mlx_lm that cannot be
+    imported, the same one line."""
+    poisoned = tmp_path / "poisoned"
+    (poisoned / "mlx_lm").mkdir(parents=True)
+    (poisoned / "mlx_lm" / "__init__.py").write_text("raise ImportError('mlx_lm was imported')\n")
+    env = {"PYTHONPATH": os.pathsep.join([str(poisoned), str(ROOT)])}
+    bad = tmp_path / "p.json"
+    bad.write_text("{oops")
+    args = ["--model", checkpoint("qwen3_moe"), "--prompt", "hi"]
+    assert "temperature must be >= 0" in run_bad([*args, "--temp", "-0.5"], env=env)
+    assert "not JSON" in run_bad([*args, "--placement", bad], env=env)

@@ -66,15 +66,37 @@ def _run_until_killed(args, out, min_records):
     proc.wait()
 
 
+def job_ids(tokenizer, prompt, system=None, raw=False):
+    """A job's prompt line as the run encodes it: through the chat template
+    (after ``system``), or raw (--ignore-chat-template)."""
+    if raw:
+        return list(tokenizer.encode(prompt))
+    messages = [{"role": "system", "content": system}] if system is not None else []
+    return list(tokenizer.apply_chat_template([*messages, {"role": "user", "content": prompt}],
+                                              add_generation_prompt=True))
+
+
+def mlx_lm_greedy(path, prompts, max_tokens, **encoding):
+    """mlx-lm's greedy tokens for each prompt line (encoded as ``job_ids``),
+    the model loaded once: greedy and exact, what a run writes for them."""
+    import mlx.core as mx
+    from mlx_lm import load
+    from mlx_lm.generate import stream_generate
+
+    model, tokenizer = load(str(path))
+    return [[s.token for s in stream_generate(model, tokenizer, mx.array(job_ids(tokenizer, p, **encoding)),
+                                              max_tokens=max_tokens)] for p in prompts]
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(checkpoint, tmp_path_factory):
-    """The job file and the output of an uninterrupted run, by id."""
-    tmp = tmp_path_factory.mktemp("jobs")
-    jobs, out = tmp / "jobs.jsonl", tmp / "clean.jsonl"
+    """The job file, and what an uninterrupted run of it writes, by id:
+    mlx-lm's tokens for each job."""
+    jobs = tmp_path_factory.mktemp("jobs") / "jobs.jsonl"
     write_jobs(jobs, 16)
-    proc = launch(2, ["--model", checkpoint("qwen3_moe"), "--jobs", jobs, "--out", out, "-m", 24, "--batch-size", 1])
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return jobs, {r["id"]: r["tokens"] for r in read_records(out)}
+    lines = [json.loads(l) for l in jobs.read_text().splitlines()]
+    tokens = mlx_lm_greedy(checkpoint("qwen3_moe"), [l["prompt"] for l in lines], 24)
+    return jobs, {l["id"]: t for l, t in zip(lines, tokens)}
 
 
 @pytest.mark.parametrize("kill_after", [1, 4, 9])
@@ -269,16 +291,19 @@ def read_records_lenient(path):
 @pytest.mark.parametrize("raw", [False, True])
 def test_job_prompts_are_templated_like_p(checkpoint, tmp_path, raw):
     """A job file's prompt line is encoded as -p's prompt is: through the chat
-    template with --system-prompt (the tokens of a job equal those of -p), or
-    raw with --ignore-chat-template."""
+    template with --system-prompt, or raw with --ignore-chat-template. The
+    job's tokens equal mlx-lm's for that encoding (as -p's do: test_cli.py)."""
+    from mlx_lm.utils import load_tokenizer
+
     path = checkpoint("qwen3_moe")
     prompt = "Prompt number 3 about experts"
-    flags = ["--ignore-chat-template"] if raw else ["--system-prompt", "Be brief."]
+    flags, encoding = (["--ignore-chat-template"], {"raw": True}) if raw else \
+        (["--system-prompt", "Be brief."], {"system": "Be brief."})
     jobs, out = tmp_path / "jobs.jsonl", tmp_path / "out.jsonl"
     jobs.write_text(json.dumps({"id": "a", "prompt": prompt}) + "\n" + json.dumps({"id": "b", "prompt": "other"}) + "\n")
     by_job = launch(2, ["--model", path, "--jobs", jobs, "--out", out, "-m", 6, *flags])
-    by_p = launch(2, ["--model", path, "-p", prompt, "-m", 6, "--json", *flags])
-    assert by_job.returncode == by_p.returncode == 0, by_job.stderr[-2000:]
+    assert by_job.returncode == 0, by_job.stderr[-2000:]
     record = next(r for r in read_records(out) if r["id"] == "a")
-    expected = json.loads(by_p.stdout.strip().splitlines()[-1])
-    assert record["tokens"] == expected["tokens"] and record["prompt_tokens"] == expected["prompt_tokens"]
+    (expected,) = mlx_lm_greedy(path, [prompt], 6, **encoding)
+    assert record["tokens"] == expected
+    assert record["prompt_tokens"] == len(job_ids(load_tokenizer(path), prompt, **encoding))

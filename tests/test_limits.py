@@ -9,6 +9,7 @@ one line."""
 
 import json
 import socket
+import threading
 import time
 
 import pytest
@@ -72,16 +73,33 @@ def trickle(port: int, prefix: bytes, data: bytes, every: float, limit: float = 
     return b"", time.monotonic() - start
 
 
+@pytest.fixture(scope="module")
+def trickled(limited):
+    """part -> (reply, seconds) of two requests trickled in one byte every
+    0.3 s, the headers of one and the body of the other, sent side by side
+    (each connection has its own deadline)."""
+    body = json.dumps({"prompt": "Hi", "max_tokens": 2}).encode() + b" " * 200
+    sends = {"headers": (b"", head(len(body), extra=b"X-Pad: " + b"a" * 100 + b"\r\n")),
+             "body": (head(len(body)), body)}
+    results = {}
+
+    def send(part):
+        results[part] = trickle(limited.port, *sends[part], 0.3)
+
+    threads = [threading.Thread(target=send, args=(part,)) for part in sends]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return results
+
+
 @pytest.mark.parametrize("part", ["headers", "body"])
-def test_a_request_trickled_in_is_cut_off_at_its_deadline(limited, part):
+def test_a_request_trickled_in_is_cut_off_at_its_deadline(trickled, part):
     """One byte every 0.3 s never trips the idle timeout (60 s); the whole
     request's deadline (4 s) answers 408 and closes (today's main answered
     such a request 200 after a minute)."""
-    body = json.dumps({"prompt": "Hi", "max_tokens": 2}).encode() + b" " * 200
-    if part == "headers":
-        reply, seconds = trickle(limited.port, b"", head(len(body), extra=b"X-Pad: " + b"a" * 100 + b"\r\n"), 0.3)
-    else:
-        reply, seconds = trickle(limited.port, head(len(body)), body, 0.3)
+    reply, seconds = trickled[part]
     status, answer = parse_reply(reply)
     assert status == 408 and error_shaped(status, answer), reply[:300]
     assert REQUEST_TIMEOUT - 0.5 < seconds < REQUEST_TIMEOUT + 3, seconds

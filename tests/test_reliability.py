@@ -41,15 +41,33 @@ def test_a_rank_dies(checkpoint, dispatch, victim):
     assert any(l.startswith(f"mlxdist: error: rank {survivor}:") for l in reports)
 
 
+SLOW_STEPS = {1: 1.5, 5: 0.6}  # step -> seconds rank 1 sleeps at each of its MoE layers (2 layers)
+
+
+@pytest.fixture(scope="module")
+def slow_runs(checkpoint):
+    """slow_runs(dispatch): one run at --timeout 2 whose rank 1 is slow at
+    both steps of SLOW_STEPS, launched once per dispatch."""
+    runs = {}
+
+    def get(dispatch):
+        if dispatch not in runs:
+            fault = ";".join(f"sleep:rank=1,layer=-1,step={step},seconds={seconds}"
+                             for step, seconds in SLOW_STEPS.items())
+            runs[dispatch], _ = run_with_fault(checkpoint("qwen3_moe"), fault, dispatch, "2", nranks=2)
+        return runs[dispatch]
+
+    return get
+
+
 @pytest.mark.parametrize("dispatch", ["p2p", "collective"])
-@pytest.mark.parametrize("step,seconds", [(1, 1.5), (5, 0.6)], ids=["prefill-over-timeout", "decode-under-timeout"])
-def test_slow_work_is_not_a_hang(checkpoint, dispatch, step, seconds):
+@pytest.mark.parametrize("step", SLOW_STEPS, ids=["prefill-over-timeout", "decode-under-timeout"])
+def test_slow_work_is_not_a_hang(slow_runs, dispatch, step):
     """Progress is finished work: a decode step slower than usual but under
-    the timeout, and a prefill longer than the timeout (one long evaluation;
-    prefills get PREFILL_FACTOR x the timeout) are not reported. The fault
-    sleeps at every MoE layer of that step on rank 1 (2 layers)."""
-    path = checkpoint("qwen3_moe")
-    proc, _ = run_with_fault(path, f"sleep:rank=1,layer=-1,step={step},seconds={seconds}", dispatch, "2", nranks=2)
+    the timeout (step 5: 1.2 s), and a prefill longer than the timeout
+    (step 1: 3 s; one long evaluation; prefills get PREFILL_FACTOR x the
+    timeout) are not reported. Both slow steps are in one run per dispatch."""
+    proc = slow_runs(dispatch)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "no progress" not in proc.stderr
 
@@ -140,22 +158,34 @@ def test_corrupt_files_name_the_file(checkpoint, tmp_path, name, corrupt, messag
     assert message in line and str(path) in line
 
 
-@pytest.mark.parametrize("layout,calls", [("masked", 200), ("compact", 150)])
-def test_soak_is_exact_and_flat(checkpoint, layout, calls):
+SOAK_CALLS = {"masked": 200, "compact": 150}  # collective layout -> generate calls
+
+
+@pytest.fixture(scope="module")
+def soak(checkpoint):
+    """One launch soaking both layouts in turn (tests/scripts/soak.py), and
+    mlx-lm's 16 greedy tokens for each of its prompts."""
+    from test_jobs import mlx_lm_greedy
+
+    path = checkpoint("qwen3_moe")
+    proc = launch(2, [ROOT / "tests/scripts/soak.py", path, *(f"{l}:{n}" for l, n in SOAK_CALLS.items())],
+                  module=None, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = last_json(proc.stdout)
+    return out, dict(enumerate(mlx_lm_greedy(path, out["prompts"], 16, raw=True)))
+
+
+@pytest.mark.parametrize("layout", SOAK_CALLS)
+def test_soak_is_exact_and_flat(soak, layout):
     """Short generations alternating with stats calls (mpi4py on the main
     thread right after MLX's collectives on its worker thread: the race
     that once crashed a rank), in both collective layouts."""
-    from test_api import mlx_lm_alone
-
-    path = checkpoint("qwen3_moe")
-    proc = launch(2, [ROOT / "tests/scripts/soak.py", path, calls, layout], module=None, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = last_json(proc.stdout)
-    assert len(out["calls"]) == calls
-    longest = {i: mlx_lm_alone(path, p, max_tokens=16) for i, p in enumerate(out["prompts"])}
-    for prompt, max_tokens, tokens in out["calls"]:
+    out, longest = soak
+    run = out[layout]
+    assert len(run["calls"]) == SOAK_CALLS[layout]
+    for prompt, max_tokens, tokens in run["calls"]:
         assert tokens == longest[prompt][:max_tokens]
-    for after_10, after_all in zip(out["rss_after_10"], out["rss_after_all"]):
+    for after_10, after_all in zip(run["rss_after_10"], run["rss_after_all"]):
         assert after_all <= 1.05 * after_10
 
 
@@ -193,7 +223,8 @@ def test_exit_status_survives_finalize():
 def test_an_unexpected_error_keeps_its_traceback(checkpoint, tmp_path, dispatch):
     """One line on stderr naming the rank and where the traceback went; the
     file has it."""
-    env = {"MLXDIST_FAULT": "raise:rank=1,layer=1,step=2", "MLXDIST_LOG_DIR": str(tmp_path)}
+    env = {"MLXDIST_FAULT": "raise:rank=1,layer=1,step=2", "MLXDIST_LOG_DIR": str(tmp_path),
+           "MLXDIST_AGREE_SECONDS": "1"}  # rank 0 never says it failed too: the wait for it is all slack
     proc = launch(2, ["--model", checkpoint("qwen3_moe"), "--prompt", "a fault is coming", "-m", 8,
                       "--dispatch", dispatch], timeout=90, env=env)
     assert proc.returncode != 0

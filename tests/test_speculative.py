@@ -10,6 +10,7 @@ import json
 import pytest
 
 from conftest import last_json, launch
+from test_api import mlx_lm_alone
 
 PROMPT = "the cat sat on the mat and the cat sat on the mat and the cat sat"
 MAX_TOKENS = 20
@@ -17,10 +18,8 @@ MAX_TOKENS = 20
 
 @pytest.fixture(scope="module")
 def plain(checkpoint):
-    path = checkpoint("qwen3_moe")
-    proc = launch(0, ["--model", path, "-p", PROMPT, "-m", MAX_TOKENS, "--json", "--ignore-chat-template"])
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return last_json(proc.stdout)["tokens"]
+    """Plain greedy decoding of the raw prompt: mlx-lm's own."""
+    return mlx_lm_alone(checkpoint("qwen3_moe"), PROMPT, MAX_TOKENS)
 
 
 @pytest.mark.parametrize("nranks,dispatch", [(0, "collective"), (2, "collective"), (3, "p2p")])

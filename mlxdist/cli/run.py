@@ -12,7 +12,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import TYPE_CHECKING, Iterator, List, Optional
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterator, List, Optional, Tuple
 
 import mlx.core as mx
 
@@ -22,12 +23,14 @@ from mlxdist.digits import arg_duration, arg_int
 from mlxdist.dispatch import DISPATCH_MODES, LAYOUTS, modes
 from mlxdist.errors import GenerationFailed, UserError, say_error
 from mlxdist.model.budgets import parse_rank_memory
+from mlxdist.model.placement import Placement
 from mlxdist.runtime.progress import set_quiet
 from mlxdist.runtime.watchdog import DEFAULT_TIMEOUT
-from mlxdist.runtime.world import BACKENDS, launcher_rank, run_or_abort, set_exit_code
+from mlxdist.runtime.world import BACKENDS, join, launcher_rank, run_or_abort, set_exit_code
 
 if TYPE_CHECKING:
     from mlxdist.api import Cluster
+    from mlxdist.cli.jobs import JobRun
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -265,15 +268,29 @@ def _explain_auto(engine) -> None:
     engine.on_choice = lambda choice: print(choice.describe(), file=sys.stderr, flush=True)
 
 
-def command_loop(cluster: Cluster, args) -> int:
-    """Rank 0: LOAD, then GENERATE each prompt (or the job file)."""
+@dataclass
+class Inputs:
+    """What rank 0 reads and checks before the model code is imported."""
+
+    placement: Optional[Placement] = None  # --placement, read and checked against the world's size
+    jobs: Optional[JobRun] = None  # --jobs, read and checked, with --out locked
+
+
+def check_inputs(args, num_ranks: int) -> Tuple[int, Inputs]:
+    """Rank 0, before mlx-lm is imported: the generation flags, the
+    placement file and the job file (read, checked, --out locked), so that
+    a refused input costs seconds less and nothing is loaded. Returns the
+    exit status (0: go on) and what was read."""
     try:
         GenerationParams(**{**generation_args(args), "seed": 0}).validate()
+        placement = Placement.load(args.placement) if args.placement else None
+        if placement is not None:
+            placement.check_world(num_ranks)
     except UserError as e:
         say_error(str(e))
-        return 1
+        return 1, Inputs()
     jobs = None
-    if args.jobs:  # read, checked and --out locked before the model loads: a refused file costs nothing
+    if args.jobs:
         from mlxdist.cli.jobs import INPUT_ERROR, open_jobs
 
         try:
@@ -281,9 +298,15 @@ def command_loop(cluster: Cluster, args) -> int:
                              templated=not args.ignore_chat_template, system_prompt=args.system_prompt)
         except UserError as e:
             say_error(str(e))
-            return INPUT_ERROR
+            return INPUT_ERROR, Inputs()
+    return 0, Inputs(placement, jobs)
+
+
+def command_loop(cluster: Cluster, args, inputs: Inputs) -> int:
+    """Rank 0: LOAD, then GENERATE each prompt (or the job file)."""
+    jobs = inputs.jobs
     try:
-        cluster.load(args.model, args.dispatch, args.placement, not args.no_rank0_experts, args.layout, args.stats,
+        cluster.load(args.model, args.dispatch, inputs.placement, not args.no_rank0_experts, args.layout, args.stats,
                      args.expert_capacity, args.memory_budget, args.expert_split,
                      record_routing=args.record_routing, rank_memory_gb=args.rank_memory, draft_model=args.draft_model,
                      revision=args.revision)
@@ -317,17 +340,24 @@ def command_loop(cluster: Cluster, args) -> int:
 
 def main(argv: Optional[List[str]] = None) -> int:
     """The ``mlxdist-run`` console script and ``python -m mlxdist.run``:
-    the command line, then ``api.init`` (ranks other than 0 serve there
-    and exit), then rank 0's command loop."""
+    the command line, then joining the job and rank 0's checks of its input
+    (before mlx-lm's imports, which take seconds), then ``api.init`` (ranks
+    other than 0 serve there and exit), then rank 0's command loop."""
     args = build_parser().parse_args(argv)
     if args.jobs and not args.out:
         build_parser().error("--jobs needs --out")
     apply_host_flags(args)
     set_quiet(args.quiet)
-    from mlxdist.api import init  # mlx-lm and transformers: seconds, so only once the command line is good
+    world = join(args.backend)
+    code, inputs = run_or_abort(world, check_inputs, args, world.size) if world.is_root else (0, None)
+    code = int(world.control.bcast_bytes(str(code).encode() if world.is_root else None))  # rank 0's, on every rank
+    if code:
+        set_exit_code(code)
+        return code
+    from mlxdist.api import init  # mlx-lm and transformers: seconds, so only once the input is good
 
     cluster = init(timeout=args.timeout, backend=args.backend)
-    code = run_or_abort(cluster.world, command_loop, cluster, args)
+    code = run_or_abort(cluster.world, command_loop, cluster, args, inputs)
     cluster.shutdown(code)
     set_exit_code(code)  # the status the process ends with (runtime/world.py finalizes and exits)
     return code

@@ -97,15 +97,18 @@ class Placement:
                     counts[layer][r] += 1
         return counts
 
+    def check_world(self, num_ranks: int) -> None:
+        """Raise ``PlacementError`` unless this placement is for a job of
+        ``num_ranks`` ranks (what can be checked before the model is read)."""
+        if self.num_ranks != num_ranks:
+            raise PlacementError(f"placement is for {self.num_ranks} ranks, the job has {num_ranks}")
+
     def validate(self, experts_per_layer: Dict[int, int], num_ranks: int) -> None:
         """Raise ``PlacementError`` unless this placement fits the model and
         the world: the same MoE layers, every expert held by one or more
         distinct ranks that exist, and no rank left idle where the layer has
         experts to spare."""
-        if self.num_ranks != num_ranks:
-            raise PlacementError(
-                f"placement is for {self.num_ranks} ranks, the job has {num_ranks}"
-            )
+        self.check_world(num_ranks)
         if set(self.layers) != set(experts_per_layer):
             missing = sorted(set(experts_per_layer) - set(self.layers))
             extra = sorted(set(self.layers) - set(experts_per_layer))

@@ -5,7 +5,7 @@ server) raises.
 The others may be inside that step's collectives, waiting for this rank, or
 may have failed at the same point (a failure made by the shared input is
 every rank's). The failing rank asks them, outside the collectives, within
-``AGREE_SECONDS`` (``Control.failed_together``):
+``MLXDIST_AGREE_SECONDS`` (``Control.failed_together``):
 
 - every rank failed: the step fails on every rank alike (the request ends
   with an error) and the job goes on;
@@ -18,11 +18,10 @@ server's rebalancing) agree instead on the message their ranks already
 exchange at that step; see docs/failures.md.
 """
 
-from mlxdist.errors import MlxdistError, RankLost, describe_errors, keep_traceback, one_line, say_error
+from mlxdist import envs
+from mlxdist.errors import RankLost, describe_errors, one_line
 from mlxdist.runtime.watchdog import ACTIVITY
-from mlxdist.runtime.world import World, abort
-
-AGREE_SECONDS = 5.0  # how long a failed rank waits for the others to say they failed too
+from mlxdist.runtime.world import World, stop_job
 
 
 def failed_together(world: World, error: BaseException) -> str:
@@ -32,24 +31,10 @@ def failed_together(world: World, error: BaseException) -> str:
     ACTIVITY.progress()  # this wait has its own deadline, shorter than the watchdog's
     try:
         lost = isinstance(error, RankLost)  # a lost rank cannot answer
-        messages = None if lost else world.control.failed_together(one_line(error), AGREE_SECONDS)
+        messages = None if lost else world.control.failed_together(one_line(error),
+                                                                          envs.get("MLXDIST_AGREE_SECONDS"))
     except Exception:  # noqa: BLE001 - a peer gone under MPI: this rank's own error is the report
         messages = None
     if messages is None:
         stop_job(world, error)
     return describe_errors(messages)
-
-
-def stop_job(world: World, error: BaseException) -> None:
-    """End every rank now with one line naming this rank and ``error`` and
-    where its traceback went, as ``world.run_or_abort`` does. Called in ``except``."""
-    path = keep_traceback(world.rank)
-    where = f" (traceback: {path})" if path else ""
-    say_error(f"{failure_line(world.rank, error)}{where}")
-    abort(world, 1)
-
-
-def failure_line(rank: int, error: BaseException) -> str:
-    """``rank R: Type: first line``: how a rank that ends the job names itself and the cause."""
-    text = one_line(error)
-    return f"rank {rank}: {text if not isinstance(error, MlxdistError) else f'{type(error).__name__}: {text}'}"

@@ -79,7 +79,8 @@ class Fault:
         raise RuntimeError(f"injected fault at {at}{where}")
 
 
-FAULT: Optional[Fault] = None  # this rank's armed fault at expert steps or sequences; None in real runs
+FAULT: Optional[Fault] = None  # this rank's first armed fault at expert steps or sequences; None in real runs
+_ARMED: List[Fault] = []  # all of them, each fired at its own moment
 _POINTS: Dict[int, List[Fault]] = {}  # rank -> its armed ``fail`` faults (read once)
 _RANK = 0  # this process's rank, as ``arm`` was told
 
@@ -90,19 +91,20 @@ def _parse(rank: int) -> List[Fault]:
 
 
 def arm(rank: int) -> Optional[Fault]:
-    """Arm the fault ``MLXDIST_FAULT`` sets for this rank's expert steps or
-    sequences, if any (at start-up)."""
+    """Arm the faults ``MLXDIST_FAULT`` sets for this rank's expert steps or
+    sequences, if any (at start-up); the first of them, or None."""
     global FAULT, _RANK
     _RANK = rank
-    FAULT = next((f for f in _parse(rank) if f.armed and f.action != "fail"), None)
+    _ARMED[:] = [f for f in _parse(rank) if f.armed and f.action != "fail"]
+    FAULT = _ARMED[0] if _ARMED else None
     _POINTS.pop(rank, None)
     return FAULT
 
 
 def at_layer(layer: int, step: int) -> None:
-    """Fire the armed fault if this is its moment (callers check ``FAULT`` first)."""
-    if FAULT is not None:
-        FAULT.maybe_fire(layer, step)
+    """Fire each armed fault whose moment this is (callers check ``FAULT`` first)."""
+    for fault in _ARMED:
+        fault.maybe_fire(layer, step)
 
 
 def point(at: str, rank: Optional[int] = None, layer: Optional[int] = None, op: Optional[str] = None) -> None:

@@ -31,13 +31,14 @@ after a correct run).
 import atexit
 import os
 import sys
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, List, Optional, Tuple
 
 import mlx.core as mx
 
 from mlxdist import envs
-from mlxdist.errors import keep_traceback, say_error
+from mlxdist.errors import failure_line, keep_traceback, say_error
 from mlxdist.runtime import awake, backends, survival
 from mlxdist.runtime.libmpi import find_libmpi
 from mlxdist.runtime.plane import Control, MlxControl, MpiControl, SoloControl, comm_allgather_json
@@ -139,6 +140,30 @@ def init_world(backend: Optional[str] = None) -> World:
         awake.hold()
         _WORLD = _start(backend)
     return _WORLD
+
+
+OTHERS_EXIT_AFTER = 3.0  # seconds a rank other than 0 gives rank 0 to report a start-up failure they share
+
+
+def join(backend: Optional[str] = None) -> World:
+    """``init_world``, or, where the job cannot start (no MPI library, a
+    malformed variable, a peer lost while starting, a launcher mlxdist
+    cannot run under), the end of this process with status 1 and one line
+    (from rank 0 alone where every rank has the same problem). Imports no
+    model code: the command line joins first, and refuses its input before
+    mlx-lm's seconds of imports."""
+    try:
+        return init_world(backend)
+    except RuntimeError as e:
+        rank = launcher_rank()
+        if type(e).__module__.startswith("mpi4py"):  # a peer failed (it may be rank 0): each rank says so
+            say_error(f"rank {rank}: a rank failed while the job started: {e}")
+        elif rank == 0:  # the same problem on every rank: rank 0 speaks for all
+            say_error(str(e))
+        else:  # after a moment: were this rank to fail first, its launcher could stop rank 0 unheard
+            time.sleep(OTHERS_EXIT_AFTER)
+        set_exit_code(1)
+        raise SystemExit(1) from None
 
 
 def _start(backend: Optional[str]) -> World:
@@ -305,11 +330,16 @@ def run_or_abort(world: World, fn, *args):
     except KeyboardInterrupt:
         abort(world, 130)
     except Exception as e:
-        text = str(e).splitlines()[0] if str(e) else ""
-        path = keep_traceback(world.rank)
-        where = f" (traceback: {path})" if path else ""
-        say_error(f"rank {world.rank}: {type(e).__name__}: {text}{where}")
-        abort(world, 1)
+        stop_job(world, e)
+
+
+def stop_job(world: World, error: BaseException) -> None:
+    """End every rank now with one line naming this rank and ``error`` and
+    where its traceback went. Called in ``except``."""
+    path = keep_traceback(world.rank)
+    where = f" (traceback: {path})" if path else ""
+    say_error(f"{failure_line(world.rank, error)}{where}")
+    abort(world, 1)
 
 
 def _mpi():

@@ -1,6 +1,7 @@
 """Under mpirun (with or without ``--survive``): p2p generations on one
 checkpoint, with an optional loss between them; prints every result's tokens,
-the lost ranks and the stats' ranks as JSON.
+the lost ranks, the stats' ranks and the prompts (with their max_tokens) as
+JSON.
 
     python survive.py CKPT KILL_BETWEEN [CAPACITY [PLACEMENT [PLACEMENT ...]]]
 
@@ -20,23 +21,28 @@ import time
 import mlxdist
 from mlxdist.bench import survival  # noqa: F401 (registers the "process" probe on every rank)
 
+PROMPTS = {"first": ["a loss is coming", 24], "second": ["and then another", 16],
+           "batch": [[f"prompt {i} " * (i + 1), 12] for i in range(5)]}
+
 
 def run(cluster, path: str, kill_between: int, capacity, placement) -> dict:
     """Load, stream, (kill a rank), stream and batch: every result and what the ranks report."""
     cluster.load(path, dispatch="p2p", expert_capacity=capacity, placement=placement)
     processes = {p["rank"]: p["pid"] for p in cluster.probe("process")}
     expert_gb_before = cluster.stats()[0]["weights_gb"]["expert"]
-    first = [p.token for p in cluster.stream(cluster.request([cluster.encode("a loss is coming")], max_tokens=24))]
+    (text, max_tokens), batch_max_tokens = PROMPTS["first"], PROMPTS["batch"][0][1]
+    first = [p.token for p in cluster.stream(cluster.request([cluster.encode(text)], max_tokens=max_tokens))]
     if kill_between >= 0:
         os.kill(processes[kill_between], signal.SIGKILL)
         time.sleep(0.5)
-    second = [p.token for p in cluster.stream(cluster.request([cluster.encode("and then another")], max_tokens=16))]
-    batch = cluster.run_batch(cluster.request([cluster.encode(f"prompt {i} " * (i + 1)) for i in range(5)],
-                                              max_tokens=12))
+    text, max_tokens = PROMPTS["second"]
+    second = [p.token for p in cluster.stream(cluster.request([cluster.encode(text)], max_tokens=max_tokens))]
+    batch = cluster.run_batch(cluster.request([cluster.encode(text) for text, _ in PROMPTS["batch"]],
+                                              max_tokens=batch_max_tokens))
     stats = cluster.stats()
     return {"first": first, "second": second, "batch": [r.tokens for r in batch], "lost": cluster.world.lost,
             "stats_ranks": [s["rank"] for s in stats],
-            "rank0_expert_gb": [expert_gb_before, stats[0]["weights_gb"]["expert"]]}
+            "rank0_expert_gb": [expert_gb_before, stats[0]["weights_gb"]["expert"]], "prompts": PROMPTS}
 
 
 path, kill_between, *rest = sys.argv[1:]
