@@ -49,8 +49,6 @@ def launch(np_: int, args, timeout: float = 120, input: str = None, module: str 
     return retry_launcher(lambda: _launch(np_, args, timeout, input, module, env, mpirun_args))
 
 
-
-
 def _launch(np_: int, args, timeout: float, input: str, module: str, env: dict, mpirun_args):
     cmd = [sys.executable, *(["-m", module] if module else []), *map(str, args)]
     env = {k: v for k, v in {**mpirun_env(), **(env or {})}.items() if v is not None}  # None: unset

@@ -113,8 +113,6 @@ def retry_launcher(start: Callable[[], Any]) -> Any:
     """``start()`` (runs a launch to its end; returns something with
     ``returncode`` and ``stderr``), again while Open MPI's launcher failed
     before any rank ran, up to ``LAUNCHER_RETRIES`` times; the last result."""
-    import time
-
     for _ in range(LAUNCHER_RETRIES + 1):
         proc = start()
         if proc.returncode == 0 or LAUNCHER_FAILURE not in proc.stderr:
