@@ -1,6 +1,7 @@
 """Shared fixtures: checkpoints written by mlxdist.synth, and a launcher that
 runs mlxdist for real under mpirun on localhost."""
 
+import functools
 import json
 import os
 import subprocess
@@ -78,6 +79,15 @@ def _launch(np_: int, args, timeout: float, input: str, module: str, env: dict, 
             if feeder.is_alive():  # rank 0 never opened it: unblock the writer
                 with open(fifo, "r"):
                     pass
+
+
+@functools.lru_cache(maxsize=None)
+def mlx_lm_loaded(path: str):
+    """mlx-lm's ``load(path)`` in this process, once per session: the
+    references the tests compare with only generate from it."""
+    from mlx_lm import load
+
+    return load(path)
 
 
 def error_lines(stderr: str, start: str = "mlxdist: error") -> list:

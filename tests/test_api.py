@@ -2,11 +2,10 @@
 against mlx-lm alone, errors that leave the cluster usable, and a second
 load that gives the first model's memory back."""
 
-import json
 
 import pytest
 
-from conftest import ROOT, last_json, launch
+from conftest import ROOT, last_json, launch, mlx_lm_loaded
 
 EXPERT_HEAVY = {"hidden_size": 256, "num_experts": 32, "moe_intermediate_size": 512, "num_hidden_layers": 4}
 PROMPTS = ["The quick brown fox", "Experts are routed by a gate", "Hello"]
@@ -14,10 +13,9 @@ PROMPTS = ["The quick brown fox", "Experts are routed by a gate", "Hello"]
 
 def mlx_lm_alone(path, prompt, max_tokens=8):
     import mlx.core as mx
-    from mlx_lm import load
     from mlx_lm.generate import stream_generate
 
-    model, tokenizer = load(str(path))
+    model, tokenizer = mlx_lm_loaded(str(path))
     steps = stream_generate(model, tokenizer, mx.array(tokenizer.encode(prompt)), max_tokens=max_tokens)
     return [s.token for s in steps]
 

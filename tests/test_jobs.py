@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from conftest import MPIRUN, ROOT, error_lines, kill_session, launch, mpirun_env
+from conftest import MPIRUN, ROOT, error_lines, kill_session, launch, mlx_lm_loaded, mpirun_env
 
 
 def write_jobs(path, n, extra=()):
@@ -80,10 +80,9 @@ def mlx_lm_greedy(path, prompts, max_tokens, **encoding):
     """mlx-lm's greedy tokens for each prompt line (encoded as ``job_ids``),
     the model loaded once: greedy and exact, what a run writes for them."""
     import mlx.core as mx
-    from mlx_lm import load
     from mlx_lm.generate import stream_generate
 
-    model, tokenizer = load(str(path))
+    model, tokenizer = mlx_lm_loaded(str(path))
     return [[s.token for s in stream_generate(model, tokenizer, mx.array(job_ids(tokenizer, p, **encoding)),
                                               max_tokens=max_tokens)] for p in prompts]
 

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from conftest import error_lines, last_json, launch
+from conftest import error_lines, last_json, launch, mlx_lm_loaded
 from mlxdist.errors import PlacementError, UserError
 from mlxdist.model.balance import balanced, check_rank_memory, imbalance
 from mlxdist.model.budgets import budgets_for_ranks, parse_rank_memory
@@ -193,10 +193,9 @@ def test_place_command(tmp_path, capfd):
 def reference_tokens(path, max_tokens):
     """(prompt tokens, mlx-lm's greedy tokens) in this process, once per session."""
     import mlx.core as mx
-    from mlx_lm import load
     from mlx_lm.generate import stream_generate
 
-    model, tokenizer = load(str(path))
+    model, tokenizer = mlx_lm_loaded(str(path))
     prompt = tokenizer.encode(PROMPT)
     return len(prompt), [r.token for r in stream_generate(model, tokenizer, mx.array(prompt), max_tokens=max_tokens)]
 

@@ -18,7 +18,7 @@ import urllib.request
 
 import pytest
 
-from conftest import MPIRUN, ROOT, mpirun_env
+from conftest import MPIRUN, ROOT, mlx_lm_loaded, mpirun_env
 from mlxdist.runtime.world import LAUNCHER_FAILURE, LAUNCHER_RETRIES
 
 KEY = "test-key-123"
@@ -147,16 +147,9 @@ def _alone(path, prompt, max_tokens):
     import mlx.core as mx
     from mlx_lm.generate import stream_generate
 
-    model, tokenizer = _loaded(path)
+    model, tokenizer = mlx_lm_loaded(path)
     return "".join(r.text for r in stream_generate(model, tokenizer, mx.array(tokenizer.encode(prompt)),
                                                    max_tokens=max_tokens))
-
-
-@functools.lru_cache(maxsize=None)
-def _loaded(path):
-    from mlx_lm import load
-
-    return load(path)
 
 
 def completion(server, prompt, max_tokens=8, **extra):
