@@ -707,9 +707,15 @@ def main():
                         help="Write a speculative-decoding draft cut from the checkpoint TARGET instead: its first "
                              "--layers layers (default 1), embedding, norm, head and tokenizer.")
     args = parser.parse_args()
+    if not math.isfinite(args.residual_scale):
+        parser.error(f"--residual-scale must be a finite number, not {args.residual_scale}")
     if args.draft_of:
-        path = write_draft(args.out_dir, args.draft_of, args.layers or 1)
-        print(f"Wrote a {args.layers or 1}-layer draft of {args.draft_of} to {path}")
+        layers = 1 if args.layers is None else args.layers
+        try:
+            path = write_draft(args.out_dir, args.draft_of, layers)
+        except (OSError, ValueError, KeyError) as e:  # no such checkpoint, a config without layers, a bad count
+            parser.error(f"cannot cut a draft from {args.draft_of}: {e}")
+        print(f"Wrote a {layers}-layer draft of {args.draft_of} to {path}")
         return
 
     overrides = {}
