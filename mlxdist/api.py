@@ -124,6 +124,7 @@ class Cluster:
         count_routing: bool = False,
         draft_model: Optional[str] = None,
         revision: Optional[str] = None,
+        replicate: str = "auto",
     ) -> "Cluster":
         """Load ``model`` (a folder or hub id; None: the built-in random MoE)
         on every rank, releasing any model loaded before.
@@ -150,7 +151,11 @@ class Cluster:
         the server's rebalancing reads). ``draft_model``: a small model with
         the same tokenizer for speculative decoding of single prompts
         (``num_draft_tokens`` per request; docs/modes.md). ``revision``: a
-        hub id's branch, tag or commit (None: main).
+        hub id's branch, tag or commit (None: main). ``replicate`` (dispatch
+        auto): "always" puts every expert on every rank, so that batches of a
+        sequence per rank or more run as N replicas with no exchange; "auto"
+        does that where every host has room for the whole model per rank and
+        nothing else says where experts go; "never" spreads them.
         Raises ``UserError``/``LoadError`` with one line."""
         if isinstance(placement, str):
             placement = Placement.load(placement)
@@ -164,7 +169,7 @@ class Cluster:
                               expert_capacity, memory_budget_gb, expert_split,
                               record_routing=record_routing is not None or count_routing,
                               rank_memory_gb=_budgets(rank_memory_gb),
-                              draft_model=draft_model, revision=revision)
+                              draft_model=draft_model, revision=revision, replicate=replicate)
         options.validate()
         self._finish_recording()
         self.executor.load(self._broadcast(Command(commands.LOAD, asdict(options))).args)

@@ -14,9 +14,10 @@ from mlxdist.errors import UserError
 # checks that the two agree.
 DEFAULT_MAX_TOKENS = 100
 
-__all__ = ["EXPERT_SPLITS", "GenerationParams", "LoadOptions"]
+__all__ = ["EXPERT_SPLITS", "REPLICATE", "GenerationParams", "LoadOptions"]
 
 EXPERT_SPLITS = ("whole", "width")
+REPLICATE = ("auto", "always", "never")  # --replicate: every expert on every rank (LoadOptions.replicate)
 MAX_DRAFT_TOKENS = 64  # drafted tokens one verifying forward may carry
 MAX_LOOKUP_NGRAM = 64
 
@@ -39,6 +40,9 @@ class LoadOptions:
     rank_memory_gb: Optional[Union[List[float], Dict[str, float]]] = None
     revision: Optional[str] = None  # a hub id's branch, tag or commit (--revision); None: main
     draft_model: Optional[str] = None  # speculative decoding's draft model, loaded whole where the dense model runs
+    # auto: every rank holds every expert (batches as N replicas) where every host has room for a
+    # whole model per rank; always / never: whatever the memory says (--replicate, dispatch auto only)
+    replicate: str = "auto"
 
     def validate(self) -> None:
         modes.mode(self.dispatch)
@@ -67,13 +71,27 @@ class LoadOptions:
                             f"{self.rank_memory_gb!r:.60}")
         if self.draft_model is not None and not (isinstance(self.draft_model, str) and self.draft_model.strip()):
             raise UserError(f"--draft-model takes a folder or hub id, not {self.draft_model!r:.60}")
+        if self.replicate not in REPLICATE:
+            raise UserError(f"--replicate takes {', '.join(REPLICATE)}, not {self.replicate!r:.40}")
+        if self.replicate == "always" and (self.dispatch != "auto" or self.placed or self.pages
+                                           or self.expert_split == "width"):
+            raise UserError("--replicate always puts every expert on every rank under --dispatch auto: it takes no "
+                            "other --dispatch, placement, --no-rank0-experts, --rank-memory, --expert-capacity, "
+                            "--memory-budget or --expert-split width")
         if self.expert_split == "width" and (self.record_routing or self.rank_memory_gb is not None):
             raise UserError("--expert-split width cuts every expert over every rank: it takes no --record-routing "
                             "or --rank-memory (both are about whole experts)")
-        pages = self.expert_capacity is not None or self.memory_budget_gb is not None
-        modes.check_options(self.dispatch, self.layout, self.expert_split, pages,
-                            placed=self.placement is not None or not self.rank0_experts
-                            or self.rank_memory_gb is not None)
+        modes.check_options(self.dispatch, self.layout, self.expert_split, self.pages, self.placed)
+
+    @property
+    def pages(self) -> bool:
+        """Experts paged in from disk (--expert-capacity or --memory-budget)."""
+        return self.expert_capacity is not None or self.memory_budget_gb is not None
+
+    @property
+    def placed(self) -> bool:
+        """Where the experts go is given (a placement, --no-rank0-experts or --rank-memory)."""
+        return self.placement is not None or not self.rank0_experts or self.rank_memory_gb is not None
 
 
 @dataclass

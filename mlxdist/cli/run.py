@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Iterator, List, Optional, Tuple
 import mlx.core as mx
 
 from mlxdist import envs
-from mlxdist.config import DEFAULT_MAX_TOKENS, EXPERT_SPLITS, GenerationParams
+from mlxdist.config import DEFAULT_MAX_TOKENS, EXPERT_SPLITS, REPLICATE, GenerationParams
 from mlxdist.digits import arg_duration, arg_int
 from mlxdist.dispatch import DISPATCH_MODES, LAYOUTS, modes
 from mlxdist.errors import GenerationFailed, UserError, say_error
@@ -103,6 +103,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--expert-split", choices=EXPERT_SPLITS, default="whole",
                    help="whole: each expert on one rank (exact modes); width: every expert cut over the ranks as "
                         "tensor parallelism cuts them (balanced, not bit-exact; every mode but p2p)")
+    p.add_argument("--replicate", choices=REPLICATE, default="auto",
+                   help="--dispatch auto: every rank holds every expert, and batches of a sequence per rank or more "
+                        "run as N replicas with no exchange; auto: where every host has room for the whole model "
+                        "per rank it runs and nothing else says where experts go (default %(default)s)")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     p.add_argument("--timeout", type=arg_duration(), default=DEFAULT_TIMEOUT,
                    help="seconds without progress before a generation is declared hung (default %(default)s)")
@@ -264,6 +268,9 @@ def _explain_auto(engine) -> None:
     where it changes, with every candidate's estimated step."""
     if engine.auto_inputs is None:
         return
+    if engine.placement.on_every_rank:
+        print(f"auto: every rank holds every expert (--replicate {engine.options.replicate}): batches of "
+              f"{engine.world.size} or more may run as replicas", file=sys.stderr, flush=True)
     print(f"auto: {engine.auto_inputs.describe()}", file=sys.stderr, flush=True)
     engine.on_choice = lambda choice: print(choice.describe(), file=sys.stderr, flush=True)
 
@@ -309,7 +316,7 @@ def command_loop(cluster: Cluster, args, inputs: Inputs) -> int:
         cluster.load(args.model, args.dispatch, inputs.placement, not args.no_rank0_experts, args.layout, args.stats,
                      args.expert_capacity, args.memory_budget, args.expert_split,
                      record_routing=args.record_routing, rank_memory_gb=args.rank_memory, draft_model=args.draft_model,
-                     revision=args.revision)
+                     revision=args.revision, replicate=args.replicate)
     except UserError as e:
         say_error(str(e))
         if jobs is not None:

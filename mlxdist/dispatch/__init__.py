@@ -17,9 +17,11 @@ per module, built by name in ``make_dispatcher``:
     collective-tp  collective.py    the same, attention split by mlx-lm's shard() (not bit-exact)
     p2p            p2p.py           rank 0 runs the dense model, sends slots to owners
     dp             dataparallel.py  each rank its own sequences; per-token combine (not bit-exact)
+    replicas       replicas.py      each rank its own sequences, every expert on every rank: no exchange
 
 ``auto`` holds both collective and dp (with experts cut in width on MPI,
-collective-tp too) and picks per batch the one whose step costs the least
+collective-tp too; where every rank has room for the whole model, replicas
+in place of dp) and picks per batch the one whose step costs the least
 over the link measured at load (``modes.auto_choice``, ``linkcost.py``).
 
 ``ownership.py`` holds the per-layer expert-to-rank map, ``stats.py`` the
@@ -31,27 +33,30 @@ is an identity: the expert module sees the layer's input as is.
 from mlxdist.dispatch.base import Combine, DenseRanks, Dispatcher, ExpertBatch, RowDispatcher
 from mlxdist.dispatch.collective import LAYOUTS, CollectiveDispatcher, default_layout
 from mlxdist.dispatch.dataparallel import DataParallelDispatcher
-from mlxdist.dispatch.modes import DISPATCH_MODES
+from mlxdist.dispatch.modes import DISPATCH_MODES, STRATEGIES
 from mlxdist.dispatch.ownership import LayerOwnership
 from mlxdist.dispatch.p2p import P2PDispatcher
+from mlxdist.dispatch.replicas import ReplicaDispatcher
 from mlxdist.dispatch.stats import ExchangeStats
 from mlxdist.runtime.world import World
 
 __all__ = [
     "DISPATCH_MODES", "LAYOUTS", "CollectiveDispatcher", "Combine", "DataParallelDispatcher", "DenseRanks",
-    "Dispatcher", "ExchangeStats", "ExpertBatch", "LayerOwnership", "P2PDispatcher", "RowDispatcher",
+    "Dispatcher", "ExchangeStats", "ExpertBatch", "LayerOwnership", "P2PDispatcher", "ReplicaDispatcher",
+    "RowDispatcher",
     "default_layout", "make_dispatcher",
 ]
 
 
 def make_dispatcher(mode: str, world: World, layout: str = "masked", stats: bool = False,
                     wraps_blocks: bool = False, **dp_shape) -> Dispatcher:
-    """The one place a strategy is chosen by name. ``layout`` applies to the
+    """The one place a strategy is chosen by name (a mode's, or ``replicas``,
+    which ``auto`` loads where every rank holds every expert). ``layout`` applies to the
     collective and dp modes; ``stats`` starts with per-expert load counting
     on; ``wraps_blocks``: experts cut in width, whole MoE blocks exchanged
     (collective and dp); ``dp_shape`` (top_k, dtype) describes a dp layer's input."""
-    if mode not in DISPATCH_MODES or mode == "auto":
-        raise ValueError(f"unknown dispatch mode {mode!r} (choose {', '.join(DISPATCH_MODES[1:])})")
+    if mode not in STRATEGIES:
+        raise ValueError(f"unknown strategy {mode!r} (choose {', '.join(STRATEGIES)})")
     if mode == "collective" or world.size == 1:  # one rank: every mode is the identity
         dispatcher = CollectiveDispatcher(world, layout, wraps_blocks=wraps_blocks)
     elif mode == "collective-tp":  # whole experts: each MoE block sums its output itself (mlx-lm's shard())
@@ -59,6 +64,8 @@ def make_dispatcher(mode: str, world: World, layout: str = "masked", stats: bool
                                           splits_attention=True)
     elif mode == "dp":
         dispatcher = DataParallelDispatcher(world, layout, wraps_blocks=wraps_blocks, **dp_shape)
+    elif mode == "replicas":
+        dispatcher = ReplicaDispatcher(world, **dp_shape)
     else:
         dispatcher = P2PDispatcher(world)
     dispatcher.stats.collect_expert_load = stats

@@ -122,6 +122,7 @@ class RowDispatcher(Dispatcher):
     pass so that the collectives line up."""
 
     dense_ranks = DenseRanks.OWN
+    exchanges = True  # its MoE layers run collectives (replicas run none: a rank without rows has nothing to do)
     dtype: mx.Dtype  # every rank's MoE-layer input dtype
     final_layer: Optional[int] = None  # the MoE layer that is the model's last layer, if any
 

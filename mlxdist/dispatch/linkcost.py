@@ -9,13 +9,16 @@ Per decode step and rank, for each candidate strategy s:
 
     dense(collective)     = fixed + b x per_row            every rank runs every row
     dense(dp)             = fixed + ceil(b/N) x per_row    each rank its own rows
+    dense(replicas)       = dense(dp)                      (every expert on every rank; nothing on the wire)
     dense(collective-tp)  = dense(collective) x (1 - split x (1 - 1/N))
 
 The collectives and their bytes are ``traffic.collectives`` (collective:
 one all_sum of [b, K, D] per MoE layer; dp: an all_gather of [b/N, D] and an
 all_sum of [b, D] per MoE layer; collective-tp: two all_sums of [b, D] in
-every layer). The experts' own work is the same in every candidate (each
-rank computes the slots routed to its experts), so it is left out.
+every layer); replicas run none. The experts' own work is the same in
+every candidate (each rank computes the slots routed to its experts, or,
+with replicas, its own rows' slots: as many from one row per rank), so it
+is left out.
 
 Today's thresholds stay as they were measured (``modes.auto_strategy``):
 ``dp`` is a candidate only from ``AUTO_DP_ROWS_PER_RANK`` rows per rank, and
@@ -112,7 +115,7 @@ class Choice:
 
 def estimate(strategy: str, batch: int, ranks: int, expert_split: str, inputs: AutoInputs) -> Estimate:
     """``strategy``'s decode step of ``batch`` sequences on ``ranks`` ranks (see the module's docstring)."""
-    rows = -(-batch // ranks) if strategy == "dp" else batch
+    rows = -(-batch // ranks) if strategy in ("dp", "replicas") else batch
     dense = inputs.dense.seconds(rows)
     if strategy == "collective-tp":
         dense *= 1 - inputs.dense.split * (1 - 1 / ranks)

@@ -33,7 +33,8 @@ class Mode:
 MODES: Dict[str, Mode] = {m.name: m for m in (
     Mode("auto", "per generation, the strategy whose decode step costs the least over the link measured at load: "
                  "on a fast link dp for batches of at least one sequence per rank (8 on NCCL with whole experts), "
-                 "else collective", measures_link=True),
+                 "else collective; where every rank has room for the whole model, every rank holds every expert "
+                 "and such batches run as N replicas (no exchange)", measures_link=True),
     Mode("dp", "each rank its own sequences, per-token combine (not bit-exact)"),
     Mode("collective", "every rank runs the dense model, one all_sum of the slots per layer (exact)"),
     Mode("collective-tp", "collective with attention split by mlx-lm's shard() (not bit-exact)"),
@@ -41,6 +42,11 @@ MODES: Dict[str, Mode] = {m.name: m for m in (
          takes_width=False, routing_on_host=True, survives_rank_loss=True, mlx_collectives=False, dense_on_root=True),
 )}
 DISPATCH_MODES = tuple(MODES)
+# What a load may build: every mode's strategy but auto's own name, and
+# ``replicas``, which auto builds in place of dp where every rank holds every
+# expert (``replicas.py``; no user picks it by name).
+STRATEGIES = DISPATCH_MODES[1:] + ("replicas",)
+ROW_STRATEGIES = ("dp", "replicas")  # each rank its own sequences (``RowDispatcher``)
 
 # Rows per rank from which ``auto`` runs dp. On GPUs a decode step is bound
 # by the host's cost per graph node and dp with whole experts adds nodes per
@@ -96,14 +102,18 @@ def check_launcher(name: str, ranks: int, has_mpi: bool) -> None:
                         f"launch with mpirun (launch/mpirun -np N), or use --dispatch {able}")
 
 
-def strategies(name: str, by_width: bool, backend: str, shardable: bool) -> List[str]:
+def strategies(name: str, by_width: bool, backend: str, shardable: bool, everywhere: bool = False) -> List[str]:
     """The strategies a load of mode ``name`` builds, the first the default:
-    ``auto`` and ``dp`` hold collective and dp; ``auto`` with experts cut in
-    width on MPI runs single sequences as collective-tp where mlx-lm can
-    ``shard()`` the model (on a twin of it: ``splits_attention``), or as
-    collective where the link makes its fewer collectives cheaper."""
+    ``auto`` and ``dp`` hold collective and dp; ``auto`` with every expert
+    on every rank (``everywhere``) holds collective and replicas; ``auto``
+    with experts cut in width on MPI runs single sequences as collective-tp
+    where mlx-lm can ``shard()`` the model (on a twin of it:
+    ``splits_attention``), or as collective where the link makes its fewer
+    collectives cheaper."""
     if name not in ("auto", "dp"):
         return [name]
+    if name == "auto" and everywhere and not by_width:
+        return ["collective", "replicas"]
     if name == "auto" and by_width and backend == "mpi" and shardable:
         return ["collective-tp", "collective", "dp"]
     return ["collective", "dp"]
@@ -122,21 +132,30 @@ def without_router_weights(name: str, names: List[str], reason: UserError) -> Li
     return [n for n in names if n != "dp"] or ["collective"]
 
 
-def dp_rows_per_rank(backend: str, expert_split: str) -> int:
-    """Rows per rank from which ``auto`` may run dp: one with experts cut in
-    width, else ``AUTO_DP_ROWS_PER_RANK`` for the transport."""
-    return 1 if expert_split == "width" else AUTO_DP_ROWS_PER_RANK.get(backend, 1)
+def dp_rows_per_rank(backend: str, expert_split: str, rows: str = "dp") -> int:
+    """Rows per rank from which ``auto`` may run its ``rows`` strategy (dp or
+    replicas): replicas and dp with experts cut in width from one, dp with
+    whole experts from ``AUTO_DP_ROWS_PER_RANK`` for the transport (replicas
+    add no graph node to a step, so GPUs' cost per node does not hold them
+    back)."""
+    return 1 if rows == "replicas" or expert_split == "width" else AUTO_DP_ROWS_PER_RANK.get(backend, 1)
 
 
-def auto_strategy(batch: int, ranks: int, backend: str, expert_split: str = "whole") -> str:
+def row_strategy(loaded: List[str]) -> str:
+    """The loaded strategy in which each rank runs its own sequences (dp when none is)."""
+    return next((s for s in loaded if s in ROW_STRATEGIES), "dp")
+
+
+def auto_strategy(batch: int, ranks: int, backend: str, expert_split: str = "whole", rows: str = "dp") -> str:
     """``auto``'s choice on a fast link (one host's, ``linkcost.LOCAL``) for
-    a generation of ``batch`` sequences: the data-parallel mode once the
-    batch gives every rank enough rows (``dp_rows_per_rank``), a collective
-    one below: with experts cut in width on MPI, collective-tp (attention
-    split as tensor parallelism splits it; where the model has no mlx-lm
-    ``shard()`` the engine runs collective)."""
-    if batch >= ranks * dp_rows_per_rank(backend, expert_split):
-        return "dp"
+    a generation of ``batch`` sequences: the ``rows`` strategy (dp, or
+    replicas where every rank holds every expert) once the batch gives every
+    rank enough rows (``dp_rows_per_rank``), a collective one below: with
+    experts cut in width on MPI, collective-tp (attention split as tensor
+    parallelism splits it; where the model has no mlx-lm ``shard()`` the
+    engine runs collective)."""
+    if batch >= ranks * dp_rows_per_rank(backend, expert_split, rows):
+        return rows
     return "collective-tp" if expert_split == "width" and backend == "mpi" else "collective"
 
 
@@ -147,14 +166,15 @@ def auto_choice(loaded: List[str], batch: int, ranks: int, backend: str, expert_
     the threshold measured on one host (``dp_rows_per_rank``): from it, dp or
     collective (fewer collectives; collective-tp puts no fewer collectives or
     bytes on the wire than dp); below it, the collective strategies (exact
-    with whole experts, where dp's ranks would idle). Ties go to
-    ``auto_strategy``'s choice."""
-    fast = auto_strategy(batch, ranks, backend, expert_split)
+    with whole experts, where dp's ranks would idle). Replicas stand where dp
+    does. Ties go to ``auto_strategy``'s choice."""
+    rows = row_strategy(loaded)
+    fast = auto_strategy(batch, ranks, backend, expert_split, rows)
     fast = fast if fast in loaded else loaded[0]
-    if batch >= ranks * dp_rows_per_rank(backend, expert_split):
-        candidates = [s for s in loaded if s in ("dp", "collective")]
+    if batch >= ranks * dp_rows_per_rank(backend, expert_split, rows):
+        candidates = [s for s in loaded if s in (rows, "collective")]
     else:
-        candidates = [s for s in loaded if s != "dp"]
+        candidates = [s for s in loaded if s not in ROW_STRATEGIES]
     return cheapest(candidates, fast, batch, ranks, expert_split, inputs)
 
 
@@ -165,7 +185,7 @@ def choose(name: str, loaded: List[str], batch: int, ranks: int, backend: str, e
     if len(loaded) == 1:
         return loaded[0]
     if name == "auto":
-        choice = auto_strategy(batch, ranks, backend, expert_split)
+        choice = auto_strategy(batch, ranks, backend, expert_split, row_strategy(loaded))
         return choice if choice in loaded else loaded[0]
     return "dp" if batch >= 2 and "dp" in loaded else loaded[0]
 

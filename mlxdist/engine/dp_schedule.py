@@ -3,7 +3,8 @@
 The batch's sequences are divided among the ranks; each rank runs the dense
 model (embedding, attention with its own KV caches, norms, routers, shared
 experts, head, sampling) for its own sequences only, and the MoE layers
-exchange tokens (``dispatch/dataparallel.py``). Every rank runs this same
+exchange tokens (``dispatch/dataparallel.py``; with every expert on every
+rank, ``dispatch/replicas.py``, they exchange nothing). Every rank runs this same
 loop on the same prompts, so every rank knows every rank's rows for every
 forward pass and the collectives line up:
 
@@ -103,6 +104,8 @@ class DataParallelGeneration:
     # -- forward passes ----------------------------------------------------
     def _idle_forward(self) -> None:
         """Serve this rank's experts in one forward pass it has no rows in."""
+        if not self.dispatcher.exchanges:  # replicas: nobody waits for this rank's experts
+            return
         if self.dispatcher.combines is Combine.BLOCKS:  # each block gathers the others' rows and runs on them
             empty = mx.zeros((0, 1, self.width), dtype=self.dispatcher.dtype)
             for block in self.engine.blocks:
@@ -181,7 +184,9 @@ class DataParallelGeneration:
             self.kv_bytes = max(self.kv_bytes, sum(c.nbytes for c in local.cache))
         else:
             self._idle_forward()
-            packed = mx.depends(mx.zeros((0, 2), mx.float32), self.dispatcher.last)
+            packed = mx.zeros((0, 2), mx.float32)
+            if self.dispatcher.last is not None:
+                packed = mx.depends(packed, self.dispatcher.last)
         if packed.shape[0] < padded:
             packed = mx.concatenate([packed, mx.zeros((padded - packed.shape[0], 2), mx.float32)])
         gathered = mx.distributed.all_gather(packed, group=self.world.group) if self.world.size > 1 else packed

@@ -30,7 +30,7 @@ from mlxdist.model.checkpoint import (
 )
 from mlxdist.model.paging import PagingStats, capacity_for_budget, expert_module
 from mlxdist.model.balance import (
-    KV_RESERVE_TOKENS, bytes_per_expert, check_plan_fits, check_rank_memory, expert_budgets,
+    KV_RESERVE_TOKENS, MARGIN, bytes_per_expert, check_plan_fits, check_rank_memory, expert_budgets,
     kv_bytes_per_token,
 )
 from mlxdist.model.budgets import budgets_for_ranks
@@ -83,7 +83,7 @@ def load_engine(world: World, options: LoadOptions) -> Engine:
     by_width = options.expert_split == "width" and world.size > 1
     # Before anything is evaluated (finding the routers runs them).
     fetch_share(world, located, lambda: rank_spans(world, options, lazy.sources, lazy.sites, plan))
-    strategies, routers = _strategies(world, options, lazy, by_width)
+    strategies, routers = _strategies(world, options, lazy, by_width, plan)
     dispatchers = _dispatchers(world, options, lazy, strategies, routers, by_width)
     first = dispatchers[strategies[0]]
     runs_dense = world.is_root or first.dense_ranks is not DenseRanks.ROOT
@@ -163,18 +163,41 @@ def _placement(world: World, options: LoadOptions, lazy: _Lazy) -> Tuple[LoadOpt
     room = _room_for_experts(world, options, lazy.model, sites, lazy.config, memory) if budgets is None else None
     plan = resolve_placement(options.placement, experts_per_layer, world.size, options.rank0_experts,
                              budgets or _unequal(room, options))
-    if room is not None:  # refused before a byte is read
+    if _replicates(world, options, lazy, found):
+        plan = plan.everywhere()
+    elif room is not None:  # refused before a byte is read
         check_plan_fits(plan, room, bytes_per_expert(sites), memory)
     return options, plan
 
 
-def _strategies(world: World, options: LoadOptions, lazy: _Lazy,
-                by_width: bool) -> Tuple[List[str], Dict[type, RouterWeights]]:
-    """The strategies the mode runs, and each MoE block class's router
+def _replicates(world: World, options: LoadOptions, lazy: _Lazy, found: List[Dict[str, Any]]) -> bool:
+    """Whether every rank holds every expert (``--replicate``; batches then
+    run as N replicas): ``always``; under ``auto``, where the mode is auto,
+    nothing says where the experts go and every host has room for a whole
+    model per rank it runs, beside each rank's KV reserve and the margin
+    (``model/balance.py``'s). Every rank decides alike from the memory all
+    of them reported."""
+    if world.size == 1 or options.replicate == "never":
+        return False
+    if options.replicate == "always":
+        return True
+    if (options.dispatch != "auto" or options.placed or options.pages or options.expert_split == "width"
+            or not all(m["bytes"] for m in found)):
+        return False
+    whole = nbytes(lazy.model.parameters()) + KV_RESERVE_TOKENS * kv_bytes_per_token(lazy.config)
+    ranks_on = {h: sum(m["host"] == h for m in found) for h in {m["host"] for m in found}}
+    return all(ranks_on[m["host"]] * whole <= m["bytes"] * (1 - MARGIN) for m in found)
+
+
+def _strategies(world: World, options: LoadOptions, lazy: _Lazy, by_width: bool,
+                plan: Placement) -> Tuple[List[str], Dict[type, RouterWeights]]:
+    """The strategies the mode runs (``auto`` with every expert on every
+    rank: replicas in place of dp), and each MoE block class's router
     weights where one of them needs them (under ``auto``, a model whose
     blocks cannot be read runs without dp)."""
     strategies = modes.strategies(options.dispatch, by_width, world.backend,
-                                  world.size > 1 and can_shard(lazy.model, lazy.config, world.size))
+                                  world.size > 1 and can_shard(lazy.model, lazy.config, world.size),
+                                  everywhere=plan.on_every_rank)
     strategies = strategies if world.size > 1 else strategies[:1]  # one rank: every strategy is the identity
     routers: Dict[type, RouterWeights] = {}
     if modes.uses_router_weights(strategies):

@@ -76,6 +76,18 @@ class Placement:
             layers[layer] = [(r,) for r in row]
         return cls(num_ranks, layers)
 
+    def everywhere(self) -> "Placement":
+        """Every expert on every rank, each expert's primary (the rank that
+        computes a single sequence's slot of it) where this placement puts it."""
+        ranks = range(self.num_ranks)
+        return Placement(self.num_ranks, {layer: [owners[:1] + tuple(r for r in ranks if r != owners[0])
+                                                  for owners in row] for layer, row in self.layers.items()})
+
+    @property
+    def on_every_rank(self) -> bool:
+        """Whether every rank holds every expert of every layer."""
+        return all(len(owners) == self.num_ranks for row in self.layers.values() for owners in row)
+
     def experts_of(self, layer: int, rank: int) -> List[int]:
         """The global ids of the experts ``rank`` holds in ``layer`` (as
         primary or replica), ascending."""
