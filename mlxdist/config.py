@@ -73,9 +73,10 @@ class LoadOptions:
             raise UserError(f"--draft-model takes a folder or hub id, not {self.draft_model!r:.60}")
         if self.replicate not in REPLICATE:
             raise UserError(f"--replicate takes {', '.join(REPLICATE)}, not {self.replicate!r:.40}")
-        if self.replicate == "always" and (self.dispatch != "auto" or self.placed or self.pages
+        if self.replicate == "always" and (not modes.mode(self.dispatch).replicates or self.placed or self.pages
                                            or self.expert_split == "width"):
-            raise UserError("--replicate always puts every expert on every rank under --dispatch auto: it takes no "
+            able = " or ".join(n for n, m in modes.MODES.items() if m.replicates)
+            raise UserError(f"--replicate always puts every expert on every rank under --dispatch {able}: it takes no "
                             "other --dispatch, placement, --no-rank0-experts, --rank-memory, --expert-capacity, "
                             "--memory-budget or --expert-split width")
         if self.expert_split == "width" and (self.record_routing or self.rank_memory_gb is not None):

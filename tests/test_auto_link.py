@@ -4,9 +4,10 @@ link emulator (mlxdist/bench/linkemu, 50 ms a collective), chooses
 differently, and --verbose says what it measured and why.
 
 The model's reading (dispatch/linkcost.py): a batch of one sequence per rank
-runs dp on a fast link (each rank runs half the rows) and collective on the
-slow one (one all_sum per MoE layer where dp runs an all_gather and an
-all_sum); one sequence with experts cut in width runs collective-tp on a fast
+with the experts spread (--replicate never) runs dp on a fast link (each rank
+runs half the rows) and collective on the slow one (one all_sum per MoE layer
+where dp runs an all_gather and an all_sum); with every expert on every rank
+it runs replicas on both (nothing on the wire); one sequence with experts cut in width runs collective-tp on a fast
 link (attention split too) and collective on the slow one (one all_sum per
 MoE layer where collective-tp runs two in every layer)."""
 
@@ -25,10 +26,10 @@ MEASURED = re.compile(r"auto: link (\d+) us per collective")
 CHOSE = re.compile(r"auto: b = (\d+) on (\d+) ranks runs ([\w-]+); per step: (.*)$", re.M)  # after a progress bar
 
 
-def run_auto(checkpoint, tmp_path, link, width: bool):
+def run_auto(checkpoint, tmp_path, link, width: bool, replicate: str = "never"):
     """One load under auto on two ranks: a batch of two prompts (whole
     experts, from a job file) or one prompt (experts cut in width)."""
-    args = ["--model", checkpoint("qwen3_moe"), "-m", 2, "--quiet"]
+    args = ["--model", checkpoint("qwen3_moe"), "-m", 2, "--quiet", "--replicate", replicate]
     if width:
         args += ["--expert-split", "width", "-p", "Hello"]
     else:
@@ -44,12 +45,12 @@ def run_auto(checkpoint, tmp_path, link, width: bool):
     return measured[0], chosen[0]
 
 
-def run_bare(checkpoint, tmp_path, width: bool):
+def run_bare(checkpoint, tmp_path, width: bool, replicate: str = "never"):
     """``run_auto`` over the bare transport, measured as fast as one host's
     link (``LOCAL``): a launch whose ranks met other jobs on this box's two
     cores and measured more is not that link, and is run again (up to 3)."""
     for _ in range(3):
-        measured, chosen = run_auto(checkpoint, tmp_path, None, width)
+        measured, chosen = run_auto(checkpoint, tmp_path, None, width, replicate)
         if measured <= LOCAL.latency * 1e6:
             break
     return measured, chosen
@@ -65,6 +66,16 @@ def test_a_slow_link_makes_auto_choose_differently(checkpoint, tmp_path, width, 
     assert (bare_choice, slow_choice) == (fast, slow), (bare_costs, slow_costs)
     assert bare_costs.startswith(f"{fast} ") and slow_costs.startswith(f"{slow} ")  # cheapest first
     assert f"{fast} " in slow_costs and f"{slow} " in bare_costs  # both candidates estimated each time
+
+
+def test_replicas_put_nothing_on_the_link(checkpoint, tmp_path):
+    """Every expert on every rank: a batch of one sequence per rank runs
+    replicas over the slow link as over the bare one, estimated with no
+    collective at all, and collective (its one all_sum per MoE layer) second."""
+    slow_us, (batch, _, choice, costs) = run_auto(checkpoint, tmp_path, SLOW, False, "always")
+    assert slow_us >= SLOW.latency_us and batch == "2"
+    assert choice == "replicas" and costs.startswith("replicas ") and "0 collectives" in costs
+    assert "collective " in costs
 
 
 def test_auto_measures_over_ring(checkpoint, tmp_path):

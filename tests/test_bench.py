@@ -29,13 +29,17 @@ def test_bench_json_two_ranks(model):
     assert [(x["dispatch"], x["batch"]) for x in rows] == [
         ("auto", 1), ("auto", 2), ("collective", 1), ("collective", 2), ("p2p", 1), ("p2p", 2)
     ]
-    # auto runs the exact collective mode for one sequence, dp for one per rank
-    assert [x["strategy"] for x in rows[:2]] == ["collective", "dp"]
+    # auto runs the exact collective mode for one sequence and, the model on every rank, replicas for one per rank
+    assert [x["strategy"] for x in rows[:2]] == ["collective", "replicas"]
+    assert rows[1]["vs_exact"]["reference"] == "collective" and rows[1]["vs_exact"]["equal_sequences"] == 1.0
     for row in rows:
+        replicas = row["strategy"] == "replicas"  # no exchange: no floor to compare it with
         for key in ROW_FIELDS:
-            assert row[key] is not None, key
+            assert (row[key] is None) == (replicas and key in ("floor_us", "exchange_over_floor")), key
         assert row["generation_tps"] > 0 and row["prompt_tps"] > 0
         assert len(row["peak_memory_gb"]) == 2 and min(row["peak_memory_gb"]) > 0
+        if replicas:
+            continue
         assert row["floor_us"] > 0 and row["exchange_ms"] > 0
         assert math.isclose(row["exchange_over_floor"], row["exchange_ms"] * 1e3 / row["floor_us"])
         assert math.isclose(row["rest_ms"], row["profiled_layer_ms"] - row["expert_ms"] - row["exchange_ms"])

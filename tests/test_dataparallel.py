@@ -82,8 +82,8 @@ def _declare() -> None:
             batch_run("collective-tp:width", "masked", [MAX_TOKENS], 3, 2048, TP_ARCHS))
     declare(__name__, 2, "dp auto:width",
             batch_run("auto:width", "masked", AUTO_BATCHES, 3, 2048, TP_ARCHS + ["mixtral"]))
-    declare(__name__, 3, "dp auto small", batch_run("auto", "masked", [MAX_TOKENS[:2]], 0, 2048, ["qwen3_moe"]))
-    declare(__name__, 3, "dp auto big", batch_run("auto", "masked", [MAX_TOKENS[:3]], 0, 2048, ["qwen3_moe"]))
+    declare(__name__, 3, "dp auto small", batch_run("auto::never", "masked", [MAX_TOKENS[:2]], 0, 2048, ["qwen3_moe"]))
+    declare(__name__, 3, "dp auto big", batch_run("auto::never", "masked", [MAX_TOKENS[:3]], 0, 2048, ["qwen3_moe"]))
 
 
 _declare()

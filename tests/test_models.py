@@ -73,7 +73,7 @@ def launched(checkpoints, references, tmp_path_factory):
         layout = "masked" if layout in ("", "grouped") else layout
         steps.append(("generate_each", [out, dispatch, layout, PROMPT, MAX_TOKENS, *(checkpoints[t] for t in types)],
                       grouped))
-    steps.append(("batch_each", ["auto", "masked", "6,6", 0, 2048, *(checkpoints[t] for t in AUTO)]))
+    steps.append(("batch_each", ["auto::never", "masked", "6,6", 0, 2048, *(checkpoints[t] for t in AUTO)]))
     *streams, auto = several(2, steps)
     runs = {mode: {t: (summary[str(checkpoints[t])]["tokens"], np.load(out / f"{i}.npy")) for i, t in enumerate(types)}
             for (mode, out), summary in zip(outs.items(), streams)}
@@ -102,7 +102,8 @@ def test_refused_at_load(checkpoints, model_type):
 
 
 def test_auto_runs_collective_where_dp_cannot_read_the_block(checkpoints, launched):
-    """A batch as large as the world: ``auto`` runs dp where the block's
+    """A batch as large as the world, the experts spread (--replicate never):
+    ``auto`` runs dp where the block's
     router weights can be read through it (olmoe, whose block routes
     flattened rows; Klear, which scales its routed sum by a per-token
     coefficient, refused while the weights were looked up by name),

@@ -80,7 +80,7 @@ def test_memory_budget_sets_the_capacity(checkpoint):
     import json
 
     path = checkpoint("qwen3_moe")
-    args = ["--model", path, "-p", "a budget", "-m", 8, "--json", "--layout", "compact"]
+    args = ["--model", path, "-p", "a budget", "-m", 8, "--json", "--layout", "compact", "--replicate", "never"]
     full = launch(2, args)
     assert full.returncode == 0, full.stderr[-2000:]
     weights = last_json(full.stdout)["weights_gb"][0]

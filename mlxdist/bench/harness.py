@@ -168,6 +168,11 @@ def bench_case(cluster, mode: str, prompts: List[List[int]], args) -> Dict[str, 
         return row
     if isinstance(engine.dispatcher, RowDispatcher):
         row["vs_exact"] = closeness(cluster, prompts, args.generation_tokens)
+        if not engine.dispatchers[strategy].exchanges:  # replicas: no exchange to floor
+            # each rank computes its own rows' slots: (max - mean) / mean of the rows each rank was given
+            n, b = cluster.world.size, len(prompts)
+            row.update(floor_us=None, exchange_over_floor=None, imbalance=-(-b // n) * n / b - 1)
+            return row
     name = traffic.wire_name(strategy, args.expert_split)
     width = name != strategy
     shape = list(profile["slots_shape"]) or [len(prompts), 1] + ([] if width else [cfg.get("num_experts_per_tok", 1)]) \

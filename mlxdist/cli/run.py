@@ -264,13 +264,14 @@ def _run_prompt(cluster: Cluster, args, text: str, logprobs: List) -> None:
 
 
 def _explain_auto(engine) -> None:
-    """--verbose under auto: what it measured at load, then each choice
-    where it changes, with every candidate's estimated step."""
+    """--verbose under auto: whether every rank holds every expert, what it
+    measured at load, then each choice where it changes, with every
+    candidate's estimated step."""
+    if "replicas" in engine.dispatchers:
+        print(f"auto: every rank holds every expert (--replicate {engine.options.replicate}): batches of "
+              f"{engine.world.size} or more run as replicas", file=sys.stderr, flush=True)
     if engine.auto_inputs is None:
         return
-    if engine.placement.on_every_rank:
-        print(f"auto: every rank holds every expert (--replicate {engine.options.replicate}): batches of "
-              f"{engine.world.size} or more may run as replicas", file=sys.stderr, flush=True)
     print(f"auto: {engine.auto_inputs.describe()}", file=sys.stderr, flush=True)
     engine.on_choice = lambda choice: print(choice.describe(), file=sys.stderr, flush=True)
 

@@ -28,13 +28,14 @@ class Mode:
     mlx_collectives: bool = True  # its exchange runs on MLX's collectives (else: mpi4py's sends)
     dense_on_root: bool = False  # rank 0 alone runs the dense model (the others hold experts only)
     measures_link: bool = False  # chooses among its strategies from the link measured at load (auto_choice)
+    replicates: bool = False  # may hold every expert on every rank and run batches as replicas (--replicate)
 
 
 MODES: Dict[str, Mode] = {m.name: m for m in (
     Mode("auto", "per generation, the strategy whose decode step costs the least over the link measured at load: "
                  "on a fast link dp for batches of at least one sequence per rank (8 on NCCL with whole experts), "
                  "else collective; where every rank has room for the whole model, every rank holds every expert "
-                 "and such batches run as N replicas (no exchange)", measures_link=True),
+                 "and such batches run as N replicas (no exchange)", measures_link=True, replicates=True),
     Mode("dp", "each rank its own sequences, per-token combine (not bit-exact)"),
     Mode("collective", "every rank runs the dense model, one all_sum of the slots per layer (exact)"),
     Mode("collective-tp", "collective with attention split by mlx-lm's shard() (not bit-exact)"),
@@ -112,7 +113,7 @@ def strategies(name: str, by_width: bool, backend: str, shardable: bool, everywh
     collectives cheaper."""
     if name not in ("auto", "dp"):
         return [name]
-    if name == "auto" and everywhere and not by_width:
+    if mode(name).replicates and everywhere and not by_width:
         return ["collective", "replicas"]
     if name == "auto" and by_width and backend == "mpi" and shardable:
         return ["collective-tp", "collective", "dp"]

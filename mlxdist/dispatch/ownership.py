@@ -10,6 +10,11 @@ first holder, and so on. Every rank sees the same routing where it decides
 (collective: every rank routes every token; dp: after the gather; p2p: rank
 0 alone decides), so they agree slot for slot, and since every holder keeps
 the same weights, results stay bit-exact.
+
+Where every rank holds every expert (``Placement.everywhere``) the slots go
+by position instead: slot ``s`` (in flat order) to rank ``s mod N``, so a
+single token's K slots are spread as evenly as they can be (by expert, a
+token's experts would all go to their primaries, however many share one).
 """
 
 from dataclasses import dataclass
@@ -70,12 +75,17 @@ class LayerOwnership:
         object.__setattr__(self, "_copies", np.array([len(h) for h in self.holders], dtype=np.int32))
         # Whether any expert of the layer has more than one holder (read on every call: computed once).
         object.__setattr__(self, "replicated", widest > 1)
+        # Every rank holds every expert: slots go to ranks by position.
+        object.__setattr__(self, "everywhere", widest > 1 and all(len(h) == self.local_table.shape[0]
+                                                                  for h in self.holders))
 
     def slot_owners(self, flat: np.ndarray) -> np.ndarray:
         """[S] expert of each routed slot -> [S] int32 rank that computes it."""
         flat = np.asarray(flat).reshape(-1)
         if not self.replicated:
             return self._primary[flat]
+        if self.everywhere:
+            return (np.arange(flat.size) % self.local_table.shape[0]).astype(np.int32)
         order = np.argsort(flat, kind="stable")
         sorted_experts = flat[order]
         starts = np.searchsorted(sorted_experts, sorted_experts, side="left")
@@ -101,6 +111,8 @@ class LayerOwnership:
         in the graph (no read-back: the masked layouts on GPUs). The same rule
         as ``slot_owners``, from a running count of each expert's slots."""
         shape = inds.shape
+        if self.everywhere:
+            return (mx.arange(inds.size) % self.local_table.shape[0] == self.rank).reshape(shape)
         flat = inds.reshape(-1).astype(mx.int32)  # [S]
         hits = (flat[:, None] == mx.arange(self.num_experts, dtype=mx.int32)[None]).astype(mx.int32)  # [S, E]
         before = mx.take_along_axis(mx.cumsum(hits, axis=0) - hits, flat[:, None], axis=1)[:, 0]  # [S]

@@ -1,7 +1,7 @@
 """Under mpirun: load each checkpoint in turn and generate one batch,
 printing every sequence's tokens and sampled-token log-probabilities as JSON.
 
-    python batch_each.py DISPATCH[:SPLIT] LAYOUT MAX_TOKENS COMPLETION_BATCH PREFILL_STEP CKPT [CKPT ...]
+    python batch_each.py DISPATCH[:SPLIT[:REPLICATE]] LAYOUT MAX_TOKENS COMPLETION_BATCH PREFILL_STEP CKPT [CKPT ...]
 
 MAX_TOKENS is a comma-separated list, one per prompt (PROMPTS below);
 several lists joined by "/" run one batch after another on the same load
@@ -30,11 +30,13 @@ def run(cluster, args) -> dict:
     """batch_each.py's work for ``args`` (its command line) on ``cluster``:
     checkpoint -> its result (a list of them for several batches)."""
     dispatch, layout, max_tokens, completion, prefill_step, *paths = map(str, args)
-    dispatch, _, split = dispatch.partition(":")  # e.g. dp:width, experts cut in width
+    dispatch, _, split = dispatch.partition(":")  # e.g. dp:width, experts cut in width; auto::never
+    split, _, replicate = split.partition(":")
     batches = [[int(m) for m in group.split(",")] for group in max_tokens.split("/")]
     out = {}
     for path in paths:
-        cluster.load(path, dispatch=dispatch, layout=layout, expert_split=split or "whole")
+        cluster.load(path, dispatch=dispatch, layout=layout, expert_split=split or "whole",
+                     replicate=replicate or "auto")
         runs = []
         for lengths in batches:
             request = cluster.request([cluster.encode(p) for p in PROMPTS[: len(lengths)]], max_tokens=lengths,
@@ -47,6 +49,8 @@ def run(cluster, args) -> dict:
                 "strategy": cluster.engine.strategy,
                 "kv_cache_gb": results[0].stats.get("kv_cache_gb"),
                 "dense_bytes": [m["dense_bytes"] for m in cluster.engine.memory_by_rank],
+                "expert_bytes": [m["expert_bytes"] for m in cluster.engine.memory_by_rank],
+                "loaded": list(cluster.engine.dispatchers),
             })
         out[path] = runs if len(batches) > 1 else runs[0]
     return out
