@@ -26,7 +26,7 @@ import mlx.core as mx
 from mlxdist.bench import probes  # noqa: F401  (registers the probes, on every rank)
 from mlxdist.bench import speculative
 from mlxdist.dispatch import DISPATCH_MODES, RowDispatcher, modes, traffic
-from mlxdist.config import EXPERT_SPLITS
+from mlxdist.config import EXPERT_SPLITS, REPLICATE
 from mlxdist.model.checkpoint import text_config
 from mlxdist.runtime.world import BACKENDS
 
@@ -196,7 +196,8 @@ def bench_case(cluster, mode: str, prompts: List[List[int]], args) -> Dict[str, 
 def _load(cluster, mode: str, args, draft_model: Optional[str] = None) -> None:
     """Load ``args.model`` in ``mode`` (with a draft model where given), EOS ignored."""
     cluster.load(args.model, dispatch=mode, layout=args.layout, expert_split=args.expert_split,
-                 placement=args.placement, draft_model=draft_model)
+                 placement=args.placement, draft_model=draft_model,
+                 replicate=args.replicate if modes.mode(mode).replicates else "auto")
     cluster.probe("no_eos")
     if args.no_link:
         cluster.probe("no_link", on=True)
@@ -284,6 +285,8 @@ def parse_args(argv=None):
     parser.add_argument("--warmup-tokens", type=int, default=16, help="Tokens of the warm-up generation.")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--placement", default=None, help="Placement JSON file for every load (default: even).")
+    parser.add_argument("--replicate", choices=REPLICATE, default="auto",
+                        help="auto's --replicate: every expert on every rank where it fits (auto), always or never.")
     parser.add_argument("--json", action="store_true", help="One JSON object on stdout.")
     parser.add_argument("--expert-split", choices=EXPERT_SPLITS, default="whole",
                         help="Experts whole on one rank each, or cut in width over the ranks (every mode but p2p).")

@@ -22,6 +22,7 @@ from mlxdist.dispatch import DenseRanks, Dispatcher, LayerOwnership, RowDispatch
 from mlxdist.dispatch.linkcost import AutoInputs, Choice
 from mlxdist.engine.batch import batch_generate
 from mlxdist.engine.dp_schedule import DataParallelGeneration
+from mlxdist.engine.replicas import generate_own_share
 from mlxdist.engine.sampling import sequence_samplers
 from mlxdist.engine.speculative import drafter, load_draft
 from mlxdist.errors import UserError, describe_errors, one_line
@@ -184,7 +185,7 @@ class Engine:
         """Several prompts at once: mlx-lm's ``batch_generate`` (``batch.py``; finished
         sequences leave the batch) through the distributed experts, or under
         the data-parallel strategy each rank its share of the sequences
-        (``dp_schedule.py``)."""
+        (``dp_schedule.py``; as replicas, each alone: ``replicas.py``)."""
         strategy = strategy or self.strategy_for(len(prompts))
         dispatcher = self.use(strategy)
         # Each sequence draws from keys of its own (sampling.py): the same
@@ -192,6 +193,9 @@ class Engine:
         samplers = sequence_samplers(params.sampler(), params.seed if params.seed is not None else 0, len(prompts))
         batch_size = params.completion_batch_size or max(len(prompts), 1)
         try:
+            if isinstance(dispatcher, RowDispatcher) and not dispatcher.exchanges:  # replicas: each rank alone
+                return generate_own_share(self, prompts, params.max_tokens_each(len(prompts)), samplers, batch_size,
+                                          params.prefill_step_size, params.max_kv_size)
             if isinstance(dispatcher, RowDispatcher):
                 result = DataParallelGeneration(self, dispatcher, params).run(
                     prompts, params.max_tokens_each(len(prompts)), samplers)
@@ -328,6 +332,10 @@ class Engine:
         if self.options.expert_split == "width" and self.world.size > 1:
             raise UserError("experts cut in width (--expert-split width) are on every rank: there is nothing to place")
         plan.validate({layer: s.num_experts for layer, s in sites.items()}, self.world.size)
+        if "replicas" in self.dispatchers and not plan.on_every_rank:
+            raise UserError(f"every rank holds every expert (--replicate {self.options.replicate}) and runs batches "
+                            f"as replicas: a placement must keep every expert on every rank (load with "
+                            f"--replicate never to place experts)")
         budgets = self.options.rank_memory_gb
         if budgets is not None:
             check_rank_memory(plan, self.world.rank, budgets[self.world.rank], bytes_per_expert(sites.values()),
