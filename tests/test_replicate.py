@@ -16,6 +16,8 @@ def _declare() -> None:
     declare(__name__, 2, "replicate auto", batch_run("auto", "masked", [MAX_TOKENS, MAX_TOKENS[:1]], 3, 2048, ARCHS))
     declare(__name__, 3, "replicate auto", batch_run("auto", "compact", [MAX_TOKENS], 0, 4, ["qwen3_moe"]))
     declare(__name__, 2, "replicate never", batch_run("auto::never", "masked", [MAX_TOKENS], 3, 2048, ["qwen3_moe"]))
+    declare(__name__, 2, "replicate place",
+            lambda checkpoint, _: (("replicate_place", [checkpoint("qwen3_moe")]), lambda got: got))
 
 
 _declare()
@@ -56,6 +58,16 @@ def test_three_ranks_and_chunked_prefill(request, checkpoint):
     got = result(request, 3, "replicate auto")[path]
     ref_tokens, _ = reference(path, len(MAX_TOKENS))
     assert got["strategy"] == "replicas" and got["tokens"] == ref_tokens
+
+
+def test_a_placement_must_keep_every_expert_everywhere(request):
+    """Cluster.place under replicas: the even placement is refused in one
+    line (the model stays as it was), one with every expert on every rank
+    and other primaries is taken, and batches still run as replicas."""
+    got = result(request, 2, "replicate place")
+    assert got["refused"] and "a placement must keep every expert on every rank" in got["refused"]
+    assert "\n" not in got["refused"]
+    assert got["placed"] and got["strategy"] == "replicas" and all(len(t) == 4 for t in got["tokens"])
 
 
 def _load(checkpoint, extra, env=None):

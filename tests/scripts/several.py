@@ -22,11 +22,12 @@ import mlxdist
 import paged_each
 import place_live
 import replicas_each
+import replicate_place
 from mlxdist.executor import register_probe
 from mlxdist.model import grouped
 
 SCRIPTS = {"generate_each": generate_each, "batch_each": batch_each, "paged_each": paged_each,
-           "replicas_each": replicas_each, "place_live": place_live}
+           "replicas_each": replicas_each, "place_live": place_live, "replicate_place": replicate_place}
 AT_LAUNCH = grouped.OVERRIDE
 
 
