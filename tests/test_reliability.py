@@ -3,17 +3,15 @@ within seconds with a report of who stopped and during what; ranks that
 loaded different things are refused at LOAD; corrupt files give one line
 naming the file; a long run stays exact and flat in memory."""
 
-import json
-import os
 import shutil
+import subprocess
 import sys
 import time
 
 import pytest
 
 from conftest import MPIRUN, ROOT, error_lines, last_json, launch, mpirun_env
-
-import subprocess
+from mlxdist.runtime.world import retry_launcher
 
 
 def run_with_fault(path, fault, dispatch, timeout_flag=None, nranks=3):
@@ -95,7 +93,8 @@ def _mpmd(contexts, timeout=90):
         if i:
             cmd.append(":")
         cmd += ["-np", "1", "--wdir", str(wdir), sys.executable, *map(str, argv)]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=mpirun_env())
+    return retry_launcher(lambda: subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                                                 env=mpirun_env()))
 
 
 def _one_error(proc) -> str:
