@@ -73,8 +73,7 @@ class LoadOptions:
             raise UserError(f"--draft-model takes a folder or hub id, not {self.draft_model!r:.60}")
         if self.replicate not in REPLICATE:
             raise UserError(f"--replicate takes {', '.join(REPLICATE)}, not {self.replicate!r:.40}")
-        if self.replicate == "always" and (not modes.mode(self.dispatch).replicates or self.placed or self.pages
-                                           or self.expert_split == "width"):
+        if self.replicate == "always" and not self.may_replicate:
             able = " or ".join(n for n, m in modes.MODES.items() if m.replicates)
             raise UserError(f"--replicate always puts every expert on every rank under --dispatch {able}: it takes no "
                             "other --dispatch, placement, --no-rank0-experts, --rank-memory, --expert-capacity, "
@@ -88,6 +87,13 @@ class LoadOptions:
     def pages(self) -> bool:
         """Experts paged in from disk (--expert-capacity or --memory-budget)."""
         return self.expert_capacity is not None or self.memory_budget_gb is not None
+
+    @property
+    def may_replicate(self) -> bool:
+        """Whether every expert may go on every rank (--replicate): a mode that
+        replicates, and nothing else saying where the experts go."""
+        return (modes.mode(self.dispatch).replicates and not self.placed and not self.pages
+                and self.expert_split != "width")
 
     @property
     def placed(self) -> bool:

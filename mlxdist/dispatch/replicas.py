@@ -6,10 +6,12 @@ through the model as one process would; no MoE layer exchanges anything.
 
 ``auto`` loads this strategy in place of dp where every rank has room for
 the whole model (``engine/load.py``): a batch of at least one sequence per
-rank then costs each rank its share of the dense work and of the experts'
-with nothing on the wire but the sampled tokens, which the schedule
-(``engine/dp_schedule.py``) gathers once per step. A single sequence still
-runs ``collective``, which splits its experts' work over the ranks.
+rank then costs each rank its share of the dense work and of the experts',
+and each rank decodes its share alone, the tokens gathered once at the end
+(``engine/replicas.py``; the server's data-parallel generator runs it in
+lockstep, ``engine/dp_schedule.py``, gathering each step's tokens). A single
+sequence still runs ``collective``, which splits its experts' work over the
+ranks.
 
 Each rank's rows go through mlx-lm's own expert module in one batch, so a
 sequence's tokens are those of one process decoding that rank's sequences

@@ -181,8 +181,7 @@ def _replicates(world: World, options: LoadOptions, lazy: _Lazy, found: List[Dic
         return False
     if options.replicate == "always":
         return True
-    if (not modes.mode(options.dispatch).replicates or options.placed or options.pages
-            or options.expert_split == "width" or not all(m["bytes"] for m in found)):
+    if not options.may_replicate or not all(m["bytes"] for m in found):
         return False
     whole = nbytes(lazy.model.parameters()) + KV_RESERVE_TOKENS * kv_bytes_per_token(lazy.config)
     ranks_on = {h: sum(m["host"] == h for m in found) for h in {m["host"] for m in found}}

@@ -77,8 +77,9 @@ class Placement:
         return cls(num_ranks, layers)
 
     def everywhere(self) -> "Placement":
-        """Every expert on every rank, each expert's primary (the rank that
-        computes a single sequence's slot of it) where this placement puts it."""
+        """Every expert on every rank, each expert's primary where this
+        placement puts it (the slots then go to ranks by position:
+        ``dispatch/ownership.py``)."""
         ranks = range(self.num_ranks)
         return Placement(self.num_ranks, {layer: [owners[:1] + tuple(r for r in ranks if r != owners[0])
                                                   for owners in row] for layer, row in self.layers.items()})
