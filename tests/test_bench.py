@@ -3,6 +3,7 @@ the comparison's ratios come from the numbers of the same run."""
 
 import json
 import math
+import statistics
 
 import pytest
 
@@ -142,7 +143,13 @@ def test_compare_ratios_from_same_run(model, tmp_path):
     } | {("mlx-lm replicas", 2, 2)}  # replicas: b/N sequences each, so only b = 2
     replicas = rows[("mlx-lm replicas", 2, 2)]
     assert len(replicas["replicas_generation_tps"]) == 2
-    assert math.isclose(replicas["generation_tps"], sum(replicas["replicas_generation_tps"]))
+    # one job's rate: every process's tokens over the slowest one's time, per trial (they start together)
+    trials = replicas["replicas_trials"]
+    jobs = [sum(t["trials_generation_tokens"][i] for t in trials)
+            / max(t["trials_generation_tokens"][i] / t["trials_generation_tps"][i] for t in trials)
+            for i in range(len(trials[0]["trials_generation_tps"]))]
+    assert math.isclose(replicas["generation_tps"], statistics.median(jobs))
+    assert replicas["generation_tps"] <= sum(replicas["replicas_generation_tps"]) * (1 + 1e-9)
     assert math.isclose(rows[("mlxdist collective", 2, 2)]["vs_replicas"],
                         rows[("mlxdist collective", 2, 2)]["generation_tps"] / replicas["generation_tps"])
     for (contender, n, b), row in rows.items():
@@ -219,3 +226,28 @@ def test_compare_ratios_pair_each_round():
     add_ratios([mine, tensor])
     assert mine["vs_tensor"] == 1.0 and mine["vs_tensor_rounds"] == [1.0, 3.0, 0.5]  # medians' ratio: 2.0
     assert mine["vs_single"] is None and mine["vs_single_rounds"] == []
+
+
+def test_replicas_start_each_generation_together(tmp_path):
+    """mlx-lm's replicas are timed as one job: a process that arrives late
+    holds the others at the start line, so their timed generations overlap."""
+    import subprocess
+    import sys
+    import time
+
+    from mlxdist.bench.mlxlm import StartLine
+
+    code = ("import sys, time; from mlxdist.bench.mlxlm import StartLine; "
+            "time.sleep(float(sys.argv[2])); line = StartLine.parse(sys.argv[1]); "
+            "[(line(), print(time.time(), flush=True)) for _ in range(3)]")
+    began = time.time()
+    procs = [subprocess.Popen([sys.executable, "-c", code, f"{tmp_path},{i},2", str(delay)], stdout=subprocess.PIPE,
+                              text=True, cwd=ROOT) for i, delay in enumerate((0.0, 1.5))]
+    passed = [[float(t) for t in p.communicate(timeout=60)[0].split()] for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    assert len(passed[0]) == len(passed[1]) == 3
+    assert passed[0][0] - began >= 1.5  # the early one waited for the late one
+    assert all(abs(a - b) < 0.5 for a, b in zip(*passed))
+    (tmp_path / "alone").mkdir()
+    with pytest.raises(TimeoutError, match="never reached generation 1"):
+        StartLine(str(tmp_path / "alone"), 0, 2)(timeout=0.05)

@@ -14,12 +14,19 @@ mlx-lm's reason instead of numbers.
 
 ``replicas``: the bound for a model that fits one machine: N independent
 single processes at once (one GPU each where MLX runs on CUDA), each with
-b/N of the batch; generation tok/s is their sum.
+b/N of the batch. They never talk, but they start each generation together
+(``StartLine``: files in a shared folder), and a trial's tok/s is all their
+tokens over the slowest one's time, as mlxdist's replicas are timed
+(``engine/replicas.py``). Summing each process's own rate instead counts a
+process that ran while another was still loading or already done as if it
+had shared the machine, and reads up to a third higher on two CPU cores.
 """
 
 import json
 import os
 import sys
+import time
+from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 import mlx.core as mx
@@ -117,6 +124,30 @@ def _peaks(group: Optional[mx.distributed.Group]) -> List[float]:
     return mx.distributed.all_sum(mine, group=group, stream=generation_stream).tolist()
 
 
+class StartLine:
+    """Where N replica processes wait for each other before each generation:
+    process ``index`` writes ``<k>.<index>`` in ``folder`` at its k-th call
+    and returns once all N have written theirs. Nothing is timed while they
+    wait, and no MPI call is made (an emulated link never touches them)."""
+
+    def __init__(self, folder: str, index: int, count: int):
+        self.folder, self.index, self.count, self.calls = Path(folder), index, count, 0
+
+    @classmethod
+    def parse(cls, text: str) -> "StartLine":
+        folder, index, count = text.rsplit(",", 2)
+        return cls(folder, int(index), int(count))
+
+    def __call__(self, timeout: float = 600.0) -> None:
+        self.calls += 1
+        (self.folder / f"{self.calls}.{self.index}").touch()
+        deadline = time.monotonic() + timeout
+        while len(list(self.folder.glob(f"{self.calls}.*"))) < self.count:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"replica {self.index}: the other replicas never reached generation {self.calls}")
+            time.sleep(0.001)
+
+
 def generate(model, tokenizer, prompts: List[List[int]], max_tokens: int, group) -> Dict[str, Any]:
     """One generation, as ``mlxdist.bench`` runs it through the engine."""
     from mlx_lm.generate import batch_generate, stream_generate
@@ -159,20 +190,30 @@ def run(args) -> Dict[str, Any]:
     report["ranks"] = group.size() if group is not None else 1
     vocab = text_config(config)["vocab_size"]
     rows = []
+    start = args.start_line or (lambda: None)
     for batch in args.batch_sizes:
         prompts = make_prompts(args.prompt_kind, vocab, batch, args.prompt_tokens, args.seed)
+        start()
         generate(model, tokenizer, prompts, min(args.generation_tokens, args.warmup_tokens), group)
-        trials = [generate(model, tokenizer, prompts, args.generation_tokens, group) for _ in range(args.num_trials)]
+        trials = []
+        for _ in range(args.num_trials):
+            start()
+            trials.append(generate(model, tokenizer, prompts, args.generation_tokens, group))
         row = median_row(trials)
-        row.update(batch=batch, ranks=report["ranks"], trials_generation_tps=[t["generation_tps"] for t in trials])
+        row.update(batch=batch, ranks=report["ranks"], trials_generation_tps=[t["generation_tps"] for t in trials],
+                   trials_generation_tokens=[t["generation_tokens"] for t in trials],
+                   trials_prompt_tps=[t["prompt_tps"] for t in trials])
         rows.append(row)
     report["results"] = rows
     return report
 
 
 def run_replicas(args, argv: List[str]) -> Dict[str, Any]:
-    """N single processes at once per batch size, each with b/N sequences."""
+    """N single processes at once per batch size, each with b/N sequences,
+    starting each generation together; per trial, the job's tok/s is every
+    process's tokens over the slowest process's time."""
     import subprocess
+    import tempfile
 
     n = args.replicas
     report = {"contender": "mlx-lm replicas", "model": args.model, "ranks": n, "prompt_tokens": args.prompt_tokens,
@@ -182,23 +223,36 @@ def run_replicas(args, argv: List[str]) -> Dict[str, Any]:
     for batch in args.batch_sizes:
         if batch % n:
             continue  # b/N sequences each: only batches that divide
-        cmd = [sys.executable, "-m", "mlxdist.bench.mlxlm", "--mode", "single", *_without_batches(argv),
-               "-b", str(batch // n), "--json"]
-        procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True,
-                                  env={**os.environ, **({"CUDA_VISIBLE_DEVICES": str(i)} if cuda else {})})
-                 for i in range(n)]
-        outs = [json.loads([l for l in p.communicate()[0].splitlines() if l.startswith("{")][-1])["results"][0]
-                for p in procs]
-        rows.append({
-            "batch": batch, "ranks": n,
-            "prompt_tps": sum(o["prompt_tps"] for o in outs),
-            "generation_tps": sum(o["generation_tps"] for o in outs),
-            "generation_tokens": sum(o["generation_tokens"] for o in outs),
-            "peak_memory_gb": [max(o["peak_memory_gb"]) for o in outs],
-            "replicas_generation_tps": [o["generation_tps"] for o in outs],
-        })
+        with tempfile.TemporaryDirectory(prefix="mlxdist-replicas-") as folder:
+            procs = [subprocess.Popen([sys.executable, "-m", "mlxdist.bench.mlxlm", "--mode", "single",
+                                       *_without_batches(argv), "-b", str(batch // n), "--json",
+                                       "--start-line", f"{folder},{i},{n}"], stdout=subprocess.PIPE, text=True,
+                                      env={**os.environ, **({"CUDA_VISIBLE_DEVICES": str(i)} if cuda else {})})
+                     for i in range(n)]
+            outs = [json.loads([l for l in p.communicate()[0].splitlines() if l.startswith("{")][-1])["results"][0]
+                    for p in procs]
+        rows.append({"batch": batch, "ranks": n, **_together(outs),
+                     "peak_memory_gb": [max(o["peak_memory_gb"]) for o in outs],
+                     "replicas_generation_tps": [o["generation_tps"] for o in outs],
+                     "replicas_trials": [{k: o[k] for k in ("trials_generation_tps", "trials_generation_tokens")}
+                                         for o in outs]})
     report["results"] = rows
     return report
+
+
+def _together(outs: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """The replicas' trials as one job's: per trial, the tokens of all over
+    the slowest one's time (prompt and generation apart); the median trial."""
+    import statistics
+
+    def rate(trial: int, tps_key: str, tokens: List[float]) -> float:
+        return sum(tokens) / max(t / o[tps_key][trial] for t, o in zip(tokens, outs))
+
+    trials = range(len(outs[0]["trials_generation_tps"]))
+    generation = [rate(i, "trials_generation_tps", [o["trials_generation_tokens"][i] for o in outs]) for i in trials]
+    prompt = [rate(i, "trials_prompt_tps", [o["batch"] for o in outs]) for i in trials]  # prompts of one length
+    return {"prompt_tps": statistics.median(prompt), "generation_tps": statistics.median(generation),
+            "generation_tokens": sum(o["generation_tokens"] for o in outs), "trials_generation_tps": generation}
 
 
 def _without_batches(argv: List[str]) -> List[str]:
@@ -222,12 +276,17 @@ def main(argv=None) -> None:
         del argv[i : i + 2]
     if mode not in MODES:
         raise SystemExit(f"unknown --mode {mode!r} (choose from {', '.join(MODES)})")
-    replicas = 2
+    replicas, start_line = 2, None
     if "--replicas" in argv:
         i = argv.index("--replicas")
         replicas = int(argv[i + 1])
         del argv[i : i + 2]
+    if "--start-line" in argv:  # run_replicas's: FOLDER,INDEX,N
+        i = argv.index("--start-line")
+        start_line = StartLine.parse(argv[i + 1])
+        del argv[i : i + 2]
     args = _bench_args(argv)
+    args.start_line = start_line
     if args.no_link:
         raise SystemExit("--no-link replaces mlxdist's exchange: python -m mlxdist.bench")
     args.mode, args.replicas = mode, replicas
