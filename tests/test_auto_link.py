@@ -7,9 +7,10 @@ The model's reading (dispatch/linkcost.py): a batch of one sequence per rank
 with the experts spread (--replicate never) runs dp on a fast link (each rank
 runs half the rows) and collective on the slow one (one all_sum per MoE layer
 where dp runs an all_gather and an all_sum); with every expert on every rank
-it runs replicas on both (nothing on the wire); one sequence with experts cut in width runs collective-tp on a fast
-link (attention split too) and collective on the slow one (one all_sum per
-MoE layer where collective-tp runs two in every layer)."""
+it runs replicas on both (nothing on the wire); one sequence with experts cut in width, or with every expert on
+every rank, runs collective-tp on a fast link (attention split too) and
+collective on the slow one (one all_sum per MoE layer where collective-tp
+runs two in every layer)."""
 
 import json
 import re
@@ -26,12 +27,15 @@ MEASURED = re.compile(r"auto: link (\d+) us per collective")
 CHOSE = re.compile(r"auto: b = (\d+) on (\d+) ranks runs ([\w-]+); per step: (.*)$", re.M)  # after a progress bar
 
 
-def run_auto(checkpoint, tmp_path, link, width: bool, replicate: str = "never"):
+def run_auto(checkpoint, tmp_path, link, width: bool, replicate: str = "never", one: bool = False):
     """One load under auto on two ranks: a batch of two prompts (whole
-    experts, from a job file) or one prompt (experts cut in width)."""
+    experts, from a job file) or one prompt (experts cut in width, or
+    ``one``); the chosen strategy's text is on ``run_auto.stdout``."""
     args = ["--model", checkpoint("qwen3_moe"), "-m", 2, "--quiet", "--replicate", replicate]
     if width:
         args += ["--expert-split", "width", "-p", "Hello"]
+    elif one:
+        args += ["-p", "Hello"]
     else:
         jobs = tmp_path / f"jobs-{link is not None}.jsonl"
         jobs.write_text("".join(json.dumps({"id": str(i), "prompt": f"Prompt {i} about experts"}) + "\n"
@@ -42,26 +46,34 @@ def run_auto(checkpoint, tmp_path, link, width: bool, replicate: str = "never"):
     measured = [int(m) for m in MEASURED.findall(proc.stderr)]
     chosen = CHOSE.findall(proc.stderr)
     assert len(measured) == 1 and len(chosen) == 1, proc.stderr[-3000:]  # once per load, once per change
+    run_auto.stdout = proc.stdout
     return measured[0], chosen[0]
 
 
-def run_bare(checkpoint, tmp_path, width: bool, replicate: str = "never"):
+def run_bare(checkpoint, tmp_path, width: bool, replicate: str = "never", one: bool = False):
     """``run_auto`` over the bare transport, measured as fast as one host's
     link (``LOCAL``): a launch whose ranks met other jobs on this box's two
     cores and measured more is not that link, and is run again (up to 3)."""
     for _ in range(3):
-        measured, chosen = run_auto(checkpoint, tmp_path, None, width, replicate)
+        measured, chosen = run_auto(checkpoint, tmp_path, None, width, replicate, one)
         if measured <= LOCAL.latency * 1e6:
             break
     return measured, chosen
 
 
-@pytest.mark.parametrize("width, fast, slow", [(False, "dp", "collective"), (True, "collective-tp", "collective")],
-                         ids=["whole-b2", "width-b1"])
-def test_a_slow_link_makes_auto_choose_differently(checkpoint, tmp_path, width, fast, slow):
-    bare_us, (batch, ranks, bare_choice, bare_costs) = run_bare(checkpoint, tmp_path, width)
-    slow_us, (_, _, slow_choice, slow_costs) = run_auto(checkpoint, tmp_path, SLOW, width)
-    assert (batch, ranks) == ("1" if width else "2", "2")
+@pytest.mark.parametrize("width, replicate, fast, slow", [
+    (False, "never", "dp", "collective"),
+    (True, "never", "collective-tp", "collective"),
+    (False, "always", "collective-tp", "collective"),
+], ids=["whole-b2", "width-b1", "everywhere-b1"])
+def test_a_slow_link_makes_auto_choose_differently(checkpoint, tmp_path, width, replicate, fast, slow):
+    one = replicate == "always"  # every expert on every rank: one prompt, split dense part or not
+    bare_us, (batch, ranks, bare_choice, bare_costs) = run_bare(checkpoint, tmp_path, width, replicate, one)
+    bare_text = run_auto.stdout
+    slow_us, (_, _, slow_choice, slow_costs) = run_auto(checkpoint, tmp_path, SLOW, width, replicate, one)
+    if one:  # greedy: the split twin (collective-tp, not bit-exact) and collective say the same here
+        assert bare_text == run_auto.stdout and bare_text.strip()
+    assert (batch, ranks) == ("1" if width or one else "2", "2")
     assert bare_us <= LOCAL.latency * 1e6 and slow_us >= SLOW.latency_us
     assert (bare_choice, slow_choice) == (fast, slow), (bare_costs, slow_costs)
     assert bare_costs.startswith(f"{fast} ") and slow_costs.startswith(f"{slow} ")  # cheapest first

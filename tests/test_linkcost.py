@@ -17,27 +17,29 @@ TEN_GBE = LinkCost(275e-6, 1 / 1.1e9)  # the benchmark's 10gbe preset: 100 us + 
 SLOW = LinkCost(50e-3, 1 / 1000e9)  # tests/test_auto_link.py's emulated link
 
 
-def loaded(split: str, backend: str, shardable: bool = True):
-    return modes.strategies("auto", split == "width", backend, shardable)
+def loaded(split: str, backend: str, shardable: bool = True, everywhere: bool = False):
+    return modes.strategies("auto", split == "width", backend, shardable, everywhere)
 
 
-def choose(batch, ranks, backend, split, link, dense=DENSE[1], shape=TINY, shardable=True):
-    return modes.auto_choice(loaded(split, backend, shardable), batch, ranks, backend, split,
+def choose(batch, ranks, backend, split, link, dense=DENSE[1], shape=TINY, shardable=True, everywhere=False):
+    return modes.auto_choice(loaded(split, backend, shardable, everywhere), batch, ranks, backend, split,
                              AutoInputs(link, dense, shape))
 
 
 @pytest.mark.parametrize("backend", ["mpi", "nccl"])
 @pytest.mark.parametrize("split", ["whole", "width"])
 @pytest.mark.parametrize("shardable", [True, False])
-def test_on_a_fast_link_it_is_the_rule_measured_on_one_host(backend, split, shardable):
+@pytest.mark.parametrize("everywhere", [False, True])
+def test_on_a_fast_link_it_is_the_rule_measured_on_one_host(backend, split, shardable, everywhere):
     for link in FAST:
         for dense in DENSE:
             for ranks in (2, 3, 4):
                 for batch in range(1, 8 * ranks + 3):
-                    names = loaded(split, backend, shardable)
-                    rule = modes.auto_strategy(batch, ranks, backend, split)
+                    names = loaded(split, backend, shardable, everywhere)
+                    rule = modes.auto_strategy(batch, ranks, backend, split, modes.row_strategy(names))
                     expect = rule if rule in names else names[0]
-                    got = choose(batch, ranks, backend, split, link, dense, shardable=shardable)
+                    got = choose(batch, ranks, backend, split, link, dense, shardable=shardable,
+                                 everywhere=everywhere)
                     assert got.strategy == expect, (link, dense, ranks, batch, got.describe())
 
 
@@ -98,3 +100,21 @@ def test_the_choice_says_what_it_was_chosen_from():
     assert text.startswith("auto: b = 2 on 2 ranks runs collective; per step: collective ")
     assert "dp " in text and "6 collectives" in text
     assert "50000 us per collective" in inputs.describe()
+
+
+def test_every_expert_everywhere_one_sequence_splits_the_dense_part_where_the_link_allows():
+    """The whole model on every rank: one sequence runs collective-tp (half
+    the dense work a rank on two, every token's slots balanced by position)
+    over a fast link and 10 GbE, collective over a slow one (half the
+    collectives); NCCL loads no twin; batches run as replicas whatever the link."""
+    names = loaded("whole", "mpi", everywhere=True)
+    assert names == ["collective", "collective-tp", "replicas"]
+    assert loaded("whole", "nccl", everywhere=True) == ["collective", "replicas"]
+    assert loaded("whole", "mpi", shardable=False, everywhere=True) == ["collective", "replicas"]
+    dense = DenseCost(0.4e-3, 7e-3, 1.0)  # bench-small on the 2-core CPU, as auto measured it
+    shape = Shape(hidden=1024, top_k=4, layers=2, moe_layers=2, itemsize=4)
+    for link in FAST + [TEN_GBE]:
+        assert choose(1, 2, "mpi", "whole", link, dense, shape, everywhere=True).strategy == "collective-tp"
+    assert choose(1, 2, "mpi", "whole", SLOW, dense, shape, everywhere=True).strategy == "collective"
+    for link in FAST + [TEN_GBE, SLOW]:
+        assert choose(4, 2, "mpi", "whole", link, dense, shape, everywhere=True).strategy == "replicas"

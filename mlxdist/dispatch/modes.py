@@ -106,15 +106,18 @@ def check_launcher(name: str, ranks: int, has_mpi: bool) -> None:
 def strategies(name: str, by_width: bool, backend: str, shardable: bool, everywhere: bool = False) -> List[str]:
     """The strategies a load of mode ``name`` builds, the first the default:
     ``auto`` and ``dp`` hold collective and dp; ``auto`` with every expert
-    on every rank (``everywhere``) holds collective and replicas; ``auto``
-    with experts cut in width on MPI runs single sequences as collective-tp
-    where mlx-lm can ``shard()`` the model (on a twin of it:
-    ``splits_attention``), or as collective where the link makes its fewer
-    collectives cheaper."""
+    on every rank (``everywhere``) holds collective and replicas, and
+    collective-tp beside them where mlx-lm can ``shard()`` the model and the
+    transport is not NCCL; ``auto`` with experts cut in width on MPI runs
+    single sequences as collective-tp where mlx-lm can ``shard()`` the model
+    (on a twin of it: ``splits_attention``), or as collective where the link
+    makes its fewer collectives cheaper. (On NCCL's GPUs a step is bound by
+    the host's time per graph node, which the cost model does not see.)"""
     if name not in ("auto", "dp"):
         return [name]
     if mode(name).replicates and everywhere and not by_width:
-        return ["collective", "replicas"]
+        return ["collective", "collective-tp", "replicas"] if shardable and backend != "nccl" \
+            else ["collective", "replicas"]
     if name == "auto" and by_width and backend == "mpi" and shardable:
         return ["collective-tp", "collective", "dp"]
     return ["collective", "dp"]
@@ -152,12 +155,14 @@ def auto_strategy(batch: int, ranks: int, backend: str, expert_split: str = "who
     a generation of ``batch`` sequences: the ``rows`` strategy (dp, or
     replicas where every rank holds every expert) once the batch gives every
     rank enough rows (``dp_rows_per_rank``), a collective one below: with
-    experts cut in width on MPI, collective-tp (attention split as tensor
-    parallelism splits it; where the model has no mlx-lm ``shard()`` the
-    engine runs collective)."""
+    experts cut in width on MPI, or every expert on every rank (replicas)
+    off NCCL, collective-tp (attention split as tensor parallelism splits
+    it: half the dense work a rank on two; where the model has no mlx-lm
+    ``shard()`` the engine runs collective)."""
     if batch >= ranks * dp_rows_per_rank(backend, expert_split, rows):
         return rows
-    return "collective-tp" if expert_split == "width" and backend == "mpi" else "collective"
+    splits = (expert_split == "width" and backend == "mpi") or (rows == "replicas" and backend != "nccl")
+    return "collective-tp" if splits else "collective"
 
 
 def auto_choice(loaded: List[str], batch: int, ranks: int, backend: str, expert_split: str,

@@ -174,16 +174,23 @@ def _replicates(world: World, options: LoadOptions, lazy: _Lazy, found: List[Dic
     """Whether every rank holds every expert (``--replicate``; batches then
     run as N replicas): ``always``; under ``auto``, where the mode is auto,
     nothing says where the experts go and every host has room for a whole
-    model per rank it runs, beside each rank's KV reserve and the margin
-    (``model/balance.py``'s). Every rank decides alike from the memory all
-    of them reported."""
+    model per rank it runs, beside each rank's KV reserve, the split twin
+    collective-tp runs on where the model can be ``shard()``-ed (at most
+    1/N of the dense part) and the margin (``model/balance.py``'s). Every
+    rank decides alike from the memory all of them reported."""
     if world.size == 1 or options.replicate == "never":
         return False
     if options.replicate == "always":
         return True
     if not options.may_replicate or not all(m["bytes"] for m in found):
         return False
-    whole = nbytes(lazy.model.parameters()) + KV_RESERVE_TOKENS * kv_bytes_per_token(lazy.config)
+    weights = nbytes(lazy.model.parameters())
+    twin = 0
+    if can_shard(lazy.model, lazy.config, world.size):
+        per_expert = bytes_per_expert(lazy.sites)
+        experts = sum(per_expert[site.layer] * site.num_experts for site in lazy.sites)
+        twin = (weights - experts) // world.size
+    whole = weights + twin + KV_RESERVE_TOKENS * kv_bytes_per_token(lazy.config)
     ranks_on = {h: sum(m["host"] == h for m in found) for h in {m["host"] for m in found}}
     return all(ranks_on[m["host"]] * whole <= m["bytes"] * (1 - MARGIN) for m in found)
 
