@@ -30,8 +30,9 @@ def test_bench_json_two_ranks(model):
     assert [(x["dispatch"], x["batch"]) for x in rows] == [
         ("auto", 1), ("auto", 2), ("collective", 1), ("collective", 2), ("p2p", 1), ("p2p", 2)
     ]
-    # auto runs the exact collective mode for one sequence and, the model on every rank, replicas for one per rank
-    assert [x["strategy"] for x in rows[:2]] == ["collective", "replicas"]
+    # the model on every rank: auto splits the dense part for one sequence (collective-tp) and runs replicas
+    # for one per rank
+    assert [x["strategy"] for x in rows[:2]] == ["collective-tp", "replicas"]
     assert rows[1]["vs_exact"]["reference"] == "collective" and rows[1]["vs_exact"]["equal_sequences"] == 1.0
     for row in rows:
         replicas = row["strategy"] == "replicas"  # no exchange: no floor to compare it with

@@ -97,8 +97,14 @@ def load_engine(world: World, options: LoadOptions) -> Engine:
                                 _reading_stage(world, plan, lazy.sites, by_width))
     twin = None
     if tp_twin:  # its own (split) arrays are evaluated as it is built
-        wrapped = {site.path.rsplit(".", 1)[0]: block for site, block in zip(lazy.sites, modules.blocks)}
-        twin = tensor_parallel_twin(lazy.model, lazy.path, world, lazy.config, wrapped)
+        # Width: the model's wrapped MoE blocks (the dispatcher sums each over the ranks). Whole experts:
+        # the twin's own blocks as shard() made them (each sums its output over the ranks) around the
+        # model's distributed switches.
+        if by_width:
+            shared = {site.path.rsplit(".", 1)[0]: block for site, block in zip(lazy.sites, modules.blocks)}
+        else:
+            shared = {site.path: switch for site, switch in zip(lazy.sites, modules.switches)}
+        twin = tensor_parallel_twin(lazy.model, lazy.path, world, lazy.config, shared)
     expert_bytes = sum(nbytes(e.parameters()) for e in modules.experts.values())
     model, tokenizer, dense_bytes = None, None, 0
     if runs_dense:

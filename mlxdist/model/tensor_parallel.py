@@ -3,10 +3,12 @@ layers, around mlxdist's experts.
 
 ``shard_dense``: ``--dispatch collective-tp`` splits attention, dense and
 shared-expert layers over the ranks in the loaded model itself.
-``tensor_parallel_twin``: ``auto`` with experts cut in width keeps the model
-whole for ``dp`` and adds a second, sharded model for one-sequence batches
-that shares the MoE blocks, embedding, norms and head with the first; only
-the split layers (attention, dense MLPs: about 1/N of their weights) are new.
+``tensor_parallel_twin``: ``auto`` with experts cut in width, or with every
+expert on every rank, keeps the model whole for ``dp`` or ``replicas`` and
+adds a second, sharded model for one-sequence batches that shares the
+experts, embedding, norms and head with the first; only the split layers
+(attention, dense MLPs, shared experts with whole experts: about 1/N of their
+weights) are new.
 """
 
 from pathlib import Path
@@ -53,18 +55,21 @@ def shard_dense(model: nn.Module, sites: List[SwitchSite], world: World, config:
 
 
 def tensor_parallel_twin(model: nn.Module, path: Path, world: World, config: Dict[str, Any],
-                         blocks: Dict[str, nn.Module]) -> nn.Module:
-    """A second copy of ``model`` built by mlx-lm's ``shard()``, whose MoE
-    blocks are ``model``'s own (``blocks``: path -> the wrapped block) and
-    whose every other tensor that ``shard()`` left at its shape is
-    ``model``'s array (the same buffer). Only the split tensors are its own."""
+                         shared: Dict[str, nn.Module]) -> nn.Module:
+    """A second copy of ``model`` built by mlx-lm's ``shard()``, holding
+    ``model``'s own modules where ``shared`` says (path -> module: with
+    experts cut in width, each wrapped MoE block; with whole experts, each
+    distributed switch, inside the twin's block that sums its output over
+    the ranks as ``shard()`` made it), and whose every other tensor that
+    ``shard()`` left at its shape is ``model``'s array (the same buffer).
+    Only the split tensors are its own."""
     _check_shardable(model, config, world.size)
     twin, _ = load_model(path, lazy=True)
     twin.shard(world.group)
     twin_modules = dict(twin.named_modules())
-    for block_path, block in blocks.items():
-        holder, attr = block_path.rsplit(".", 1)
-        setattr(twin_modules[holder], attr, block)
+    for module_path, module in shared.items():
+        holder, attr = module_path.rsplit(".", 1)
+        setattr(twin_modules[holder], attr, module)
     own = dict(tree_flatten(model.parameters()))
     shared = [(name, own[name]) for name, value in tree_flatten(twin.parameters())
               if name in own and own[name].shape == value.shape and own[name].dtype == value.dtype]
