@@ -267,7 +267,7 @@ def _explain_auto(engine) -> None:
     """--verbose under auto: whether every rank holds every expert, what it
     measured at load, then each choice where it changes, with every
     candidate's estimated step."""
-    if "replicas" in engine.dispatchers:
+    if engine.replicated:
         print(f"auto: every rank holds every expert (--replicate {engine.options.replicate}): batches of "
               f"{engine.world.size} or more run as replicas", file=sys.stderr, flush=True)
     if engine.auto_inputs is None:

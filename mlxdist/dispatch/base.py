@@ -68,6 +68,7 @@ class Dispatcher(ABC):
     dense_ranks: DenseRanks
     survives_rank_loss: bool = False
     splits_attention: bool = False
+    exchanges: bool = True  # its MoE layers move slots between ranks (replicas: none, every expert is here)
     stats: ExchangeStats
 
     @property
@@ -122,7 +123,6 @@ class RowDispatcher(Dispatcher):
     pass so that the collectives line up."""
 
     dense_ranks = DenseRanks.OWN
-    exchanges = True  # its MoE layers run collectives (replicas run none: a rank without rows has nothing to do)
     dtype: mx.Dtype  # every rank's MoE-layer input dtype
     final_layer: Optional[int] = None  # the MoE layer that is the model's last layer, if any
 

@@ -129,6 +129,12 @@ class Engine:
         return any(d.dense_ranks is DenseRanks.ROOT for d in self.dispatchers.values())
 
     @property
+    def replicated(self) -> bool:
+        """Whether a loaded strategy runs with no exchange (``replicas``): it
+        needs every expert on every rank."""
+        return any(not d.exchanges for d in self.dispatchers.values())
+
+    @property
     def data_parallel(self) -> Optional[RowDispatcher]:
         """The loaded strategy in which each rank runs its own sequences, if any."""
         return next((d for d in self.dispatchers.values() if isinstance(d, RowDispatcher)), None)
@@ -332,7 +338,7 @@ class Engine:
         if self.options.expert_split == "width" and self.world.size > 1:
             raise UserError("experts cut in width (--expert-split width) are on every rank: there is nothing to place")
         plan.validate({layer: s.num_experts for layer, s in sites.items()}, self.world.size)
-        if "replicas" in self.dispatchers and not plan.on_every_rank:
+        if self.replicated and not plan.on_every_rank:
             raise UserError(f"every rank holds every expert (--replicate {self.options.replicate}) and runs batches "
                             f"as replicas: a placement must keep every expert on every rank (load with "
                             f"--replicate never to place experts)")
