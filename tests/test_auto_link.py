@@ -30,7 +30,7 @@ CHOSE = re.compile(r"auto: b = (\d+) on (\d+) ranks runs ([\w-]+); per step: (.*
 def run_auto(checkpoint, tmp_path, link, width: bool, replicate: str = "never", one: bool = False):
     """One load under auto on two ranks: a batch of two prompts (whole
     experts, from a job file) or one prompt (experts cut in width, or
-    ``one``); the chosen strategy's text is on ``run_auto.stdout``."""
+    ``one``): what it measured, what it chose and the text it printed."""
     args = ["--model", checkpoint("qwen3_moe"), "-m", 2, "--quiet", "--replicate", replicate]
     if width:
         args += ["--expert-split", "width", "-p", "Hello"]
@@ -46,8 +46,7 @@ def run_auto(checkpoint, tmp_path, link, width: bool, replicate: str = "never", 
     measured = [int(m) for m in MEASURED.findall(proc.stderr)]
     chosen = CHOSE.findall(proc.stderr)
     assert len(measured) == 1 and len(chosen) == 1, proc.stderr[-3000:]  # once per load, once per change
-    run_auto.stdout = proc.stdout
-    return measured[0], chosen[0]
+    return measured[0], chosen[0], proc.stdout
 
 
 def run_bare(checkpoint, tmp_path, width: bool, replicate: str = "never", one: bool = False):
@@ -55,10 +54,10 @@ def run_bare(checkpoint, tmp_path, width: bool, replicate: str = "never", one: b
     link (``LOCAL``): a launch whose ranks met other jobs on this box's two
     cores and measured more is not that link, and is run again (up to 3)."""
     for _ in range(3):
-        measured, chosen = run_auto(checkpoint, tmp_path, None, width, replicate, one)
+        measured, chosen, text = run_auto(checkpoint, tmp_path, None, width, replicate, one)
         if measured <= LOCAL.latency * 1e6:
             break
-    return measured, chosen
+    return measured, chosen, text
 
 
 @pytest.mark.parametrize("width, replicate, fast, slow", [
@@ -68,11 +67,11 @@ def run_bare(checkpoint, tmp_path, width: bool, replicate: str = "never", one: b
 ], ids=["whole-b2", "width-b1", "everywhere-b1"])
 def test_a_slow_link_makes_auto_choose_differently(checkpoint, tmp_path, width, replicate, fast, slow):
     one = replicate == "always"  # every expert on every rank: one prompt, split dense part or not
-    bare_us, (batch, ranks, bare_choice, bare_costs) = run_bare(checkpoint, tmp_path, width, replicate, one)
-    bare_text = run_auto.stdout
-    slow_us, (_, _, slow_choice, slow_costs) = run_auto(checkpoint, tmp_path, SLOW, width, replicate, one)
+    bare_us, on_bare, bare_text = run_bare(checkpoint, tmp_path, width, replicate, one)
+    slow_us, on_slow, slow_text = run_auto(checkpoint, tmp_path, SLOW, width, replicate, one)
+    (batch, ranks, bare_choice, bare_costs), (_, _, slow_choice, slow_costs) = on_bare, on_slow
     if one:  # greedy: the split twin (collective-tp, not bit-exact) and collective say the same here
-        assert bare_text == run_auto.stdout and bare_text.strip()
+        assert bare_text == slow_text and bare_text.strip()
     assert (batch, ranks) == ("1" if width or one else "2", "2")
     assert bare_us <= LOCAL.latency * 1e6 and slow_us >= SLOW.latency_us
     assert (bare_choice, slow_choice) == (fast, slow), (bare_costs, slow_costs)
@@ -84,7 +83,7 @@ def test_replicas_put_nothing_on_the_link(checkpoint, tmp_path):
     """Every expert on every rank: a batch of one sequence per rank runs
     replicas over the slow link as over the bare one, estimated with no
     collective at all, and collective (its one all_sum per MoE layer) second."""
-    slow_us, (batch, _, choice, costs) = run_auto(checkpoint, tmp_path, SLOW, False, "always")
+    slow_us, (batch, _, choice, costs), _ = run_auto(checkpoint, tmp_path, SLOW, False, "always")
     assert slow_us >= SLOW.latency_us and batch == "2"
     assert choice == "replicas" and costs.startswith("replicas ") and "0 collectives" in costs
     assert "collective " in costs

@@ -24,6 +24,7 @@ had shared the machine, and reads up to a third higher on two CPU cores.
 
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -243,8 +244,6 @@ def run_replicas(args, argv: List[str]) -> Dict[str, Any]:
 def _together(outs: List[Dict[str, Any]]) -> Dict[str, Any]:
     """The replicas' trials as one job's: per trial, the tokens of all over
     the slowest one's time (prompt and generation apart); the median trial."""
-    import statistics
-
     def rate(trial: int, tps_key: str, tokens: List[float]) -> float:
         return sum(tokens) / max(t / o[tps_key][trial] for t, o in zip(tokens, outs))
 

@@ -116,8 +116,8 @@ def strategies(name: str, by_width: bool, backend: str, shardable: bool, everywh
     if name not in ("auto", "dp"):
         return [name]
     if mode(name).replicates and everywhere and not by_width:
-        return ["collective", "collective-tp", "replicas"] if shardable and backend != "nccl" \
-            else ["collective", "replicas"]
+        splits = shardable and splits_one_sequence(backend, "whole", "replicas")
+        return ["collective", "collective-tp", "replicas"] if splits else ["collective", "replicas"]
     if name == "auto" and by_width and backend == "mpi" and shardable:
         return ["collective-tp", "collective", "dp"]
     return ["collective", "dp"]
@@ -161,8 +161,15 @@ def auto_strategy(batch: int, ranks: int, backend: str, expert_split: str = "who
     ``shard()`` the engine runs collective)."""
     if batch >= ranks * dp_rows_per_rank(backend, expert_split, rows):
         return rows
-    splits = (expert_split == "width" and backend == "mpi") or (rows == "replicas" and backend != "nccl")
-    return "collective-tp" if splits else "collective"
+    return "collective-tp" if splits_one_sequence(backend, expert_split, rows) else "collective"
+
+
+def splits_one_sequence(backend: str, expert_split: str, rows: str) -> bool:
+    """Whether ``auto`` runs one sequence with the dense part split
+    (collective-tp, where the model has mlx-lm's ``shard()``): with experts
+    cut in width on MPI, or with every expert on every rank (``rows`` is
+    replicas) off NCCL, whose GPUs are bound by the host's time per graph node."""
+    return (expert_split == "width" and backend == "mpi") or (rows == "replicas" and backend != "nccl")
 
 
 def auto_choice(loaded: List[str], batch: int, ranks: int, backend: str, expert_split: str,

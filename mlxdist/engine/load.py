@@ -190,13 +190,8 @@ def _replicates(world: World, options: LoadOptions, lazy: _Lazy, found: List[Dic
         return True
     if not options.may_replicate or not all(m["bytes"] for m in found):
         return False
-    weights = nbytes(lazy.model.parameters())
-    twin = 0
-    if can_shard(lazy.model, lazy.config, world.size):
-        per_expert = bytes_per_expert(lazy.sites)
-        experts = sum(per_expert[site.layer] * site.num_experts for site in lazy.sites)
-        twin = (weights - experts) // world.size
-    whole = weights + twin + KV_RESERVE_TOKENS * kv_bytes_per_token(lazy.config)
+    twin = _dense_bytes(lazy.model, lazy.sites) // world.size if can_shard(lazy.model, lazy.config, world.size) else 0
+    whole = nbytes(lazy.model.parameters()) + twin + KV_RESERVE_TOKENS * kv_bytes_per_token(lazy.config)
     ranks_on = {h: sum(m["host"] == h for m in found) for h in {m["host"] for m in found}}
     return all(ranks_on[m["host"]] * whole <= m["bytes"] * (1 - MARGIN) for m in found)
 
@@ -327,10 +322,15 @@ def _room_for_experts(world: World, options: LoadOptions, lazy_model, sites, con
         return None
     if options.expert_split == "width" and world.size > 1:
         return None
-    per_expert = bytes_per_expert(sites)
-    dense = nbytes(lazy_model.parameters()) - sum(per_expert[s.layer] * s.num_experts for s in sites)
+    dense = _dense_bytes(lazy_model, sites)
     runs_dense = [modes.runs_dense(options.dispatch, r) for r in range(world.size)]  # p2p's workers run none
     return expert_budgets(memory, [dense if d else 0 for d in runs_dense], KV_RESERVE_TOKENS * kv_bytes_per_token(config))
+
+
+def _dense_bytes(lazy_model: nn.Module, sites) -> int:
+    """Bytes of the model's weights outside its routed experts (sizes of the lazy model: no reads)."""
+    per_expert = bytes_per_expert(sites)
+    return nbytes(lazy_model.parameters()) - int(sum(per_expert[s.layer] * s.num_experts for s in sites))
 
 
 def _unequal(room: Optional[List[float]], options: LoadOptions) -> Optional[List[float]]:
