@@ -282,7 +282,10 @@ def main(argv=None) -> None:
         del argv[i : i + 2]
     if "--start-line" in argv:  # run_replicas's: FOLDER,INDEX,N
         i = argv.index("--start-line")
-        start_line = StartLine.parse(argv[i + 1])
+        try:
+            start_line = StartLine.parse(argv[i + 1] if i + 1 < len(argv) else "")
+        except ValueError:
+            raise SystemExit("--start-line takes FOLDER,INDEX,N (run_replicas passes it)") from None
         del argv[i : i + 2]
     args = _bench_args(argv)
     args.start_line = start_line
