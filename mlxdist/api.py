@@ -21,7 +21,8 @@ from mlxdist.runtime.control import Command
 from mlxdist.dispatch import default_layout
 from mlxdist.config import GenerationParams, LoadOptions
 from mlxdist.engine import Engine
-from mlxdist.engine.speculative import DraftTally
+from mlxdist.engine.speculative import DraftTally, drafter_name
+from mlxdist.engine.verify_width import START, VerifyWidths
 from mlxdist.errors import GenerationFailed, LoadError, UserError, failure_line, say_error
 from mlxdist.executor import PROBES, CommandExecutor
 from mlxdist.runtime.world import World, abort, join, run_or_abort, set_exit_code
@@ -65,6 +66,7 @@ class Cluster:
         self._closed = False
         self._recorder: Optional[RoutingRecorder] = None  # load(record_routing=...)
         self._open_stream: Optional[Iterator[Any]] = None  # the generation a stream reads, while it is open
+        self._widths = VerifyWidths()  # speculative decoding's measured widths, this load's (num_draft_tokens="auto")
 
     # -- lifecycle -------------------------------------------------------
     def __enter__(self) -> "Cluster":
@@ -173,6 +175,7 @@ class Cluster:
         options.validate()
         self._finish_recording()
         self.executor.load(self._broadcast(Command(commands.LOAD, asdict(options))).args)
+        self._widths = VerifyWidths()  # what the last load's generations measured is not this one's
         if record_routing is not None:
             self._recorder = RoutingRecorder(self.engine, record_routing, record_routing_every)
         return self
@@ -250,7 +253,16 @@ class Cluster:
                     f"exceeds the model's context of {limit}"
                 )
         args = {"prompts": [list(map(int, p)) for p in prompts], "sampling": asdict(params), "strategy": strategy}
+        if params.num_draft_tokens == "auto":  # every rank is sent the number
+            drafter = self._drafter(params) if len(prompts) == 1 else None
+            width = self._widths.choose(drafter) if drafter else START
+            args["sampling"]["num_draft_tokens"] = width
+            args["verify_width"] = self._widths.describe(drafter, width) if drafter else None
         return Command(commands.GENERATE, args)
+
+    def _drafter(self, params: GenerationParams) -> Optional[str]:
+        """Which drafter a one-prompt generation with ``params`` runs (None: plain decoding)."""
+        return drafter_name(self.engine.draft_model is not None, params.prompt_lookup_ngram)
 
     def stream_generate(
         self, prompt: Optional[str] = None, *, messages: Optional[Messages] = None, **sampling
@@ -270,12 +282,16 @@ class Cluster:
         """Run a one-prompt ``request`` on every rank, yielding each piece.
         ``stats`` (a dict) receives mlx-lm's counters, speculative
         decoding's (``draft_tokens``, ``draft_tokens_accepted``,
-        ``acceptance``, ``tokens_per_forward``), the peak memory of every
-        rank and the exchange counters once the stream ends."""
+        ``acceptance``, ``tokens_per_forward``, ``num_draft_tokens``; and
+        ``verify_width``, a line saying how ``num_draft_tokens="auto"``
+        chose it), the peak memory of every rank and the exchange counters
+        once the stream ends."""
         stats = {} if stats is None else stats
         responses = self.executor.generate(self._broadcast(request).args)
         self._open_stream = responses
         tally = self._draft_tally(request)
+        if request.args.get("verify_width"):
+            stats["verify_width"] = request.args["verify_width"]
         try:
             for response in responses:
                 tally.add(response.from_draft)
@@ -291,13 +307,24 @@ class Cluster:
         finally:
             if self._open_stream is responses:  # not ended already by shutdown()
                 self._end_stream(stats)
+        self._record_width(request, tally, stats)
 
     def _draft_tally(self, request: Command) -> DraftTally:
         """The counter of drafted and kept tokens for a one-prompt ``request``
         (speculative where a draft model is loaded or prompt lookup asked)."""
         sampling = GenerationParams(**request.args["sampling"])
-        speculative = self.engine.draft_model is not None or sampling.prompt_lookup_ngram
-        return DraftTally(sampling.num_draft_tokens if speculative else 0, sampling.max_tokens_each(1)[0])
+        return DraftTally(sampling.num_draft_tokens if self._drafter(sampling) else 0, sampling.max_tokens_each(1)[0])
+
+    def _record_width(self, request: Command, tally: DraftTally, stats: Dict[str, Any]) -> None:
+        """What a speculative generation measured, for the widths ``auto``
+        chooses next: its drafts kept and rejected, and its decoding time
+        after the first token over the forwards after the first."""
+        if not stats.get("finish_reason") or not tally.num_draft_tokens:  # cut short, or plain decoding
+            return
+        drafter = self._drafter(GenerationParams(**request.args["sampling"]))
+        seconds = stats["generation_tokens"] / stats["generation_tps"] if stats.get("generation_tps") else 0.0
+        self._widths.record(drafter, tally.num_draft_tokens, tally.accepted, tally.rejected, seconds,
+                            tally.forwards - 1)
 
     def _end_stream(self, stats: Dict[str, Any]) -> None:
         """End the open stream on every rank (at this token, where its reader stopped early)."""

@@ -115,7 +115,9 @@ class GenerationParams:
     prefill_step_size: int = 2048
     max_kv_size: Optional[int] = None  # a rotating KV cache of this many tokens
     completion_batch_size: Optional[int] = None  # most sequences decoded at once (None: all)
-    num_draft_tokens: int = 3  # speculative decoding (one prompt): tokens drafted per verifying forward
+    # speculative decoding (one prompt): tokens drafted per verifying forward, or "auto": rank 0
+    # chooses it per generation (engine/verify_width.py) and sends every rank the number
+    num_draft_tokens: Union[int, str] = "auto"
     prompt_lookup_ngram: int = 0  # draft by prompt lookup on the last this-many tokens (0: off)
 
     def validate(self) -> None:
@@ -134,8 +136,9 @@ class GenerationParams:
             raise UserError(f"prefill_step_size must be >= 1, got {self.prefill_step_size}")
         if self.max_kv_size is not None and not self.max_kv_size >= 1:
             raise UserError(f"max_kv_size must be >= 1, got {self.max_kv_size}")
-        if not (isinstance(self.num_draft_tokens, int) and 1 <= self.num_draft_tokens <= MAX_DRAFT_TOKENS):
-            raise UserError(f"num_draft_tokens must be from 1 to {MAX_DRAFT_TOKENS}, got {self.num_draft_tokens}")
+        k = self.num_draft_tokens
+        if k != "auto" and not (isinstance(k, int) and not isinstance(k, bool) and 1 <= k <= MAX_DRAFT_TOKENS):
+            raise UserError(f"num_draft_tokens must be from 1 to {MAX_DRAFT_TOKENS} or auto, got {k!r}")
         if not (isinstance(self.prompt_lookup_ngram, int) and 0 <= self.prompt_lookup_ngram <= MAX_LOOKUP_NGRAM):
             raise UserError(f"prompt_lookup_ngram must be from 0 (off) to {MAX_LOOKUP_NGRAM}, "
                             f"got {self.prompt_lookup_ngram}")

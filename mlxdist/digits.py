@@ -16,7 +16,7 @@ is refused, by the caller, naming the field.
 import argparse
 import math
 import re
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 MAX_DIGITS = 20  # a 64-bit unsigned integer; int() of a longer text costs the square of its length
 _INT = re.compile(r"-?[0-9]+\Z")
@@ -68,6 +68,17 @@ def arg_int(low: Optional[int] = None) -> Callable[[str], int]:
         return value
 
     read.__name__ = "integer"  # argparse names the type in its messages
+    return read
+
+
+def arg_int_or(word: str, low: Optional[int] = None) -> Callable[[str], Union[int, str]]:
+    """An argparse type: ``word`` itself, or an integer as ``arg_int(low)`` reads it."""
+    integer = arg_int(low)
+
+    def read(text: str) -> Union[int, str]:
+        return word if text == word else integer(text)
+
+    read.__name__ = f"integer or {word}"
     return read
 
 

@@ -18,18 +18,24 @@ def model(checkpoint):
 
 def test_speculative_rows_beside_plain(model):
     """Two ranks, collective: plain b = 1, then prompt lookup and the model as
-    its own draft (which agrees by construction), on a repetitive prompt."""
+    its own draft (which agrees by construction), on a repetitive prompt,
+    each at K and at auto's widths."""
     r = launch(2, ["--model", model, "-p", 16, "-g", G, "-b", 1, "-n", 1, "--warmup-tokens", 2,
                    "--dispatch", "collective", "--prompt-kind", "repetitive", "--prompt-lookup-ngram", 2,
-                   "--num-draft-tokens", K, "--draft-model", "self", "--json"], module="mlxdist.bench", timeout=240)
+                   "--num-draft-tokens", f"{K},auto", "--draft-model", "self", "--json"], module="mlxdist.bench",
+               timeout=240)
     assert r.returncode == 0, r.stderr[-3000:]
     report = last_json(r.stdout)
     assert report["prompt_kind"] == "repetitive"
     rows = report["results"]
     assert [(x["dispatch"], x["batch"], x.get("speculative")) for x in rows] == [
-        ("collective", 1, None), ("collective", 1, f"lookup n=2 k={K}"), ("collective", 1, f"draft self k={K}")]
-    plain, lookup, draft = rows
+        ("collective", 1, None), ("collective", 1, f"lookup n=2 k={K}"), ("collective", 1, "lookup n=2 k=auto"),
+        ("collective", 1, f"draft self k={K}"), ("collective", 1, "draft self k=auto")]
+    plain, lookup, lookup_auto, draft, draft_auto = rows
     assert "tokens" not in plain  # used for the check, not reported
+    for row in (lookup_auto, draft_auto):  # after two warm-ups at 3 and one more or fewer: the fitted width
+        assert row["tokens_equal_plain"] is True and row["num_draft_tokens"] == "auto"
+        assert len(row["trials_num_draft_tokens"]) == 1 and 1 <= row["trials_num_draft_tokens"][0] <= 16
     for row in (lookup, draft):
         assert row["tokens_equal_plain"] is True
         assert row["generation_tokens"] == G and row["generation_tps"] > 0
@@ -67,12 +73,14 @@ def test_draft_tally_counts_forwards_and_drafts():
                        True, True, True):  # forward 3: min(3, 3 left), all kept, the generation full
         tally.add(from_draft)
     assert tally.stats() == {"draft_tokens": 9, "draft_tokens_accepted": 7, "acceptance": 7 / 9,
-                             "tokens_per_forward": 3.0}
+                             "tokens_per_forward": 3.0, "num_draft_tokens": 3}
+    assert tally.rejected == 1  # forward 1 ended at a rejected draft (verify_width.py's estimate counts it)
     plain = DraftTally(num_draft_tokens=0, max_tokens=4)
     for _ in range(4):
         plain.add(False)
     assert plain.stats() == {"draft_tokens": 0, "draft_tokens_accepted": 0, "acceptance": None,
-                             "tokens_per_forward": 1.0}
+                             "tokens_per_forward": 1.0, "num_draft_tokens": 0}
+    assert plain.rejected == 0
 
 
 def test_compare_puts_speculative_rows_beside_plain():

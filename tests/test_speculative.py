@@ -55,7 +55,7 @@ def test_prompt_lookup_drafts_what_followed_the_last_ngram():
 
 def test_draft_settings_are_checked(checkpoint):
     path = checkpoint("qwen3_moe")
-    for flags, message in ((["--num-draft-tokens", 0], "num_draft_tokens must be from 1 to 64"),
+    for flags, message in ((["--num-draft-tokens", 0], "the value must be at least 1, not 0"),
                            (["--prompt-lookup-ngram", -1], "prompt_lookup_ngram must be from 0 (off) to 64"),
                            (["--draft-model", "/nonexistent/draft"], "the draft model: model path /nonexistent/draft does not exist")):
         proc = launch(2, ["--model", path, "-p", "x", "-m", 2, *flags])
@@ -109,4 +109,20 @@ def test_job_file_with_prompt_lookup_is_plain_greedy(checkpoint, plain, tmp_path
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
     assert [records[str(i)]["tokens"] for i in range(3)] == [plain] * 3
-    assert records["bad"]["error"] == "line 4: num_draft_tokens must be an integer, got 1.5"
+    assert records["bad"]["error"] == "line 4: num_draft_tokens must be an integer or auto, got 1.5"
+
+
+def test_auto_width_follows_what_earlier_prompts_measured(checkpoint, plain):
+    """--num-draft-tokens auto (the default): the first prompt drafts 3 a
+    forward, the second one more or one fewer (a second width to measure),
+    the rest the width with the most tokens a second by what was measured
+    (verify_width.py); every answer is plain greedy."""
+    path = checkpoint("qwen3_moe")
+    proc = launch(2, ["--model", path, "-m", MAX_TOKENS, "--json", "--ignore-chat-template",
+                      "--dispatch", "collective", "--prompt-lookup-ngram", 2], input=(PROMPT + "\n") * 4)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert [r["tokens"] for r in records] == [plain] * 4
+    widths = [r["num_draft_tokens"] for r in records]
+    assert widths[0] == 3 and widths[1] in (2, 4), widths
+    assert all(1 <= k <= 16 for k in widths), widths

@@ -149,8 +149,9 @@ def aggregate(trials: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     out = []
     for key, rows in groups.items():
         row = median_row(rows)
-        if "tokens_equal_plain" in row:  # speculative: equal in every round
+        if "tokens_equal_plain" in row:  # speculative: equal in every round; every round's widths
             row["tokens_equal_plain"] = all(r["tokens_equal_plain"] for r in rows)
+            row["trials_num_draft_tokens"] = [k for r in rows for k in r.get("trials_num_draft_tokens", [])]
         row["rounds"] = len(rows)
         row["rounds_generation_tps"] = {r["round"]: r["generation_tps"] for r in rows}
         out.append(row)
@@ -293,7 +294,7 @@ def _speculative_args(args) -> List[str]:
     if args.draft_model:  # a folder of this machine, as the launches (run from the repository) see it
         draft = args.draft_model
         out += ["--draft-model", str(Path(draft).resolve()) if Path(draft).exists() else draft]
-    return out + ["--num-draft-tokens", str(args.num_draft_tokens)] if out else []
+    return out + ["--num-draft-tokens", ",".join(map(str, args.num_draft_tokens))] if out else []
 
 
 def _link(text: str) -> EmulatedLink:

@@ -83,7 +83,7 @@ def _generate(cluster, prompts: List[List[int]], max_tokens: int, **sampling) ->
         stats: Dict[str, Any] = {}
         made = [piece.token for piece in cluster.stream(request, stats)]
         one = {"tokens": made, **{k: stats[k] for k in ("draft_tokens", "draft_tokens_accepted", "acceptance",
-                                                        "tokens_per_forward")}}
+                                                        "tokens_per_forward", "num_draft_tokens")}}
     else:
         stats, one = cluster.run_batch(request)[0].stats, {}
     return {

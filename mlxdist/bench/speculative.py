@@ -21,9 +21,12 @@ prompt, EOS ignored, so every trial makes ``-g`` tokens, and reports
     tokens_equal_plain  every trial's tokens equal the plain row's (greedy)
 """
 
+import argparse
 import statistics
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Union
+
+from mlxdist.digits import arg_int_or
 
 PROMPT_KINDS = ("random", "repetitive")
 SELF = "self"  # --draft-model self: the benchmarked checkpoint drafts for itself
@@ -31,11 +34,22 @@ SELF = "self"  # --draft-model self: the benchmarked checkpoint drafts for itsel
 
 @dataclass(frozen=True)
 class Drafter:
-    """One speculative row's drafter: prompt lookup (``ngram``) or a draft model (``model``)."""
+    """One speculative row's drafter: prompt lookup (``ngram``) or a draft
+    model (``model``), drafting ``width`` tokens a forward (or "auto")."""
 
     label: str
+    width: Union[int, str]
     ngram: int = 0
     model: Optional[str] = None
+
+
+def draft_widths(text: str) -> List[Union[int, str]]:
+    """``--num-draft-tokens``: widths (1 to 64, or auto), comma-separated; argparse's type."""
+    read = arg_int_or("auto", 1)
+    widths = [read(part.strip()) for part in text.split(",")]
+    if any(w != "auto" and w > 64 for w in widths) or len(set(widths)) != len(widths):
+        raise argparse.ArgumentTypeError("widths are from 1 to 64 or auto, each once")
+    return widths
 
 
 def add_arguments(parser) -> None:
@@ -45,8 +59,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--draft-model", default=None, metavar="PATH|self",
                         help="Also run speculative decoding with this draft model (self: the benchmarked "
                              "checkpoint, which agrees with itself by construction); b = 1 rows.")
-    parser.add_argument("--num-draft-tokens", type=int, default=3, metavar="K",
-                        help="Tokens drafted per verifying forward (default %(default)s).")
+    parser.add_argument("--num-draft-tokens", type=draft_widths, default=[3], metavar="K|auto[,...]",
+                        help="Tokens drafted per verifying forward, or auto: each generation the width chosen "
+                             "from the earlier ones' (two whole warm-up generations measure two widths first); "
+                             "several, comma-separated: a row for each (default 3).")
     parser.add_argument("--prompt-kind", choices=PROMPT_KINDS, default="random",
                         help="random token ids (as mlx_lm.benchmark), or repetitive: one random token "
                              "repeated, a prompt prompt lookup can draft from (a random-weight model tends to "
@@ -56,12 +72,13 @@ def add_arguments(parser) -> None:
 def drafters(args) -> List[Drafter]:
     """The drafters asked for, in the order their rows run."""
     out = []
-    if args.prompt_lookup_ngram:
-        out.append(Drafter(f"lookup n={args.prompt_lookup_ngram} k={args.num_draft_tokens}",
-                           ngram=args.prompt_lookup_ngram))
-    if args.draft_model:
-        name = "self" if args.draft_model == SELF else args.draft_model.rstrip("/").rsplit("/", 1)[-1]
-        out.append(Drafter(f"draft {name} k={args.num_draft_tokens}", model=args.draft_model))
+    for k in args.num_draft_tokens:
+        if args.prompt_lookup_ngram:
+            out.append(Drafter(f"lookup n={args.prompt_lookup_ngram} k={k}", k, ngram=args.prompt_lookup_ngram))
+    for k in args.num_draft_tokens:
+        if args.draft_model:
+            name = "self" if args.draft_model == SELF else args.draft_model.rstrip("/").rsplit("/", 1)[-1]
+            out.append(Drafter(f"draft {name} k={k}", k, model=args.draft_model))
     return out
 
 
@@ -71,8 +88,8 @@ def check_arguments(args, error) -> None:
         return
     if 1 not in args.batch_sizes:
         error("speculative rows run at b = 1: give -b with 1")
-    if not 1 <= args.num_draft_tokens <= 64 or not 0 <= args.prompt_lookup_ngram <= 64:
-        error("--num-draft-tokens must be from 1 to 64 and --prompt-lookup-ngram from 0 to 64")
+    if not 0 <= args.prompt_lookup_ngram <= 64:
+        error("--prompt-lookup-ngram must be from 0 to 64")
     if getattr(args, "no_link", False):
         error("--no-link's tokens are not the model's: no speculative rows with it")
 
@@ -84,15 +101,21 @@ def rows(cluster, mode: str, prompt: List[int], plain: Dict[str, Any], args, gen
     **sampling)``: one generation's numbers and tokens (the harness's);
     ``load(draft_model=...)``: the mode loaded again with a draft model."""
     out = []
+    loaded_draft = False
     for drafter in drafters(args):
-        if drafter.model is not None:
+        if drafter.model is not None and not loaded_draft:  # once, for each width of the draft model
             load(draft_model=args.model if drafter.model == SELF else drafter.model)
-        sampling = {"num_draft_tokens": args.num_draft_tokens, "prompt_lookup_ngram": drafter.ngram}
-        generate(cluster, [prompt], min(args.generation_tokens, args.warmup_tokens), **sampling)
+            loaded_draft = True
+        sampling = {"num_draft_tokens": drafter.width, "prompt_lookup_ngram": drafter.ngram}
+        if drafter.width == "auto":  # its first two generations measure two widths, the trials run its choice
+            for _ in range(2):
+                generate(cluster, [prompt], args.generation_tokens, **sampling)
+        else:
+            generate(cluster, [prompt], min(args.generation_tokens, args.warmup_tokens), **sampling)
         trials = [generate(cluster, [prompt], args.generation_tokens, **sampling) for _ in range(args.num_trials)]
         row = summary(trials, plain)
         row.update(dispatch=mode, strategy=cluster.engine.strategy, batch=1, ranks=cluster.world.size,
-                   speculative=drafter.label, num_draft_tokens=args.num_draft_tokens)
+                   speculative=drafter.label, num_draft_tokens=drafter.width)
         out.append(row)
     return out
 
@@ -117,6 +140,7 @@ def summary(trials: List[Dict[str, Any]], plain: Dict[str, Any]) -> Dict[str, An
         "acceptance": statistics.median(accepted) if accepted else None,
         "tokens_per_forward": per_forward,
         "tokens_equal_plain": all(t["tokens"] == plain["tokens"] for t in trials),
+        "trials_num_draft_tokens": [t["num_draft_tokens"] for t in trials],  # the width each trial drafted
         "forward_ms": 1e3 * per_forward / tps,
         "plain_forward_ms": 1e3 / plain["generation_tps"],
         "vs_plain": tps / plain["generation_tps"],
@@ -158,7 +182,9 @@ def markdown(result: Dict[str, Any]) -> List[str]:
         rounds = r.get("vs_plain_rounds") or []
         ratio = "—" if r.get("vs_plain") is None else f"{r['vs_plain']:.2f}" + (
             f" ({min(rounds):.2f}-{max(rounds):.2f})" if len(rounds) > 1 else "")
-        lines.append(f"| {r['ranks']} | {r['contender']} | {r['generation_tps']:.1f} | {ratio} | "
+        widths = r.get("trials_num_draft_tokens") if r.get("num_draft_tokens") == "auto" else None
+        contender = r["contender"] + (f" (drafted {', '.join(map(str, widths))})" if widths else "")
+        lines.append(f"| {r['ranks']} | {contender} | {r['generation_tps']:.1f} | {ratio} | "
                      f"{_pct(r['acceptance'])} ({r['draft_tokens_accepted']:.0f} / {r['draft_tokens']:.0f}) | "
                      f"{r['tokens_per_forward']:.2f} | {r['forward_ms']:.1f} ({r['plain_forward_ms']:.1f}) | "
                      f"{r['forward_ms'] / r['plain_forward_ms']:.2f} | "

@@ -187,7 +187,10 @@ def _check_type(key: str, value: Any, lineno: int) -> None:
     if key == "seed":
         if value is not None and not (is_integer(value) and 0 <= value < SEED_LIMIT):
             raise ValueError(f"{where} must be an integer from 0 to 2**64 - 1 (or null), got {show_value(value)}")
-    elif key in ("max_tokens", "top_k", "num_draft_tokens", "prompt_lookup_ngram"):
+    elif key == "num_draft_tokens":
+        if value != "auto" and not is_integer(value):
+            raise ValueError(f"{where} must be an integer or auto, got {show_value(value)}")
+    elif key in ("max_tokens", "top_k", "prompt_lookup_ngram"):
         if not is_integer(value):
             raise ValueError(f"{where} must be an integer, got {show_value(value)}")
     elif not is_number(value):

@@ -163,7 +163,8 @@ def _generate(cluster, run: JobRun, batch: List[Job], bar) -> int:
         }
         if result.stats.get("draft_tokens"):  # speculative decoding
             record.update({k: result.stats[k] for k in
-                           ("draft_tokens", "draft_tokens_accepted", "acceptance", "tokens_per_forward")})
+                           ("draft_tokens", "draft_tokens_accepted", "acceptance", "tokens_per_forward",
+                            "num_draft_tokens")})
         run.out.write(record)
         tokens += len(result.tokens)
     bar.update(len(batch))

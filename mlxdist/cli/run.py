@@ -19,7 +19,7 @@ import mlx.core as mx
 
 from mlxdist import envs
 from mlxdist.config import DEFAULT_MAX_TOKENS, EXPERT_SPLITS, REPLICATE, GenerationParams
-from mlxdist.digits import arg_duration, arg_int
+from mlxdist.digits import arg_duration, arg_int, arg_int_or
 from mlxdist.dispatch import DISPATCH_MODES, LAYOUTS, modes
 from mlxdist.errors import GenerationFailed, UserError, say_error
 from mlxdist.model.budgets import parse_rank_memory
@@ -68,8 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-model", default=None,
                    help="speculative decoding: a small model with the same tokenizer drafts tokens that the "
                         "distributed model verifies, several per forward (one prompt at a time)")
-    p.add_argument("--num-draft-tokens", type=int, default=3,
-                   help="speculative decoding: tokens drafted per verifying forward (default %(default)s)")
+    p.add_argument("--num-draft-tokens", type=arg_int_or("auto", 1), default="auto", metavar="K|auto",
+                   help="speculative decoding: tokens drafted per verifying forward, or auto: per prompt, "
+                        "the width with the most tokens a second by what the earlier prompts measured "
+                        "(3 for the first; docs/modes.md) (default %(default)s)")
     p.add_argument("--prompt-lookup-ngram", type=int, default=0, metavar="N",
                    help="speculative decoding without a draft model: draft the tokens that followed the last "
                         "N tokens where they occurred before in the prompt or output (default 0: off)")
@@ -217,7 +219,8 @@ def _summary(stats: dict, tokens: int) -> str:
     return (
         f"prompt: {stats.get('prompt_tokens', 0)} tokens, {stats.get('prompt_tps', 0.0):.1f} tok/s | "
         f"generation: {tokens} tokens, {stats.get('generation_tps', 0.0):.1f} tok/s | "
-        + (f"drafted {stats['draft_tokens']}, kept {stats['draft_tokens_accepted']} ({stats['acceptance']:.0%}), "
+        + (f"drafted {stats['draft_tokens']} ({stats['num_draft_tokens']} a forward), "
+           f"kept {stats['draft_tokens_accepted']} ({stats['acceptance']:.0%}), "
            f"{stats['tokens_per_forward']:.2f} tokens per forward | " if stats.get("draft_tokens") else "") +
         f"peak memory (GB) per rank: [{peaks}]"
     )
@@ -247,6 +250,7 @@ def _run_prompt(cluster: Cluster, args, text: str, logprobs: List) -> None:
             "draft_tokens_accepted": stats.get("draft_tokens_accepted", 0),
             "acceptance": stats.get("acceptance"),
             "tokens_per_forward": stats.get("tokens_per_forward", 1.0),
+            "num_draft_tokens": stats.get("num_draft_tokens", 0),
             "peak_memory_gb": stats["peak_memory_gb"],
             "weights_gb": [{k.replace("_bytes", ""): v / 1e9 for k, v in m.items()} for m in engine.memory_by_rank],
             "dispatch": engine.dispatch,
@@ -260,6 +264,8 @@ def _run_prompt(cluster: Cluster, args, text: str, logprobs: List) -> None:
     else:
         print(flush=True)
         if args.verbose:
+            if stats.get("verify_width"):
+                print(stats["verify_width"], file=sys.stderr, flush=True)
             print(_summary(stats, len(tokens)), file=sys.stderr, flush=True)
 
 

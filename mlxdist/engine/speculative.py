@@ -27,7 +27,7 @@ import mlx.nn as nn
 
 from mlxdist.errors import UserError
 
-__all__ = ["DraftTally", "PromptLookup", "drafter", "load_draft"]
+__all__ = ["DraftTally", "PromptLookup", "drafter", "drafter_name", "load_draft"]
 
 
 class TokenHistory:
@@ -113,12 +113,24 @@ def drafter(draft_model: Optional[nn.Module], prompt_lookup_ngram: int, vocab_si
     return None
 
 
+def drafter_name(has_draft_model: bool, prompt_lookup_ngram: int) -> Optional[str]:
+    """What ``drafter`` drafts with, in words (None: plain decoding); the
+    verify widths are measured per drafter (``verify_width.py``)."""
+    if has_draft_model:
+        return "the draft model"
+    if prompt_lookup_ngram:
+        return f"prompt lookup ({prompt_lookup_ngram}-grams)"
+    return None
+
+
 @dataclass
 class DraftTally:
     """What one generation drafted, kept and verified, counted from its
     stream of tokens: mlx-lm's loop drafts min(k, tokens still to make)
     tokens for each forward, yields the kept ones, then (unless the
-    generation is full) the model's own token, which ends that forward.
+    generation is full) the model's own token, which ends that forward; a
+    forward that ends so with fewer drafts kept than made rejected one
+    (``verify_width.py`` estimates the acceptance from that).
     With ``num_draft_tokens`` 0 (plain decoding) every token is a forward."""
 
     num_draft_tokens: int
@@ -126,21 +138,32 @@ class DraftTally:
     tokens: int = 0
     drafted: int = 0
     accepted: int = 0
+    rejected: int = 0  # forwards that ended at a rejected draft
     forwards: int = 0
     _in_forward: bool = False  # the current forward's tokens are being yielded
+    _forward_drafted: int = 0
+    _forward_kept: int = 0
 
     def add(self, from_draft: bool) -> None:
         if not self._in_forward:
             self.forwards += 1
-            self.drafted += min(self.num_draft_tokens, self.max_tokens - self.tokens)
+            self._forward_drafted = min(self.num_draft_tokens, self.max_tokens - self.tokens)
+            self._forward_kept = 0
+            self.drafted += self._forward_drafted
             self._in_forward = True
         self.tokens += 1
-        self.accepted += bool(from_draft)
+        if from_draft:
+            self.accepted += 1
+            self._forward_kept += 1
+        else:
+            self.rejected += self._forward_kept < self._forward_drafted
         self._in_forward = bool(from_draft)
 
     def stats(self) -> dict:
         """``draft_tokens`` drafted, ``draft_tokens_accepted`` kept, their
-        ratio ``acceptance`` (None without drafts) and ``tokens_per_forward``."""
+        ratio ``acceptance`` (None without drafts), ``tokens_per_forward``
+        and ``num_draft_tokens``, the width drafted (0: plain decoding)."""
         return {"draft_tokens": self.drafted, "draft_tokens_accepted": self.accepted,
                 "acceptance": self.accepted / self.drafted if self.drafted else None,
-                "tokens_per_forward": self.tokens / max(self.forwards, 1)}
+                "tokens_per_forward": self.tokens / max(self.forwards, 1),
+                "num_draft_tokens": self.num_draft_tokens}
