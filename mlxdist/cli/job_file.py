@@ -4,42 +4,26 @@ a bad line becomes an error record for its id, never the end of the run.
 Input: one JSON object per line with ``id`` and ``prompt`` or ``messages``,
 plus optional sampling parameters (max_tokens, temp, top_p, top_k, min_p,
 seed) overriding the command line's. Every line is read with bounded cost
-(``MAX_LINE_BYTES``, ``MAX_DEPTH``, ``MAX_INT_DIGITS``) and every field is
+(``MAX_LINE_BYTES``, and ``json_input``'s limits) and every field is
 checked before anything is broadcast. Ids are strings (an integer id is its
 ``str()``); the same id twice refuses the whole file before anything runs.
 """
 
-import json
 import math
-import re
 from dataclasses import dataclass
 from typing import Any, BinaryIO, Dict, Iterator, List, Optional, Tuple, Union
 
+from mlxdist import json_input
 from mlxdist.config import GenerationParams
-from mlxdist.digits import parse_int
 from mlxdist.errors import UserError, one_line
+from mlxdist.json_input import MAX_DEPTH
 
 
 SAMPLING_KEYS = ("max_tokens", "temp", "top_p", "top_k", "min_p", "seed", "num_draft_tokens", "prompt_lookup_ngram")
 MAX_LINE_BYTES = 1 << 20  # a longer line (of the job file or --out) is refused unread
-MAX_DEPTH = 64  # deepest nesting of arrays and objects in one line
-MAX_INT_DIGITS = 100  # longest integer literal (a seed needs 20 digits)
 SEED_LIMIT = 2**64  # seeds are 64-bit unsigned integers
 INPUT_ERROR = 2  # exit status of a run refused for its input; the supervisor does not restart it
 _SHOW = 60  # characters of a bad value quoted in a reason
-
-
-class Unreadable:
-    """A JSON number kept out of Python's numbers: an integer of more than
-    ``MAX_INT_DIGITS`` digits, or one that is not finite (NaN, Infinity,
-    1e400). A field that must be a number refuses it by name; elsewhere in
-    the line it is harmless."""
-
-    def __init__(self, what: str):
-        self.what = what
-
-    def __repr__(self) -> str:
-        return f"<{self.what}>"
 
 
 @dataclass
@@ -89,63 +73,13 @@ def show_value(value: Any) -> str:
     return text if len(text) <= _SHOW else text[: _SHOW - 3] + "..."
 
 
-# -- bounded JSON -----------------------------------------------------------
-
-def _parse_int(text: str) -> Union[int, Unreadable]:
-    digits = len(text.lstrip("-"))
-    if digits > MAX_INT_DIGITS:  # counted before int(), whose cost grows with the square of the length
-        return Unreadable(f"an integer of {digits} digits")
-    return parse_int(text, "an integer", signed=True, max_digits=MAX_INT_DIGITS)
-
-
-def _parse_float(text: str) -> Union[float, Unreadable]:
-    value = float(text)
-    return value if math.isfinite(value) else Unreadable(f"the number {text[:_SHOW]}, out of range")
-
-
-def _parse_constant(name: str) -> Unreadable:
-    return Unreadable(f"{name}, not a finite number")
-
-
-_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
-_BRACKET = re.compile(r"[\[\]{}]")
-
-
-def nesting_depth(text: str, limit: int = MAX_DEPTH) -> int:
-    """The deepest nesting of arrays and objects in ``text``, outside
-    strings, counted up to ``limit + 1`` (a cheap scan, no recursion)."""
-    depth = deepest = 0
-    for m in _BRACKET.finditer(_STRING.sub("", text)):
-        depth += 1 if m.group() in "[{" else -1
-        if depth > deepest:
-            deepest = depth
-            if deepest > limit:
-                break
-    return deepest
-
-
 def parse_json_line(raw: bytes) -> Any:
-    """One line (without its newline) as JSON, at bounded cost: at most
-    ``MAX_LINE_BYTES``, strict UTF-8, at most ``MAX_DEPTH`` levels; an
-    integer of more than ``MAX_INT_DIGITS`` digits or a non-finite number
-    comes back as an ``Unreadable``. Raises ValueError with the reason,
-    worded to follow "line N" ("is not JSON: ...")."""
-    if len(raw) > MAX_LINE_BYTES:
-        raise ValueError(f"is longer than {MAX_LINE_BYTES} bytes")
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ValueError(f"is not valid UTF-8 (byte {e.start + 1})") from None
-    if nesting_depth(text) > MAX_DEPTH:
-        raise ValueError(f"nests deeper than {MAX_DEPTH} levels")
-    try:
-        return json.loads(text, parse_int=_parse_int, parse_float=_parse_float, parse_constant=_parse_constant)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"is not JSON: {e.msg} (column {e.colno})") from None
-    except RecursionError:
-        raise ValueError(f"nests deeper than {MAX_DEPTH} levels") from None
-    except ValueError as e:  # Python's own limits (int-from-str)
-        raise ValueError(f"is not JSON: {one_line(e)}") from None
+    """One line (without its newline) as JSON, by the reader every input
+    shares (``json_input.parse``: at most ``MAX_LINE_BYTES`` and
+    ``MAX_DEPTH`` levels; an integer of more than ``MAX_INT_DIGITS`` digits
+    or a non-finite number comes back as an ``Unreadable``, which a number
+    field refuses by name). Raises ValueError worded to follow "line N"."""
+    return json_input.parse(raw, MAX_LINE_BYTES, MAX_DEPTH)
 
 
 def bounded_lines(f: BinaryIO) -> Iterator[Tuple[int, bytes, bool]]:

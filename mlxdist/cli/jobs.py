@@ -7,7 +7,7 @@ Input: one JSON object per line with ``id`` and ``prompt`` or ``messages``,
 plus optional sampling parameters (max_tokens, temp, top_p, top_k, min_p,
 seed, num_draft_tokens, prompt_lookup_ngram) overriding the command line's;
 with a draft model or prompt lookup, jobs run one at a time, speculatively. Every line is read with bounded cost
-(``MAX_LINE_BYTES``, ``MAX_DEPTH``, ``MAX_INT_DIGITS``) and every field is
+(``MAX_LINE_BYTES``, and ``json_input``'s limits) and every field is
 checked on rank 0 before anything is broadcast: a bad line becomes an error
 record for its id (``{"id", "error", "line"}``), one warning on stderr, and
 the run goes on. Ids are strings (an integer id is its ``str()``); the same id

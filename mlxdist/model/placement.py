@@ -26,13 +26,13 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
+from mlxdist import json_input
 from mlxdist.digits import is_digits
-from mlxdist.errors import PlacementError, one_line
+from mlxdist.errors import PlacementError
 
 PLACEMENT_VERSION = 2  # the newest version written (1: one owner per expert)
 MAX_RANKS = 1 << 16
 MAX_EXPERTS = 1 << 20  # per layer
-MAX_FILE_BYTES = 64 << 20
 
 Owners = Tuple[int, ...]
 
@@ -237,20 +237,8 @@ def proportional_counts(total: int, weights: Sequence[Fraction]) -> List[int]:
 
 
 def read_json(path: Union[str, Path], what: str, error: type) -> Any:
-    """A JSON file of at most ``MAX_FILE_BYTES``; ``error`` (one line) otherwise."""
-    try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_FILE_BYTES + 1)
-    except OSError as e:
-        raise error(f"cannot read {what} file {path}: {e.strerror}") from None
-    if len(data) > MAX_FILE_BYTES:
-        raise error(f"{what} file {path} is larger than {MAX_FILE_BYTES >> 20} MiB")
-    try:
-        return json.loads(data)
-    except json.JSONDecodeError as e:
-        raise error(f"{what} file {path} is not JSON: {e}") from None
-    except (ValueError, RecursionError) as e:  # an integer of thousands of digits, nesting past the stack
-        raise error(f"{what} file {path} is not JSON mlxdist reads: {one_line(e)[:80]}") from None
+    """The ``what`` file at ``path`` (a placement, routing or budgets file), by ``json_input.read_file``."""
+    return json_input.read_file(path, what, error)
 
 
 def write_json_atomic(path: Union[str, Path], obj: Any) -> None:

@@ -37,7 +37,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-from mlxdist import envs
+from mlxdist import envs, json_input
 from mlxdist.runtime.addresses import address_toward, describe_host, same_host
 from mlxdist.runtime.plane import comm_allgather_json
 
@@ -126,10 +126,7 @@ def read_devices(path: str, size: int, ring: bool = False) -> List[List[Optional
     itself, or an ``mlx.distributed_config`` hostfile (its hosts' ``rdma``);
     checked as ``mlx.launch`` checks it (one line per problem). ``ring``
     (jaccl-ring): only neighbours need a device between them."""
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as e:
-        raise RuntimeError(f"MLXDIST_JACCL_DEVICES={path}: cannot read it as JSON ({e})") from None
+    data = json_input.read_file(path, "MLXDIST_JACCL_DEVICES", RuntimeError)
     if isinstance(data, dict):
         data = [h.get("rdma", []) if isinstance(h, dict) else None for h in data.get("hosts", [])]
     if not isinstance(data, list) or len(data) != size or any(not isinstance(r, list) or len(r) != size for r in data):

@@ -19,8 +19,10 @@ import math
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
+from mlxdist import json_input
 from mlxdist.digits import parse_int
 from mlxdist.errors import RequestError
+from mlxdist.json_input import MAX_DEPTH
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
 # apply_chat_template's own parameters: a request's chat_template_kwargs may
@@ -50,7 +52,7 @@ class RequestLimits:
 
     vocab_size: int
     context_length: Optional[int] = None
-    max_depth: int = 32  # nesting of the JSON body
+    max_depth: int = MAX_DEPTH  # nesting of the JSON body, as every JSON input (json_input.py)
     max_prompt_chars: int = 1 << 20  # all the prompt's text together, before tokenising
     max_messages: int = 512
     max_stop: int = 16
@@ -72,19 +74,14 @@ def check_request(raw: bytes, limits: RequestLimits) -> Tuple[Dict[str, Any], in
     """Parse and check one request body: the body and its prompt text's
     characters (counted once, for the prompt limit and the queued-text cap)."""
     try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError:
-        raise RequestError("the request body is not UTF-8") from None
-    try:
-        body = json.loads(text, parse_constant=_refuse_constant)
-    except RecursionError:
-        raise RequestError(f"the request body nests deeper than {limits.max_depth} levels") from None
-    except ValueError as e:  # JSONDecodeError, NaN / Infinity, an integer of too many digits
-        raise RequestError(f"the request body is not valid JSON: {str(e).splitlines()[0][:200]}") from None
+        body = json_input.parse(raw, len(raw), limits.max_depth)  # its size: --max-body-bytes, at the socket
+    except ValueError as e:
+        raise RequestError(f"the request body {e}") from None
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
-    if _depth(body, limits.max_depth) > limits.max_depth:
-        raise RequestError(f"the request body nests deeper than {limits.max_depth} levels")
+    unreadable = json_input.first_unreadable(body)
+    if unreadable is not None:
+        raise RequestError(f"the request body holds {unreadable}, which is no number mlxdist reads")
     _check_text(body)
     return body, check_fields(body, limits)
 
@@ -147,23 +144,6 @@ def check_fields(body: Dict[str, Any], limits: RequestLimits) -> int:
                                   and all(isinstance(t, dict) for t in tools)):
         raise RequestError(f"tools must be a list of at most {limits.max_tools} objects", "tools")
     return _check_prompt(body, limits)
-
-
-def _refuse_constant(name: str):
-    raise ValueError(f"{name} is not a JSON number")
-
-
-def _depth(obj: Any, limit: int) -> int:
-    """The nesting depth of ``obj`` (iterative; stops counting past ``limit``)."""
-    deepest, todo = 0, [(obj, 1)]
-    while todo:
-        value, depth = todo.pop()
-        if isinstance(value, (dict, list)):
-            deepest = max(deepest, depth)
-            if deepest > limit:
-                return deepest
-            todo.extend((v, depth + 1) for v in (value.values() if isinstance(value, dict) else value))
-    return deepest
 
 
 def _check_stream_options(body: Dict[str, Any]) -> None:
