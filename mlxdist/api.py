@@ -19,7 +19,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
 from mlxdist.runtime import control as commands
 from mlxdist.runtime.control import Command
 from mlxdist.dispatch import default_layout
-from mlxdist.config import GenerationParams, LoadOptions
+from mlxdist.config import AUTO_WIDTH, GenerationParams, LoadOptions
 from mlxdist.engine import Engine
 from mlxdist.engine.speculative import DraftTally, drafter_name
 from mlxdist.engine.verify_width import START, VerifyWidths
@@ -253,7 +253,7 @@ class Cluster:
                     f"exceeds the model's context of {limit}"
                 )
         args = {"prompts": [list(map(int, p)) for p in prompts], "sampling": asdict(params), "strategy": strategy}
-        if params.num_draft_tokens == "auto":  # every rank is sent the number
+        if params.num_draft_tokens == AUTO_WIDTH:  # every rank is sent the number
             drafter = self._drafter(params) if len(prompts) == 1 else None
             width = self._widths.choose(drafter) if drafter else START
             args["sampling"]["num_draft_tokens"] = width

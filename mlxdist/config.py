@@ -19,6 +19,7 @@ __all__ = ["EXPERT_SPLITS", "REPLICATE", "GenerationParams", "LoadOptions"]
 EXPERT_SPLITS = ("whole", "width")
 REPLICATE = ("auto", "always", "never")  # --replicate: every expert on every rank (LoadOptions.replicate)
 MAX_DRAFT_TOKENS = 64  # drafted tokens one verifying forward may carry
+AUTO_WIDTH = "auto"  # num_draft_tokens chosen per generation (engine/verify_width.py)
 MAX_LOOKUP_NGRAM = 64
 
 
@@ -117,7 +118,7 @@ class GenerationParams:
     completion_batch_size: Optional[int] = None  # most sequences decoded at once (None: all)
     # speculative decoding (one prompt): tokens drafted per verifying forward, or "auto": rank 0
     # chooses it per generation (engine/verify_width.py) and sends every rank the number
-    num_draft_tokens: Union[int, str] = "auto"
+    num_draft_tokens: Union[int, str] = AUTO_WIDTH
     prompt_lookup_ngram: int = 0  # draft by prompt lookup on the last this-many tokens (0: off)
 
     def validate(self) -> None:
@@ -137,7 +138,7 @@ class GenerationParams:
         if self.max_kv_size is not None and not self.max_kv_size >= 1:
             raise UserError(f"max_kv_size must be >= 1, got {self.max_kv_size}")
         k = self.num_draft_tokens
-        if k != "auto" and not (isinstance(k, int) and not isinstance(k, bool) and 1 <= k <= MAX_DRAFT_TOKENS):
+        if k != AUTO_WIDTH and not (isinstance(k, int) and not isinstance(k, bool) and 1 <= k <= MAX_DRAFT_TOKENS):
             raise UserError(f"num_draft_tokens must be from 1 to {MAX_DRAFT_TOKENS} or auto, got {k!r}")
         if not (isinstance(self.prompt_lookup_ngram, int) and 0 <= self.prompt_lookup_ngram <= MAX_LOOKUP_NGRAM):
             raise UserError(f"prompt_lookup_ngram must be from 0 (off) to {MAX_LOOKUP_NGRAM}, "

@@ -26,6 +26,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Union
 
+from mlxdist.config import AUTO_WIDTH
 from mlxdist.digits import arg_int_or
 
 PROMPT_KINDS = ("random", "repetitive")
@@ -45,9 +46,9 @@ class Drafter:
 
 def draft_widths(text: str) -> List[Union[int, str]]:
     """``--num-draft-tokens``: widths (1 to 64, or auto), comma-separated; argparse's type."""
-    read = arg_int_or("auto", 1)
+    read = arg_int_or(AUTO_WIDTH, 1)
     widths = [read(part.strip()) for part in text.split(",")]
-    if any(w != "auto" and w > 64 for w in widths) or len(set(widths)) != len(widths):
+    if any(w != AUTO_WIDTH and w > 64 for w in widths) or len(set(widths)) != len(widths):
         raise argparse.ArgumentTypeError("widths are from 1 to 64 or auto, each once")
     return widths
 
@@ -107,7 +108,7 @@ def rows(cluster, mode: str, prompt: List[int], plain: Dict[str, Any], args, gen
             load(draft_model=args.model if drafter.model == SELF else drafter.model)
             loaded_draft = True
         sampling = {"num_draft_tokens": drafter.width, "prompt_lookup_ngram": drafter.ngram}
-        if drafter.width == "auto":  # its first two generations measure two widths, the trials run its choice
+        if drafter.width == AUTO_WIDTH:  # its first two generations measure two widths, the trials run its choice
             for _ in range(2):
                 generate(cluster, [prompt], args.generation_tokens, **sampling)
         else:
@@ -182,7 +183,7 @@ def markdown(result: Dict[str, Any]) -> List[str]:
         rounds = r.get("vs_plain_rounds") or []
         ratio = "—" if r.get("vs_plain") is None else f"{r['vs_plain']:.2f}" + (
             f" ({min(rounds):.2f}-{max(rounds):.2f})" if len(rounds) > 1 else "")
-        widths = r.get("trials_num_draft_tokens") if r.get("num_draft_tokens") == "auto" else None
+        widths = r.get("trials_num_draft_tokens") if r.get("num_draft_tokens") == AUTO_WIDTH else None
         contender = r["contender"] + (f" (drafted {', '.join(map(str, widths))})" if widths else "")
         lines.append(f"| {r['ranks']} | {contender} | {r['generation_tps']:.1f} | {ratio} | "
                      f"{_pct(r['acceptance'])} ({r['draft_tokens_accepted']:.0f} / {r['draft_tokens']:.0f}) | "

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, BinaryIO, Dict, Iterator, List, Optional, Tuple, Union
 
 from mlxdist import json_input
-from mlxdist.config import GenerationParams
+from mlxdist.config import AUTO_WIDTH, GenerationParams
 from mlxdist.errors import UserError, one_line
 from mlxdist.json_input import MAX_DEPTH
 
@@ -122,7 +122,7 @@ def _check_type(key: str, value: Any, lineno: int) -> None:
         if value is not None and not (is_integer(value) and 0 <= value < SEED_LIMIT):
             raise ValueError(f"{where} must be an integer from 0 to 2**64 - 1 (or null), got {show_value(value)}")
     elif key == "num_draft_tokens":
-        if value != "auto" and not is_integer(value):
+        if value != AUTO_WIDTH and not is_integer(value):
             raise ValueError(f"{where} must be an integer or auto, got {show_value(value)}")
     elif key in ("max_tokens", "top_k", "prompt_lookup_ngram"):
         if not is_integer(value):

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Iterator, List, Optional, Tuple
 import mlx.core as mx
 
 from mlxdist import envs
-from mlxdist.config import DEFAULT_MAX_TOKENS, EXPERT_SPLITS, REPLICATE, GenerationParams
+from mlxdist.config import AUTO_WIDTH, DEFAULT_MAX_TOKENS, EXPERT_SPLITS, REPLICATE, GenerationParams
 from mlxdist.digits import arg_duration, arg_int, arg_int_or
 from mlxdist.dispatch import DISPATCH_MODES, LAYOUTS, modes
 from mlxdist.errors import GenerationFailed, UserError, say_error
@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-model", default=None,
                    help="speculative decoding: a small model with the same tokenizer drafts tokens that the "
                         "distributed model verifies, several per forward (one prompt at a time)")
-    p.add_argument("--num-draft-tokens", type=arg_int_or("auto", 1), default="auto", metavar="K|auto",
+    p.add_argument("--num-draft-tokens", type=arg_int_or(AUTO_WIDTH, 1), default=AUTO_WIDTH, metavar="K|auto",
                    help="speculative decoding: tokens drafted per verifying forward, or auto: per prompt, "
                         "the width with the most tokens a second by what the earlier prompts measured "
                         "(3 for the first; docs/modes.md) (default %(default)s)")
