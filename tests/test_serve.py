@@ -19,7 +19,7 @@ import urllib.request
 import pytest
 
 from conftest import MPIRUN, ROOT, mlx_lm_loaded, mpirun_env
-from mlxdist.runtime.world import LAUNCHER_FAILURE, LAUNCHER_RETRIES
+from mlxdist.runtime.world import retry_launcher
 
 KEY = "test-key-123"
 PROMPTS = [f"Request {i}: " + "tokens " * (i % 5) for i in range(8)]
@@ -46,13 +46,16 @@ def launcher_rank_of(pid: int) -> int:
 
 class Server:
     def __init__(self, path, nranks=2, extra=(), env=None):
-        for attempt in range(LAUNCHER_RETRIES + 1):  # Open MPI's launcher may fail before any rank ran
+        def start():  # as retry_launcher reads a launch: a status and what it said
             try:
-                return self._start(path, nranks, extra, env or {})
+                self._start(path, nranks, extra, env or {})
+                return subprocess.CompletedProcess([], 0, stderr="")
             except RuntimeError as e:
-                if LAUNCHER_FAILURE not in str(e) or attempt == LAUNCHER_RETRIES:
-                    raise
-                time.sleep(1)
+                return subprocess.CompletedProcess([], 1, stderr=str(e))
+
+        started = retry_launcher(start)  # Open MPI's launcher may fail before any rank ran
+        if started.returncode:
+            raise RuntimeError(started.stderr)
 
     def command(self, path, nranks, extra):
         """The launch: mpirun, ``nranks`` ranks of ``mlxdist.serve``."""
