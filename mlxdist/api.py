@@ -255,9 +255,8 @@ class Cluster:
         args = {"prompts": [list(map(int, p)) for p in prompts], "sampling": asdict(params), "strategy": strategy}
         if params.num_draft_tokens == AUTO_WIDTH:  # every rank is sent the number
             drafter = self._drafter(params) if len(prompts) == 1 else None
-            width = self._widths.choose(drafter) if drafter else START
+            width, args["verify_width"] = self._widths.choose(drafter) if drafter else (START, None)
             args["sampling"]["num_draft_tokens"] = width
-            args["verify_width"] = self._widths.describe(drafter, width) if drafter else None
         return Command(commands.GENERATE, args)
 
     def _drafter(self, params: GenerationParams) -> Optional[str]:
@@ -289,7 +288,9 @@ class Cluster:
         stats = {} if stats is None else stats
         responses = self.executor.generate(self._broadcast(request).args)
         self._open_stream = responses
-        tally = self._draft_tally(request)
+        sampling = GenerationParams(**request.args["sampling"])
+        drafter = self._drafter(sampling)  # None: plain decoding
+        tally = DraftTally(sampling.num_draft_tokens if drafter else 0, sampling.max_tokens_each(1)[0])
         if request.args.get("verify_width"):
             stats["verify_width"] = request.args["verify_width"]
         try:
@@ -307,21 +308,15 @@ class Cluster:
         finally:
             if self._open_stream is responses:  # not ended already by shutdown()
                 self._end_stream(stats)
-        self._record_width(request, tally, stats)
+        if drafter is not None:
+            self._record_width(drafter, tally, stats)
 
-    def _draft_tally(self, request: Command) -> DraftTally:
-        """The counter of drafted and kept tokens for a one-prompt ``request``
-        (speculative where a draft model is loaded or prompt lookup asked)."""
-        sampling = GenerationParams(**request.args["sampling"])
-        return DraftTally(sampling.num_draft_tokens if self._drafter(sampling) else 0, sampling.max_tokens_each(1)[0])
-
-    def _record_width(self, request: Command, tally: DraftTally, stats: Dict[str, Any]) -> None:
-        """What a speculative generation measured, for the widths ``auto``
-        chooses next: its drafts kept and rejected, and its decoding time
-        after the first token over the forwards after the first."""
-        if not stats.get("finish_reason") or not tally.num_draft_tokens:  # cut short, or plain decoding
+    def _record_width(self, drafter: str, tally: DraftTally, stats: Dict[str, Any]) -> None:
+        """What a generation ``drafter`` drafted measured, for the widths
+        ``auto`` chooses next: its drafts kept and rejected, and its decoding
+        time after the first token over the forwards after the first."""
+        if not stats.get("finish_reason"):  # cut short
             return
-        drafter = self._drafter(GenerationParams(**request.args["sampling"]))
         seconds = stats["generation_tokens"] / stats["generation_tps"] if stats.get("generation_tps") else 0.0
         self._widths.record(drafter, tally.num_draft_tokens, tally.accepted, tally.rejected, seconds,
                             tally.forwards - 1)

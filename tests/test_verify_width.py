@@ -23,26 +23,27 @@ def test_best_width_has_the_most_tokens_a_second(acceptance, t0, t1, width):
 
 def test_widths_start_at_mlx_lms_default_then_measure_a_second_then_fit():
     widths = VerifyWidths()
-    assert widths.choose("lookup") == START == 3
+    assert widths.choose("lookup")[0] == START == 3
     widths.record("lookup", 3, kept=90, rejected=10, seconds=10.0, forwards=100)  # 0.1 s a forward
-    assert widths.choose("lookup") == 4  # mostly kept: one wider
+    assert widths.choose("lookup")[0] == 4  # mostly kept: one wider
     widths.record("lookup", 4, kept=45, rejected=5, seconds=5.5, forwards=50)  # 0.11 s
     record = widths.records["lookup"]
     assert record.acceptance == pytest.approx(136 / 152)
     t0, t1 = record.line()
     assert (t0, t1) == (pytest.approx(0.07), pytest.approx(0.01))
     # 6.01 tokens in 0.15 s at k = 8, against 5.60 in 0.14 at 7 and 6.38 in 0.16 at 9
-    assert widths.choose("lookup") == best_width(136 / 152, 0.07, 0.01) == 8
-    assert "acceptance 0.89" in widths.describe("lookup", 8)
-    assert widths.choose("the draft model") == START  # each drafter measured on its own
+    width, line = widths.choose("lookup")
+    assert width == best_width(136 / 152, 0.07, 0.01) == 8
+    assert "drafts 8 tokens a forward (acceptance 0.89" in line
+    assert widths.choose("the draft model")[0] == START  # each drafter measured on its own
 
 
 def test_poor_drafts_try_a_narrower_second_width():
     widths = VerifyWidths()
     widths.record("d", 3, kept=2, rejected=20, seconds=1.0, forwards=20)
-    assert widths.choose("d") == 2
+    assert widths.choose("d")[0] == 2
     widths.record("d", 2, kept=1, rejected=10, seconds=0.4, forwards=10)  # 0.04 s a forward, 0.05 at 3
-    assert widths.choose("d") == 1  # 11 % kept: 1.11 tokens in 0.03 s against 1.13 in 0.04 at k = 2
+    assert widths.choose("d")[0] == 1  # 11 % kept: 1.11 tokens in 0.03 s against 1.13 in 0.04 at k = 2
 
 
 def test_a_line_never_slopes_down():
@@ -51,5 +52,5 @@ def test_a_line_never_slopes_down():
     widths.record("d", 5, kept=9, rejected=1, seconds=1.0, forwards=10)
     t0, t1 = widths.records["d"].line()
     assert t1 == 0 and t0 == pytest.approx(0.15)
-    assert widths.choose("d") == 10  # drafts look free: wider, but no more than twice the widest measured
+    assert widths.choose("d")[0] == 10  # drafts look free: wider, but no more than twice the widest measured
 

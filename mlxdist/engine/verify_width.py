@@ -70,8 +70,8 @@ class DrafterRecord:
         """(t0, t1) of seconds per forward = t0 + t1 x k, least squares over
         the widths measured (each width's mean, weighted by its forwards);
         None below two widths."""
-        points: List[Tuple[int, float, int]] = [(k, s / n, n) for k, (s, n) in self.timed.items() if n > 0]
-        if len({k for k, _, _ in points}) < 2:
+        points: List[Tuple[int, float, int]] = [(k, s / n, n) for k, (s, n) in self.timed.items()]
+        if len(points) < 2:
             return None
         total = sum(n for _, _, n in points)
         mean_k = sum(k * n for k, _, n in points) / total
@@ -87,16 +87,22 @@ class VerifyWidths:
     def __init__(self):
         self.records: Dict[str, DrafterRecord] = {}
 
-    def choose(self, drafter: str) -> int:
-        """The width the next generation drafted by ``drafter`` runs."""
+    def choose(self, drafter: str) -> Tuple[int, str]:
+        """The width the next generation drafted by ``drafter`` runs, and a
+        line saying what it was chosen from."""
         record = self.records.get(drafter)
         if record is None or not record.timed:
-            return START
+            return START, f"speculative: {drafter} drafts {_tokens(START)} a forward (its first generation)"
         fit = record.line()
         if fit is None:  # one width measured: try a second
             (k,) = record.timed
-            return k + 1 if record.acceptance >= 0.5 or k == 1 else k - 1
-        return best_width(record.acceptance, *fit, widest=min(MAX_AUTO_WIDTH, 2 * max(record.timed)))
+            k = k + 1 if record.acceptance >= 0.5 or k == 1 else k - 1
+            timing = "one width measured, trying another"
+        else:
+            k = best_width(record.acceptance, *fit, widest=min(MAX_AUTO_WIDTH, 2 * max(record.timed)))
+            timing = f"a forward {fit[0] * 1e3:.2f} ms + {fit[1] * 1e3:.2f} ms a draft"
+        return k, (f"speculative: {drafter} drafts {_tokens(k)} a forward (acceptance {record.acceptance:.2f} "
+                   f"from {record.kept + record.rejected} drafts; {timing})")
 
     def record(self, drafter: str, k: int, kept: int, rejected: int, seconds: float, forwards: int) -> None:
         """One generation drafted by ``drafter`` at width ``k``: drafts kept
@@ -108,17 +114,6 @@ class VerifyWidths:
         if seconds > 0 and forwards > 0:
             spent, count = entry.timed.get(k, (0.0, 0))
             entry.timed[k] = (spent + seconds, count + forwards)
-
-    def describe(self, drafter: str, k: int) -> str:
-        """One line: the width chosen and what it was chosen from."""
-        record = self.records.get(drafter)
-        if record is None or not record.timed:
-            return f"speculative: {drafter} drafts {_tokens(k)} a forward (its first generation)"
-        fit = record.line()
-        timing = (f"a forward {fit[0] * 1e3:.2f} ms + {fit[1] * 1e3:.2f} ms a draft" if fit
-                  else "one width measured, trying another")
-        return (f"speculative: {drafter} drafts {_tokens(k)} a forward (acceptance {record.acceptance:.2f} "
-                f"from {record.kept + record.rejected} drafts; {timing})")
 
 
 def _tokens(k: int) -> str:
