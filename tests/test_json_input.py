@@ -10,7 +10,7 @@ import pytest
 from mlxdist import json_input
 from mlxdist.cli.job_file import parse_json_line
 from mlxdist.errors import PlacementError, RequestError
-from mlxdist.model.placement import read_json
+from mlxdist.model.placement import Placement
 from mlxdist.serving.schema import RequestLimits, check_body
 
 
@@ -56,7 +56,7 @@ def test_every_input_reads_alike(tmp_path):
     path = tmp_path / "placement.json"
     path.write_bytes(deep)
     with pytest.raises(PlacementError, match=f"placement file {path} nests deeper than 64 levels"):
-        read_json(path, "placement", PlacementError)
+        Placement.load(path)
     with pytest.raises(RequestError, match="the request body holds NaN, not a finite number"):
         check_body(b'{"prompt": "Hi", "temperature": NaN}', RequestLimits(vocab_size=100))
     big = tmp_path / "big.json"

@@ -16,8 +16,8 @@ do not name is refused in one line naming the rank and its host.
 import ipaddress
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
+from mlxdist import json_input
 from mlxdist.errors import PlacementError
-from mlxdist.model.placement import read_json
 
 Budgets = Union[List[float], Dict[str, float]]  # GB per rank, or GB by host name
 
@@ -46,7 +46,7 @@ def read_hostfile_budgets(path: str) -> List[Tuple[str, float]]:
     list of hosts, or ``mlx.distributed_config``'s object (``{"backend",
     "envs", "hosts": [...]}``). A host's name is its ``"ssh"``, else the
     first of its ``"ips"``."""
-    hosts = read_json(path, "--rank-memory host", PlacementError)
+    hosts = json_input.read_file(path, "--rank-memory host", PlacementError)
     if isinstance(hosts, dict) and "hosts" in hosts:
         hosts = hosts["hosts"]
     if not isinstance(hosts, list) or not hosts:

@@ -197,7 +197,7 @@ class Placement:
 
     @classmethod
     def load(cls, path: Union[str, Path]) -> "Placement":
-        return cls.from_json(read_json(path, "placement", PlacementError))
+        return cls.from_json(json_input.read_file(path, "placement", PlacementError))
 
 
 def _check_owners(owners: Owners, num_ranks: int, where: str) -> None:
@@ -234,11 +234,6 @@ def proportional_counts(total: int, weights: Sequence[Fraction]) -> List[int]:
             counts[donor] -= 1
             counts[i] += 1
     return counts
-
-
-def read_json(path: Union[str, Path], what: str, error: type) -> Any:
-    """The ``what`` file at ``path`` (a placement, routing or budgets file), by ``json_input.read_file``."""
-    return json_input.read_file(path, what, error)
 
 
 def write_json_atomic(path: Union[str, Path], obj: Any) -> None:

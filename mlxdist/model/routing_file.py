@@ -21,9 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Union
 
+from mlxdist import json_input
 from mlxdist.digits import is_digits
 from mlxdist.errors import UserError
-from mlxdist.model.placement import MAX_EXPERTS, read_json, write_json_atomic
+from mlxdist.model.placement import MAX_EXPERTS, write_json_atomic
 
 ROUTING_VERSION = 1
 KIND = "mlxdist-routing"
@@ -91,7 +92,7 @@ class RoutingStats:
 
     @classmethod
     def load(cls, path: Union[str, Path]) -> "RoutingStats":
-        return cls.from_json(read_json(path, "routing", UserError))
+        return cls.from_json(json_input.read_file(path, "routing", UserError))
 
 
 def model_top_k(config: Dict[str, Any]) -> Optional[int]:
