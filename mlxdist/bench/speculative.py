@@ -26,7 +26,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Union
 
-from mlxdist.config import AUTO_WIDTH
+from mlxdist.config import AUTO_WIDTH, MAX_DRAFT_TOKENS
 from mlxdist.digits import arg_int_or
 
 PROMPT_KINDS = ("random", "repetitive")
@@ -45,11 +45,11 @@ class Drafter:
 
 
 def draft_widths(text: str) -> List[Union[int, str]]:
-    """``--num-draft-tokens``: widths (1 to 64, or auto), comma-separated; argparse's type."""
+    """``--num-draft-tokens``: widths (1 to ``MAX_DRAFT_TOKENS``, or auto), comma-separated; argparse's type."""
     read = arg_int_or(AUTO_WIDTH, 1)
     widths = [read(part.strip()) for part in text.split(",")]
-    if any(w != AUTO_WIDTH and w > 64 for w in widths) or len(set(widths)) != len(widths):
-        raise argparse.ArgumentTypeError("widths are from 1 to 64 or auto, each once")
+    if any(w != AUTO_WIDTH and w > MAX_DRAFT_TOKENS for w in widths) or len(set(widths)) != len(widths):
+        raise argparse.ArgumentTypeError(f"widths are from 1 to {MAX_DRAFT_TOKENS} or auto, each once")
     return widths
 
 
@@ -73,13 +73,12 @@ def add_arguments(parser) -> None:
 def drafters(args) -> List[Drafter]:
     """The drafters asked for, in the order their rows run."""
     out = []
-    for k in args.num_draft_tokens:
-        if args.prompt_lookup_ngram:
-            out.append(Drafter(f"lookup n={args.prompt_lookup_ngram} k={k}", k, ngram=args.prompt_lookup_ngram))
-    for k in args.num_draft_tokens:
-        if args.draft_model:
-            name = "self" if args.draft_model == SELF else args.draft_model.rstrip("/").rsplit("/", 1)[-1]
-            out.append(Drafter(f"draft {name} k={k}", k, model=args.draft_model))
+    if args.prompt_lookup_ngram:
+        n = args.prompt_lookup_ngram
+        out += [Drafter(f"lookup n={n} k={k}", k, ngram=n) for k in args.num_draft_tokens]
+    if args.draft_model:
+        name = "self" if args.draft_model == SELF else args.draft_model.rstrip("/").rsplit("/", 1)[-1]
+        out += [Drafter(f"draft {name} k={k}", k, model=args.draft_model) for k in args.num_draft_tokens]
     return out
 
 
