@@ -76,7 +76,12 @@ def arg_int_or(word: str, low: Optional[int] = None) -> Callable[[str], Union[in
     integer = arg_int(low)
 
     def read(text: str) -> Union[int, str]:
-        return word if text == word else integer(text)
+        if text == word:
+            return word
+        try:
+            return integer(text)
+        except argparse.ArgumentTypeError as e:
+            raise argparse.ArgumentTypeError(f"{e} (or {word})") from None
 
     read.__name__ = f"integer or {word}"
     return read
