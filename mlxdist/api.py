@@ -119,7 +119,7 @@ class Cluster:
         stats: bool = False,
         expert_capacity: Optional[int] = None,
         memory_budget_gb: Optional[float] = None,
-        expert_split: str = "whole",
+        expert_split: str = "auto",
         record_routing: Optional[str] = None,
         record_routing_every: Optional[float] = None,
         rank_memory_gb: Union[None, Sequence[float], Dict[str, float]] = None,
@@ -140,8 +140,11 @@ class Cluster:
         rest paged in from its checkpoint copy (compact layout or p2p);
         ``memory_budget_gb``: instead, the weight bytes each rank may hold,
         which set its capacity. ``expert_split``: "whole" (each expert on
-        one rank) or "width" (every expert cut over the ranks, as tensor
-        parallelism cuts them: balanced, not bit-exact; every mode but p2p).
+        one rank), "width" (every expert cut over the ranks, as tensor
+        parallelism cuts them: balanced, not bit-exact; every mode but p2p)
+        or "auto" (under ``dispatch="auto"``, the cut weighed cheaper at
+        load where nothing needs whole experts, else whole; the cut taken is
+        ``engine.options.expert_split``, why ``engine.split``).
         ``record_routing``: a file rank 0 writes the routed slots per expert
         to (``routing()``; at ``shutdown`` or the next ``load``, and every
         ``record_routing_every`` seconds while it runs, where rank 0 sees

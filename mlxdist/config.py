@@ -14,9 +14,10 @@ from mlxdist.errors import UserError
 # checks that the two agree.
 DEFAULT_MAX_TOKENS = 100
 
-__all__ = ["EXPERT_SPLITS", "REPLICATE", "GenerationParams", "LoadOptions"]
+__all__ = ["AUTO_SPLIT", "EXPERT_SPLITS", "REPLICATE", "GenerationParams", "LoadOptions"]
 
-EXPERT_SPLITS = ("whole", "width")
+AUTO_SPLIT = "auto"  # --expert-split chosen at load (LoadOptions.expert_split)
+EXPERT_SPLITS = (AUTO_SPLIT, "whole", "width")
 REPLICATE = ("auto", "always", "never")  # --replicate: every expert on every rank (LoadOptions.replicate)
 MAX_DRAFT_TOKENS = 64  # drafted tokens one verifying forward may carry
 AUTO_WIDTH = "auto"  # num_draft_tokens chosen per generation (engine/verify_width.py)
@@ -35,7 +36,10 @@ class LoadOptions:
     stats: bool = False  # count routed slots per expert from the start
     expert_capacity: Optional[int] = None  # experts resident per layer and rank; the rest paged in (paging.py)
     memory_budget_gb: Optional[float] = None  # weight bytes a rank may hold: sets its expert capacity (paging.py)
-    expert_split: str = "whole"  # "whole": each expert on one rank; "width": every expert cut over the ranks
+    # "whole": each expert on one rank; "width": every expert cut over the ranks; "auto": under
+    # --dispatch auto, the one dispatch/splitcost.py weighs cheaper at load where nothing needs whole
+    # experts (else whole); the engine's options hold the cut taken
+    expert_split: str = AUTO_SPLIT
     record_routing: bool = False  # count routed slots per expert for the routing file (--record-routing)
     # GB of expert weights each rank may keep resident (--rank-memory): by rank, or by host name
     rank_memory_gb: Optional[Union[List[float], Dict[str, float]]] = None
@@ -95,6 +99,14 @@ class LoadOptions:
         replicates, and nothing else saying where the experts go."""
         return (modes.mode(self.dispatch).replicates and not self.placed and not self.pages
                 and self.expert_split != "width")
+
+    @property
+    def may_cut_in_width(self) -> bool:
+        """Whether ``--expert-split auto`` may cut the experts in width: under
+        ``--dispatch auto``, with nothing that needs whole experts (a
+        placement, budgets, paging, --record-routing, --replicate always)."""
+        return (self.expert_split == AUTO_SPLIT and modes.mode(self.dispatch).cuts_experts and not self.placed
+                and not self.pages and not self.record_routing and self.replicate != "always")
 
     @property
     def placed(self) -> bool:

@@ -32,8 +32,9 @@ def run_auto(checkpoint, tmp_path, link, width: bool, replicate: str = "never", 
     experts, from a job file) or one prompt (experts cut in width, or
     ``one``): what it measured, what it chose and the text it printed."""
     args = ["--model", checkpoint("qwen3_moe"), "-m", 2, "--quiet", "--replicate", replicate]
+    args += ["--expert-split", "width" if width else "whole"]
     if width:
-        args += ["--expert-split", "width", "-p", "Hello"]
+        args += ["-p", "Hello"]
     elif one:
         args += ["-p", "Hello"]
     else:

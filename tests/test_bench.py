@@ -229,6 +229,26 @@ def test_compare_ratios_pair_each_round():
     assert mine["vs_single"] is None and mine["vs_single_rounds"] == []
 
 
+def test_compare_launches_one_mlxdist_contender_per_expert_split():
+    """--expert-split whole,width,auto: three mlxdist launches in each round,
+    named after their cut, each passing it (and --replicate) on; none: one
+    launch with mlxdist's default. A cut twice or unknown is refused."""
+    from mlxdist.bench.compare import contenders, parse_args
+
+    args = parse_args(["--ranks", "2", "--expert-split", "whole,width,auto", "--replicate", "never"])
+    launches = [c for c in contenders(args.ranks, args.dispatch, splits=args.expert_split, replicate=args.replicate)
+                if c["name"].startswith("mlxdist")]
+    assert [c["name"] for c in launches] == ["mlxdist whole", "mlxdist width", "mlxdist auto"]
+    for c, split in zip(launches, ("whole", "width", "auto")):
+        extra = c["extra"]
+        assert extra[extra.index("--expert-split") + 1] == split and extra[extra.index("--replicate") + 1] == "never"
+    plain = [c for c in contenders([2], ["auto"]) if c["name"].startswith("mlxdist")]
+    assert [c["name"] for c in plain] == ["mlxdist"] and "--expert-split" not in plain[0]["extra"]
+    for bad in ("whole,whole", "sideways"):
+        with pytest.raises(SystemExit):
+            parse_args(["--expert-split", bad])
+
+
 def test_replicas_start_each_generation_together(tmp_path):
     """mlx-lm's replicas are timed as one job: a process that arrives late
     holds the others at the start line, so their timed generations overlap."""

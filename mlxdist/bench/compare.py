@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 from mlxdist import envs
+from mlxdist.config import EXPERT_SPLITS, REPLICATE
 from mlxdist.runtime.world import retry_launcher
 from mlxdist.bench import speculative
 from mlxdist.bench.harness import median_row, versions
@@ -83,15 +84,20 @@ def command(ranks: int, module: str, args: List[str]) -> List[str]:
 
 def contenders(ranks: List[int], dispatch: List[str], layout: Optional[str] = None,
                placements: Optional[Dict[int, str]] = None, speculative_args: Sequence[str] = (),
-               mlx_lm: bool = True) -> List[Dict[str, Any]]:
+               mlx_lm: bool = True, splits: Sequence[str] = (), replicate: Optional[str] = None) -> List[Dict[str, Any]]:
     """What one round launches, in order. ``placements``: N -> a placement
     file, for one more mlxdist contender at that N ("placed").
     ``speculative_args``: the drafters mlxdist's launches add speculative
-    rows for (``speculative.py``). ``mlx_lm``: False leaves mlx-lm's out."""
+    rows for (``speculative.py``). ``mlx_lm``: False leaves mlx-lm's out.
+    ``splits``: one mlxdist launch per ``--expert-split`` (named after it;
+    none: one launch with mlxdist's default); ``replicate``: mlxdist's ``--replicate``."""
     out = [{"name": "mlx-lm single", "ranks": 1, "module": "mlxdist.bench.mlxlm", "extra": ["--mode", "single"]}]
     for n in ranks:
         extra = ["--dispatch", ",".join(dispatch)] + (["--layout", layout] if layout else []) + list(speculative_args)
-        out.append({"name": "mlxdist", "ranks": n, "module": "mlxdist.bench", "extra": extra})
+        extra += ["--replicate", replicate] if replicate else []
+        for split in splits or [None]:
+            name, more = ("mlxdist", []) if split is None else (f"mlxdist {split}", ["--expert-split", split])
+            out.append({"name": name, "ranks": n, "module": "mlxdist.bench", "extra": extra + more})
         if (placements or {}).get(n):
             out.append({"name": "mlxdist placed", "ranks": n, "module": "mlxdist.bench",
                         "extra": extra + ["--placement", placements[n]]})
@@ -203,7 +209,7 @@ def run(args) -> Dict[str, Any]:
               "-b", ",".join(map(str, args.batch_sizes)), "-n", "1", "--warmup-tokens", str(args.warmup_tokens),
               "--prompt-kind", args.prompt_kind]
     plan = contenders(args.ranks, args.dispatch, args.layout, dict(args.placement), _speculative_args(args),
-                      mlx_lm=not args.mlxdist_only)
+                      mlx_lm=not args.mlxdist_only, splits=args.expert_split, replicate=args.replicate)
     trials, unsupported, errors = [], {}, {}
     started = datetime.now(timezone.utc).isoformat(timespec="seconds")
     link = None
@@ -274,6 +280,11 @@ def parse_args(argv=None):
     parser.add_argument("--link", default=None, type=_link, metavar="PRESET|LAT_US,GBPS",
                         help=f"Every contender pays this emulated link on every MPI call ({', '.join(PRESETS)}, or "
                              "a latency in µs and a bandwidth in GB/s); its cost is measured and printed beside the table.")
+    parser.add_argument("--expert-split", type=_splits, default=[], metavar="SPLIT[,SPLIT...]",
+                        help=f"One mlxdist contender per expert split ({', '.join(EXPERT_SPLITS)}), side by side "
+                             "(default: one, with mlxdist's default).")
+    parser.add_argument("--replicate", choices=REPLICATE, default=None,
+                        help="mlxdist's --replicate (default: its own, auto).")
     parser.add_argument("--warmup-tokens", type=int, default=8)
     parser.add_argument("--timeout", type=float, default=900, help="Seconds per launch.")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "out"))
@@ -295,6 +306,14 @@ def _speculative_args(args) -> List[str]:
         draft = args.draft_model
         out += ["--draft-model", str(Path(draft).resolve()) if Path(draft).exists() else draft]
     return out + ["--num-draft-tokens", ",".join(map(str, args.num_draft_tokens))] if out else []
+
+
+def _splits(text: str) -> List[str]:
+    splits = text.split(",")
+    unknown = [s for s in splits if s not in EXPERT_SPLITS]
+    if unknown or len(set(splits)) < len(splits):
+        raise argparse.ArgumentTypeError(f"takes distinct splits out of {', '.join(EXPERT_SPLITS)}, not {text!r:.60}")
+    return splits
 
 
 def _link(text: str) -> EmulatedLink:

@@ -160,9 +160,12 @@ def bench_case(cluster, mode: str, prompts: List[List[int]], args) -> Dict[str, 
     row.update(dispatch=mode, strategy=strategy, batch=len(prompts), ranks=cluster.world.size, moe_layers=layers)
     if engine.choice is not None:  # auto measured its link at load: what it chose from
         row["link_choice"] = {"measured": engine.auto_inputs.describe(), "choice": engine.choice.describe()}
+    if engine.split is not None:  # --expert-split auto: the cut taken at load and why
+        row["split_choice"] = engine.split.describe()
     # (max - mean) / mean of the slots each rank computed, per MoE layer and step (ExchangeStats.count_balance);
     # experts cut in width: every rank computes 1/N of every slot.
-    row["imbalance"] = 0.0 if args.expert_split == "width" and cluster.world.size > 1 else stats[0].get("imbalance")
+    split = engine.options.expert_split  # the cut taken (--expert-split auto chooses one at load)
+    row["imbalance"] = 0.0 if split == "width" and cluster.world.size > 1 else stats[0].get("imbalance")
     if args.no_link:  # the tokens are not the model's, and there is no transport to floor
         row.update(link=False, floor_us=None, exchange_over_floor=None)
         return row
@@ -173,7 +176,7 @@ def bench_case(cluster, mode: str, prompts: List[List[int]], args) -> Dict[str, 
             n, b = cluster.world.size, len(prompts)
             row.update(floor_us=None, exchange_over_floor=None, imbalance=-(-b // n) * n / b - 1)
             return row
-    name = traffic.wire_name(strategy, args.expert_split)
+    name = traffic.wire_name(strategy, split)
     width = name != strategy
     shape = list(profile["slots_shape"]) or [len(prompts), 1] + ([] if width else [cfg.get("num_experts_per_tok", 1)]) \
         + [cfg["hidden_size"]]
@@ -212,14 +215,14 @@ def run(cluster, args) -> Dict[str, Any]:
         plain = None
         for batch in args.batch_sizes:
             prompts = make_prompts(args.prompt_kind, vocab, batch, args.prompt_tokens, args.seed)
-            rows.append({**bench_case(cluster, mode, prompts, args), "expert_split": args.expert_split})
+            rows.append({**bench_case(cluster, mode, prompts, args), "expert_split": cluster.engine.options.expert_split})
             plain = (prompts[0], rows[-1]) if batch == 1 else plain
             print(f"# {mode} b={batch}: {rows[-1]['generation_tps']:.1f} gen tok/s", file=sys.stderr, flush=True)
         if plain is not None:  # speculative rows where asked, against the b = 1 row's tokens
             prompt, plain_row = plain
             for row in speculative.rows(cluster, mode, prompt, plain_row, args, _generate,
                                         lambda **kw: _load(cluster, mode, args, **kw)):
-                rows.append({**row, "expert_split": args.expert_split})
+                rows.append({**row, "expert_split": cluster.engine.options.expert_split})
                 print(f"# {mode} b=1 {row['speculative']}: {row['generation_tps']:.1f} gen tok/s, "
                       f"{row['vs_plain']:.2f} x plain", file=sys.stderr, flush=True)
             plain_row.pop("tokens")
@@ -288,8 +291,9 @@ def parse_args(argv=None):
     parser.add_argument("--replicate", choices=REPLICATE, default="auto",
                         help="auto's --replicate: every expert on every rank where it fits (auto), always or never.")
     parser.add_argument("--json", action="store_true", help="One JSON object on stdout.")
-    parser.add_argument("--expert-split", choices=EXPERT_SPLITS, default="whole",
-                        help="Experts whole on one rank each, or cut in width over the ranks (every mode but p2p).")
+    parser.add_argument("--expert-split", choices=EXPERT_SPLITS, default="auto",
+                        help="Experts whole on one rank each, cut in width over the ranks (every mode but p2p), or "
+                             "auto: under --dispatch auto, the cut auto weighs cheaper at load (else whole).")
     parser.add_argument("--no-link", action="store_true",
                         help="Replace MLX's collectives by local stand-ins of the same shapes: what each step "
                              "costs without the exchange's transport and waiting (tokens are not the model's; "

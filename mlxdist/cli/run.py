@@ -102,9 +102,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-budget", type=float, default=None, metavar="GB",
                    help="weights each rank may hold, in GB: sets its expert capacity from what its dense weights "
                         "leave (as --expert-capacity, which it replaces)")
-    p.add_argument("--expert-split", choices=EXPERT_SPLITS, default="whole",
+    p.add_argument("--expert-split", choices=EXPERT_SPLITS, default="auto",
                    help="whole: each expert on one rank (exact modes); width: every expert cut over the ranks as "
-                        "tensor parallelism cuts them (balanced, not bit-exact; every mode but p2p)")
+                        "tensor parallelism cuts them (balanced, not bit-exact; every mode but p2p); auto (the "
+                        "default): under --dispatch auto, the cut auto weighs cheaper from what the ranks measure "
+                        "at load, where nothing needs whole experts (see docs/modes.md); else whole")
     p.add_argument("--replicate", choices=REPLICATE, default="auto",
                    help="--dispatch auto: every rank holds every expert, and batches of a sequence per rank or more "
                         "run as N replicas with no exchange; auto: where every host has room for the whole model "
@@ -254,6 +256,7 @@ def _run_prompt(cluster: Cluster, args, text: str, logprobs: List) -> None:
             "peak_memory_gb": stats["peak_memory_gb"],
             "weights_gb": [{k.replace("_bytes", ""): v / 1e9 for k, v in m.items()} for m in engine.memory_by_rank],
             "dispatch": engine.dispatch,
+            "expert_split": engine.options.expert_split,  # the cut taken (auto chooses one at load)
             "num_ranks": cluster.world.size,
         }
         if cluster.world.lost:
@@ -270,9 +273,11 @@ def _run_prompt(cluster: Cluster, args, text: str, logprobs: List) -> None:
 
 
 def _explain_auto(engine) -> None:
-    """--verbose under auto: whether every rank holds every expert, what it
-    measured at load, then each choice where it changes, with every
-    candidate's estimated step."""
+    """--verbose under auto: how the experts were cut, whether every rank
+    holds every expert, what it measured at load, then each choice where it
+    changes, with every candidate's estimated step."""
+    if engine.split is not None:
+        print(engine.split.describe(), file=sys.stderr, flush=True)
     if engine.replicated:
         print(f"auto: every rank holds every expert (--replicate {engine.options.replicate}): batches of "
               f"{engine.world.size} or more run as replicas", file=sys.stderr, flush=True)

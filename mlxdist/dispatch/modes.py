@@ -29,13 +29,15 @@ class Mode:
     dense_on_root: bool = False  # rank 0 alone runs the dense model (the others hold experts only)
     measures_link: bool = False  # chooses among its strategies from the link measured at load (auto_choice)
     replicates: bool = False  # may hold every expert on every rank and run batches as replicas (--replicate)
+    cuts_experts: bool = False  # --expert-split auto may cut its experts in width (dispatch/splitcost.py)
 
 
 MODES: Dict[str, Mode] = {m.name: m for m in (
     Mode("auto", "per generation, the strategy whose decode step costs the least over the link measured at load: "
                  "on a fast link dp for batches of at least one sequence per rank (8 on NCCL with whole experts), "
                  "else collective; where every rank has room for the whole model, every rank holds every expert "
-                 "and such batches run as N replicas (no exchange)", measures_link=True, replicates=True),
+                 "and such batches run as N replicas (no exchange); experts whole or cut in width, as weighed at load",
+         measures_link=True, replicates=True, cuts_experts=True),
     Mode("dp", "each rank its own sequences, per-token combine (not bit-exact)"),
     Mode("collective", "every rank runs the dense model, one all_sum of the slots per layer (exact)"),
     Mode("collective-tp", "collective with attention split by mlx-lm's shard() (not bit-exact)"),

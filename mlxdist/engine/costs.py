@@ -31,7 +31,7 @@ from mlxdist.dispatch import traffic
 from mlxdist.dispatch.linkcost import AutoInputs, DenseCost, LinkCost, row_bytes
 from mlxdist.runtime.world import World
 
-__all__ = ["measure_auto_inputs", "model_shape", "split_bytes"]
+__all__ = ["fastest", "link_rounds", "measure_auto_inputs", "model_shape", "split_bytes", "step_rows"]
 
 STEP_BYTES = 1 << 18  # the step-sized all_sum holds at least this much, for its bytes to show over the latency
 CHAIN = 4  # all_sums per timed round
@@ -52,26 +52,26 @@ def measure_auto_inputs(world: World, model: nn.Module, shape: traffic.Shape, dt
     """The link and the dense work, measured on every rank and agreed.
     Every rank calls it at the same point. ``split``: the bytes of the dense
     layers that collective-tp's ``shard()`` divides (``split_bytes``)."""
-    small, step = _link_rounds(world, shape, dtype)
+    small, step = link_rounds(world, shape, dtype)
     (one, many), linear_bytes = _dense_rounds(model, dtype)
     agreed = [max(column) for column in zip(*world.control.allgather_json([small, step, one, many]))]
     small, step, one, many = agreed
-    beyond_row = (_step_rows(shape) * shape.top_k - 1) * row_bytes(world.size, shape)  # wire bytes, traffic.py's count
+    beyond_row = (step_rows(shape) * shape.top_k - 1) * row_bytes(world.size, shape)  # wire bytes, traffic.py's count
     link = LinkCost(latency=small, seconds_per_byte=max(0.0, step - small) / beyond_row)
     per_row = max(0.0, many - one) / (ROWS - 1)
     share = min(1.0, split / linear_bytes) if linear_bytes else 0.0
     return AutoInputs(link, DenseCost(fixed=max(0.0, one - per_row), per_row=per_row, split=share), shape)
 
 
-def _step_rows(shape: traffic.Shape) -> int:
+def step_rows(shape: traffic.Shape) -> int:
     """Rows of the step-sized all_sum: [rows, K, D] of at least STEP_BYTES."""
     return -(-STEP_BYTES // (shape.top_k * shape.hidden * shape.itemsize))
 
 
-def _link_rounds(world: World, shape: traffic.Shape, dtype: mx.Dtype) -> Tuple[float, float]:
+def link_rounds(world: World, shape: traffic.Shape, dtype: mx.Dtype) -> Tuple[float, float]:
     """This rank's fastest all_sum of a row [1, D] and of a step's slots [rows, K, D], in seconds."""
     row = mx.zeros((1, shape.hidden), dtype=dtype)
-    slots = mx.zeros((_step_rows(shape), shape.top_k, shape.hidden), dtype=dtype)
+    slots = mx.zeros((step_rows(shape), shape.top_k, shape.hidden), dtype=dtype)
     mx.eval(row, slots)
 
     def chain(x: mx.array) -> Callable[[], None]:
@@ -84,7 +84,7 @@ def _link_rounds(world: World, shape: traffic.Shape, dtype: mx.Dtype) -> Tuple[f
         return run
 
     with mx.stream(generation_stream):
-        small, step = _fastest([chain(row), chain(slots)])
+        small, step = fastest([chain(row), chain(slots)])
     mx.synchronize(generation_stream)  # before the control plane speaks (MPI: one thread at a time)
     return small / CHAIN, step / CHAIN
 
@@ -101,11 +101,11 @@ def _dense_rounds(model: nn.Module, dtype: mx.Dtype) -> Tuple[Tuple[float, float
     def apply(rows: int) -> Callable[[], None]:
         return lambda: mx.eval([m(inputs[rows][_input_dims(m)]) for m in linears])
 
-    times = _fastest([apply(1), apply(ROWS)]) if linears else (0.0, 0.0)
+    times = fastest([apply(1), apply(ROWS)]) if linears else (0.0, 0.0)
     return times, sum(v.nbytes for m in linears for _, v in tree_flatten(m.parameters()))
 
 
-def _fastest(steps: List[Callable[[], None]]) -> Tuple[float, ...]:
+def fastest(steps: List[Callable[[], None]]) -> Tuple[float, ...]:
     """Each step's fastest of ``ROUNDS`` timed rounds, the steps taken in turns."""
     best = [float("inf")] * len(steps)
     for round_ in range(1 + ROUNDS):

@@ -20,6 +20,7 @@ from mlx_lm.generate import BatchResponse, GenerationResponse, generation_stream
 from mlxdist.config import GenerationParams, LoadOptions
 from mlxdist.dispatch import DenseRanks, Dispatcher, LayerOwnership, RowDispatcher, modes
 from mlxdist.dispatch.linkcost import AutoInputs, Choice
+from mlxdist.dispatch.splitcost import SplitChoice
 from mlxdist.engine.batch import batch_generate
 from mlxdist.engine.dp_schedule import DataParallelGeneration
 from mlxdist.engine.replicas import generate_own_share
@@ -39,6 +40,19 @@ from mlxdist.runtime import faults
 from mlxdist.runtime.world import World
 
 __all__ = ["Engine"]
+
+
+@dataclass(frozen=True)
+class Split:
+    """The cut ``--expert-split auto`` took at load (whole or width), in one
+    line why, and where it was weighed, the estimates (``splitcost.SplitChoice``)."""
+
+    split: str
+    reason: str
+    choice: Optional[SplitChoice] = None
+
+    def describe(self) -> str:
+        return self.reason if self.choice is not None else f"auto: experts {self.split}: {self.reason}"
 
 
 @dataclass
@@ -74,6 +88,7 @@ class Engine:
     paging: Optional[PagingStats] = None  # with --expert-capacity: hits, misses, bytes and time paged in
     draft_model: Optional[nn.Module] = None  # --draft-model, whole, where this rank runs the dense model
     auto_inputs: Optional[AutoInputs] = None  # auto: the link and dense work measured at load, agreed by every rank
+    split: Optional[Split] = None  # --expert-split auto: the cut taken at load and why
     choice: Optional[Choice] = None  # auto: the latest choice and what it was chosen from
     on_choice: Optional[Callable[[Choice], None]] = None  # called where auto's choice changes (rank 0's --verbose)
 

@@ -17,16 +17,18 @@ import mlx.nn as nn
 from mlx_lm.utils import load_tokenizer
 
 from mlxdist import __version__, envs
-from mlxdist.config import LoadOptions
+from mlxdist.config import AUTO_SPLIT, LoadOptions
 from mlxdist.dispatch import DenseRanks, LayerOwnership, RowDispatcher, make_dispatcher, modes
 from mlxdist.dispatch.linkcost import AutoInputs
+from mlxdist.dispatch.splitcost import choose_split
 from mlxdist.engine.costs import measure_auto_inputs, model_shape, split_bytes
-from mlxdist.engine.engine import Engine
+from mlxdist.engine.engine import Engine, Split
+from mlxdist.engine.split_probe import dense_linear_bytes, measure_split_inputs
 from mlxdist.errors import UserError, one_line
 from mlxdist.engine.fetch import Located, fetch_share, locate_model, rank_spans
 from mlxdist.model.checkpoint import (
     check_config, find_switch_sites, nbytes, read_safetensors_index,
-    split_experts_by_width, split_shared_by_width, switch_extras, text_config,
+    split_experts_by_width, split_shared_by_width, switch_extras, text_config, width_refusal,
 )
 from mlxdist.model.paging import PagingStats, capacity_for_budget, expert_module
 from mlxdist.model.balance import (
@@ -80,6 +82,7 @@ def load_engine(world: World, options: LoadOptions) -> Engine:
     located = locate_model(world, options.model, options.revision)  # a rank without the model gets its share
     lazy = _read_lazy(located.path)
     options, plan = _placement(world, options, lazy)
+    options, split = _expert_split(world, options, lazy, plan)
     by_width = options.expert_split == "width" and world.size > 1
     # Before anything is evaluated (finding the routers runs them).
     fetch_share(world, located, lambda: rank_spans(world, options, lazy.sources, lazy.sites, plan))
@@ -130,6 +133,7 @@ def load_engine(world: World, options: LoadOptions) -> Engine:
         capacity=capacity,
         paging=modules.paging if capacity is not None else None,
         auto_inputs=auto,
+        split=split,
     )
     engine.model_path = lazy.path  # a rank's share, where it has no copy of its own: what it reads again later
     engine.located = located
@@ -196,6 +200,53 @@ def _replicates(world: World, options: LoadOptions, lazy: _Lazy, found: List[Dic
     return all(ranks_on[m["host"]] * whole <= m["bytes"] * (1 - MARGIN) for m in found)
 
 
+def _expert_split(world: World, options: LoadOptions, lazy: _Lazy, plan: Placement) -> Tuple[LoadOptions, Optional[Split]]:
+    """The options with ``--expert-split auto`` resolved, every rank alike,
+    and why. Whole where anything needs whole experts (one rank, a mode
+    other than auto, a placement, budgets, paging, --record-routing),
+    where every rank holds every expert (replicas for batches, collective-tp
+    for one sequence), where memories differ (whole experts fill each as it
+    has room), where the experts cannot be cut in width, and where rank 0
+    has MLXDIST_AUTO_LINK=local; else the cut ``dispatch/splitcost.py``
+    weighs cheaper from what the ranks measure here (``engine/split_probe.py``)."""
+    if options.expert_split != AUTO_SPLIT:
+        return options, None
+    whole = replace(options, expert_split="whole")
+    if world.size == 1:
+        return whole, None
+    if plan.on_every_rank:  # --replicate auto or always
+        return whole, Split("whole", "every rank holds every expert")
+    if not options.may_cut_in_width:
+        return whole, None
+    experts_per_layer = {s.layer: s.num_experts for s in lazy.sites}
+    if plan != Placement.even(experts_per_layer, world.size):
+        return whole, Split("whole", "the ranks' memories differ: whole experts are placed in proportion to them")
+    refusal = next(filter(None, (width_refusal(site, world.size) for site in lazy.sites)), None)
+    if refusal is not None:
+        return whole, Split("whole", refusal)
+    if _link_wanted(world) == "local":
+        return whole, Split("whole", "MLXDIST_AUTO_LINK=local: the rule on one host's link")
+    cfg = text_config(lazy.config)
+    site = lazy.sites[0]
+    top_k = min(cfg.get("num_experts_per_tok") or 1, site.num_experts)
+    dtype = activation_dtype(lazy.model)
+    shape = model_shape(lazy.model, lazy.config, len(lazy.sites), top_k, dtype)
+    dense, share = dense_linear_bytes(lazy.model, lazy.sites)
+    shardable = can_shard(lazy.model, lazy.config, world.size)
+    inputs, work = measure_split_inputs(world, site, [owners[0] for owners in plan.layers[site.layer]], shape, dtype,
+                                        dense, share if shardable else 0.0)
+    choice = choose_split(inputs, work, world.size, world.backend, shardable)
+    return replace(options, expert_split=choice.split), Split(choice.split, choice.describe(), choice)
+
+
+def _link_wanted(world: World) -> str:
+    """Rank 0's MLXDIST_AUTO_LINK, on every rank: measure the link for auto, or take one host's."""
+    wanted = world.control.allgather_json(envs.get("MLXDIST_AUTO_LINK"))[0]
+    if wanted not in ("measure", "local"):
+        raise UserError(f"MLXDIST_AUTO_LINK takes measure or local, not {wanted!r:.40}")
+    return wanted
+
+
 def _strategies(world: World, options: LoadOptions, lazy: _Lazy, by_width: bool,
                 plan: Placement) -> Tuple[List[str], Dict[type, RouterWeights]]:
     """The strategies the mode runs (``auto`` with every expert on every
@@ -239,12 +290,9 @@ def _measure_for_auto(world: World, options: LoadOptions, lazy: _Lazy, dispatche
     (its rule on one host's link) where rank 0 has MLXDIST_AUTO_LINK=local."""
     if not modes.mode(options.dispatch).measures_link or len(dispatchers) < 2:
         return None
-    wanted = world.control.allgather_json(envs.get("MLXDIST_AUTO_LINK"))[0]  # rank 0's, on every rank
-    if wanted not in ("measure", "local"):
-        raise UserError(f"MLXDIST_AUTO_LINK takes measure or local, not {wanted!r:.40}")
-    if wanted == "local":
+    if _link_wanted(world) == "local":
         return None
-    cfg = lazy.config.get("text_config", lazy.config)
+    cfg = text_config(lazy.config)
     top_k = next(iter(routers.values())).top_k if routers else cfg.get("num_experts_per_tok") or 1
     dtype = activation_dtype(lazy.model)
     shape = model_shape(lazy.model, lazy.config, len(lazy.sites), top_k, dtype)

@@ -217,13 +217,13 @@ class SwitchSite:
         return _num_experts(self.module)
 
 
-def _projections(switch: nn.Module) -> Dict[str, nn.Module]:
+def projections(switch: nn.Module) -> Dict[str, nn.Module]:
     """The expert module's stacked projections (gate/up/down, fc1/fc2)."""
     return {k: v for k, v in switch.items() if isinstance(v, PROJECTION_TYPES)}
 
 
 def _num_experts(switch: nn.Module) -> int:
-    return next(iter(_projections(switch).values())).weight.shape[0]
+    return next(iter(projections(switch).values())).weight.shape[0]
 
 
 def switch_extras(switch: nn.Module) -> Dict[str, Any]:
@@ -231,7 +231,7 @@ def switch_extras(switch: nn.Module) -> Dict[str, Any]:
     a norm its block reads as ``self.experts.post_expert_norm``): every entry
     but the projections and the ``activation`` that SwitchGLU/SwitchMLP's own
     forward pass reads."""
-    return {k: v for k, v in switch.items() if k not in _projections(switch) and k != "activation"}
+    return {k: v for k, v in switch.items() if k not in projections(switch) and k != "activation"}
 
 
 def _layer_position(model: nn.Module, path: str) -> Tuple[str, int, int]:
@@ -288,11 +288,11 @@ def split_experts_by_width(site: SwitchSite, rank: int, ranks: int) -> nn.Module
     their rows ``[r*H/N, (r+1)*H/N)``, projections back keep those columns
     (packed and grouped alike when quantized), and a bias on the way back is
     divided by N, as every rank adds it before the ranks' outputs are summed."""
-    projections = _projections(site.module)
-    unknown = sorted(set(projections) - set(INTO_HIDDEN) - set(FROM_HIDDEN))
+    projs = projections(site.module)
+    unknown = sorted(set(projs) - set(INTO_HIDDEN) - set(FROM_HIDDEN))
     if unknown:
         raise UserError(f"cannot cut {site.path}'s experts in width: unknown projection {unknown[0]!r}")
-    _cut_in_width(site.module, projections, site.path, rank, ranks)
+    _cut_in_width(site.module, projs, site.path, rank, ranks)
     return site.module
 
 
@@ -302,7 +302,36 @@ def split_shared_by_width(site: SwitchSite, rank: int, ranks: int) -> List[str]:
     ranks' block outputs sum to the whole block's. Returns their names. A
     child holding linear layers of which only some are known projections is
     refused: it could not be summed over the ranks."""
-    cut, block_path = [], site.path.rsplit(".", 1)[0]
+    block_path = site.path.rsplit(".", 1)[0]
+    shared = _shared_mlps(site)
+    for name, (child, known) in shared.items():
+        _cut_in_width(child, known, f"{block_path}.{name}", rank, ranks)
+    return list(shared)
+
+
+def width_refusal(site: SwitchSite, ranks: int) -> Optional[str]:
+    """Why the site's experts and shared experts cannot be cut in width over
+    ``ranks`` (``split_experts_by_width``, ``split_shared_by_width``), in one
+    line; None where they can. Reads no weights (the lazy arrays' shapes)."""
+    block_path = site.path.rsplit(".", 1)[0]
+    try:
+        projs = projections(site.module)
+        unknown = sorted(set(projs) - set(INTO_HIDDEN) - set(FROM_HIDDEN))
+        if unknown:
+            return f"cannot cut {site.path}'s experts in width: unknown projection {unknown[0]!r}"
+        _width_cuts(projs, site.path, ranks)
+        for name, (_, known) in _shared_mlps(site).items():
+            _width_cuts(known, f"{block_path}.{name}", ranks)
+    except UserError as e:
+        return str(e)
+    return None
+
+
+def _shared_mlps(site: SwitchSite) -> Dict[str, Tuple[nn.Module, Dict[str, nn.Module]]]:
+    """The block's children other than its experts that are MLPs (name ->
+    (child, its projections)); refused where a child's linear layers are only
+    partly known projections."""
+    out, block_path = {}, site.path.rsplit(".", 1)[0]
     for name, child in site.parent.children().items():
         if name == site.attr or not isinstance(child, nn.Module):
             continue
@@ -313,32 +342,48 @@ def split_shared_by_width(site: SwitchSite, rank: int, ranks: int) -> List[str]:
         if len(known) < len(linears) or not set(known) & set(FROM_HIDDEN) or not set(known) & set(INTO_HIDDEN):
             raise UserError(f"cannot cut {block_path}.{name} in width: "
                             f"projections {sorted(linears)} are not a known MLP's")
-        _cut_in_width(child, known, f"{block_path}.{name}", rank, ranks)
-        cut.append(name)
-    return cut
+        out[name] = (child, known)
+    return out
+
+
+def hidden_axis(proj_name: str, name: str) -> Optional[int]:
+    """The axis of a projection's parameter ``name`` that runs over the hidden
+    units (what a cut in width divides), None for a bias on the way back
+    (divided by N instead)."""
+    back = proj_name in FROM_HIDDEN
+    if back and name == "bias":
+        return None
+    return -1 if back or name == "bias" else -2
+
+
+def _width_cuts(projections: Dict[str, nn.Module], path: str, ranks: int) -> List[Tuple[str, mx.array, Optional[int]]]:
+    """(name, value, hidden axis) of every parameter of ``projections``,
+    refused where a hidden axis does not divide by ``ranks``."""
+    cuts = []
+    for proj_name, proj in projections.items():
+        for name, value in tree_flatten(proj.parameters()):
+            axis = hidden_axis(proj_name, name)
+            if axis is not None and value.shape[axis] % ranks:
+                unit = "quantization groups" if name in ("scales", "biases") else "hidden units (or packed columns)"
+                what = "per expert " if value.ndim == 3 else ""
+                raise UserError(f"cannot cut {path}.{proj_name} in width over {ranks} ranks: its "
+                                f"{value.shape[axis]} {unit} {what}do not divide by {ranks}")
+            cuts.append((f"{proj_name}.{name}", value, axis))
+    return cuts
 
 
 def _cut_in_width(module: nn.Module, projections: Dict[str, nn.Module], path: str, rank: int, ranks: int) -> None:
     """Keep this rank's hidden units in ``projections`` (stacked by expert or
     not): rows of those into them, columns of those back, back biases / N."""
     updates = []
-    for proj_name, proj in projections.items():
-        back = proj_name in FROM_HIDDEN
-        for name, value in tree_flatten(proj.parameters()):
-            if back and name == "bias":  # [.., D]
-                updates.append((f"{proj_name}.{name}", value / ranks))
-                continue
-            axis = -1 if back or name == "bias" else -2  # the hidden units' axis
-            size = value.shape[axis]
-            if size % ranks:
-                unit = "quantization groups" if name in ("scales", "biases") else "hidden units (or packed columns)"
-                what = "per expert " if value.ndim == 3 else ""
-                raise UserError(f"cannot cut {path}.{proj_name} in width over {ranks} ranks: its {size} "
-                                f"{unit} {what}do not divide by {ranks}")
-            step = size // ranks
-            index = [slice(None)] * value.ndim
-            index[axis] = slice(rank * step, (rank + 1) * step)
-            updates.append((f"{proj_name}.{name}", mx.contiguous(value[tuple(index)])))
+    for name, value, axis in _width_cuts(projections, path, ranks):
+        if axis is None:  # [.., D]
+            updates.append((name, value / ranks))
+            continue
+        step = value.shape[axis] // ranks
+        index = [slice(None)] * value.ndim
+        index[axis] = slice(rank * step, (rank + 1) * step)
+        updates.append((name, mx.contiguous(value[tuple(index)])))
     module.update(tree_unflatten(updates))
 
 
@@ -348,7 +393,7 @@ def stacked_tensors(site: SwitchSite, index: Dict[str, TensorEntry]) -> List[Tup
     shape, else None)."""
     experts = site.num_experts
     out = []
-    for proj_name, proj in _projections(site.module).items():
+    for proj_name, proj in projections(site.module).items():
         for name, value in tree_flatten(proj.parameters()):
             if value.ndim == 0 or value.shape[0] != experts:
                 continue
@@ -366,7 +411,7 @@ def restack_experts(module: nn.Module, keep: List[int], fresh: Optional[nn.Modul
     experts = _num_experts(module)
     joined = []
     fresh_params = dict(tree_flatten(fresh.parameters())) if fresh is not None else {}
-    for proj_name, proj in _projections(module).items():
+    for proj_name, proj in projections(module).items():
         for name, value in tree_flatten(proj.parameters()):
             if value.ndim == 0 or value.shape[0] != experts:
                 continue
