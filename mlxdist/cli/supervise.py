@@ -32,6 +32,7 @@ collectives cannot continue past a dead peer). A p2p job launched with
 """
 
 import argparse
+import itertools
 import os
 import re
 import shutil
@@ -41,13 +42,13 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Optional, Set, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 from mlxdist.cli.job_file import INPUT_ERROR, load_job_file
 from mlxdist.cli.job_results import recorded_ids
 from mlxdist.errors import UserError
 from mlxdist.model.budgets import budgets_for_ranks, parse_rank_memory
-from mlxdist.runtime.world import LAUNCHER_FAILURE, LAUNCHER_RETRIES
+from mlxdist.runtime.world import retry_launcher
 
 
 @dataclass(frozen=True)
@@ -222,7 +223,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return INPUT_ERROR
     retry_errors = "--retry-errors" in run_args
     routing = args.routing or _option(run_args, "--record-routing")
-    restarts, launcher_retries = [], 0
+    restarts: List[Dict[str, Any]] = []
     failed_at: Optional[float] = None
     while True:
         ranks = len(slots)
@@ -230,23 +231,26 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.hostfile is not None:
             cmd += ["--host", host_list(slots)]
         cmd += [sys.executable, "-m", "mlxdist.run", *run_args]
-        _say(f"starting {ranks} rank{'s' if ranks > 1 else ''}")
-        proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, errors="replace", env=_mpirun_env())
-        done_before = len(recorded_ids(out, retry_errors) & wanted)
-        stderr_lines = []
 
-        def note_resume() -> None:  # the first result after a restart: how long since the failure
+        def start() -> subprocess.CompletedProcess:
+            """One launch to its end, its stderr passed on as it comes; the
+            first result after a restart notes how long since the failure."""
             nonlocal failed_at
-            if failed_at is not None and len(recorded_ids(out, retry_errors) & wanted) > done_before:
-                restarts[-1]["resumed_after_s"] = time.time() - failed_at
-                failed_at = None
+            _say(f"starting {ranks} rank{'s' if ranks > 1 else ''}")
+            proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, errors="replace", env=_mpirun_env())
+            done_before = len(recorded_ids(out, retry_errors) & wanted)
+            lines = []
+            for line in itertools.chain(proc.stderr, [""]):  # "": once more after the end
+                sys.stderr.write(line)
+                lines.append(line)
+                if failed_at is not None and len(recorded_ids(out, retry_errors) & wanted) > done_before:
+                    restarts[-1]["resumed_after_s"] = time.time() - failed_at
+                    failed_at = None
+            return subprocess.CompletedProcess(cmd, proc.wait(), stderr="".join(lines))
 
-        for line in proc.stderr:
-            sys.stderr.write(line)
-            stderr_lines.append(line)
-            note_resume()
-        code = proc.wait()
-        note_resume()
+        # Open MPI's launcher failing before any rank ran is not a lost rank: started again.
+        finished = retry_launcher(start)
+        code, stderr = finished.returncode, finished.stderr
         left = wanted - recorded_ids(out, retry_errors)
         if code == 0 or not left:
             for r in restarts:
@@ -256,10 +260,6 @@ def main(argv: Optional[List[str]] = None) -> int:
         if code == INPUT_ERROR:  # the run refused its input (arguments, job file, --out held): no rank was lost
             _say(f"error: the run refused its input (exit status {code}); not restarting")
             return code
-        stderr = "".join(stderr_lines)
-        if LAUNCHER_FAILURE in stderr and launcher_retries < LAUNCHER_RETRIES:
-            launcher_retries += 1  # Open MPI's launcher failed before any rank ran: not a lost rank
-            continue
         lost = lost_ranks(stderr, slots)
         if not lost:
             _say(f"error: the run failed (exit status {code}) and no rank was lost: it would fail again; "
