@@ -31,7 +31,7 @@ from mlxdist.dispatch import traffic
 from mlxdist.dispatch.linkcost import AutoInputs, DenseCost, LinkCost, row_bytes
 from mlxdist.runtime.world import World
 
-__all__ = ["fastest", "link_rounds", "measure_auto_inputs", "model_shape", "split_bytes", "step_rows"]
+__all__ = ["fastest", "link_cost", "link_rounds", "measure_auto_inputs", "model_shape", "split_bytes"]
 
 STEP_BYTES = 1 << 18  # the step-sized all_sum holds at least this much, for its bytes to show over the latency
 CHAIN = 4  # all_sums per timed round
@@ -56,14 +56,20 @@ def measure_auto_inputs(world: World, model: nn.Module, shape: traffic.Shape, dt
     (one, many), linear_bytes = _dense_rounds(model, dtype)
     agreed = [max(column) for column in zip(*world.control.allgather_json([small, step, one, many]))]
     small, step, one, many = agreed
-    beyond_row = (step_rows(shape) * shape.top_k - 1) * row_bytes(world.size, shape)  # wire bytes, traffic.py's count
-    link = LinkCost(latency=small, seconds_per_byte=max(0.0, step - small) / beyond_row)
+    link = link_cost(small, step, world.size, shape)
     per_row = max(0.0, many - one) / (ROWS - 1)
     share = min(1.0, split / linear_bytes) if linear_bytes else 0.0
     return AutoInputs(link, DenseCost(fixed=max(0.0, one - per_row), per_row=per_row, split=share), shape)
 
 
-def step_rows(shape: traffic.Shape) -> int:
+def link_cost(small: float, step: float, ranks: int, shape: traffic.Shape) -> LinkCost:
+    """The link from ``link_rounds``' two figures (agreed): the row's time is
+    the latency, the step's extra bytes (traffic.py's wire count) the rest."""
+    beyond_row = (_step_rows(shape) * shape.top_k - 1) * row_bytes(ranks, shape)
+    return LinkCost(latency=small, seconds_per_byte=max(0.0, step - small) / beyond_row)
+
+
+def _step_rows(shape: traffic.Shape) -> int:
     """Rows of the step-sized all_sum: [rows, K, D] of at least STEP_BYTES."""
     return -(-STEP_BYTES // (shape.top_k * shape.hidden * shape.itemsize))
 
@@ -71,7 +77,7 @@ def step_rows(shape: traffic.Shape) -> int:
 def link_rounds(world: World, shape: traffic.Shape, dtype: mx.Dtype) -> Tuple[float, float]:
     """This rank's fastest all_sum of a row [1, D] and of a step's slots [rows, K, D], in seconds."""
     row = mx.zeros((1, shape.hidden), dtype=dtype)
-    slots = mx.zeros((step_rows(shape), shape.top_k, shape.hidden), dtype=dtype)
+    slots = mx.zeros((_step_rows(shape), shape.top_k, shape.hidden), dtype=dtype)
     mx.eval(row, slots)
 
     def chain(x: mx.array) -> Callable[[], None]:

@@ -31,9 +31,9 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from mlxdist.dispatch import traffic
-from mlxdist.dispatch.linkcost import AutoInputs, DenseCost, LinkCost, row_bytes
+from mlxdist.dispatch.linkcost import AutoInputs, DenseCost
 from mlxdist.dispatch.splitcost import BATCHES, ExpertWork
-from mlxdist.engine.costs import ROWS, fastest, link_rounds, step_rows
+from mlxdist.engine.costs import ROWS, fastest, link_cost, link_rounds
 from mlxdist.model.checkpoint import FROM_HIDDEN, SwitchSite, hidden_axis, projections
 from mlxdist.runtime.world import World
 
@@ -87,9 +87,7 @@ def measure_split_inputs(world: World, site: SwitchSite, owners: List[int], shap
     per_byte = one / probe_bytes
     dense = DenseCost(fixed=max(0.0, per_byte - per_byte_row) * dense_bytes, per_row=per_byte_row * dense_bytes,
                       split=split_share)
-    beyond_row = (step_rows(shape) * shape.top_k - 1) * row_bytes(world.size, shape)
-    link = LinkCost(latency=small, seconds_per_byte=max(0.0, step - small) / beyond_row)
-    return AutoInputs(link, dense, shape), ExpertWork(work)
+    return AutoInputs(link_cost(small, step, world.size, shape), dense, shape), ExpertWork(work)
 
 
 def dense_linear_bytes(model: nn.Module, sites: List[SwitchSite]) -> Tuple[int, float]:
