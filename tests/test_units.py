@@ -489,3 +489,8 @@ def test_projection_reads_what_a_roofline_reading_of_deepseek_v3_reads():
     rows = project(ds, 4, 819.0, 150.0)
     assert rows["tensor parallel"]["collectives"] == 2 * 61 and rows["mlxdist collective"]["collectives"] == 58
     assert rows["tensor parallel"]["gb_per_token"] < rows["mlxdist collective"]["gb_per_token"]
+    # cut in width, collective-tp reads and runs what tensor parallelism does; gpt-oss-120b's 90
+    # quantization groups across an expert's hidden units do not divide by 4: no such row there
+    assert rows["mlxdist collective-tp, width"] == rows["tensor parallel"]
+    assert "mlxdist collective-tp, width" in project(MODELS["gpt-oss-120b"], 2, 819.0, 150.0)
+    assert "mlxdist collective-tp, width" not in project(MODELS["gpt-oss-120b"], 4, 819.0, 150.0)

@@ -16,6 +16,8 @@ routers and the output head; one expert's weights "e"):
     one machine      dense + M K e                                   no collective
     mlxdist collective   dense + M E[max experts on one rank] e     M all_sums
     mlxdist collective-tp  dense / N + head + M E[max] e             L + M all_sums
+    mlxdist collective-tp, experts cut in width (where N divides the experts' quantization
+                     groups: --expert-split auto's other cut): what tensor parallelism reads and runs
     tensor parallel (mlx-lm shard(), exo)  (dense - head) / N + head + M K e / N   2 L all_sums
     pipeline         (dense + M K e) / N on each of N machines in turn   N - 1 hops
 
@@ -51,6 +53,7 @@ class ModelShape:
     head_params: int  # output head (vocab x hidden)
     bits: float  # bits per weight with quantization scales
     source: str
+    width_groups: int = 0  # quantization groups across an expert's hidden units: a cut in width needs N to divide them
 
     @property
     def dense_params(self) -> int:
@@ -76,19 +79,19 @@ MODELS: Dict[str, ModelShape] = {m.name: m for m in (
     ModelShape("DeepSeek-V3", 61, 58, 7168, 256, 8, 3 * 7168 * 2048, _mla(7168, 128),
                3 * 7168 * 2048 + 256 * 7168, 3 * 7168 * 18432, 129280 * 7168, 4.5,
                "deepseek-ai/DeepSeek-V3 config.json: 61 layers (3 dense), 256 routed experts of 2048 + 1 shared, "
-               "top-8, MLA with 128 heads, vocabulary 129,280"),
+               "top-8, MLA with 128 heads, vocabulary 129,280", 2048 // 64),
     ModelShape("Kimi K2", 61, 60, 7168, 384, 8, 3 * 7168 * 2048, _mla(7168, 64),
                3 * 7168 * 2048 + 384 * 7168, 3 * 7168 * 18432, 163840 * 7168, 4.5,
                "moonshotai/Kimi-K2-Instruct config.json: DeepSeek-V3's layout, 61 layers (1 dense), 384 experts, "
-               "top-8, 64 heads, vocabulary 163,840"),
+               "top-8, 64 heads, vocabulary 163,840", 2048 // 64),
     ModelShape("Qwen3-235B-A22B", 94, 94, 4096, 128, 8, 3 * 4096 * 1536, _gqa(4096, 64, 4, 128),
                128 * 4096, 0, 151936 * 4096, 4.5,
                "Qwen/Qwen3-235B-A22B config.json: 94 layers, 128 experts of 1536, top-8, 64 query / 4 KV heads "
-               "of 128, vocabulary 151,936"),
+               "of 128, vocabulary 151,936", 1536 // 64),
     ModelShape("gpt-oss-120b", 36, 36, 2880, 128, 4, 3 * 2880 * 2880, _gqa(2880, 64, 8, 64),
                128 * 2880, 0, 201088 * 2880, 4.25,
                "openai/gpt-oss-120b config.json: 36 layers, 128 experts of 2880, top-4, 64 query / 8 KV heads of "
-               "64, vocabulary 201,088; experts in MXFP4"),
+               "64, vocabulary 201,088; experts in MXFP4", 2880 // 32),
 )}
 
 # Unified memory bandwidth, Apple's figures (GB/s).
@@ -127,9 +130,12 @@ def project(model: ModelShape, n: int, bandwidth: float, collective_us: float,
         "one machine": (dense + routed, 0, 0),
         "mlxdist collective": (dense + busiest, model.moe_layers, 0),
         "mlxdist collective-tp": ((dense - head) / n + head + busiest, model.layers + model.moe_layers, 0),
+        "mlxdist collective-tp, width": ((dense - head) / n + head + routed / n, 2 * model.layers, 0),
         "tensor parallel": ((dense - head) / n + head + routed / n, 2 * model.layers, 0),
         "pipeline": (dense + routed, 0, n - 1),  # every machine in turn reads its 1/N
     }
+    if model.width_groups % n:  # the experts cannot be cut over n
+        del rows["mlxdist collective-tp, width"]
     out = {}
     for name, (gb, collectives, hops) in rows.items():
         seconds = gb / (bandwidth * efficiency) + (collectives + hops) * collective_us * 1e-6
