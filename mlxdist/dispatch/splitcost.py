@@ -51,6 +51,7 @@ class SplitChoice:
     steps: Dict[str, Dict[int, float]]  # estimated seconds of a decode step, by cut and batch
     strategies: Dict[str, Dict[int, str]]  # the strategy each estimate runs
     worst: Dict[str, Tuple[float, int]]  # each cut's largest ratio to the better cut, and at which batch
+    inputs: AutoInputs  # the link, dense work and shapes the estimates were made from
 
     def describe(self) -> str:
         steps = "; ".join(
@@ -80,4 +81,4 @@ def choose_split(inputs: AutoInputs, work: ExpertWork, ranks: int, backend: str,
         b = max(ratios, key=lambda k: (ratios[k], -k))
         worst[cut] = (ratios[b], b)
     split = "width" if worst["width"][0] < worst["whole"][0] - TIE else "whole"
-    return SplitChoice(split, steps, strategies, worst)
+    return SplitChoice(split, steps, strategies, worst, inputs)

@@ -48,15 +48,17 @@ def model_shape(model: nn.Module, config: Dict, moe_layers: int, top_k: int, dty
 
 
 def measure_auto_inputs(world: World, model: nn.Module, shape: traffic.Shape, dtype: mx.Dtype,
-                        split: int = 0) -> AutoInputs:
+                        split: int = 0, link: Optional[LinkCost] = None) -> AutoInputs:
     """The link and the dense work, measured on every rank and agreed.
     Every rank calls it at the same point. ``split``: the bytes of the dense
-    layers that collective-tp's ``shard()`` divides (``split_bytes``)."""
-    small, step = link_rounds(world, shape, dtype)
+    layers that collective-tp's ``shard()`` divides (``split_bytes``);
+    ``link``: the link as this load measured it already (``--expert-split
+    auto`` does, before the experts are read), or None to measure it here."""
+    small, step = link_rounds(world, shape, dtype) if link is None else (0.0, 0.0)
     (one, many), linear_bytes = _dense_rounds(model, dtype)
     agreed = [max(column) for column in zip(*world.control.allgather_json([small, step, one, many]))]
     small, step, one, many = agreed
-    link = link_cost(small, step, world.size, shape)
+    link = link_cost(small, step, world.size, shape) if link is None else link
     per_row = max(0.0, many - one) / (ROWS - 1)
     share = min(1.0, split / linear_bytes) if linear_bytes else 0.0
     return AutoInputs(link, DenseCost(fixed=max(0.0, one - per_row), per_row=per_row, split=share), shape)

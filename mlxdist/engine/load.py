@@ -19,7 +19,7 @@ from mlx_lm.utils import load_tokenizer
 from mlxdist import __version__, envs
 from mlxdist.config import AUTO_SPLIT, LoadOptions
 from mlxdist.dispatch import DenseRanks, LayerOwnership, RowDispatcher, make_dispatcher, modes
-from mlxdist.dispatch.linkcost import AutoInputs
+from mlxdist.dispatch.linkcost import AutoInputs, LinkCost
 from mlxdist.dispatch.splitcost import choose_split
 from mlxdist.engine.costs import measure_auto_inputs, model_shape, split_bytes
 from mlxdist.engine.engine import Engine, Split
@@ -113,7 +113,8 @@ def load_engine(world: World, options: LoadOptions) -> Engine:
     if runs_dense:
         model, tokenizer = lazy.model, _dense_part(lazy)
         dense_bytes = nbytes(model.parameters()) - expert_bytes + (own_bytes(twin, model) if twin is not None else 0)
-    auto = _measure_for_auto(world, options, lazy, dispatchers, routers, twin)
+    auto = _measure_for_auto(world, options, lazy, dispatchers, routers, twin,
+                             split.choice.inputs.link if split is not None and split.choice is not None else None)
     engine = Engine(
         world,
         options,
@@ -284,10 +285,12 @@ def _dispatchers(world: World, options: LoadOptions, lazy: _Lazy, strategies: Li
 
 
 def _measure_for_auto(world: World, options: LoadOptions, lazy: _Lazy, dispatchers: Dict[str, Any],
-                      routers: Dict[type, RouterWeights], twin: Optional[nn.Module]) -> Optional[AutoInputs]:
+                      routers: Dict[type, RouterWeights], twin: Optional[nn.Module],
+                      link: Optional[LinkCost]) -> Optional[AutoInputs]:
     """What ``auto`` chooses from besides b and N (``engine/costs.py``),
     where it has a choice: measured here, on every rank, agreed; None
-    (its rule on one host's link) where rank 0 has MLXDIST_AUTO_LINK=local."""
+    (its rule on one host's link) where rank 0 has MLXDIST_AUTO_LINK=local.
+    ``link``: the link as ``--expert-split auto`` measured it in this load, not measured again."""
     if not modes.mode(options.dispatch).measures_link or len(dispatchers) < 2:
         return None
     if _link_wanted(world) == "local":
@@ -296,7 +299,7 @@ def _measure_for_auto(world: World, options: LoadOptions, lazy: _Lazy, dispatche
     top_k = next(iter(routers.values())).top_k if routers else cfg.get("num_experts_per_tok") or 1
     dtype = activation_dtype(lazy.model)
     shape = model_shape(lazy.model, lazy.config, len(lazy.sites), top_k, dtype)
-    return measure_auto_inputs(world, lazy.model, shape, dtype, split_bytes(twin, lazy.model, world.size))
+    return measure_auto_inputs(world, lazy.model, shape, dtype, split_bytes(twin, lazy.model, world.size), link)
 
 
 def _capacity(world: World, options: LoadOptions, lazy: _Lazy, plan: Placement, runs_dense: bool) -> Optional[int]:

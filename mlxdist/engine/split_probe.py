@@ -34,6 +34,7 @@ from mlxdist.dispatch import traffic
 from mlxdist.dispatch.linkcost import AutoInputs, DenseCost
 from mlxdist.dispatch.splitcost import BATCHES, ExpertWork
 from mlxdist.engine.costs import ROWS, fastest, link_cost, link_rounds
+from mlxdist.model.balance import bytes_per_expert
 from mlxdist.model.checkpoint import FROM_HIDDEN, SwitchSite, hidden_axis, projections
 from mlxdist.runtime.world import World
 
@@ -82,7 +83,7 @@ def measure_split_inputs(world: World, site: SwitchSite, owners: List[int], shap
     for (cut, b, _, _), t in zip(runs, times):
         work[cut][b] = t
     one, many = times[-2:]
-    probe_bytes = PROBE_EXPERTS * _expert_bytes(site)
+    probe_bytes = PROBE_EXPERTS * bytes_per_expert([site])[site.layer]
     per_byte_row = max(0.0, many - one) / (ROWS - 1) / probe_bytes
     per_byte = one / probe_bytes
     dense = DenseCost(fixed=max(0.0, per_byte - per_byte_row) * dense_bytes, per_row=per_byte_row * dense_bytes,
@@ -106,12 +107,6 @@ def dense_linear_bytes(model: nn.Module, sites: List[SwitchSite]) -> Tuple[int, 
         if ".layers." in f".{name}" and id(module) not in routers:
             inside += size
     return total, inside / total if total else 0.0
-
-
-def _expert_bytes(site: SwitchSite) -> float:
-    """Bytes of one expert's stacked weights."""
-    return sum(v.nbytes for _, v in tree_flatten(site.module.parameters())
-               if v.ndim and v.shape[0] == site.num_experts) / site.num_experts
 
 
 def _probe(site: SwitchSite, experts: int, ranks: int) -> Dict[str, nn.Module]:
