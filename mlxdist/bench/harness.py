@@ -26,7 +26,7 @@ import mlx.core as mx
 from mlxdist.bench import probes  # noqa: F401  (registers the probes, on every rank)
 from mlxdist.bench import speculative
 from mlxdist.dispatch import DISPATCH_MODES, RowDispatcher, modes, traffic
-from mlxdist.config import EXPERT_SPLITS, REPLICATE
+from mlxdist.config import AUTO_SPLIT, EXPERT_SPLITS, REPLICATE
 from mlxdist.model.checkpoint import text_config
 from mlxdist.runtime.world import BACKENDS
 
@@ -291,7 +291,7 @@ def parse_args(argv=None):
     parser.add_argument("--replicate", choices=REPLICATE, default="auto",
                         help="auto's --replicate: every expert on every rank where it fits (auto), always or never.")
     parser.add_argument("--json", action="store_true", help="One JSON object on stdout.")
-    parser.add_argument("--expert-split", choices=EXPERT_SPLITS, default="auto",
+    parser.add_argument("--expert-split", choices=EXPERT_SPLITS, default=AUTO_SPLIT,
                         help="Experts whole on one rank each, cut in width over the ranks (every mode but p2p), or "
                              "auto: under --dispatch auto, the cut auto weighs cheaper at load (else whole).")
     parser.add_argument("--no-link", action="store_true",

@@ -126,12 +126,13 @@ def project(model: ModelShape, n: int, bandwidth: float, collective_us: float,
     dense, head = model.gb(model.dense_params), model.gb(model.head_params)
     routed = model.moe_layers * model.top_k * e
     busiest = model.moe_layers * expected_busiest(model.experts, n, model.top_k) * e
+    tensor_parallel = ((dense - head) / n + head + routed / n, 2 * model.layers, 0)
     rows = {
         "one machine": (dense + routed, 0, 0),
         "mlxdist collective": (dense + busiest, model.moe_layers, 0),
         "mlxdist collective-tp": ((dense - head) / n + head + busiest, model.layers + model.moe_layers, 0),
-        "mlxdist collective-tp, width": ((dense - head) / n + head + routed / n, 2 * model.layers, 0),
-        "tensor parallel": ((dense - head) / n + head + routed / n, 2 * model.layers, 0),
+        "mlxdist collective-tp, width": tensor_parallel,  # experts cut as shard() cuts them: the same reads
+        "tensor parallel": tensor_parallel,
         "pipeline": (dense + routed, 0, n - 1),  # every machine in turn reads its 1/N
     }
     if model.width_groups % n:  # the experts cannot be cut over n

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Iterator, List, Optional, Tuple
 import mlx.core as mx
 
 from mlxdist import envs
-from mlxdist.config import AUTO_WIDTH, DEFAULT_MAX_TOKENS, EXPERT_SPLITS, REPLICATE, GenerationParams
+from mlxdist.config import AUTO_SPLIT, AUTO_WIDTH, DEFAULT_MAX_TOKENS, EXPERT_SPLITS, REPLICATE, GenerationParams
 from mlxdist.digits import arg_duration, arg_int, arg_int_or
 from mlxdist.dispatch import DISPATCH_MODES, LAYOUTS, modes
 from mlxdist.errors import GenerationFailed, UserError, say_error
@@ -102,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-budget", type=float, default=None, metavar="GB",
                    help="weights each rank may hold, in GB: sets its expert capacity from what its dense weights "
                         "leave (as --expert-capacity, which it replaces)")
-    p.add_argument("--expert-split", choices=EXPERT_SPLITS, default="auto",
+    p.add_argument("--expert-split", choices=EXPERT_SPLITS, default=AUTO_SPLIT,
                    help="whole: each expert on one rank (exact modes); width: every expert cut over the ranks as "
                         "tensor parallelism cuts them (balanced, not bit-exact; every mode but p2p); auto (the "
                         "default): under --dispatch auto, the cut auto weighs cheaper from what the ranks measure "

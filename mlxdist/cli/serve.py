@@ -11,7 +11,7 @@ from typing import List, Optional
 
 from mlxdist import envs
 from mlxdist.cli.run import RankZeroParser, add_host_flags, apply_host_flags, rank_memory_arg
-from mlxdist.config import EXPERT_SPLITS
+from mlxdist.config import AUTO_SPLIT, EXPERT_SPLITS
 from mlxdist.digits import arg_duration, arg_int
 from mlxdist.errors import UserError, one_line, say_error
 from mlxdist.runtime.progress import set_quiet
@@ -83,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dispatch", choices=("collective", "dp"), default="collective",
                    help="collective: every rank decodes every sequence (exact); dp: each rank a share of the live "
                         "sequences (not bit-exact; no prompt cache, no top_logprobs)")
-    p.add_argument("--expert-split", choices=[s for s in EXPERT_SPLITS if s != "auto"], default="whole",
+    p.add_argument("--expert-split", choices=[s for s in EXPERT_SPLITS if s != AUTO_SPLIT], default="whole",
                    help="Experts whole on one rank each, or cut in width over the ranks (not bit-exact).")
     p.add_argument("--record-routing", metavar="FILE", default=None,
                    help="write the routed slots per (layer, expert) to FILE: at exit, and while serving at most "
