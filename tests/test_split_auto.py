@@ -64,3 +64,17 @@ def test_whole_experts_where_width_cannot_or_need_not_run(checkpoint, ranks, ext
 ])
 def test_what_lets_auto_cut_in_width(options, weighs):
     assert LoadOptions(model="m", **options).may_cut_in_width is weighs
+
+
+@pytest.mark.parametrize("rank", [1, 0])
+def test_a_probe_failing_on_one_rank_fails_the_load_on_every_rank_in_one_line(checkpoint, rank):
+    """The rank whose probe fails still joins the link's all_sums and the
+    exchange of figures: every rank ends the load with the same line, in
+    seconds, none left waiting on another."""
+    args = ["--model", checkpoint("qwen3_moe"), "-p", "Hello", "-m", 4, "--quiet", "--replicate", "never"]
+    proc = launch(2, args, env={"MLXDIST_AUTO_LINK": "measure", "MLXDIST_FAULT": f"fail:at=split,rank={rank}"},
+                  timeout=60)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    lines = [l for l in proc.stderr.splitlines() if l.startswith("mlxdist: error:")]
+    assert lines == [f"mlxdist: error: --expert-split auto could not time the experts on rank {rank}: "
+                     "RuntimeError: injected fault at split (--expert-split whole or width skips it)"], proc.stderr[-3000:]

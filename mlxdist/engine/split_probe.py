@@ -36,6 +36,8 @@ from mlxdist.dispatch.splitcost import BATCHES, ExpertWork
 from mlxdist.engine.costs import ROWS, fastest, link_cost, link_rounds
 from mlxdist.model.balance import bytes_per_expert
 from mlxdist.model.checkpoint import FROM_HIDDEN, SwitchSite, hidden_axis, projections
+from mlxdist.errors import UserError, one_line
+from mlxdist.runtime import faults
 from mlxdist.runtime.world import World
 
 __all__ = ["busiest_load", "dense_linear_bytes", "measure_split_inputs"]
@@ -65,20 +67,27 @@ def busiest_load(owners: List[int], top_k: int, rows: int, ranks: int, cut: str)
 def measure_split_inputs(world: World, site: SwitchSite, owners: List[int], shape: traffic.Shape,
                          dtype: mx.Dtype, dense_bytes: int, split_share: float) -> Tuple[AutoInputs, ExpertWork]:
     """The link, the dense work and the busiest rank's expert work for each
-    cut and batch (see the module's docstring), agreed by every rank."""
-    small, step = link_rounds(world, shape, dtype)
-    probes = {cut: _probe(site, PROBE_EXPERTS, world.size if cut == "width" else 1) for cut in ("whole", "width")}
+    cut and batch (see the module's docstring), agreed by every rank. A
+    rank whose own probe fails still joins the link's collectives and the
+    exchange of figures, so every rank raises the same one line."""
     runs: List[Tuple[str, int, float, float]] = []
     for cut in ("whole", "width"):
         for b in BATCHES:
             slots, distinct = busiest_load(owners, shape.top_k, b, world.size, cut)
             runs.append((cut, b, slots, distinct))
-    full = probes["whole"]
-    calls = [_call(probes[cut], slots, distinct, dtype) for cut, _, slots, distinct in runs]
-    calls += [_call(full, PROBE_EXPERTS, PROBE_EXPERTS, dtype), _call(full, ROWS * PROBE_EXPERTS, PROBE_EXPERTS, dtype)]
-    times = [t * scale for t, scale in zip(fastest([c for c, _ in calls]), [s for _, s in calls])]
-    agreed = [max(column) for column in zip(*world.control.allgather_json([small, step, *times]))]
-    small, step, *times = agreed
+    times, error = [], None
+    try:
+        faults.point("split", world.rank)
+        times = _time_probes(site, runs, dtype, world.size)
+    except Exception as e:  # noqa: BLE001 - anything mlx raises: reported by every rank below
+        error = one_line(e)
+    small, step = link_rounds(world, shape, dtype)
+    reports = world.control.allgather_json({"error": error, "figures": [small, step, *times]})
+    failed = next(((rank, r["error"]) for rank, r in enumerate(reports) if r["error"]), None)
+    if failed is not None:
+        raise UserError(f"--expert-split auto could not time the experts on rank {failed[0]}: {failed[1]} "
+                        f"(--expert-split whole or width skips it)")
+    small, step, *times = [max(column) for column in zip(*(r["figures"] for r in reports))]
     work: Dict[str, Dict[int, float]] = {"whole": {}, "width": {}}
     for (cut, b, _, _), t in zip(runs, times):
         work[cut][b] = t
@@ -89,6 +98,18 @@ def measure_split_inputs(world: World, site: SwitchSite, owners: List[int], shap
     dense = DenseCost(fixed=max(0.0, per_byte - per_byte_row) * dense_bytes, per_row=per_byte_row * dense_bytes,
                       split=split_share)
     return AutoInputs(link_cost(small, step, world.size, shape), dense, shape), ExpertWork(work)
+
+
+def _time_probes(site: SwitchSite, runs: List[Tuple[str, int, float, float]], dtype: mx.Dtype,
+                 ranks: int) -> List[float]:
+    """This rank's fastest seconds of each of ``runs`` (cut, batch, slots,
+    distinct experts), then of one row and ``ROWS`` rows per built expert at
+    full width (the dense estimate's rates)."""
+    probes = {cut: _probe(site, PROBE_EXPERTS, ranks if cut == "width" else 1) for cut in ("whole", "width")}
+    full = probes["whole"]
+    calls = [_call(probes[cut], slots, distinct, dtype) for cut, _, slots, distinct in runs]
+    calls += [_call(full, PROBE_EXPERTS, PROBE_EXPERTS, dtype), _call(full, ROWS * PROBE_EXPERTS, PROBE_EXPERTS, dtype)]
+    return [t * scale for t, scale in zip(fastest([c for c, _ in calls]), [s for _, s in calls])]
 
 
 def dense_linear_bytes(model: nn.Module, sites: List[SwitchSite]) -> Tuple[int, float]:

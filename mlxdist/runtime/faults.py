@@ -13,7 +13,8 @@ separated by ``;``.
   not a forward pass (``point``): ``at=place`` while a rank prepares a new
   placement (``layer=L``: at that layer), ``at=page`` in a paging read
   inside a forward pass (``model/paging.py``), ``at=balance`` while rank 0 plans
-  the server's new placement, ``at=command`` in a control command's own
+  the server's new placement, ``at=split`` while a rank times the expert
+  cuts at load (``--expert-split auto``), ``at=command`` in a control command's own
   work (``op=stats`` or ``probe``: that one only); once, after
   ``skip=K`` matching moments.
 
