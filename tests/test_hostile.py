@@ -5,6 +5,7 @@ answer at all; then a normal request answered as mlx-lm alone answers it,
 every rank alive, the ranks' memory within a bound, and the job ending with
 status 0. The schema's checks are also tested field by field, in-process."""
 
+import http.client
 import json
 import select
 import socket
@@ -279,6 +280,7 @@ def test_any_model_name_serves_the_loaded_model(hostile_server, checkpoint):
 
 
 FAILING = 13  # the max_tokens of the requests MLXDIST_FAULT fails at their 3rd token
+NORMAL = 800  # the normal requests decode for seconds: a starved test client still sends the failing ones in time
 NESTED_LOOPS = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
 
 
@@ -298,22 +300,40 @@ def test_a_failing_sequence_fails_alone(isolating_server, checkpoint):
     streaming), the normal ones mlx-lm's own answers, /health stays 200."""
     s = isolating_server
     path = checkpoint("qwen3_moe")
-    expected = {p: alone(path, p, 300) for p in PROMPTS[:4]}
-    got, sent, done = {}, {}, {}
+    expected = {p: alone(path, p, NORMAL) for p in PROMPTS[:4]}
+    got, sent, done, events_at = {}, {}, {}, []
+    decoding = threading.Event()
 
     def ask(name, body):
         sent[name] = time.time()
         got[name] = s.request("POST", "/v1/completions", body)
         done[name] = time.time()
 
-    normal = [(f"normal{i}", {"prompt": p, "max_tokens": 300, "stream": i % 2 == 1}) for i, p in enumerate(PROMPTS[:4])]
+    def watch(name, body):
+        """A streamed normal request, read event by event: the failing ones are
+        sent once it has a token, and its last event must come after they end."""
+        sent[name] = time.time()
+        conn = http.client.HTTPConnection("127.0.0.1", s.port, timeout=120)
+        conn.request("POST", "/v1/completions", json.dumps(body),
+                     {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+        response, lines = conn.getresponse(), []
+        for line in response:
+            lines.append(line.decode())
+            if line.startswith(b"data: {"):
+                events_at.append(time.time())
+                decoding.set()
+        got[name] = (response.status, "".join(lines))
+        done[name] = time.time()
+        conn.close()
+
+    normal = [(f"normal{i}", {"prompt": p, "max_tokens": NORMAL, "stream": i % 2 == 1}) for i, p in enumerate(PROMPTS[:4])]
     failing = [("greedy", {"prompt": PROMPTS[5], "max_tokens": FAILING}),
                ("greedy-stream", {"prompt": PROMPTS[6], "max_tokens": FAILING, "stream": True}),
                ("sampled", {"prompt": PROMPTS[7], "max_tokens": FAILING, "temperature": 0.8})]
-    threads = [threading.Thread(target=ask, args=a) for a in normal]
+    threads = [threading.Thread(target=watch if i == 1 else ask, args=a) for i, a in enumerate(normal)]
     for t in threads:
         t.start()
-    time.sleep(0.3)  # the failing ones join a batch that is decoding
+    assert decoding.wait(60), "no normal request decoded"  # the failing ones join a batch that is decoding
     threads += [threading.Thread(target=ask, args=a) for a in failing]
     for t in threads[len(normal):]:
         t.start()
@@ -328,7 +348,7 @@ def test_a_failing_sequence_fails_alone(isolating_server, checkpoint):
         else:
             text = json.loads(text)["choices"][0]["text"]
         assert text == expected[p], (i, text, expected[p])
-    assert max(sent[name] for name, _ in failing) < min(done[name] for name, _ in normal), (sent, done)  # together
+    assert max(done[name] for name, _ in failing) < events_at[-1], (sent, done)  # together, to the end
     for name in ("greedy", "sampled"):
         status, text = got[name]
         body = json.loads(text)
