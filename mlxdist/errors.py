@@ -8,7 +8,8 @@ printed too with ``MLXDIST_DEBUG=1``).
         ModelNotFound            no such folder or hub id
         CheckpointError          a checkpoint that cannot be read
         PlacementError           a placement that does not fit
-        LoadError                LOAD failed on some rank (the message names them)
+        StepFailed               a shared step failed on some rank, raised on every rank alike
+          LoadError              LOAD failed on some rank (the message names them)
         RequestError             an HTTP request the server refuses (a 4xx)
           RequestTimeout         its whole request did not arrive in time (408)
           HeadersTooLarge        its request line and headers passed their bound (431)
@@ -50,7 +51,13 @@ class PlacementError(UserError, ValueError):
     pass
 
 
-class LoadError(UserError):
+class StepFailed(UserError):
+    """A shared step (a load, a placement, a gathered command) failed on at
+    least one rank: raised on every rank at the same exchange
+    (``runtime/agreement.py``'s ``exchange``), so none waits for another."""
+
+
+class LoadError(StepFailed):
     """LOAD failed on at least one rank; the message names the ranks."""
 
 

@@ -21,12 +21,12 @@ from mlxdist.config import GenerationParams, LoadOptions
 from mlxdist.dispatch.stats import routing_share
 from mlxdist.engine import Engine, load_engine
 from mlxdist.errors import (
-    GenerationFailed, LoadError, MlxdistError, UserError, describe_errors, keep_traceback, one_line,
+    GenerationFailed, LoadError, MlxdistError, StepFailed, UserError, keep_traceback, one_line,
 )
 from mlxdist.model.fingerprint import differing_files
 from mlxdist.model.placement import Placement
 from mlxdist.runtime import faults
-from mlxdist.runtime.agreement import failed_together
+from mlxdist.runtime.agreement import exchange, failed_together
 from mlxdist.runtime.world import World
 from mlxdist.runtime.watchdog import ACTIVITY
 
@@ -108,24 +108,26 @@ class CommandExecutor:
             ACTIVITY.progress()
 
     def load(self, args: Dict[str, Any]) -> Engine:
-        """LOAD on every rank; raises ``LoadError`` on every rank if any failed."""
+        """LOAD on every rank; raises ``LoadError`` on every rank if any
+        failed. A failure the ranks agreed on inside the load (``exchange``)
+        ends it on every rank at once; one of this rank's own is sent at the
+        load's last exchange, which meets the others at whichever exchange
+        they are in."""
         self.unload()
         engine, error = None, None
         try:
             engine = load_engine(self.world, LoadOptions(**args))
             if self.world.lost:
                 engine.adopt(self.world.lost)
+        except StepFailed as e:  # every rank raised it at the same exchange
+            raise LoadError(str(e)) from None
         except Exception as e:  # a corrupt file fails deep inside mlx or tokenizers
             error = one_line(e)
             if not isinstance(e, MlxdistError):
                 path = keep_traceback(self.world.rank)
                 error += f" (traceback: {path})" if path else ""
-        reports = self.world.control.allgather_json(
-            {"error": error, "memory": engine and engine.memory, "fingerprint": engine and engine.fingerprint},
-        )
-        errors = [r["error"] for r in reports]
-        if any(errors):
-            raise LoadError(describe_errors(errors))
+        reports = exchange(self.world, engine and {"memory": engine.memory, "fingerprint": engine.fingerprint},
+                           error, raises=LoadError)
         mismatch = describe_mismatch([r["fingerprint"] for r in reports])
         if mismatch:
             raise LoadError(mismatch)
@@ -247,7 +249,7 @@ class CommandExecutor:
 
     def _gathered(self, op: str, work: Callable[[], Any]) -> List[Any]:
         """Every rank's ``work()`` (JSON-able), gathered on every rank. Where
-        it raised on any rank, ``UserError`` on every rank naming those
+        it raised on any rank, ``StepFailed`` on every rank naming those
         ranks: they agree on the reports they exchange anyway, so none is
         left waiting and the job goes on."""
         value, error = None, None
@@ -257,11 +259,7 @@ class CommandExecutor:
             json.dumps(value)  # fails here, on this rank, rather than inside the gather
         except Exception as e:  # noqa: BLE001 - every rank hears of it below
             value, error = None, one_line(e)
-        reports = self.world.control.allgather_json({"value": value, "error": error})
-        errors = [r["error"] for r in reports]
-        if any(errors):
-            raise UserError(f"{op} failed: {describe_errors(errors)}")
-        return [r["value"] for r in reports]
+        return exchange(self.world, value, error, failed=f"{op} failed: ")
 
     def serve_http(self, args: Dict[str, Any]) -> None:
         """SERVE on every rank: the OpenAI-compatible server (``serving/server.py``)."""

@@ -5,6 +5,7 @@ goes on (the old placement kept, tokens equal to mlx-lm's), or the job ends
 within seconds with one line naming the rank; no rank is left waiting."""
 
 import json
+import re
 import time
 
 import pytest
@@ -121,6 +122,31 @@ def test_a_server_step_failing_on_every_rank_fails_its_request(checkpoint):
     finally:
         code = s.stop()
     assert code == 0, s.proc.stderr.read()[-3000:]
+
+
+LOAD_FAULTS = [("read", 1, 0), ("experts", 0, 0), ("experts", 1, 1), ("measure", 1, 0)]  # (step, rank, skip): in turn
+
+
+def test_a_load_failing_on_one_rank_fails_on_every_rank_and_the_next_one_loads(checkpoint):
+    """One launch, four loads under auto with the link measured, each
+    failing on one rank at a different step: before the checkpoint is read
+    (the others are in the placement's exchange), before the experts are
+    read, on either rank (the others are in auto's exchanges, or done), and
+    while auto times the dense layers (the others are in that exchange).
+    Each load fails on every rank, in seconds, with the same line naming
+    the rank; the fifth loads and generates mlx-lm's tokens."""
+    path = checkpoint("qwen3_moe")
+    faults = ";".join(f"fail:at=load,op={op},rank={rank},skip={skip}" for op, rank, skip in LOAD_FAULTS)
+    proc = launch(2, [ROOT / "tests/scripts/load_fails.py", path, len(LOAD_FAULTS) + 1], module=None, timeout=180,
+                  env={"MLXDIST_FAULT": faults, "MLXDIST_AUTO_LINK": "measure"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = last_json(proc.stdout)
+    lines = [re.sub(r" \(traceback: [^)]+\)", "", f["line"]) for f in got["failed"]]  # where each rank kept it
+    prefix = {"measure": "auto could not time the dense layers: "}
+    assert lines == [f"{prefix.get(op, '')}RuntimeError: injected fault at load ({op}) (rank {rank})"
+                     for op, rank, _ in LOAD_FAULTS], lines
+    assert all(f["seconds"] < 20 for f in got["failed"]), got["failed"]
+    assert got["tokens"] == mlx_lm_alone(path, PROMPT, MAX_TOKENS)
 
 
 def test_a_job_file_through_failures_on_every_rank(checkpoint, tmp_path):

@@ -15,8 +15,9 @@
 
 Each rank keeps its fastest round of each: a link's own cost is its best
 round, and ranks sharing cores only add to it. The ranks then agree on the
-largest figure of any rank (``allgather_json``), so every rank chooses from
-the same numbers.
+largest figure of any rank (``exchange``), so every rank chooses from the
+same numbers; a rank whose timing of the dense layers fails still joins the
+exchange, and every rank raises its one line.
 """
 
 import time
@@ -29,6 +30,9 @@ from mlx_lm.generate import generation_stream
 
 from mlxdist.dispatch import traffic
 from mlxdist.dispatch.linkcost import AutoInputs, DenseCost, LinkCost, row_bytes
+from mlxdist.errors import one_line
+from mlxdist.runtime import faults
+from mlxdist.runtime.agreement import exchange
 from mlxdist.runtime.world import World
 
 __all__ = ["fastest", "link_cost", "link_rounds", "measure_auto_inputs", "model_shape", "split_bytes"]
@@ -55,9 +59,14 @@ def measure_auto_inputs(world: World, model: nn.Module, shape: traffic.Shape, dt
     ``link``: the link as this load measured it already (``--expert-split
     auto`` does, before the experts are read), or None to measure it here."""
     small, step = link_rounds(world, shape, dtype) if link is None else (0.0, 0.0)
-    (one, many), linear_bytes = _dense_rounds(model, dtype)
-    agreed = [max(column) for column in zip(*world.control.allgather_json([small, step, one, many]))]
-    small, step, one, many = agreed
+    (one, many), linear_bytes, error = (0.0, 0.0), 0, None
+    try:
+        faults.point("load", world.rank, op="measure")
+        (one, many), linear_bytes = _dense_rounds(model, dtype)
+    except Exception as e:  # noqa: BLE001 - anything mlx raises: reported by every rank below
+        error = one_line(e)
+    reports = exchange(world, [small, step, one, many], error, failed="auto could not time the dense layers: ")
+    small, step, one, many = [max(column) for column in zip(*reports)]
     link = link_cost(small, step, world.size, shape) if link is None else link
     per_row = max(0.0, many - one) / (ROWS - 1)
     share = min(1.0, split / linear_bytes) if linear_bytes else 0.0

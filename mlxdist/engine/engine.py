@@ -26,7 +26,8 @@ from mlxdist.engine.dp_schedule import DataParallelGeneration
 from mlxdist.engine.replicas import generate_own_share
 from mlxdist.engine.sampling import sequence_samplers
 from mlxdist.engine.speculative import drafter, load_draft
-from mlxdist.errors import UserError, describe_errors, one_line
+from mlxdist.errors import UserError, one_line
+from mlxdist.runtime.agreement import exchange
 from mlxdist.model.balance import bytes_per_expert, check_rank_memory
 from mlxdist.model.checkpoint import (
     find_switch_sites, nbytes, read_safetensors_index, resolve_model_path, restack_experts, text_config,
@@ -298,13 +299,13 @@ class Engine:
             self._check_placement(plan, sites)
         except Exception as e:  # noqa: BLE001 - every rank hears of it below
             error = one_line(e)
-        self._agree(error)
+        exchange(self.world, None, error)
         prepared, error = {}, None
         try:
             prepared = self._prepare(plan, sites, sources)
         except Exception as e:  # noqa: BLE001 - every rank hears of it below; the prepared modules are dropped
             error = f"cannot prepare the new placement: {one_line(e)}"
-        self._agree(error)
+        exchange(self.world, None, error)
         for switch in self.switches:
             layer = switch.ownership.layer
             switch.ownership, switch.experts = prepared[layer]
@@ -316,12 +317,6 @@ class Engine:
         self.placement = plan
         self.memory["expert_bytes"] = sum(nbytes(m.parameters()) for m in self.experts.values())
         return time.perf_counter() - tic
-
-    def _agree(self, error: Optional[str]) -> None:
-        """Every rank's ``error`` of a placement step, gathered: ``UserError`` on every rank where any failed."""
-        errors = self.world.control.allgather_json(error)
-        if any(errors):
-            raise UserError(describe_errors(errors))
 
     def _prepare(self, plan: Placement, sites: Dict[int, Any], sources: CheckpointSources
                  ) -> Dict[int, Tuple[LayerOwnership, Optional[nn.Module]]]:

@@ -15,8 +15,9 @@ only. Two steps of LOAD, each called by every rank at the same point:
    the rest; the source streams each rank its ranges in bounded chunks
    (``model/transfer.py``), checked by a checksum (``model/checksum.py``), written into the share.
 
-Every step ends with the ranks agreeing: an error on any rank is raised on
-every rank, so no rank waits for a message that will never come. Where every
+Every step ends with the ranks agreeing (``runtime/agreement.py``'s
+``exchange``): an error on any rank is raised on every rank, so no rank waits
+for a message that will never come. Where every
 rank holds a copy, step 1 is one gather and step 2 nothing.
 """
 
@@ -26,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
-from mlxdist.errors import ModelNotFound, NotInHubCache, UserError, describe_errors, one_line
+from mlxdist.errors import ModelNotFound, NotInHubCache, UserError, one_line
 from mlxdist.model.checkpoint import check_config, is_hub_id, read_safetensors_index, resolve_model_path
 from mlxdist.model.fingerprint import (
     checkpoint_digests, content_key, differing_files, header_bytes, hub_revision, is_weight_file,
@@ -35,6 +36,7 @@ from mlxdist.model.share import Share, check_disk
 from mlxdist.model.share_needs import Spans, share_spans, span_bytes
 from mlxdist.model import transfer
 from mlxdist.runtime.memory import reset_rss_peak, rss_now, rss_peak
+from mlxdist.runtime.agreement import exchange
 from mlxdist.runtime.progress import Stage, say
 from mlxdist.runtime.world import World
 
@@ -93,10 +95,10 @@ def locate_model(world: World, model: str, revision: Optional[str]) -> Located:
             need_files = not located.share.has_files(located.digests)
         except Exception as e:  # noqa: BLE001 - every rank hears of it below
             error = one_line(e)
-    wants = _agree(world, {"error": error, "files": need_files})
+    wants = exchange(world, need_files, error)
     link = transfer.link_for(world)
     for r, want in enumerate(wants):
-        if not want["files"]:
+        if not want:
             continue
         if world.rank == source:
             say(f"sending rank {r} the model's files (config, tokenizer, weight headers)")
@@ -106,7 +108,7 @@ def locate_model(world: World, model: str, revision: Optional[str]) -> Located:
                 error = one_line(e)
         elif world.rank == r:
             error = _unpack_files(located, transfer.recv_blob(link, source))
-    _agree(world, {"error": error})
+    exchange(world, None, error)
     return located
 
 
@@ -121,10 +123,10 @@ def fetch_share(world: World, located: Located, spans: Callable[[], Spans]) -> N
             check_disk(located.share.folder, span_bytes(missing), f"rank {world.rank}'s share of the model")
         except Exception as e:  # noqa: BLE001
             error = one_line(e)
-    asks = _agree(world, {"error": error, "spans": [[n, s, e] for n, ranges in missing.items() for s, e in ranges]})
+    asks = exchange(world, [[n, s, e] for n, ranges in missing.items() for s, e in ranges], error)
     link = transfer.link_for(world)
     for r, ask in enumerate(asks):
-        wanted = [tuple(x) for x in ask["spans"]]
+        wanted = [tuple(x) for x in ask]
         if not wanted:
             continue
         if world.rank == located.source:
@@ -136,7 +138,7 @@ def fetch_share(world: World, located: Located, spans: Callable[[], Spans]) -> N
                 error = one_line(e)
         elif world.rank == r:
             error = _receive(located, link, wanted)
-    _agree(world, {"error": error})
+    exchange(world, None, error)
     if located.share is not None:
         located.share.guard()
 
@@ -237,15 +239,6 @@ def _check_index(path: Path) -> None:
 def _what_differs(ref: Dict[str, Any], other: Dict[str, Any]) -> List[str]:
     out = [f"checkpoint file {n}" for n in differing_files(ref["digests"], other["digests"])]
     return out + (["hub revision"] if ref["revision"] != other["revision"] else [])
-
-
-def _agree(world: World, mine: Dict[str, Any]) -> List[Dict[str, Any]]:
-    """Every rank's ``mine``; raises on every rank where any has an error."""
-    reports = world.control.allgather_json(mine)
-    errors = [r["error"] for r in reports]
-    if any(errors):
-        raise UserError(describe_errors(errors))
-    return reports
 
 
 def _pack_files(path: Path, digests: Dict[str, str]) -> bytes:

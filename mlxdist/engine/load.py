@@ -3,6 +3,9 @@ module is replaced by a ``DistributedSwitch`` holding this rank's experts
 (``model/switch.py``); then only what this rank runs is evaluated (read
 from disk). Every rank's fingerprint of what it loaded is compared by the
 executor, so ranks that loaded different things never generate together.
+Every exchange of the load carries each rank's error beside its value
+(``runtime/agreement.py``'s ``exchange``): a failure on one rank, anywhere
+in the load, ends it on every rank with the same line.
 """
 
 import hashlib
@@ -42,6 +45,7 @@ from mlxdist.model.sources import load_lazy
 from mlxdist.model.switch import DistributedSwitch, MoEBlock
 from mlxdist.model.tensor_parallel import can_shard, own_bytes, shard_dense, tensor_parallel_twin
 from mlxdist.runtime import faults
+from mlxdist.runtime.agreement import exchange
 from mlxdist.runtime.control import PROTOCOL_VERSION
 from mlxdist.runtime.memory import detect_memory, set_wired_limit
 from mlxdist.runtime.progress import Stage
@@ -80,6 +84,7 @@ def load_engine(world: World, options: LoadOptions) -> Engine:
     modes.check_launcher(options.dispatch, world.size, world.control.has_mpi)
     mx.reset_peak_memory()  # the load's own peak is reported (memory["load_peak_bytes"])
     located = locate_model(world, options.model, options.revision)  # a rank without the model gets its share
+    faults.point("load", world.rank, op="read")
     lazy = _read_lazy(located.path)
     options, plan = _placement(world, options, lazy)
     options, split = _expert_split(world, options, lazy, plan)
@@ -96,6 +101,7 @@ def load_engine(world: World, options: LoadOptions) -> Engine:
         shard_dense(lazy.model, lazy.sites, world, lazy.config, whole_blocks=by_width)
     capacity = _capacity(world, options, lazy, plan, runs_dense)
     faults.arm(world.rank)
+    faults.point("load", world.rank, op="experts")
     modules = _replace_switches(world, lazy, plan, first, routers, by_width, capacity,
                                 _reading_stage(world, plan, lazy.sites, by_width))
     twin = None
@@ -166,7 +172,7 @@ def _placement(world: World, options: LoadOptions, lazy: _Lazy) -> Tuple[LoadOpt
     cannot fit is refused before a byte is read. The options with budgets by rank."""
     sites = lazy.sites
     experts_per_layer = {s.layer: s.num_experts for s in sites}
-    found = world.control.allgather_json(_my_memory(world))  # every rank's memory and host
+    found = exchange(world, _my_memory(world))  # every rank's memory and host
     memory = [m["bytes"] for m in found]
     if options.rank_memory_gb is not None:  # per rank as given, per host by the ranks' host names
         options = replace(options, rank_memory_gb=budgets_for_ranks(options.rank_memory_gb, [m["host"] for m in found]))
@@ -242,7 +248,7 @@ def _expert_split(world: World, options: LoadOptions, lazy: _Lazy, plan: Placeme
 
 def _link_wanted(world: World) -> str:
     """Rank 0's MLXDIST_AUTO_LINK, on every rank: measure the link for auto, or take one host's."""
-    wanted = world.control.allgather_json(envs.get("MLXDIST_AUTO_LINK"))[0]
+    wanted = exchange(world, envs.get("MLXDIST_AUTO_LINK"))[0]
     if wanted not in ("measure", "local"):
         raise UserError(f"MLXDIST_AUTO_LINK takes measure or local, not {wanted!r:.40}")
     return wanted

@@ -36,8 +36,9 @@ from mlxdist.dispatch.splitcost import BATCHES, ExpertWork
 from mlxdist.engine.costs import ROWS, fastest, link_cost, link_rounds
 from mlxdist.model.balance import bytes_per_expert
 from mlxdist.model.checkpoint import FROM_HIDDEN, SwitchSite, hidden_axis, projections
-from mlxdist.errors import UserError, one_line
+from mlxdist.errors import one_line
 from mlxdist.runtime import faults
+from mlxdist.runtime.agreement import exchange
 from mlxdist.runtime.world import World
 
 __all__ = ["busiest_load", "dense_linear_bytes", "measure_split_inputs"]
@@ -80,14 +81,10 @@ def measure_split_inputs(world: World, site: SwitchSite, owners: List[int], shap
         faults.point("split", world.rank)
         times = _time_probes(site, runs, dtype, world.size)
     except Exception as e:  # noqa: BLE001 - anything mlx raises: reported by every rank below
-        error = one_line(e)
+        error = f"{one_line(e)} (--expert-split whole or width skips it)"
     small, step = link_rounds(world, shape, dtype)
-    reports = world.control.allgather_json({"error": error, "figures": [small, step, *times]})
-    failed = next(((rank, r["error"]) for rank, r in enumerate(reports) if r["error"]), None)
-    if failed is not None:
-        raise UserError(f"--expert-split auto could not time the experts on rank {failed[0]}: {failed[1]} "
-                        f"(--expert-split whole or width skips it)")
-    small, step, *times = [max(column) for column in zip(*(r["figures"] for r in reports))]
+    reports = exchange(world, [small, step, *times], error, failed="--expert-split auto could not time the experts: ")
+    small, step, *times = [max(column) for column in zip(*reports)]
     work: Dict[str, Dict[int, float]] = {"whole": {}, "width": {}}
     for (cut, b, _, _), t in zip(runs, times):
         work[cut][b] = t

@@ -13,13 +13,21 @@ every rank's). The failing rank asks them, outside the collectives, within
   join, so this rank ends the job now with one line naming itself and the
   cause (mpirun then stops the others, each saying where it was).
 
-Steps that are not forward passes (a placement, a control command, the
-server's rebalancing) agree instead on the message their ranks already
-exchange at that step; see docs/failures.md.
+Steps that are not forward passes (a load, a placement, a control command,
+the server's rebalancing) agree instead on the message their ranks already
+exchange at that step (``exchange``): each rank's value with its error
+beside it. A rank whose own work raised between two exchanges sends its
+error at the next one it reaches, and the others, wherever that finds them,
+read it there: every exchange of a step has the same shape, so the ranks
+leave the step together. Work that ends in a collective of MLX's (a timing
+of the link, a transfer) catches its own errors first and still joins it;
+see docs/failures.md.
 """
 
+from typing import Any, List, Optional
+
 from mlxdist import envs
-from mlxdist.errors import RankLost, describe_errors, one_line
+from mlxdist.errors import RankLost, StepFailed, describe_errors, one_line
 from mlxdist.runtime.watchdog import ACTIVITY
 from mlxdist.runtime.world import World, stop_job
 
@@ -38,3 +46,16 @@ def failed_together(world: World, error: BaseException) -> str:
     if messages is None:
         stop_job(world, error)
     return describe_errors(messages)
+
+
+def exchange(world: World, value: Any, error: Optional[str] = None, failed: str = "",
+             raises: type = StepFailed) -> List[Any]:
+    """Every rank's ``value`` (JSON-able), gathered on every rank, with this
+    rank's ``error`` (one line, or None) beside it. Where any rank's is set,
+    ``raises`` on every rank alike: ``failed`` followed by the first error,
+    naming the ranks that hit it (see the module's docstring)."""
+    reports = world.control.allgather_json({"value": value, "error": error})
+    errors = [r["error"] for r in reports]
+    if any(errors):
+        raise raises(f"{failed}{describe_errors(errors)}")
+    return [r["value"] for r in reports]

@@ -14,9 +14,11 @@ separated by ``;``.
   placement (``layer=L``: at that layer), ``at=page`` in a paging read
   inside a forward pass (``model/paging.py``), ``at=balance`` while rank 0 plans
   the server's new placement, ``at=split`` while a rank times the expert
-  cuts at load (``--expert-split auto``), ``at=command`` in a control command's own
-  work (``op=stats`` or ``probe``: that one only); once, after
-  ``skip=K`` matching moments.
+  cuts at load (``--expert-split auto``), ``at=load`` at a step of a load
+  (``op=read``: before the checkpoint is read, ``experts``: before the
+  experts are, ``measure``: while ``auto`` times the dense layers),
+  ``at=command`` in a control command's own work (``op=stats`` or
+  ``probe``: that one only); once, after ``skip=K`` matching moments.
 
 Unset (every real run), ``arm`` leaves ``FAULT`` None and the hot path's one
 check, ``if faults.FAULT is not None``, is all it costs; ``point`` runs at
@@ -26,7 +28,7 @@ steps taken a few times per generation or placement, never per layer.
 import os
 import signal
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from mlxdist import envs
 
@@ -82,7 +84,7 @@ class Fault:
 
 FAULT: Optional[Fault] = None  # this rank's first armed fault at expert steps or sequences; None in real runs
 _ARMED: List[Fault] = []  # all of them, each fired at its own moment
-_POINTS: Dict[int, List[Fault]] = {}  # rank -> its armed ``fail`` faults (read once)
+_POINTS: Dict[Tuple[int, str], List[Fault]] = {}  # (rank, MLXDIST_FAULT) -> its ``fail`` faults: each fires once a process
 _RANK = 0  # this process's rank, as ``arm`` was told
 
 
@@ -98,7 +100,6 @@ def arm(rank: int) -> Optional[Fault]:
     _RANK = rank
     _ARMED[:] = [f for f in _parse(rank) if f.armed and f.action != "fail"]
     FAULT = _ARMED[0] if _ARMED else None
-    _POINTS.pop(rank, None)
     return FAULT
 
 
@@ -112,7 +113,8 @@ def point(at: str, rank: Optional[int] = None, layer: Optional[int] = None, op: 
     """Raise the ``fail`` fault armed for ``rank`` (default: the one ``arm``
     was given) at the shared step ``at``, if this is its moment."""
     rank = _RANK if rank is None else rank
-    if rank not in _POINTS:
-        _POINTS[rank] = [f for f in _parse(rank) if f.armed and f.action == "fail"]
-    for fault in _POINTS[rank]:
+    key = (rank, envs.get("MLXDIST_FAULT"))
+    if key not in _POINTS:
+        _POINTS[key] = [f for f in _parse(rank) if f.armed and f.action == "fail"]
+    for fault in _POINTS[key]:
         fault.maybe_fail(at, layer, op)
