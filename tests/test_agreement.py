@@ -124,21 +124,16 @@ def test_a_server_step_failing_on_every_rank_fails_its_request(checkpoint):
     assert code == 0, s.proc.stderr.read()[-3000:]
 
 
-LOAD_FAULTS = [("read", 1, 0), ("experts", 0, 0), ("experts", 1, 1), ("measure", 1, 0)]  # (step, rank, skip): in turn
+# (step, rank, skip), one load each, in turn. A skip counts the rank's earlier moments at that step: rank 0
+# reads in load 1 too, rank 1 reaches its experts in load 3 (rank 0 failed just before), rank 0 times
+# the dense layers in load 5 (rank 1's failure there is heard at that exchange).
+LOAD_FAULTS = [("read", 1, 0), ("read", 0, 1), ("experts", 0, 0), ("experts", 1, 1), ("measure", 1, 0),
+               ("measure", 0, 1)]
 
 
-def test_a_load_failing_on_one_rank_fails_on_every_rank_and_the_next_one_loads(checkpoint):
-    """One launch, four loads under auto with the link measured, each
-    failing on one rank at a different step: before the checkpoint is read
-    (the others are in the placement's exchange), before the experts are
-    read, on either rank (the others are in auto's exchanges, or done), and
-    while auto times the dense layers (the others are in that exchange).
-    Each load fails on every rank, in seconds, with the same line naming
-    the rank; the fifth loads and generates mlx-lm's tokens."""
-    path = checkpoint("qwen3_moe")
-    faults = ";".join(f"fail:at=load,op={op},rank={rank},skip={skip}" for op, rank, skip in LOAD_FAULTS)
-    proc = launch(2, [ROOT / "tests/scripts/load_fails.py", path, len(LOAD_FAULTS) + 1], module=None, timeout=180,
-                  env={"MLXDIST_FAULT": faults, "MLXDIST_AUTO_LINK": "measure"})
+def load_faults_ran(proc, path):
+    """What load_fails.py printed: every load failed on every rank with the
+    fault's line, in seconds, and the last one generates mlx-lm's tokens."""
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = last_json(proc.stdout)
     lines = [re.sub(r" \(traceback: [^)]+\)", "", f["line"]) for f in got["failed"]]  # where each rank kept it
@@ -147,6 +142,25 @@ def test_a_load_failing_on_one_rank_fails_on_every_rank_and_the_next_one_loads(c
                      for op, rank, _ in LOAD_FAULTS], lines
     assert all(f["seconds"] < 20 for f in got["failed"]), got["failed"]
     assert got["tokens"] == mlx_lm_alone(path, PROMPT, MAX_TOKENS)
+
+
+def load_fails_args(path):
+    faults = ";".join(f"fail:at=load,op={op},rank={rank},skip={skip}" for op, rank, skip in LOAD_FAULTS)
+    return [ROOT / "tests/scripts/load_fails.py", path, len(LOAD_FAULTS) + 1], {"MLXDIST_FAULT": faults,
+                                                                             "MLXDIST_AUTO_LINK": "measure"}
+
+
+def test_a_load_failing_on_one_rank_fails_on_every_rank_and_the_next_one_loads(checkpoint):
+    """One launch, loads under auto with the link measured, each failing on
+    one rank, rank 0 and rank 1 in turn, at a different step: before the
+    checkpoint is read (the others are in the placement's exchange), before
+    the experts are read (the others are in auto's exchanges), and while
+    auto times the dense layers (the others are in that exchange). Each
+    load fails on every rank, in seconds, with the same line naming the
+    rank; the next loads and generates mlx-lm's tokens."""
+    path = checkpoint("qwen3_moe")
+    args, env = load_fails_args(path)
+    load_faults_ran(launch(2, args, module=None, timeout=180, env=env), path)
 
 
 def test_a_job_file_through_failures_on_every_rank(checkpoint, tmp_path):

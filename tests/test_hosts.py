@@ -2,7 +2,8 @@
 address and host name (tests/netns.py), ranks started on them by mpirun
 through an rsh agent and by ``mlx.launch`` from a JSON hostfile. The exact
 modes equal single-process mlx-lm over MPI and over the ring backend on 2
-to 4 hosts, dp stays within its tolerance, budgets follow the host names of
+to 4 hosts, dp stays within its tolerance, a load failing on one host fails
+on both in one line, budgets follow the host names of
 a budgets file in another order, the server answers a client on another
 host, and a cable pulled mid-generation gives the documented behaviour."""
 
@@ -17,6 +18,7 @@ import pytest
 
 from conftest import ROOT, error_lines, last_json
 from mlxdist.runtime.survival import MPIRUN_FT_FLAGS
+from test_agreement import load_fails_args, load_faults_ran
 from test_dataparallel import ARCHS as DP_ARCHS
 from test_dataparallel import MAX_TOKENS as DP_MAX_TOKENS
 from test_dataparallel import TOLERANCE as DP_TOLERANCE
@@ -81,6 +83,15 @@ def test_dp_across_hosts_within_its_tolerance(hosts, checkpoint):
         assert result["tokens"] == ref_tokens
         worst = max(abs(a - b) for g, r in zip(result["logprobs"], ref_logprobs) for a, b in zip(g, r))
         assert worst <= DP_TOLERANCE
+
+
+def test_a_load_failing_on_one_host_fails_on_both(hosts, checkpoint):
+    """test_agreement's failing loads, rank 0 and rank 1 on two hosts: each
+    load fails on both hosts, in seconds, with one line naming the rank, and
+    the last one generates mlx-lm's tokens."""
+    path = checkpoint("qwen3_moe")
+    args, env = load_fails_args(path)
+    load_faults_ran(hosts.mpirun([0, 1], args, module=None, env=env, timeout=180), path)
 
 
 def test_budgets_follow_host_names_not_the_order_of_the_file(hosts, checkpoint, tmp_path):
