@@ -27,7 +27,6 @@ from mlxdist.engine.replicas import generate_own_share
 from mlxdist.engine.sampling import sequence_samplers
 from mlxdist.engine.speculative import drafter, load_draft
 from mlxdist.errors import UserError, one_line
-from mlxdist.runtime.agreement import exchange
 from mlxdist.model.balance import bytes_per_expert, check_rank_memory
 from mlxdist.model.checkpoint import (
     find_switch_sites, nbytes, read_safetensors_index, resolve_model_path, restack_experts, text_config,
@@ -38,6 +37,7 @@ from mlxdist.model.placement import Placement
 from mlxdist.model.sources import CheckpointSources, load_lazy
 from mlxdist.model.switch import DistributedSwitch, MoEBlock, Observer
 from mlxdist.runtime import faults
+from mlxdist.runtime.agreement import exchange
 from mlxdist.runtime.world import World
 
 __all__ = ["Engine"]

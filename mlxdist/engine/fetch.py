@@ -35,8 +35,8 @@ from mlxdist.model.fingerprint import (
 from mlxdist.model.share import Share, check_disk
 from mlxdist.model.share_needs import Spans, share_spans, span_bytes
 from mlxdist.model import transfer
-from mlxdist.runtime.memory import reset_rss_peak, rss_now, rss_peak
 from mlxdist.runtime.agreement import exchange
+from mlxdist.runtime.memory import reset_rss_peak, rss_now, rss_peak
 from mlxdist.runtime.progress import Stage, say
 from mlxdist.runtime.world import World
 
