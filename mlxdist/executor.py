@@ -161,6 +161,8 @@ class CommandExecutor:
                                         not engine.root_runs_dense)
             else:
                 yield engine.generate_batch(args["prompts"], params, args.get("strategy"))
+        except StepFailed as e:  # agreed where the ranks met (replicas' gather): every rank raised it
+            raise GenerationFailed(str(e)) from None
         except Exception as e:
             if self.world.size == 1:
                 raise

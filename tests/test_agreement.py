@@ -163,6 +163,24 @@ def test_a_load_failing_on_one_rank_fails_on_every_rank_and_the_next_one_loads(c
     load_faults_ran(launch(2, args, module=None, timeout=180, env=env), path)
 
 
+def test_a_replica_failing_alone_fails_its_batch_and_the_job_goes_on(checkpoint):
+    """A batch run as replicas (every rank decodes its own share, no
+    collective inside): rank 1's share fails in the first batch, rank 0's in
+    the second (its fault skips one generation). Each rank says so at the
+    gather that ends the batch, so the batch fails on every rank with one
+    line naming the rank, and the next batches run, alike."""
+    path = checkpoint("qwen3_moe")
+    faults = "raise:rank=1,layer=0,step=2;raise:rank=0,layer=0,step=2,skip=1"
+    proc = launch(2, [ROOT / "tests/scripts/replica_fails.py", path, 4], module=None, timeout=120,
+                  env={"MLXDIST_FAULT": faults, **ALONE})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    failed_1, failed_0, *done = last_json(proc.stdout)["batches"]
+    assert failed_1 == {"failed": "generation failed: RuntimeError: injected fault at layer 0 of step 2 (rank 1)"}
+    assert failed_0 == {"failed": "generation failed: RuntimeError: injected fault at layer 0 of step 2 (rank 0)"}
+    assert [d["strategy"] for d in done] == ["replicas"] * 2 and done[0] == done[1], done
+    assert [len(t) for t in done[0]["tokens"]] == [6] * 4, done
+
+
 def test_a_job_file_through_failures_on_every_rank(checkpoint, tmp_path):
     """Every generation fails on every rank at once (the fault fires at every
     layer of each generation's second step): each job becomes an error

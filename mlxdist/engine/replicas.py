@@ -8,9 +8,10 @@ once, when all are done:
     allgather(tokens, log-probabilities, counters)   over the control plane, once
 
 A rank that finishes first waits only at the end; no step of one waits for
-another's. Each sequence samples from its own keys (``sampling.py``), so a
-seeded batch draws the same tokens as in every other mode wherever the
-logits agree.
+another's. A rank whose share fails says so at that gather: the generation
+fails on every rank alike (``StepFailed``) and the job goes on. Each
+sequence samples from its own keys (``sampling.py``), so a seeded batch
+draws the same tokens as in every other mode wherever the logits agree.
 """
 
 from typing import Callable, List
@@ -19,6 +20,8 @@ from mlx_lm.generate import BatchResponse
 from mlx_lm.generate_utils import BatchStats
 
 from mlxdist.engine.batch import batch_generate
+from mlxdist.errors import one_line
+from mlxdist.runtime.agreement import exchange
 
 __all__ = ["generate_own_share"]
 
@@ -32,17 +35,22 @@ def generate_own_share(engine, prompts: List[List[int]], max_tokens: List[int], 
     world = engine.world
     mine = list(range(world.rank, len(prompts), world.size))
     share = -(-batch_size // world.size)
-    tokens, logprobs, counters = [], [], {}
+    tokens, logprobs, counters, error = [], [], {}, None
     if mine:
-        response = batch_generate(engine.model, engine.tokenizer, [prompts[i] for i in mine],
-                                  max_tokens=[max_tokens[i] for i in mine], samplers=[samplers[i] for i in mine],
-                                  prefill_step_size=prefill_step_size, max_kv_size=max_kv_size,
-                                  completion_batch_size=share, prefill_batch_size=share)
-        tokens, logprobs, s = response.token_ids, response.logprobs, response.stats
-        counters = {"prompt_tokens": s.prompt_tokens, "prompt_time": s.prompt_time,
-                    "generation_tokens": s.generation_tokens, "generation_steps": s.generation_steps,
-                    "decode_time": s.decode_time, "wall_time": s.wall_time, "peak_memory": s.peak_memory}
-    shares = world.control.allgather_json({"tokens": tokens, "logprobs": logprobs, "counters": counters})
+        try:
+            response = batch_generate(engine.model, engine.tokenizer, [prompts[i] for i in mine],
+                                      max_tokens=[max_tokens[i] for i in mine], samplers=[samplers[i] for i in mine],
+                                      prefill_step_size=prefill_step_size, max_kv_size=max_kv_size,
+                                      completion_batch_size=share, prefill_batch_size=share)
+        except Exception as e:  # noqa: BLE001 - this rank's share alone: every rank hears of it at the gather
+            error = one_line(e)
+        else:
+            tokens, logprobs, s = response.token_ids, response.logprobs, response.stats
+            counters = {"prompt_tokens": s.prompt_tokens, "prompt_time": s.prompt_time,
+                        "generation_tokens": s.generation_tokens, "generation_steps": s.generation_steps,
+                        "decode_time": s.decode_time, "wall_time": s.wall_time, "peak_memory": s.peak_memory}
+    shares = exchange(world, {"tokens": tokens, "logprobs": logprobs, "counters": counters}, error,
+                      failed="generation failed: ")
     token_ids: List[List[int]] = [[] for _ in prompts]
     picked: List[List[float]] = [[] for _ in prompts]
     for rank, got in enumerate(shares):
