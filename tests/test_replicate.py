@@ -8,7 +8,7 @@ against mlx-lm's batch_generate as the dp tests are."""
 
 import pytest
 
-from conftest import launch
+from conftest import ROOT, last_json, launch
 from shared_launch import declare, result
 from test_dataparallel import ARCHS, MAX_TOKENS, TOLERANCE, TP_ARCHS, batch_run, reference
 
@@ -125,3 +125,16 @@ def test_with_every_expert_everywhere_slots_go_by_position():
         in_graph = np.array(ownership.owned_slots(mx.array(flat.reshape(-1, 1)))).reshape(-1)
         assert (in_graph == (ownership.slot_owners(flat) == rank)).all()
     assert not LayerOwnership.build(0, [(0, 1), 1], 0, 2).everywhere
+
+
+def test_a_rank_done_first_waits_for_the_others_shares(checkpoint):
+    """Replicas' shares end when they end: rank 0's after one token, rank
+    1's seconds later, past a watchdog timeout of one second. Rank 0 waits at
+    the gather without being taken for a hung rank (it was: "no progress for
+    1 s"), and the batch returns both sequences."""
+    proc = launch(2, [ROOT / "tests/scripts/uneven_shares.py", checkpoint("qwen3_moe"), 1, 1500], module=None,
+                  timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = last_json(proc.stdout)
+    assert got["strategy"] == "replicas" and got["lengths"] == [1, 1500], got
+    assert got["seconds"] > 1, got  # rank 1's share outlasted the timeout

@@ -40,7 +40,7 @@ PREFILL_FACTOR = 10
 
 @dataclass
 class Activity:
-    phase: str = "idle"  # idle | dense | experts | exchange | serving
+    phase: str = "idle"  # idle | dense | experts | exchange | serving | shares
     layer: Optional[int] = None
     step: int = 0
     waiting_on: List[int] = field(default_factory=list)
@@ -73,12 +73,15 @@ class Activity:
             "experts": "computing its experts",
             "dense": "running the dense layers",
             "serving": "waiting for rank 0",
+            "shares": "waiting for the other ranks' shares of the batch",
             "serving-http": "in the server's generation loop",
         }.get(self.phase, self.phase)
         return f"{what} during {where}"
 
 
 ACTIVITY = Activity()
+# Phases in which a rank waits for others' work, not its own: no deadline (the others have theirs).
+WAITING = ("serving", "shares")
 # Called (in the reporting thread) before this rank exits because the job is
 # being stopped, e.g. the server's answer to a lost rank; given a moment to act.
 ON_FATAL: List[Callable[[], None]] = []
@@ -135,7 +138,7 @@ class Watchdog:
             time.sleep(min(0.5, self.timeout / 4))
             a = ACTIVITY
             limit = self.timeout * (PREFILL_FACTOR if a.prefill or a.serving_http else 1)
-            if a.armed and a.phase != "serving" and time.monotonic() - a.done > limit:
+            if a.armed and a.phase not in WAITING and time.monotonic() - a.done > limit:
                 self.report(f"no progress for {limit:g} s")
                 # Ranks stalled together pass their deadlines moments apart: let
                 # the others (the one really stuck among them) speak before this
