@@ -143,14 +143,17 @@ class MpiControl(Control):
         return survival.agreed(self.world, bcast)
 
     def allgather_json(self, obj: Any) -> List[Any]:
-        """In rank order (the ranks alive, after a loss)."""
+        """In rank order (the ranks alive, after a loss). The sizes are
+        gathered gently (``wait_gently``): a rank often waits here while
+        others work (the end of a generation, replicas' shares, a rank 0
+        decoding one sequence alone)."""
         from mpi4py import MPI
 
         data = np.frombuffer(json.dumps(obj).encode(), dtype=np.uint8)
 
         def gather(comm) -> List[Any]:
             counts = np.empty(comm.Get_size(), dtype=np.int64)
-            comm.Allgather(np.array([data.size], dtype=np.int64), counts)
+            wait_gently(comm.Iallgather(np.array([data.size], dtype=np.int64), counts))
             out = np.empty(int(counts.sum()), dtype=np.uint8)
             displs = np.concatenate([[0], np.cumsum(counts)[:-1]])
             comm.Allgatherv(data, [out, counts, displs, MPI.BYTE])

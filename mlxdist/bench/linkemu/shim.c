@@ -6,7 +6,7 @@
  * links. The wait is MLXDIST_LINK_LATENCY_US microseconds plus the call's
  * bytes over MLXDIST_LINK_GBPS gigabytes per second, charged once per call on
  * the rank that sends (MPI_Send, MPI_Isend) or on every rank taking part in a
- * collective (MPI_Allreduce, MPI_Allgather, MPI_Bcast, MPI_Ibcast), so a
+ * collective (MPI_Allreduce, MPI_Allgather, MPI_Iallgather, MPI_Bcast, MPI_Ibcast), so a
  * ping-pong costs two latencies and an all-reduce one. Receives are free: the
  * sender's wait delays them. Long waits sleep (ranks may share cores) and
  * spin only for the last SPIN_NS, so the wait ends on time.
@@ -77,6 +77,14 @@ int MPI_Allgather(const void *sendbuf, int sendcount, MPI_Datatype sendtype, voi
   PMPI_Comm_size(comm, &size);
   charge(bytes_of(recvcount, recvtype) * (size - 1)); /* what each rank receives */
   return PMPI_Allgather(sendbuf, sendcount, sendtype, recvbuf, recvcount, recvtype, comm);
+}
+
+int MPI_Iallgather(const void *sendbuf, int sendcount, MPI_Datatype sendtype, void *recvbuf, int recvcount,
+                   MPI_Datatype recvtype, MPI_Comm comm, MPI_Request *request) {
+  int size = 1;
+  PMPI_Comm_size(comm, &size);
+  charge(bytes_of(recvcount, recvtype) * (size - 1));
+  return PMPI_Iallgather(sendbuf, sendcount, sendtype, recvbuf, recvcount, recvtype, comm, request);
 }
 
 int MPI_Bcast(void *buf, int count, MPI_Datatype type, int root, MPI_Comm comm) {
