@@ -145,7 +145,9 @@ class CommandExecutor:
         """GENERATE on every rank. Yields mlx-lm's responses on ranks that run
         the dense model (a stream for one prompt, one batch response for
         several or where ``batch`` is set); p2p workers serve experts and
-        yield nothing."""
+        yield nothing, as do the other ranks where one prompt runs as a
+        replica (rank 0 alone: ``auto`` over a dear link, every rank holding
+        the model)."""
         engine = self.engine
         params = GenerationParams(**args["sampling"])
         mx.reset_peak_memory()
@@ -157,8 +159,12 @@ class CommandExecutor:
             if not engine.runs_dense:
                 engine.serve()
             elif len(args["prompts"]) == 1 and not args.get("batch"):
-                yield from self._stream(engine.generate(args["prompts"][0], params),
-                                        not engine.root_runs_dense)
+                alone = engine.strategy_for(1) == "replicas"  # every rank holds the model: rank 0 runs it
+                if alone and not self.world.is_root:
+                    ACTIVITY.beat("serving")
+                else:
+                    yield from self._stream(engine.generate(args["prompts"][0], params),
+                                            not engine.root_runs_dense and not alone)
             else:
                 yield engine.generate_batch(args["prompts"], params, args.get("strategy"))
         except StepFailed as e:  # agreed where the ranks met (replicas' gather): every rank raised it

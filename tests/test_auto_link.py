@@ -7,10 +7,11 @@ The model's reading (dispatch/linkcost.py): a batch of one sequence per rank
 with the experts spread (--replicate never) runs dp on a fast link (each rank
 runs half the rows) and collective on the slow one (one all_sum per MoE layer
 where dp runs an all_gather and an all_sum); with every expert on every rank
-it runs replicas on both (nothing on the wire); one sequence with experts cut in width, or with every expert on
-every rank, runs collective-tp on a fast link (attention split too) and
+it runs replicas on both (nothing on the wire); one sequence with experts
+cut in width runs collective-tp on a fast link (attention split too) and
 collective on the slow one (one all_sum per MoE layer where collective-tp
-runs two in every layer)."""
+runs two in every layer); with every expert on every rank, collective-tp on
+a fast link and alone on each rank (replicas) on the slow one."""
 
 import json
 import re
@@ -64,14 +65,14 @@ def run_bare(checkpoint, tmp_path, width: bool, replicate: str = "never", one: b
 @pytest.mark.parametrize("width, replicate, fast, slow", [
     (False, "never", "dp", "collective"),
     (True, "never", "collective-tp", "collective"),
-    (False, "always", "collective-tp", "collective"),
+    (False, "always", "collective-tp", "replicas"),
 ], ids=["whole-b2", "width-b1", "everywhere-b1"])
 def test_a_slow_link_makes_auto_choose_differently(checkpoint, tmp_path, width, replicate, fast, slow):
     one = replicate == "always"  # every expert on every rank: one prompt, split dense part or not
     bare_us, on_bare, bare_text = run_bare(checkpoint, tmp_path, width, replicate, one)
     slow_us, on_slow, slow_text = run_auto(checkpoint, tmp_path, SLOW, width, replicate, one)
     (batch, ranks, bare_choice, bare_costs), (_, _, slow_choice, slow_costs) = on_bare, on_slow
-    if one:  # greedy: the split twin (collective-tp, not bit-exact) and collective say the same here
+    if one:  # greedy: the split twin (collective-tp, not bit-exact) and the whole model say the same here
         assert bare_text == slow_text and bare_text.strip()
     assert (batch, ranks) == ("1" if width or one else "2", "2")
     assert bare_us <= LOCAL.latency * 1e6 and slow_us >= SLOW.latency_us

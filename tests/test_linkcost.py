@@ -105,8 +105,9 @@ def test_the_choice_says_what_it_was_chosen_from():
 def test_every_expert_everywhere_one_sequence_splits_the_dense_part_where_the_link_allows():
     """The whole model on every rank: one sequence runs collective-tp (half
     the dense work a rank on two, every token's slots balanced by position)
-    over a fast link and 10 GbE, collective over a slow one (half the
-    collectives); NCCL loads no twin; batches run as replicas whatever the link."""
+    over a fast link and 10 GbE, and alone on each rank (replicas: nothing on
+    the wire) over a slow one; NCCL loads no twin; batches run as replicas
+    whatever the link."""
     names = loaded("whole", "mpi", everywhere=True)
     assert names == ["collective", "collective-tp", "replicas"]
     assert loaded("whole", "nccl", everywhere=True) == ["collective", "replicas"]
@@ -115,6 +116,30 @@ def test_every_expert_everywhere_one_sequence_splits_the_dense_part_where_the_li
     shape = Shape(hidden=1024, top_k=4, layers=2, moe_layers=2, itemsize=4)
     for link in FAST + [TEN_GBE]:
         assert choose(1, 2, "mpi", "whole", link, dense, shape, everywhere=True).strategy == "collective-tp"
-    assert choose(1, 2, "mpi", "whole", SLOW, dense, shape, everywhere=True).strategy == "collective"
+    assert choose(1, 2, "mpi", "whole", SLOW, dense, shape, everywhere=True).strategy == "replicas"
     for link in FAST + [TEN_GBE, SLOW]:
         assert choose(4, 2, "mpi", "whole", link, dense, shape, everywhere=True).strategy == "replicas"
+
+
+def test_one_sequence_runs_alone_where_the_link_costs_more_than_splitting_saves():
+    """Qwen3-30B-A3B at 4 bits on every rank, with an Apple GPU's work (the
+    dense part 0.75 ms a token, an expert slot 3 us: ~800 GB/s): over 10 GbE
+    or Thunderbolt 5 one sequence runs alone on a rank (its 1.9 ms of work
+    against collective-tp's 96 collectives), over one host's link the rule
+    measured there (collective-tp); with fewer sequences than ranks, those
+    with one run alone. The work counted for running alone is never less than
+    the rule's, so no link as fast as one host's moves it there."""
+    dense = DenseCost(0.7e-3, 0.05e-3, 0.5)
+    tb5 = LinkCost(211e-6, 1 / 7.4e9)  # the benchmark's tb5-rdma preset
+    inputs = lambda link: AutoInputs(link, dense, QWEN3_30B, expert_slot=3e-6)  # noqa: E731
+    names = loaded("whole", "mpi", everywhere=True)
+    for link, expect in ((FAST[1], "collective-tp"), (LOCAL, "collective-tp"), (TEN_GBE, "replicas"),
+                         (tb5, "replicas")):
+        got = modes.auto_choice(names, 1, 2, "mpi", "whole", inputs(link))
+        assert got.strategy == expect, got.describe()
+    got = modes.auto_choice(names, 3, 4, "mpi", "whole", inputs(TEN_GBE))
+    alone, rule = (next(e for e in got.estimates if e.strategy == s) for s in ("replicas", "collective-tp"))
+    assert got.strategy == "replicas" and alone.wire == 0 and alone.collectives == 0
+    assert alone.experts == pytest.approx(48 * 8 * 3e-6) and rule.experts == pytest.approx(48 * 8 * 3 / 4 * 3e-6)
+    cheap_alone = AutoInputs(LOCAL, DenseCost(0.0, 1e-3), QWEN3_30B)  # running alone does less work here
+    assert modes.auto_choice(names, 3, 4, "mpi", "whole", cheap_alone).strategy == "collective-tp"

@@ -12,25 +12,35 @@ Per decode step and rank, for each candidate strategy s:
     dense(replicas)       = dense(dp)                      (every expert on every rank; nothing on the wire)
     dense(collective-tp)  = dense(collective) x (1 - split x (1 - 1/N))
 
+    experts(s)            = L_moe x slots x expert_slot    the busiest rank's routed slots, each one
+                                                           expert's weights for one row
+    slots(replicas)       = K x ceil(b/N)                  its own rows' slots
+    slots(others)         = K x b / N                      its share of every row's slots
+
 The collectives and their bytes are ``traffic.collectives`` (collective:
 one all_sum of [b, K, D] per MoE layer; dp: an all_gather of [b/N, D] and an
 all_sum of [b, D] per MoE layer; collective-tp: two all_sums of [b, D] in
-every layer); replicas run none. The experts' own work is the same in
-every candidate (each rank computes the slots routed to its experts, or,
-with replicas, its own rows' slots: as many from one row per rank), so it
-is left out.
+every layer); replicas run none.
 
 Today's thresholds stay as they were measured (``modes.auto_strategy``):
-``dp`` is a candidate only from ``AUTO_DP_ROWS_PER_RANK`` rows per rank, and
-ties go to the fast-link choice. Those thresholds were measured on ranks of
-one host, whose collectives cost what ``LOCAL`` says; a link is charged only
-what it costs beyond that, so on such a link every candidate's wire term is
-zero, the cheapest is the one with the least dense work, and the model is
-today's rule. Every input is agreed by all ranks, so every rank chooses
-alike.
+``dp`` and replicas are candidates from ``AUTO_DP_ROWS_PER_RANK`` rows per
+rank (replicas from one), and ties go to the fast-link choice. Those
+thresholds were measured on ranks of one host, whose collectives cost what
+``LOCAL`` says; a link is charged only what it costs beyond that, so on such
+a link every candidate's wire term is zero, the cheapest is the one with the
+least work, and the model is today's rule.
+
+Below a row per rank, where every rank holds every expert, replicas are a
+candidate too (the ranks with a sequence each run it alone, nothing on the
+wire): the rule measured on one host stands on a link as fast as one
+host's, so their work is counted as no less than the rule's choice's, and
+they win only where the link costs that choice more than running alone
+costs in work (on a dear link, one sequence on one rank rather than two
+collectives in every layer). Every input is agreed by all ranks, so every
+rank chooses alike.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import List, Sequence, Tuple
 
 from mlxdist.dispatch import traffic
@@ -71,16 +81,20 @@ class DenseCost:
 
 @dataclass(frozen=True)
 class AutoInputs:
-    """What ``auto`` chooses from besides b and N, the same on every rank."""
+    """What ``auto`` chooses from besides b and N, the same on every rank.
+    ``expert_slot``: seconds of one routed slot on one row (one expert's
+    weights read at the dense layers' measured rate), per MoE layer."""
 
     link: LinkCost
     dense: DenseCost
     shape: traffic.Shape
+    expert_slot: float = 0.0
 
     def describe(self) -> str:
         return (f"link {self.link.describe()} (measured; charged beyond {LOCAL.describe()}); dense work "
                 f"{self.dense.fixed * 1e3:.3f} ms + {self.dense.per_row * 1e3:.3f} ms per row, "
-                f"{self.dense.split:.0%} split by shard(); {self.shape.layers} layers, {self.shape.moe_layers} MoE, "
+                f"{self.dense.split:.0%} split by shard(); {self.expert_slot * 1e6:.1f} us an expert slot; "
+                f"{self.shape.layers} layers, {self.shape.moe_layers} MoE, "
                 f"D = {self.shape.hidden}, K = {self.shape.top_k}")
 
 
@@ -92,10 +106,15 @@ class Estimate:
     dense: float
     wire: float
     collectives: int  # per step
+    experts: float = 0.0
+
+    @property
+    def work(self) -> float:
+        return self.dense + self.experts
 
     @property
     def total(self) -> float:
-        return self.dense + self.wire
+        return self.work + self.wire
 
 
 @dataclass(frozen=True)
@@ -108,8 +127,8 @@ class Choice:
     estimates: Tuple[Estimate, ...]  # the candidates, cheapest first
 
     def describe(self) -> str:
-        costs = ", ".join(f"{e.strategy} {e.total * 1e3:.3f} ms ({e.dense * 1e3:.3f} dense + {e.wire * 1e3:.3f} "
-                          f"link, {e.collectives} collectives)" for e in self.estimates)
+        costs = ", ".join(f"{e.strategy} {e.total * 1e3:.3f} ms ({e.dense * 1e3:.3f} dense + {e.experts * 1e3:.3f} "
+                          f"experts + {e.wire * 1e3:.3f} link, {e.collectives} collectives)" for e in self.estimates)
         return f"auto: b = {self.batch} on {self.ranks} ranks runs {self.strategy}; per step: {costs}"
 
 
@@ -119,12 +138,14 @@ def estimate(strategy: str, batch: int, ranks: int, expert_split: str, inputs: A
     dense = inputs.dense.seconds(rows)
     if strategy == "collective-tp":
         dense *= 1 - inputs.dense.split * (1 - 1 / ranks)
+    slots = inputs.shape.top_k * (rows if strategy == "replicas" else batch / ranks)
+    experts = inputs.shape.moe_layers * slots * inputs.expert_slot
     ops, layers = traffic.collectives(traffic.wire_name(strategy, expert_split), ranks, batch, inputs.shape)
     latency = max(0.0, inputs.link.latency - LOCAL.latency)
     per_byte = max(0.0, inputs.link.seconds_per_byte - LOCAL.seconds_per_byte)
     row = row_bytes(ranks, inputs.shape)
     wire = layers * sum(latency + max(0.0, size - row) * per_byte for size, _ in ops)
-    return Estimate(strategy, dense, wire, layers * len(ops))
+    return Estimate(strategy, dense, wire, layers * len(ops), experts)
 
 
 def row_bytes(ranks: int, shape: traffic.Shape) -> float:
@@ -136,9 +157,15 @@ def row_bytes(ranks: int, shape: traffic.Shape) -> float:
 
 
 def cheapest(candidates: Sequence[str], fast_choice: str, batch: int, ranks: int, expert_split: str,
-             inputs: AutoInputs) -> Choice:
+             inputs: AutoInputs, alone: bool = False) -> Choice:
     """The candidate with the cheapest estimated step; ``fast_choice`` (the
-    rule on a link as fast as ``LOCAL``) where it ties."""
+    rule on a link as fast as ``LOCAL``, one of ``candidates``) where it
+    ties. ``alone``: replicas below a row per rank are a candidate too, their
+    work no less than ``fast_choice``'s (see the module's docstring)."""
     found: List[Estimate] = [estimate(s, batch, ranks, expert_split, inputs) for s in candidates]
+    if alone:
+        rule = min(found, key=lambda e: (e.strategy != fast_choice, e.work))
+        own = estimate("replicas", batch, ranks, expert_split, inputs)
+        found.append(replace(own, dense=max(own.work, rule.work) - own.experts))
     found.sort(key=lambda e: (e.total, e.strategy != fast_choice))
     return Choice(found[0].strategy, batch, ranks, tuple(found))

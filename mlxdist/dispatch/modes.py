@@ -181,16 +181,17 @@ def auto_choice(loaded: List[str], batch: int, ranks: int, backend: str, expert_
     the threshold measured on one host (``dp_rows_per_rank``): from it, dp or
     collective (fewer collectives; collective-tp puts no fewer collectives or
     bytes on the wire than dp); below it, the collective strategies (exact
-    with whole experts, where dp's ranks would idle). Replicas stand where dp
-    does. Ties go to ``auto_strategy``'s choice."""
+    with whole experts, where dp's ranks would idle), and replicas where
+    every rank holds every expert and the link costs the collective ones more
+    than running alone costs (``linkcost``'s docstring). Replicas stand where
+    dp does. Ties go to ``auto_strategy``'s choice."""
     rows = row_strategy(loaded)
     fast = auto_strategy(batch, ranks, backend, expert_split, rows)
     fast = fast if fast in loaded else loaded[0]
     if batch >= ranks * dp_rows_per_rank(backend, expert_split, rows):
-        candidates = [s for s in loaded if s in (rows, "collective")]
-    else:
-        candidates = [s for s in loaded if s not in ROW_STRATEGIES]
-    return cheapest(candidates, fast, batch, ranks, expert_split, inputs)
+        return cheapest([s for s in loaded if s in (rows, "collective")], fast, batch, ranks, expert_split, inputs)
+    return cheapest([s for s in loaded if s not in ROW_STRATEGIES], fast, batch, ranks, expert_split, inputs,
+                    alone="replicas" in loaded)
 
 
 def choose(name: str, loaded: List[str], batch: int, ranks: int, backend: str, expert_split: str) -> str:

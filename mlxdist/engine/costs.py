@@ -11,7 +11,8 @@
            milliseconds on a fast link);
     dense  each rank times the model's dense linear layers (every
            ``Linear`` and ``QuantizedLinear`` outside the experts: attention,
-           router, shared experts, head) on 1 and on ``ROWS`` rows.
+           router, shared experts, head) on 1 and on ``ROWS`` rows; an
+           expert slot is one expert's bytes at that rate on one row.
 
 Each rank keeps its fastest round of each: a link's own cost is its best
 round, and ranks sharing cores only add to it. The ranks then agree on the
@@ -52,12 +53,14 @@ def model_shape(model: nn.Module, config: Dict, moe_layers: int, top_k: int, dty
 
 
 def measure_auto_inputs(world: World, model: nn.Module, shape: traffic.Shape, dtype: mx.Dtype,
-                        split: int = 0, link: Optional[LinkCost] = None) -> AutoInputs:
+                        split: int = 0, link: Optional[LinkCost] = None, expert_bytes: float = 0.0) -> AutoInputs:
     """The link and the dense work, measured on every rank and agreed.
     Every rank calls it at the same point. ``split``: the bytes of the dense
     layers that collective-tp's ``shard()`` divides (``split_bytes``);
     ``link``: the link as this load measured it already (``--expert-split
-    auto`` does, before the experts are read), or None to measure it here."""
+    auto`` does, before the experts are read), or None to measure it here;
+    ``expert_bytes``: one routed expert's weights, read for a slot at the
+    dense layers' rate on one row."""
     small, step = link_rounds(world, shape, dtype) if link is None else (0.0, 0.0)
     (one, many), linear_bytes, error = (0.0, 0.0), 0, None
     try:
@@ -70,7 +73,8 @@ def measure_auto_inputs(world: World, model: nn.Module, shape: traffic.Shape, dt
     link = link_cost(small, step, world.size, shape) if link is None else link
     per_row = max(0.0, many - one) / (ROWS - 1)
     share = min(1.0, split / linear_bytes) if linear_bytes else 0.0
-    return AutoInputs(link, DenseCost(fixed=max(0.0, one - per_row), per_row=per_row, split=share), shape)
+    expert_slot = one / linear_bytes * expert_bytes if linear_bytes else 0.0
+    return AutoInputs(link, DenseCost(fixed=max(0.0, one - per_row), per_row=per_row, split=share), shape, expert_slot)
 
 
 def link_cost(small: float, step: float, ranks: int, shape: traffic.Shape) -> LinkCost:

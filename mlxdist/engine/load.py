@@ -305,7 +305,9 @@ def _measure_for_auto(world: World, options: LoadOptions, lazy: _Lazy, dispatche
     top_k = next(iter(routers.values())).top_k if routers else cfg.get("num_experts_per_tok") or 1
     dtype = activation_dtype(lazy.model)
     shape = model_shape(lazy.model, lazy.config, len(lazy.sites), top_k, dtype)
-    return measure_auto_inputs(world, lazy.model, shape, dtype, split_bytes(twin, lazy.model, world.size), link)
+    per_expert = bytes_per_expert(lazy.sites)
+    return measure_auto_inputs(world, lazy.model, shape, dtype, split_bytes(twin, lazy.model, world.size), link,
+                               sum(per_expert.values()) / len(per_expert))
 
 
 def _capacity(world: World, options: LoadOptions, lazy: _Lazy, plan: Placement, runs_dense: bool) -> Optional[int]:
