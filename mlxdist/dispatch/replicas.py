@@ -9,9 +9,11 @@ the whole model (``engine/load.py``): a batch of at least one sequence per
 rank then costs each rank its share of the dense work and of the experts',
 and each rank decodes its share alone, the tokens gathered once at the end
 (``engine/replicas.py``; the server's data-parallel generator runs it in
-lockstep, ``engine/dp_schedule.py``, gathering each step's tokens). A single
-sequence still runs ``collective``, which splits its experts' work over the
-ranks.
+lockstep, ``engine/dp_schedule.py``, gathering each step's tokens, which is
+what ``plan``, ``last`` and ``empty_input`` serve). A single sequence runs
+``collective-tp`` or ``collective``, which split its work over the ranks,
+or, where the link costs that more than it saves, alone on rank 0
+(``linkcost.py``).
 
 Each rank's rows go through mlx-lm's own expert module in one batch, so a
 sequence's tokens are those of one process decoding that rank's sequences
