@@ -155,11 +155,12 @@ class CommandExecutor:
         ACTIVITY.step, ACTIVITY.prefill, ACTIVITY.armed = 0, True, True
         ACTIVITY.progress()
         ACTIVITY.beat("dense")
+        alone = False  # one prompt that rank 0 runs by itself: no other rank is in its steps
         try:
             if not engine.runs_dense:
                 engine.serve()
             elif len(args["prompts"]) == 1 and not args.get("batch"):
-                alone = engine.strategy_for(1) == "replicas"  # every rank holds the model: rank 0 runs it
+                alone = engine.strategy_for(1) == "replicas"  # every rank holds the model
                 if alone and not self.world.is_root:
                     ACTIVITY.beat("serving")
                 else:
@@ -170,8 +171,10 @@ class CommandExecutor:
         except StepFailed as e:  # agreed where the ranks met (replicas' gather): every rank raised it
             raise GenerationFailed(str(e)) from None
         except Exception as e:
-            if self.world.size == 1:
+            if self.world.size == 1 or (alone and isinstance(e, MlxdistError)):
                 raise
+            if alone:  # the others wait at the generation's end, where rank 0 meets them
+                raise GenerationFailed(f"generation failed: {one_line(e)}") from None
             agreed = failed_together(self.world, e)  # or the job ends here
             if isinstance(e, MlxdistError):
                 raise

@@ -181,6 +181,25 @@ def test_a_replica_failing_alone_fails_its_batch_and_the_job_goes_on(checkpoint)
     assert [len(t) for t in done[0]["tokens"]] == [6] * 4, done
 
 
+def test_a_sequence_rank_0_runs_alone_fails_alone(checkpoint):
+    """Over a dear emulated link (5 ms a call) with the model on every rank, auto runs one
+    prompt on rank 0 alone; a fault in its forward fails that generation
+    (the other ranks wait at its end, in none of its steps) and the next
+    one gives mlx-lm's tokens: the job does not end."""
+    from mlxdist.bench.linkemu import EmulatedLink, link_env
+
+    path = checkpoint("qwen3_moe")
+    dear = EmulatedLink("dear", 5000, 1000)  # 5 ms a call: splitting costs far more than the work it splits
+    proc = launch(2, [ROOT / "tests/scripts/alone_fails.py", path], module=None, timeout=120,
+                  env={**link_env(dear), "MLXDIST_AUTO_LINK": "measure",
+                       "MLXDIST_FAULT": "raise:rank=0,layer=0,step=2", **ALONE})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = last_json(proc.stdout)
+    assert got["strategy"] == "replicas", got
+    assert got["failed"] == "generation failed: RuntimeError: injected fault at layer 0 of step 2", got
+    assert got["tokens"] == mlx_lm_alone(path, PROMPT, MAX_TOKENS)
+
+
 def test_a_job_file_through_failures_on_every_rank(checkpoint, tmp_path):
     """Every generation fails on every rank at once (the fault fires at every
     layer of each generation's second step): each job becomes an error
