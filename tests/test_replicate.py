@@ -129,12 +129,14 @@ def test_with_every_expert_everywhere_slots_go_by_position():
 
 def test_a_rank_done_first_waits_for_the_others_shares(checkpoint):
     """Replicas' shares end when they end: rank 0's after one token, rank
-    1's seconds later, past a watchdog timeout of one second. Rank 0 waits at
-    the gather without being taken for a hung rank (it was: "no progress for
-    1 s"), and the batch returns both sequences."""
-    proc = launch(2, [ROOT / "tests/scripts/uneven_shares.py", checkpoint("qwen3_moe"), 1, 1500], module=None,
-                  timeout=120)
+    1's seconds later, past a watchdog timeout of two seconds (each of rank
+    1's tokens takes milliseconds: a starved box leaves room). Rank 0 waits
+    at the gather without being taken for a hung rank (it was: "no progress
+    for 2 s"), and the batch returns both sequences."""
+    timeout, long_tokens = 2, 3000
+    proc = launch(2, [ROOT / "tests/scripts/uneven_shares.py", checkpoint("qwen3_moe"), timeout, long_tokens],
+                  module=None, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = last_json(proc.stdout)
-    assert got["strategy"] == "replicas" and got["lengths"] == [1, 1500], got
-    assert got["seconds"] > 1, got  # rank 1's share outlasted the timeout
+    assert got["strategy"] == "replicas" and got["lengths"] == [1, long_tokens], got
+    assert got["seconds"] > timeout, got  # rank 1's share outlasted the timeout
