@@ -171,9 +171,11 @@ class CommandExecutor:
         except StepFailed as e:  # agreed where the ranks met (replicas' gather): every rank raised it
             raise GenerationFailed(str(e)) from None
         except Exception as e:
-            if self.world.size == 1 or (alone and isinstance(e, MlxdistError)):
+            if self.world.size == 1:
                 raise
             if alone:  # the others wait at the generation's end, where rank 0 meets them
+                if isinstance(e, MlxdistError):
+                    raise
                 raise GenerationFailed(f"generation failed: {one_line(e)}") from None
             agreed = failed_together(self.world, e)  # or the job ends here
             if isinstance(e, MlxdistError):

@@ -31,10 +31,11 @@ from mlx_lm.generate import generation_stream
 
 from mlxdist.dispatch.stats import add_shares, routing_share
 from mlxdist.engine import Engine
-from mlxdist.errors import MlxdistError, describe_errors, one_line
+from mlxdist.errors import MlxdistError, StepFailed, one_line
 from mlxdist.model.balance import balanced, imbalance
 from mlxdist.model.placement import Placement
 from mlxdist.runtime import faults
+from mlxdist.runtime.agreement import exchange
 from mlxdist.runtime.watchdog import ACTIVITY
 from mlxdist.runtime.world import World
 
@@ -75,10 +76,11 @@ class Rebalancer:
             share = {str(l): c.tolist() for l, c in routing_share(engine.dispatchers.values(), world.rank).items()}
         except Exception as e:  # noqa: BLE001 - carried on the gather below
             error = one_line(e)
-        reports = world.control.allgather_json({"share": share, "error": error})
-        if any(r["error"] for r in reports):
-            return self._not_placed(describe_errors([r["error"] for r in reports]))
-        totals = add_shares(r["share"] for r in reports)
+        try:
+            shares = exchange(world, share, error)
+        except StepFailed as e:  # on every rank alike
+            return self._not_placed(str(e))
+        totals = add_shares(shares)
         recent = {l: np.asarray(c) - self.baseline.get(l, 0) for l, c in totals.items()}
         experts = sum(c.size for c in recent.values())
         if not recent or sum(int(c.sum()) for c in recent.values()) < MIN_SLOTS_PER_EXPERT * experts:
