@@ -32,7 +32,7 @@ def run_auto(checkpoint, tmp_path, link, width: bool, replicate: str = "never", 
     """One load under auto on two ranks: a batch of two prompts (whole
     experts, from a job file) or one prompt (experts cut in width, or
     ``one``): what it measured, what it chose and the text it printed."""
-    args = ["--model", checkpoint("qwen3_moe"), "-m", 2, "--quiet", "--replicate", replicate]
+    args = ["--model", checkpoint("qwen3_moe"), "-m", 2, "--quiet", "--verbose", "--replicate", replicate]
     args += ["--expert-split", "width" if width else "whole"]
     if width:
         args += ["-p", "Hello"]
@@ -94,7 +94,7 @@ def test_replicas_put_nothing_on_the_link(checkpoint, tmp_path):
 def test_auto_measures_over_ring(checkpoint, tmp_path):
     """MLX's ring backend (TCP) carries the arrays: the same measurement at
     load, agreed over the control plane, and a choice made from it."""
-    args = ["--model", checkpoint("qwen3_moe"), "-p", "Hello", "-m", 2, "--quiet", "--backend", "ring",
+    args = ["--model", checkpoint("qwen3_moe"), "-p", "Hello", "-m", 2, "--quiet", "--verbose", "--backend", "ring",
             "--expert-split", "width"]
     proc = launch(2, args, env={"MLXDIST_AUTO_LINK": "measure"}, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -78,6 +78,26 @@ def test_defaults_follow_mlx_lm():
     assert args.dispatch == "auto" and args.layout is None and args.backend is None
 
 
+def test_help_is_grouped_and_verbose_is_off_by_default():
+    """run --help lists every option under a group (model, prompt, sampling,
+    ...), none loose; --verbose alone or True turns the cost model on, False
+    (mlx_lm.generate's) leaves the text alone, and the default is neither."""
+    from mlxdist.cli.run import build_parser
+
+    parser = build_parser()
+    groups = {group.title: group for group in parser._action_groups}
+    assert {"model", "prompt", "sampling", "speculative decoding", "distribution", "memory", "output",
+            "job"} <= set(groups)
+    loose = [a.dest for a in groups["options"]._group_actions if a.dest != "help"]
+    assert loose == [], loose
+    assert [a.dest for a in groups["model"]._group_actions][0] == "model"
+    assert "dispatch" in [a.dest for a in groups["distribution"]._group_actions]
+    assert parser.parse_args([]).verbose is None
+    assert parser.parse_args(["--verbose"]).verbose is True
+    assert parser.parse_args(["--verbose", "True"]).verbose is True
+    assert parser.parse_args(["--verbose", "False"]).verbose is False
+
+
 def test_stats_flag_reports_expert_load(by_arg):
     load = by_arg["expert_load"]
     assert load and all(sum(counts) > 0 for counts in load.values())
@@ -114,6 +134,7 @@ def test_mlx_lm_habits_prompt_from_stdin_verbose_and_one_argparse_error(checkpoi
     loud = launch(2, ["--model", path, "-p", PROMPT, "-m", 6])
     assert quiet.returncode == loud.returncode == 0
     assert "generation:" in loud.stderr and "generation:" not in quiet.stderr
+    assert not [line for line in loud.stderr.splitlines() if line.startswith("auto:")], loud.stderr  # --verbose's
     assert quiet.stdout == loud.stdout
     bad = launch(2, ["--model", path, "-p", PROMPT, "--temp", "hot"])
     assert bad.returncode != 0

@@ -85,8 +85,8 @@ def test_no_room_for_two_models_on_the_host_spreads_the_experts(checkpoint):
     (2.3 MB of weights and a 25 MB KV reserve, within 90 % of the memory),
     not for two, so auto spreads the experts; told 0.1 GB, it replicates.
     --verbose says which."""
-    tight = _load(checkpoint, [], env={"MLXDIST_TEST_MEMORY_GB": "0.05"})
-    roomy = _load(checkpoint, [], env={"MLXDIST_TEST_MEMORY_GB": "0.1"})
+    tight = _load(checkpoint, ["--verbose"], env={"MLXDIST_TEST_MEMORY_GB": "0.05"})
+    roomy = _load(checkpoint, ["--verbose"], env={"MLXDIST_TEST_MEMORY_GB": "0.1"})
     assert tight.returncode == 0 and roomy.returncode == 0, (tight.stderr[-2000:], roomy.stderr[-2000:])
     assert "every rank holds every expert" not in tight.stderr
     assert "every rank holds every expert (--replicate auto)" in roomy.stderr

@@ -20,7 +20,7 @@ CUT = re.compile(r"^auto: experts (whole|cut in width)\b(.*)$", re.M)
 
 def run(checkpoint, ranks: int, *extra, env=None):
     """One prompt under auto: the lines saying how the experts were cut, and the --json record."""
-    args = ["--model", checkpoint("qwen3_moe"), "-p", "Hello", "-m", 4, "--quiet", "--json", *extra]
+    args = ["--model", checkpoint("qwen3_moe"), "-p", "Hello", "-m", 4, "--quiet", "--verbose", "--json", *extra]
     proc = launch(ranks, args, env={"MLXDIST_AUTO_LINK": "measure", **(env or {})}, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return CUT.findall(proc.stderr), json.loads(proc.stdout.strip().splitlines()[-1])

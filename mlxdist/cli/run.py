@@ -34,88 +34,120 @@ if TYPE_CHECKING:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = RankZeroParser(prog="python -m mlxdist.run", description=__doc__.splitlines()[0])
-    p.add_argument("--model", help="model folder or hub id (default: a small built-in random MoE)")
-    p.add_argument("--quiet", action="store_true", help="no progress lines while the model loads")
-    p.add_argument("--revision", help="a hub id's branch, tag or commit (default: main)")
-    p.add_argument("-p", "--prompt", help="one prompt ('-': all of stdin, as mlx_lm.generate); without it, rank 0 "
-                                           "reads one prompt per line from stdin")
-    p.add_argument("--system-prompt", help="system message for the chat template")
-    p.add_argument("--ignore-chat-template", action="store_true",
-                   help="use the raw prompt (-p, stdin and job-file prompt lines), not the tokenizer's chat template")
-    p.add_argument("--jobs", help="JSONL job file (one {id, prompt|messages, ...} per line)")
-    p.add_argument("--out", help="JSONL results file for --jobs (appended, one run at a time; a rerun resumes)")
-    p.add_argument("--batch-size", type=arg_int(), default=8, help="jobs decoded together with --jobs")
-    p.add_argument("--retry-errors", action="store_true",
-                   help="with --jobs: run again the jobs whose only record in --out is an error record "
-                        "(without it, error records count as finished)")
-    p.add_argument("-m", "--max-tokens", type=arg_int(), default=DEFAULT_MAX_TOKENS,
-                   help="tokens to generate at most (default %(default)s)")
-    p.add_argument("--temp", type=float, default=0.0, help="sampling temperature; 0: greedy (default %(default)s)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (default %(default)s)")
-    p.add_argument("--top-k", type=arg_int(), default=0, help="sample from the k likeliest tokens; 0: all (default %(default)s)")
-    p.add_argument("--min-p", type=float, default=0.0, help="minimum probability relative to the likeliest token "
-                                                           "(default %(default)s)")
-    p.add_argument("--seed", type=arg_int(), default=None,
-                   help="random seed of the sampler (default: one drawn on rank 0 for each generation, "
-                        "shared with every rank)")
-    p.add_argument("--verbose", type=_str2bool, default=True, metavar="{True,False}",
-                   help="as mlx_lm.generate: print the summary line after the text when True, only the text "
-                        "when False (default %(default)s)")
-    p.add_argument("--max-kv-size", type=arg_int(), default=None, help="rotating KV cache of this many tokens")
-    p.add_argument("--prefill-step-size", type=arg_int(), default=2048,
-                   help="prompt tokens per prefill step (default %(default)s)")
-    p.add_argument("--draft-model", default=None,
-                   help="speculative decoding: a small model with the same tokenizer drafts tokens that the "
-                        "distributed model verifies, several per forward (one prompt at a time)")
-    p.add_argument("--num-draft-tokens", type=arg_int_or(AUTO_WIDTH, 1), default=AUTO_WIDTH, metavar="K|auto",
-                   help="speculative decoding: tokens drafted per verifying forward, or auto: per prompt, "
-                        "the width with the most tokens a second by what the earlier prompts measured "
-                        "(3 for the first; docs/modes.md) (default %(default)s)")
-    p.add_argument("--prompt-lookup-ngram", type=int, default=0, metavar="N",
-                   help="speculative decoding without a draft model: draft the tokens that followed the last "
-                        "N tokens where they occurred before in the prompt or output (default 0: off)")
-    p.add_argument("--dispatch", choices=DISPATCH_MODES, default="auto",
-                   help=f"{modes.help_text()} (default %(default)s; docs/modes.md)")
-    p.add_argument("--layout", choices=LAYOUTS, default=None,
-                   help="collective modes: masked (static shapes) or compact (owned slots only, host read-back); "
-                        "default: compact on the CPU, masked on GPUs")
-    p.add_argument("--backend", choices=BACKENDS, default=None,
-                   help="MLX's transport for arrays: mpi, nccl (CUDA), ring (TCP), jaccl or jaccl-ring (RDMA over "
-                        "Thunderbolt, every pair or neighbours cabled); "
-                        "default: the one mlx.launch started, else nccl on CUDA, else mpi")
-    p.add_argument("--placement", help="placement JSON file (default: experts spread evenly)")
-    p.add_argument("--save-placement", help="write the placement used to this JSON file")
-    p.add_argument("--no-rank0-experts", action="store_true", help="rank 0 holds no experts")
-    p.add_argument("--stats", action="store_true", help="count routed slots per expert (printed with --json)")
-    p.add_argument("--record-routing", metavar="FILE",
-                   help="write the job's routed slots per (layer, expert) to FILE at exit (python -m mlxdist.place "
-                        "reads it; docs/placement.md)")
-    p.add_argument("--rank-memory", metavar="HOST=GB,...|A,B,...", type=rank_memory_arg, default=None,
-                   help="GB of expert weights each host (matched by name, split evenly over its ranks; or a JSON "
-                        "hostfile with memory_gb) or each rank (in order) may keep resident: experts are spread in "
-                        "proportion, and a placement that does not fit is refused (default: from the memory each "
-                        "rank finds)")
-    p.add_argument("--expert-capacity", type=arg_int(), default=None,
-                   help="experts each rank keeps resident per layer; the rest are read from its checkpoint copy "
-                        "on demand into least-recently-used slots (needs --layout compact or --dispatch p2p)")
-    p.add_argument("--memory-budget", type=float, default=None, metavar="GB",
-                   help="weights each rank may hold, in GB: sets its expert capacity from what its dense weights "
-                        "leave (as --expert-capacity, which it replaces)")
-    p.add_argument("--expert-split", choices=EXPERT_SPLITS, default=AUTO_SPLIT,
-                   help="whole: each expert on one rank (exact modes); width: every expert cut over the ranks as "
-                        "tensor parallelism cuts them (balanced, not bit-exact; every mode but p2p); auto (the "
-                        "default): under --dispatch auto, the cut auto weighs cheaper from what the ranks measure "
-                        "at load, where nothing needs whole experts (see docs/modes.md); else whole")
-    p.add_argument("--replicate", choices=REPLICATE, default="auto",
-                   help="--dispatch auto: every rank holds every expert, and batches of a sequence per rank or more "
-                        "run as N replicas with no exchange; auto: where every host has room for the whole model "
-                        "per rank it runs and nothing else says where experts go (default %(default)s)")
-    p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
-    p.add_argument("--timeout", type=arg_duration(), default=DEFAULT_TIMEOUT,
-                   help="seconds without progress before a generation is declared hung (default %(default)s)")
-    p.add_argument("--logprobs-out", help="save each step's log-probabilities (.npy) for checks")
-    add_host_flags(p)
+    """The command line, in groups as ``mlx_lm.server``'s help reads: the
+    model, the prompt (and job files), sampling, speculative decoding, how the
+    model is spread over the ranks, memory, output, the job."""
+    p = RankZeroParser(prog="python -m mlxdist.run", description=__doc__.splitlines()[0],
+                       usage="mpirun -np N python -m mlxdist.run [--model M] [-p PROMPT] [options]")
+    model_opts = p.add_argument_group("model")
+    model_opts.add_argument("--model", help="model folder or hub id (default: a small built-in random MoE)")
+    model_opts.add_argument("--revision", help="a hub id's branch, tag or commit (default: main)")
+
+    prompt_opts = p.add_argument_group("prompt")
+    prompt_opts.add_argument("-p", "--prompt",
+                             help="one prompt ('-': all of stdin, as mlx_lm.generate); without it, rank 0 reads one "
+                                  "prompt per line from stdin")
+    prompt_opts.add_argument("--system-prompt", help="system message for the chat template")
+    prompt_opts.add_argument("--ignore-chat-template", action="store_true",
+                             help="use the raw prompt (-p, stdin and job-file prompt lines), not the tokenizer's "
+                                  "chat template")
+    prompt_opts.add_argument("--jobs", help="JSONL job file (one {id, prompt|messages, ...} per line)")
+    prompt_opts.add_argument("--out", help="JSONL results file for --jobs (appended, one run at a time; a rerun "
+                                           "resumes)")
+    prompt_opts.add_argument("--batch-size", type=arg_int(), default=8, help="jobs decoded together with --jobs")
+    prompt_opts.add_argument("--retry-errors", action="store_true",
+                             help="with --jobs: run again the jobs whose only record in --out is an error record "
+                                  "(without it, error records count as finished)")
+
+    sampling_opts = p.add_argument_group("sampling")
+    sampling_opts.add_argument("-m", "--max-tokens", type=arg_int(), default=DEFAULT_MAX_TOKENS,
+                               help="tokens to generate at most (default %(default)s)")
+    sampling_opts.add_argument("--temp", type=float, default=0.0,
+                               help="sampling temperature; 0: greedy (default %(default)s)")
+    sampling_opts.add_argument("--top-p", type=float, default=1.0,
+                               help="nucleus sampling threshold (default %(default)s)")
+    sampling_opts.add_argument("--top-k", type=arg_int(), default=0,
+                               help="sample from the k likeliest tokens; 0: all (default %(default)s)")
+    sampling_opts.add_argument("--min-p", type=float, default=0.0,
+                               help="minimum probability relative to the likeliest token (default %(default)s)")
+    sampling_opts.add_argument("--seed", type=arg_int(), default=None,
+                               help="random seed of the sampler (default: one drawn on rank 0 for each generation, "
+                                    "shared with every rank)")
+    sampling_opts.add_argument("--max-kv-size", type=arg_int(), default=None,
+                               help="rotating KV cache of this many tokens")
+    sampling_opts.add_argument("--prefill-step-size", type=arg_int(), default=2048,
+                               help="prompt tokens per prefill step (default %(default)s)")
+
+    speculative_opts = p.add_argument_group("speculative decoding")
+    speculative_opts.add_argument("--draft-model", default=None,
+                                  help="a small model with the same tokenizer drafts tokens that the distributed "
+                                       "model verifies, several per forward (one prompt at a time)")
+    speculative_opts.add_argument("--num-draft-tokens", type=arg_int_or(AUTO_WIDTH, 1), default=AUTO_WIDTH,
+                                  metavar="K|auto",
+                                  help="tokens drafted per verifying forward, or auto: per prompt, the width with "
+                                       "the most tokens a second by what the earlier prompts measured (3 for the "
+                                       "first; docs/modes.md) (default %(default)s)")
+    speculative_opts.add_argument("--prompt-lookup-ngram", type=int, default=0, metavar="N",
+                                  help="without a draft model: draft the tokens that followed the last N tokens "
+                                       "where they occurred before in the prompt or output (default 0: off)")
+
+    distribution_opts = p.add_argument_group("distribution", "how the model is spread over the ranks (docs/modes.md)")
+    distribution_opts.add_argument("--dispatch", choices=DISPATCH_MODES, default="auto",
+                                   help=f"{modes.help_text()} (default %(default)s; docs/modes.md)")
+    distribution_opts.add_argument("--backend", choices=BACKENDS, default=None,
+                                   help="MLX's transport for arrays: mpi, nccl (CUDA), ring (TCP), jaccl or "
+                                        "jaccl-ring (RDMA over Thunderbolt, every pair or neighbours cabled); "
+                                        "default: the one mlx.launch started, else nccl on CUDA, else mpi")
+    distribution_opts.add_argument("--layout", choices=LAYOUTS, default=None,
+                                   help="collective modes: masked (static shapes) or compact (owned slots only, "
+                                        "host read-back); default: compact on the CPU, masked on GPUs")
+    distribution_opts.add_argument("--expert-split", choices=EXPERT_SPLITS, default=AUTO_SPLIT,
+                                   help="whole: each expert on one rank (exact modes); width: every expert cut over "
+                                        "the ranks as tensor parallelism cuts them (balanced, not bit-exact; every "
+                                        "mode but p2p); auto (the default): under --dispatch auto, the cut auto "
+                                        "weighs cheaper from what the ranks measure at load, where nothing needs "
+                                        "whole experts (see docs/modes.md); else whole")
+    distribution_opts.add_argument("--replicate", choices=REPLICATE, default="auto",
+                                   help="--dispatch auto: every rank holds every expert, and batches of a sequence "
+                                        "per rank or more run as N replicas with no exchange; auto: where every "
+                                        "host has room for the whole model per rank it runs and nothing else says "
+                                        "where experts go (default %(default)s)")
+    distribution_opts.add_argument("--placement", help="placement JSON file (default: experts spread evenly)")
+    distribution_opts.add_argument("--save-placement", help="write the placement used to this JSON file")
+    distribution_opts.add_argument("--no-rank0-experts", action="store_true", help="rank 0 holds no experts")
+
+    memory_opts = p.add_argument_group("memory", "what each rank keeps resident (docs/memory.md)")
+    memory_opts.add_argument("--rank-memory", metavar="HOST=GB,...|A,B,...", type=rank_memory_arg, default=None,
+                             help="GB of expert weights each host (matched by name, split evenly over its ranks; or "
+                                  "a JSON hostfile with memory_gb) or each rank (in order) may keep resident: "
+                                  "experts are spread in proportion, and a placement that does not fit is refused "
+                                  "(default: from the memory each rank finds)")
+    memory_opts.add_argument("--expert-capacity", type=arg_int(), default=None,
+                             help="experts each rank keeps resident per layer; the rest are read from its "
+                                  "checkpoint copy on demand into least-recently-used slots (needs --layout compact "
+                                  "or --dispatch p2p)")
+    memory_opts.add_argument("--memory-budget", type=float, default=None, metavar="GB",
+                             help="weights each rank may hold, in GB: sets its expert capacity from what its dense "
+                                  "weights leave (as --expert-capacity, which it replaces)")
+
+    output_opts = p.add_argument_group("output")
+    output_opts.add_argument("--verbose", type=_str2bool, nargs="?", const=True, default=None,
+                             metavar="True|False",
+                             help="by default the text, then one summary line on stderr; --verbose (or True): also "
+                                  "how auto spread the model and what it measured; --verbose False (as "
+                                  "mlx_lm.generate): the text alone")
+    output_opts.add_argument("--quiet", action="store_true", help="no progress lines while the model loads")
+    output_opts.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    output_opts.add_argument("--stats", action="store_true", help="count routed slots per expert (printed with --json)")
+    output_opts.add_argument("--record-routing", metavar="FILE",
+                             help="write the job's routed slots per (layer, expert) to FILE at exit (python -m "
+                                  "mlxdist.place reads it; docs/placement.md)")
+    output_opts.add_argument("--logprobs-out", help="save each step's log-probabilities (.npy) for checks")
+
+    job_opts = p.add_argument_group("job")
+    job_opts.add_argument("--timeout", type=arg_duration(), default=DEFAULT_TIMEOUT,
+                          help="seconds without progress before a generation is declared hung (default %(default)s)")
+    add_host_flags(job_opts)
     return p
 
 
@@ -131,8 +163,9 @@ class RankZeroParser(argparse.ArgumentParser):
         super().error(message)
 
 
-def add_host_flags(p: argparse.ArgumentParser) -> None:
-    """--trust-remote-code and --allow-sleep (the run and the server)."""
+def add_host_flags(p) -> None:
+    """--trust-remote-code and --allow-sleep (the run and the server), on
+    ``p``: a parser or one of its argument groups."""
     p.add_argument("--trust-remote-code", action="store_true",
                    help="run the model repository's own tokenizer code (Kimi K2 needs it); off by default, see "
                         "docs/SECURITY.md")
@@ -266,7 +299,7 @@ def _run_prompt(cluster: Cluster, args, text: str, logprobs: List) -> None:
         print(json.dumps(record), flush=True)
     else:
         print(flush=True)
-        if args.verbose:
+        if args.verbose is not False:  # None, the default: the summary line; False: the text alone
             if stats.get("verify_width"):
                 print(stats["verify_width"], file=sys.stderr, flush=True)
             print(_summary(stats, len(tokens)), file=sys.stderr, flush=True)
