@@ -191,3 +191,16 @@ def test_ctrl_c_stops_every_rank_with_status_0(checkpoint, max_tokens, moment):
         assert "generation:" not in err  # the answer was cut short, not finished
     left = subprocess.run(["pgrep", "-f", path], capture_output=True, text=True).stdout.split()
     assert not left, f"ranks left running: {left}"
+
+
+@pytest.mark.parametrize("module", ["mlxdist.run", "mlxdist.doctor"])
+def test_one_rank_under_mpirun_exits_0_without_open_mpis_banner(module):
+    """``mpirun -np 1`` (docs/api.md): with MLX_MPI_LIBNAME set, MLX's first
+    backend starts MPI; mpirun reported that rank as exiting improperly
+    (status 1) after a correct run until it was finalized."""
+    from mlxdist.runtime.libmpi import find_libmpi
+
+    args = ["-p", "hi", "-m", 2] if module == "mlxdist.run" else []
+    proc = launch(1, args, module=module, env={"MLX_MPI_LIBNAME": find_libmpi()})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "improperly" not in proc.stderr and "prterun" not in proc.stderr, proc.stderr[-2000:]

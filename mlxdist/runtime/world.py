@@ -174,7 +174,10 @@ def _start(backend: Optional[str]) -> World:
     if launched_by_mlx_launch():
         return _init_mlx_launch(backend)
     if _launched_by_mpirun() <= 1:
-        return World(0, 1, mx.distributed.init(strict=False))
+        group = mx.distributed.init(strict=False)
+        if envs.is_set("OMPI_COMM_WORLD_SIZE"):  # mpirun -np 1
+            _finalize_if_started()
+        return World(0, 1, group)
     for name in envs.MPI_START:  # before anything starts MPI: mpi4py below or MLX's MPI backend
         envs.setdefault(name)
 
@@ -202,7 +205,7 @@ def _start(backend: Optional[str]) -> World:
         except RuntimeError as e:
             raise RuntimeError(f"{e} (the nccl backend needs MLX's CUDA build and one GPU per rank)") from None
     else:
-        if not envs.is_set("MLX_MPI_LIBNAME"):
+        if envs.get("MLX_MPI_LIBNAME") is None:  # unset or empty
             lib = find_libmpi()
             if lib is None:
                 raise RuntimeError(
@@ -212,7 +215,11 @@ def _start(backend: Optional[str]) -> World:
             envs.put("MLX_MPI_LIBNAME", lib)
         # 3 is MPI_THREAD_MULTIPLE; Open MPI 4 reads this with atoi, so a name would ask for single.
         envs.setdefault("OMPI_MPI_THREAD_LEVEL")
-        group = mx.distributed.init(backend="mpi", strict=True)
+        try:
+            group = mx.distributed.init(backend="mpi", strict=True)
+        except RuntimeError as e:  # MLX says only "Cannot initialize MPI"
+            raise RuntimeError(f"{e} with MLX_MPI_LIBNAME={envs.get('MLX_MPI_LIBNAME')} (Open MPI's libmpi.so.40 "
+                               f"or libmpi.dylib; unset, mlxdist finds it)") from None
 
         import mpi4py
 
@@ -274,6 +281,22 @@ def _init_mlx_launch(backend: str) -> World:
     sys.excepthook = _failing(sys.excepthook)
     atexit.register(_exit_without_mpi)
     return World(group.rank(), group.size(), group, None, backend, control=MlxControl(group))
+
+
+def _finalize_if_started() -> None:
+    """Under ``mpirun -np 1``: MLX's first backend that starts is MPI's where
+    it finds the library (``MLX_MPI_LIBNAME``), and mpirun reports a process
+    that started MPI and did not finalize it as exiting improperly (status 1):
+    finalize it at exit, as with more ranks."""
+    import mpi4py
+
+    mpi4py.rc.initialize = False
+    mpi4py.rc.finalize = False
+    from mpi4py import MPI
+
+    if MPI.Is_initialized():
+        sys.excepthook = _failing(sys.excepthook)
+        atexit.register(_finalize_and_exit)
 
 
 def _exit_without_mpi() -> None:
