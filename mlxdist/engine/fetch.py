@@ -13,7 +13,7 @@ only. Two steps of LOAD, each called by every rank at the same point:
    reads). Each rank without a copy works out the byte ranges it reads
    (``model/share_needs.py``), checks those its share holds, and asks for
    the rest; the source streams each rank its ranges in bounded chunks
-   (``model/transfer.py``), checked by a checksum (``model/checksum.py``), written into the share.
+   (``model/transfer.py``), checked by a checksum (XXH3, ``model/checksum.py``), written into the share.
 
 Every step ends with the ranks agreeing (``runtime/agreement.py``'s
 ``exchange``): an error on any rank is raised on every rank, so no rank waits

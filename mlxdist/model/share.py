@@ -33,7 +33,7 @@ from mlxdist.model.share_needs import Spans, merge, subtract
 from mlxdist.model.transfer import FolderFiles
 
 MANIFEST = "share.json"
-VERSION = 2  # 1 kept CRC-32s: such a share is dropped and sent again
+VERSION = 3  # 1 kept CRC-32s, 2 a Fletcher-style sum: such a share is dropped and sent again
 DISK_MARGIN = 1 << 30  # bytes left free on the disk after a share is written
 _READ = 8 << 20  # bytes read at a time when checking a range
 
