@@ -4,8 +4,11 @@ like any job:
     launch/mpirun -np 2 --hostfile H python -m mlxdist.doctor --model M
     mlx.launch --hostfile hosts.json -- python -m mlxdist.doctor --model M
 
-Rank 0 prints one table (a row per rank, then the link matrix) and a line
-per problem; the exit status is 1 when there is a problem, else 0.
+Rank 0 prints one table (a row per rank, then the link matrix), a line per
+problem, per warning (what differs between ranks but need not stop a job)
+and per note; the exit status is 1 when there is a problem, else 0. A probe
+that fails on some rank ends the doctor on every rank within seconds, with
+a line per failing rank (``together.py``).
 """
 
 import argparse
@@ -13,8 +16,9 @@ import json
 import sys
 
 from mlxdist.doctor import facts, links, report
-from mlxdist.errors import say_error
-from mlxdist.runtime.world import BACKENDS, init_world, launcher_rank, set_exit_code
+from mlxdist.doctor.together import gathered
+from mlxdist.errors import StepFailed, say_error
+from mlxdist.runtime.world import BACKENDS, init_world, launcher_rank, run_or_abort, set_exit_code
 
 
 def main(argv=None) -> int:
@@ -31,25 +35,46 @@ def main(argv=None) -> int:
         if launcher_rank() == 0:
             say_error(f"the job did not start: {e}")
         return 1
-    ranks = world.control.allgather_json(facts.rank_facts(world, args.model))
-    addresses = links.addresses(world)
-    reach = links.reachability(world, addresses)
-    timing = links.timings(world)
-    found = report.problems(ranks, addresses, reach, args.min_disk)
-    code = 1 if found else 0
-    if world.is_root:
-        if args.json:
-            print(json.dumps({"ranks": ranks, "addresses": addresses, "reach": reach, "timing": timing,
-                              "problems": found}), flush=True)
-        else:
-            print(report.table(ranks, addresses, timing), flush=True)
-        for line in found:
-            print(f"mlxdist doctor: problem: {line}", file=sys.stderr, flush=True)
-        if not found:
-            print("mlxdist doctor: ready", file=sys.stderr, flush=True)
-    world.control.barrier()
+    code = run_or_abort(world, examine, world, args)
     set_exit_code(code)
     return code
+
+
+def examine(world, args) -> int:
+    """Every rank: the probes, each gathered in lockstep, then rank 0's
+    report. Returns the exit status."""
+    try:
+        ranks = gathered(world, "could not be examined", lambda: facts.rank_facts(world, args.model))
+        addresses = links.addresses(world)
+        reach = links.reachability(world, addresses)
+        timing = links.timings(world)
+        found = report.problems(ranks, addresses, reach, args.min_disk)
+        gathered(world, "could not print the report",
+                 lambda: _print(args, ranks, addresses, reach, timing, found) if world.is_root else None)
+    except StepFailed as e:
+        if world.is_root:
+            errors = getattr(e, "rank_errors", None) or [str(e)]
+            for rank, error in enumerate(errors):
+                if error:
+                    print(f"mlxdist doctor: problem: rank {rank} {error}" if len(errors) == world.size else
+                          f"mlxdist doctor: problem: {error}", file=sys.stderr, flush=True)
+        return 1
+    return 1 if found else 0
+
+
+def _print(args, ranks, addresses, reach, timing, found) -> None:
+    """Rank 0: the table (or the JSON object), then a line per problem, warning and note."""
+    warnings, notes = report.warnings(ranks), report.notes(ranks)
+    if args.json:
+        print(json.dumps({"ranks": ranks, "addresses": addresses, "reach": reach, "timing": timing,
+                          "problems": found, "warnings": warnings, "notes": notes}), flush=True)
+    else:
+        print(report.table(ranks, addresses, timing), flush=True)
+    for kind, lines in (("problem", found), ("warning", warnings), ("note", notes)):
+        for line in lines:
+            print(f"mlxdist doctor: {kind}: {line}", file=sys.stderr, flush=True)
+    if not found:
+        print("mlxdist doctor: ready", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

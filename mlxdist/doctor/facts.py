@@ -1,9 +1,10 @@
-"""What one rank reports about itself: host, OS, versions, MPI, memory, disk
-and the model, as a JSON-able dict.
+"""What one rank reports about itself: host, OS and its build, GPU,
+versions and commits, MPI, memory, disk and the model, as a JSON-able dict.
 
 ``MLXDIST_DOCTOR_PRETEND`` (test-only, e.g. ``rank=1,mlx=0.0.1``) makes a
-rank report another version of a package, to check that mismatches are
-named.
+rank report another version of a package (a key of ``versions``), another
+commit (``commit:PACKAGE``), OS build (``os_build``) or GPU (``gpu``), to
+check that differences are named.
 """
 
 import hashlib
@@ -12,26 +13,52 @@ import platform
 import shutil
 import subprocess
 import sys
-from importlib import metadata
 from pathlib import Path
 from typing import Any, Dict, Optional
 
 from mlxdist import __version__, envs
+from mlxdist.doctor.versions import installed_commit, mlxdist_commit, package_version
 
 PACKAGES = ("mlx", "mlx-lm", "mpi4py")
-
-
-def _version(package: str) -> str:
-    try:
-        return metadata.version(package)
-    except metadata.PackageNotFoundError:
-        return "-"
+COMMITTED = ("mlxdist", "mlx", "mlx-lm")  # the packages whose commit is reported beside the version
 
 
 def _pretend(rank: int) -> Dict[str, str]:
     spec = envs.get("MLXDIST_DOCTOR_PRETEND")
     values = dict(p.split("=", 1) for p in (spec or "").split(",") if "=" in p)
     return values if values.pop("rank", None) == str(rank) else {}
+
+
+def _run(cmd) -> Optional[str]:
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if out.returncode != 0:
+        return None
+    return out.stdout.strip() or None
+
+
+def operating_system() -> Dict[str, str]:
+    """``os``, as the table shows it (macOS 15.3.1, Linux 6.8.0-45-generic),
+    and ``os_build``, what must match where RDMA over Thunderbolt runs: the
+    macOS build (24D70), or the kernel's release and build on Linux."""
+    if sys.platform == "darwin":
+        build = _run(["sw_vers", "-buildVersion"]) or "?"
+        return {"os": f"macOS {platform.mac_ver()[0]} ({build})", "os_build": build}
+    return {"os": f"{platform.system()} {platform.release()}", "os_build": f"{platform.release()} {platform.version()}"}
+
+
+def gpu() -> str:
+    """The device MLX computes on, as MLX names it (``device_info()``:
+    Apple M3 Ultra (applegpu_g15d); on the CPU, the CPU)."""
+    import mlx.core as mx
+
+    info = mx.device_info() if hasattr(mx, "device_info") else mx.metal.device_info()
+    name, architecture = info.get("device_name"), info.get("architecture")
+    if name and architecture:
+        return f"{name} ({architecture})"
+    return str(name or architecture or "-")
 
 
 def _sysctl(name: str) -> Optional[int]:
@@ -88,6 +115,13 @@ def model_facts(model: str) -> Dict[str, Any]:
 
             folder = Path(snapshot_download(model, local_files_only=True))
         except Exception:  # noqa: BLE001 - any failure means: not here
+            from mlxdist.model.checkpoint import is_hub_id  # mlx-lm's imports: only where needed
+
+            if is_hub_id(model):  # as the load reads it: rank 0 downloads what no rank has
+                from huggingface_hub import constants
+
+                return {"present": False, "hub_id": True, "offline": bool(constants.HF_HUB_OFFLINE),
+                        "where": f"{model} (not in this rank's hub cache)"}
             return {"present": False, "where": f"{model} (neither a folder nor in the hub cache)"}
     config = folder / "config.json"
     if not config.is_file():
@@ -110,11 +144,20 @@ def rank_facts(world, model: Optional[str]) -> Dict[str, Any]:
         names = {MPI.THREAD_SINGLE: "single", MPI.THREAD_FUNNELED: "funneled", MPI.THREAD_SERIALIZED: "serialized",
                  MPI.THREAD_MULTIPLE: "multiple"}
         thread_level = names.get(MPI.Query_thread(), "?")
-    versions = {"python": platform.python_version(), "mlxdist": __version__, **{p: _version(p) for p in PACKAGES}}
-    versions.update(_pretend(world.rank))
-    return {
-        "rank": world.rank, "host": platform.node(), "os": f"{platform.system()} {platform.release()}",
-        "machine": platform.machine(), "versions": versions, "mpi": mpi_library, "threads": thread_level,
-        "backend": world.backend, **memory(), "cache": str(cache_folder()),
+    versions = {"python": platform.python_version(), "mlxdist": __version__,
+                **{p: package_version(p) for p in PACKAGES}}
+    commits = {"mlxdist": mlxdist_commit(), **{p: installed_commit(p) for p in COMMITTED if p != "mlxdist"}}
+    facts = {
+        "rank": world.rank, "host": platform.node(), **operating_system(), "gpu": gpu(),
+        "machine": platform.machine(), "versions": versions, "commits": commits, "mpi": mpi_library,
+        "threads": thread_level, "backend": world.backend, **memory(), "cache": str(cache_folder()),
         "cache_free_gb": free_disk_gb(cache_folder()), "model": model_facts(model) if model else None,
     }
+    for key, value in _pretend(world.rank).items():
+        if key.startswith("commit:"):
+            commits[key.split(":", 1)[1]] = value
+        elif key in ("os_build", "gpu"):
+            facts[key] = value
+        else:
+            versions[key] = value
+    return facts

@@ -53,9 +53,13 @@ def exchange(world: World, value: Any, error: Optional[str] = None, failed: str 
     """Every rank's ``value`` (JSON-able), gathered on every rank, with this
     rank's ``error`` (one line, or None) beside it. Where any rank's is set,
     ``raises`` on every rank alike: ``failed`` followed by the first error,
-    naming the ranks that hit it (see the module's docstring)."""
+    naming the ranks that hit it (see the module's docstring); its
+    ``rank_errors`` holds every rank's error (None where it had none), for a
+    caller that names each."""
     reports = world.control.allgather_json({"value": value, "error": error})
     errors = [r["error"] for r in reports]
     if any(errors):
-        raise raises(f"{failed}{describe_errors(errors)}")
+        failure = raises(f"{failed}{describe_errors(errors)}")
+        failure.rank_errors = errors
+        raise failure
     return [r["value"] for r in reports]
