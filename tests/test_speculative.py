@@ -63,16 +63,29 @@ def test_draft_settings_are_checked(checkpoint):
         assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.parametrize("flags,message", [
+    (["--max-draft-tokens", 65], "--max-draft-tokens must be from 1 to 64, not 65"),
+    (["--max-draft-tokens", 4, "--num-draft-tokens", 5], "--num-draft-tokens must be from 1 to --max-draft-tokens (4), not 5"),
+])
+def test_server_draft_caps_are_checked_at_start(flags, message):
+    proc = launch(2, ["--port", 0, *flags], module="mlxdist.serve", timeout=60)
+    assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+
+
 def test_server_with_a_draft_model_answers_as_plain_greedy(checkpoint):
     """mlxdist.serve --draft-model (mlx-lm's server then decodes one request
     at a time, speculatively): two concurrent clients, one streamed, each
-    greedy answer equal to mlx-lm's for the prompt alone."""
+    greedy answer equal to mlx-lm's for the prompt alone; then the same
+    requests again, each three times, reusing the prompt cache (a cache the
+    speculative loop left one token short made the repeats other text); a
+    request drafting more than --max-draft-tokens is refused, naming it."""
     import threading
 
     from test_serve import PROMPTS, Server, alone, completion
 
     path = checkpoint("qwen3_moe")
-    server = Server(path, extra=["--draft-model", path, "--num-draft-tokens", 3])
+    server = Server(path, extra=["--draft-model", path, "--num-draft-tokens", 3, "--max-draft-tokens", 4])
     try:
         answers = {}
 
@@ -93,6 +106,12 @@ def test_server_with_a_draft_model_answers_as_plain_greedy(checkpoint):
             t.join()
         for prompt in PROMPTS[:2]:
             assert answers[prompt] == alone(path, prompt, 10), prompt
+        for prompt in (PROMPTS[0], PROMPTS[3], PROMPTS[0]):  # one prefix, then the prompt seen with its answer
+            for width in (3, 1, 4):
+                assert completion(server, prompt, num_draft_tokens=width)["choices"][0]["text"] == alone(path, prompt, 8)
+        status, body = server.post("/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 8, "num_draft_tokens": 5})
+        assert status == 400 and body["error"]["message"] == (
+            "num_draft_tokens must be at most 4 (this server's --max-draft-tokens), not 5"), body
     finally:
         assert server.stop() == 0, server.proc.stderr.read()[-3000:]
 

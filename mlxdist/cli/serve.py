@@ -21,6 +21,8 @@ from mlxdist.serving.connections import (
     DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_BODY, DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_HEADERS,
     DEFAULT_MAX_QUEUED, DEFAULT_MAX_QUEUED_CHARS, DEFAULT_REQUEST_TIMEOUT, HTTPServer,
 )
+from mlxdist.serving.schema import DEFAULT_MAX_DRAFT_TOKENS
+from mlxdist.config import MAX_DRAFT_TOKENS
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -71,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "the same tokenizer drafts tokens the distributed model verifies, several per forward.")
     p.add_argument("--num-draft-tokens", type=arg_int(), default=3,
                    help="Default tokens drafted per verifying forward (a request's num_draft_tokens overrides).")
+    p.add_argument("--max-draft-tokens", type=arg_int(), default=DEFAULT_MAX_DRAFT_TOKENS, metavar="K",
+                   help="Most tokens a request may have drafted per verifying forward; a request asking more is "
+                        "refused with 400 (default %(default)s, at most " + str(MAX_DRAFT_TOKENS) + ").")
     p.add_argument("--prefill-step-size", type=arg_int(), default=2048)
     p.add_argument("--prompt-concurrency", type=arg_int(), default=8, help="Prompts prefilled together.")
     p.add_argument("--chat-template", default="", help="A chat template to use instead of the tokenizer's.")
@@ -141,8 +146,10 @@ def check_options(args: argparse.Namespace) -> Optional[str]:
         return "--rebalance-replicas must be between 0 and 1024"
     if args.rebalance_every is not None and args.expert_split == "width":
         return "--rebalance-every places whole experts: not with --expert-split width"
-    if not 1 <= args.num_draft_tokens <= 64:
-        return "--num-draft-tokens must be from 1 to 64"
+    if not 1 <= args.max_draft_tokens <= MAX_DRAFT_TOKENS:
+        return f"--max-draft-tokens must be from 1 to {MAX_DRAFT_TOKENS}, not {args.max_draft_tokens}"
+    if not 1 <= args.num_draft_tokens <= args.max_draft_tokens:
+        return f"--num-draft-tokens must be from 1 to --max-draft-tokens ({args.max_draft_tokens}), not {args.num_draft_tokens}"
     if not 0 <= args.port <= 65535:
         return f"--port must be in [0, 65535], not {args.port}"
     if args.max_header_bytes < 1024 or args.max_headers < 1:

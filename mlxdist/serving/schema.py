@@ -24,6 +24,7 @@ from mlxdist.digits import parse_int
 from mlxdist.errors import RequestError
 from mlxdist.json_input import MAX_DEPTH
 
+DEFAULT_MAX_DRAFT_TOKENS = 16  # tokens a request may have drafted per verifying forward (--max-draft-tokens)
 ROLES = ("system", "user", "assistant", "tool", "developer")
 # apply_chat_template's own parameters: a request's chat_template_kwargs may
 # only add variables for the template, never change how it is rendered.
@@ -63,6 +64,7 @@ class RequestLimits:
     images: bool = False  # the model reads images (mlxdist serves text models: every image part is refused)
     allow_request_templates: bool = False  # chat_template_kwargs.chat_template, rendered on rank 0 (templates.py)
     max_template_chars: int = 64 << 10
+    max_draft_tokens: int = DEFAULT_MAX_DRAFT_TOKENS  # a request's num_draft_tokens (--max-draft-tokens)
 
 
 def check_body(raw: bytes, limits: RequestLimits) -> Dict[str, Any]:
@@ -112,7 +114,10 @@ def check_fields(body: Dict[str, Any], limits: RequestLimits) -> int:
             raise RequestError(f"{name} are not loaded by this server: it serves the one model it started with", name)
     if body.get("n") not in (None, 1):
         raise RequestError("n must be 1: one choice per request", "n")
-    _integer(body, "num_draft_tokens", 0, 64)
+    _integer(body, "num_draft_tokens", 0, (1 << 31) - 1)
+    if (body.get("num_draft_tokens") or 0) > limits.max_draft_tokens:
+        raise RequestError(f"num_draft_tokens must be at most {limits.max_draft_tokens} (this server's "
+                           f"--max-draft-tokens), not {body['num_draft_tokens']}", "num_draft_tokens")
     limit = limits.context_length or (1 << 31) - 1
     for name in ("max_tokens", "max_completion_tokens"):
         _integer(body, name, 1, limit)

@@ -44,9 +44,10 @@ from mlxdist.serving.connections import (
 from mlxdist.serving.connections import DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_QUEUED, DEFAULT_MAX_QUEUED_CHARS
 from mlxdist.serving.http import make_handler
 from mlxdist.serving.isolation import guard_tokenizer, guarded_factories
+from mlxdist.serving.prompt_cache import AlignedPromptCache
 from mlxdist.serving.rebalance import Rebalancer
 from mlxdist.serving.lockstep import LockstepResponseGenerator
-from mlxdist.serving.schema import RequestLimits
+from mlxdist.serving.schema import DEFAULT_MAX_DRAFT_TOKENS, RequestLimits
 
 
 def lm_server_args(options: Dict[str, Any]) -> argparse.Namespace:
@@ -132,7 +133,7 @@ def serve(executor, options: Dict[str, Any]) -> None:
     cli_args = lm_server_args(options)
     engine = executor.engine
     provider = EngineModelProvider(cli_args, engine)
-    prompt_cache = lm_server.LRUPromptCache(cli_args.prompt_cache_size)
+    prompt_cache = AlignedPromptCache(cli_args.prompt_cache_size)  # exact under --draft-model too
     loop_names = guarded_factories()  # per-sequence failures end their sequence alone
     if engine.data_parallel is not None:  # each rank its own sequences
         from mlxdist.engine.dp_generator import NoPromptCache, make_batch_generator
@@ -159,7 +160,8 @@ def serve(executor, options: Dict[str, Any]) -> None:
     ON_FATAL.append(generator.fail)
     _keep_ctrl_c_from_the_watchdog()
     limits = RequestLimits(vocab_size=engine.vocab_size, context_length=engine.context_length,
-                           allow_request_templates=bool(options.get("allow_request_templates")))
+                           allow_request_templates=bool(options.get("allow_request_templates")),
+                           max_draft_tokens=options.get("max_draft_tokens", DEFAULT_MAX_DRAFT_TOKENS))
     handler = make_handler(options.get("api_key"), options["max_body_bytes"], limits,
                            options.get("max_queued", DEFAULT_MAX_QUEUED), options.get("idle_timeout", DEFAULT_IDLE_TIMEOUT),
                            options.get("max_queued_chars", DEFAULT_MAX_QUEUED_CHARS),
