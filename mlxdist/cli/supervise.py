@@ -165,6 +165,32 @@ def host_list(slots: List[RankSlot]) -> str:
     return ",".join(f"{h}:{n}" for h, n in groups)
 
 
+def mpirun_command(mpirun: str, slots: List[RankSlot], across_hosts: bool, run_args: List[str]) -> List[str]:
+    """The launch of ``python -m mlxdist.run RUN_ARGS`` on ``slots``. Across
+    hosts (a hostfile), mpirun is told with ``--prefix`` where Open MPI is
+    installed, for the daemon (prted) it starts on each host over ssh, whose
+    shell has not that folder on its PATH (docs/macs.md): the folder above
+    ``mpirun``'s where ``prted`` is beside it (a wrapper such as
+    launch/mpirun passes its own)."""
+    cmd = [mpirun, "-np", str(len(slots)), "--oversubscribe", "--bind-to", "none"]
+    if across_hosts:
+        prefix = open_mpi_prefix(mpirun)
+        cmd += ["--prefix", prefix] if prefix else []
+        cmd += ["--host", host_list(slots)]
+    return [*cmd, sys.executable, "-m", "mlxdist.run", *run_args]
+
+
+def open_mpi_prefix(mpirun: str) -> Optional[str]:
+    """Where the Open MPI of ``mpirun`` (a path, or a name on PATH) is
+    installed: the folder above its ``bin``, where ``prted`` (Open MPI 5) or
+    ``orted`` (4) is beside it; None for anything else."""
+    found = shutil.which(mpirun) or mpirun
+    folder = Path(found).resolve().parent
+    if not any((folder / daemon).exists() for daemon in ("prted", "orted")):
+        return None
+    return str(folder.parent)
+
+
 def replanned_args(run_args: List[str], slots: List[RankSlot], routing: Optional[str],
                    out: str) -> Tuple[List[str], str]:
     """The run's arguments for ``slots`` (fewer ranks than it was planned
@@ -227,10 +253,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     failed_at: Optional[float] = None
     while True:
         ranks = len(slots)
-        cmd = [mpirun, "-np", str(ranks), "--oversubscribe", "--bind-to", "none"]
-        if args.hostfile is not None:
-            cmd += ["--host", host_list(slots)]
-        cmd += [sys.executable, "-m", "mlxdist.run", *run_args]
+        cmd = mpirun_command(mpirun, slots, args.hostfile is not None, run_args)
 
         def start() -> subprocess.CompletedProcess:
             """One launch to its end, its stderr passed on as it comes; the

@@ -29,16 +29,18 @@ Under ``mlx.launch`` the launcher has set all of that; ``launched_backend``
 reads which backend it chose from what it set.
 """
 
+import ipaddress
 import json
 import os
 import socket
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 from mlxdist import envs, json_input
-from mlxdist.runtime.addresses import address_toward, describe_host, same_host
+from mlxdist.runtime.addresses import address_toward, describe_host, interfaces, same_host
 from mlxdist.runtime.plane import comm_allgather_json
 
 
@@ -107,8 +109,7 @@ class _Deadline:
 
     def __enter__(self):
         seconds = envs.get("MLXDIST_CONNECT_TIMEOUT")
-        line = (f"mlxdist: error: {self.message} within {seconds} s (a firewall, a link down, or an address the "
-                f"peer cannot reach: check with python -m mlxdist.doctor --backend mpi)")
+        line = f"mlxdist: error: {self.message} within {seconds} s ({connect_failure_causes()})"
         script = ('i=0; while [ "$i" -lt "$1" ]; do sleep 1; kill -0 "$2" 2>/dev/null || exit 0; i=$((i+1)); '
                   'done; printf "%s\\n" "$3" >&2; kill -9 "$2"')
         self.watch = subprocess.Popen(["sh", "-c", script, "deadline", str(seconds), str(os.getpid()), line],
@@ -119,6 +120,52 @@ class _Deadline:
         self.watch.kill()
         self.watch.wait()
         return False
+
+
+AUTO_SETUP_GONE = ("the Thunderbolt addresses mlx.distributed_config --auto-setup sets are gone after a Mac "
+                   "restarts: run that command again (docs/macs.md#6-after-a-restart)")
+
+
+def connect_failure_causes(darwin: bool = sys.platform == "darwin") -> str:
+    """Why a backend's start did not connect, the likeliest first: on Macs,
+    a restart since ``mlx.distributed_config --auto-setup``."""
+    others = ("a firewall, a link down, or an address the peer cannot reach: check with python -m mlxdist.doctor "
+              "--backend mpi")
+    return f"likely {AUTO_SETUP_GONE}; else {others}" if darwin else others
+
+
+class RankStartError(RuntimeError):
+    """A start-up failure of this rank's own (its host, not the job's
+    input): every rank that meets one says so itself."""
+
+
+def check_own_addresses(rank: int) -> None:
+    """Under ``mlx.launch --backend ring``: raise ``RankStartError`` where
+    this host has none of the IP addresses the hostfile (``MLX_HOSTFILE``)
+    gives ``rank``: MLX's ring would wait forever for a peer to connect to
+    an address no one listens at. Names that are not IP addresses are left
+    to MLX."""
+    path = envs.get("MLX_HOSTFILE")
+    try:
+        listed = json.loads(Path(path).read_text())[rank] if path else None
+    except (OSError, ValueError, IndexError, KeyError, TypeError):
+        return  # MLX reads the file itself and says what is wrong with it
+    if not isinstance(listed, list):
+        return
+    wanted = []
+    for entry in listed:
+        host = str(entry).rsplit(":", 1)[0].strip("[]")
+        try:
+            address = ipaddress.ip_address(host)
+        except ValueError:
+            return
+        if address.is_loopback or address.is_unspecified:  # this host's whatever its interfaces
+            return
+        wanted.append(str(address))
+    own = {address for _, address, _ in interfaces()}
+    if wanted and not own.intersection(wanted):
+        raise RankStartError(f"rank {rank}: this host has none of the addresses the ring hostfile gives it "
+                             f"({', '.join(wanted)}); {AUTO_SETUP_GONE}")
 
 
 def read_devices(path: str, size: int, ring: bool = False) -> List[List[Optional[str]]]:

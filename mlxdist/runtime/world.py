@@ -156,6 +156,8 @@ def join(backend: Optional[str] = None) -> World:
         rank = launcher_rank()
         if type(e).__module__.startswith("mpi4py"):  # a peer failed (it may be rank 0): each rank says so
             say_error(f"rank {rank}: a rank failed while the job started: {e}")
+        elif isinstance(e, backends.RankStartError):  # this rank's own: it says so, whichever it is
+            say_error(str(e))
         elif rank == 0:  # the same problem on every rank: rank 0 speaks for all
             say_error(str(e))
         else:  # after a moment: were this rank to fail first, its launcher could stop rank 0 unheard
@@ -274,6 +276,8 @@ def _init_mlx_launch(backend: str) -> World:
         raise RuntimeError(backends.JACCL_MISSING)
     if backend == "ring" and backends.hostfile_ranks() <= 1:  # mlx.launch -n 1
         return World(0, 1, mx.distributed.init(strict=False), backend=backend)
+    if backend == "ring":
+        backends.check_own_addresses(launcher_rank())
     try:
         group = mx.distributed.init(backend="jaccl" if backend == "jaccl-ring" else backend, strict=True)
     except RuntimeError as e:
