@@ -90,7 +90,7 @@ def test_mlx_lm_modules_are_left_as_they_are():
     from mlxdist.serving.server import generator_class
 
     factory = object()
-    cls = generator_class({**guarded_factories(), "BatchGenerator": factory})
+    cls = generator_class({**guarded_factories(), "BatchGenerator": factory}, guarded_factories())
     assert cls._generate.__globals__["BatchGenerator"] is factory
     assert cls._generate.__globals__["_make_sampler"] is not compat.make_request_sampler
     single = super(LockstepResponseGenerator, cls)._serve_single  # what LockstepResponseGenerator's super() reaches

@@ -26,6 +26,7 @@ from mlxdist.engine.dp_schedule import DataParallelGeneration
 from mlxdist.engine.replicas import generate_own_share
 from mlxdist.engine.sampling import sequence_samplers
 from mlxdist.engine.speculative import drafter, load_draft
+from mlxdist.engine.token_stream import RootTokens, root_tokens
 from mlxdist.errors import UserError, one_line
 from mlxdist.model.balance import bytes_per_expert, check_rank_memory
 from mlxdist.model.checkpoint import (
@@ -169,6 +170,11 @@ class Engine:
         cfg = text_config(self.config)
         return cfg.get("max_position_embeddings")
 
+    def root_tokens(self) -> Optional[RootTokens]:
+        """Under the strategy in use, what makes every rank sample rank 0's
+        tokens (``token_stream.py``): None where each row has one sampling rank."""
+        return root_tokens(self.dispatcher, self.world.group)
+
     def observe(self, observer: Optional[Observer]) -> None:
         """Call ``observer`` at each boundary of every MoE layer (None: stop).
         The benchmark's profiling pass times layers this way."""
@@ -181,11 +187,15 @@ class Engine:
         lookup, each verified k tokens to a forward).
 
         Called on every rank that runs the dense model (all ranks in the
-        collective modes, rank 0 in p2p): each takes identical decisions
-        because each sees identical logits and the same seed.
+        collective modes, rank 0 in p2p): each takes rank 0's tokens, drafted
+        and accepted alike (``token_stream.py``), so the ranks take identical
+        decisions whatever the last bits of their logits.
         """
         self.use(self.strategy_for(1))
         mx.random.seed(params.seed if params.seed is not None else 0)
+        sampler, follow = params.sampler(), self.root_tokens()
+        if follow is not None:
+            sampler = follow.sampler(sampler)
         draft = drafter(self.draft_model, params.prompt_lookup_ngram, self.vocab_size)
         speculative = {} if draft is None else {"draft_model": draft, "num_draft_tokens": params.num_draft_tokens}
         try:
@@ -194,7 +204,7 @@ class Engine:
                 self.tokenizer,
                 mx.array(prompt),
                 max_tokens=params.max_tokens_each(1)[0],
-                sampler=params.sampler(),
+                sampler=sampler,
                 prefill_step_size=params.prefill_step_size,
                 max_kv_size=params.max_kv_size,
                 **speculative,
@@ -226,6 +236,9 @@ class Engine:
                 return BatchResponse(
                     [self.tokenizer.decode(s.tokens) for s in seqs], result.stats, None,
                     [s.tokens for s in seqs], [s.logprobs for s in seqs])
+            follow = self.root_tokens()
+            if follow is not None:
+                samplers = follow.samplers(samplers)
             return batch_generate(
                 self.model,
                 self.tokenizer,

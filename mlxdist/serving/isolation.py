@@ -20,7 +20,8 @@ guards find their sequence as the one that last received a context on this
 thread (``Sequence.put``).
 
     Sequence(response_queue, max_tokens)   the queue the loop writes a request's output to
-    guarded_factories()                    mlx-lm's sampler and processor factories, guarded
+    guarded_factories(follow)              mlx-lm's sampler and processor factories, guarded
+                                           (taking rank 0's tokens where every rank samples)
     guard_tokenizer(tokenizer) -> a copy   whose detokenizers are guarded
 """
 
@@ -79,31 +80,37 @@ def _setup_sequence() -> Optional[Sequence]:
     return getattr(_SETUP, "sequence", None)
 
 
-def _guarded_sampler(make: Callable) -> Callable:
+def _guarded_sampler(make: Callable, follow: Callable[[], Any]) -> Callable:
     def make_sampler(args, tokenizer):
-        sequence = _setup_sequence()
-        if sequence is None:
-            return make(args, tokenizer)
-        try:
-            sampler = make(args, tokenizer)
-        except Exception as e:  # noqa: BLE001 - this request fails, the batch goes on
-            sequence.fail(e, "sampler")
-            return greedy_sampler
-        if sampler is greedy_sampler:
-            return sampler  # mlx-lm's argmax, shared: the batch keeps its one batched call
-
-        def sample(logprobs: mx.array) -> mx.array:  # [1, V] -> [1]
-            if sequence.failed is None:
-                try:
-                    sequence.check("sampler")
-                    return sampler(logprobs)
-                except Exception as e:  # noqa: BLE001
-                    sequence.fail(e, "sampler")
-            return mx.argmax(logprobs, axis=-1)
-
-        return sample
+        root = follow()  # the strategy in use: where every rank samples this row, rank 0's token
+        sampler = _guarded(make, args, tokenizer)
+        return sampler if root is None else root.sampler(sampler)
 
     return make_sampler
+
+
+def _guarded(make: Callable, args, tokenizer) -> Callable:
+    sequence = _setup_sequence()
+    if sequence is None:
+        return make(args, tokenizer)
+    try:
+        sampler = make(args, tokenizer)
+    except Exception as e:  # noqa: BLE001 - this request fails, the batch goes on
+        sequence.fail(e, "sampler")
+        return greedy_sampler
+    if sampler is greedy_sampler:
+        return sampler  # mlx-lm's argmax, shared: the batch keeps its one batched call
+
+    def sample(logprobs: mx.array) -> mx.array:  # [1, V] -> [1]
+        if sequence.failed is None:
+            try:
+                sequence.check("sampler")
+                return sampler(logprobs)
+            except Exception as e:  # noqa: BLE001
+                sequence.fail(e, "sampler")
+        return mx.argmax(logprobs, axis=-1)
+
+    return sample
 
 
 def _guarded_processors(make: Callable) -> Callable:
@@ -133,11 +140,13 @@ def _guarded_processor(processor: Callable, sequence: Sequence) -> Callable:
     return process
 
 
-def guarded_factories() -> Dict[str, Callable]:
+def guarded_factories(follow: Callable[[], Any] = lambda: None) -> Dict[str, Callable]:
     """mlx-lm's per-sequence sampler and processor factories, guarded, under
     the names its generation loop looks them up by (``serving/server.py``
-    gives the loop these, leaving mlx-lm's module as it is)."""
-    return {"_make_sampler": _guarded_sampler(make_request_sampler),
+    gives the loop these, leaving mlx-lm's module as it is). ``follow()``,
+    asked as each sampler is made: the engine's ``RootTokens`` where every
+    rank samples that sequence (its samplers then take rank 0's tokens), else None."""
+    return {"_make_sampler": _guarded_sampler(make_request_sampler, follow),
             "_make_logits_processors": _guarded_processors(make_request_processors)}
 
 

@@ -87,15 +87,14 @@ class EngineModelProvider(lm_server.ModelProvider):
             hasattr(c, "merge") for c in lm_server.make_prompt_cache(self.model))
 
 
-def generator_class(names: Dict[str, Any]) -> type:
-    """``LockstepResponseGenerator`` whose mlx-lm loops (``_generate``, and
-    ``_serve_single`` for the factories) find ``names`` (mlxdist's batch
-    generator under dp, the guarded factories) where they look up mlx-lm's
-    own, instead of mlx-lm's module being changed for every caller. The
-    copies sit between it and mlx-lm's class, so its ``super()`` calls reach
-    them."""
+def generator_class(names: Dict[str, Any], single: Dict[str, Any]) -> type:
+    """``LockstepResponseGenerator`` whose mlx-lm loops find, where they look
+    up mlx-lm's own, ``names`` (``_generate``: mlxdist's batch generator under
+    dp, the guarded factories) and ``single`` (``_serve_single``: its
+    factories), instead of mlx-lm's module being changed for every caller.
+    The copies sit between it and mlx-lm's class, so its ``super()`` calls
+    reach them."""
     base = lm_server.ResponseGenerator
-    single = {k: v for k, v in names.items() if k != "BatchGenerator"}
     loops = type("ResponseGeneratorLoops", (base,), {
         "_generate": with_globals(base._generate, **names),
         "_serve_single": with_globals(base._serve_single, **single),
@@ -134,7 +133,10 @@ def serve(executor, options: Dict[str, Any]) -> None:
     engine = executor.engine
     provider = EngineModelProvider(cli_args, engine)
     prompt_cache = AlignedPromptCache(cli_args.prompt_cache_size)  # exact under --draft-model too
-    loop_names = guarded_factories()  # per-sequence failures end their sequence alone
+    # Per-sequence failures end their sequence alone; where every rank samples a
+    # sequence (not dp's batches), every rank takes rank 0's tokens.
+    loop_names = guarded_factories(lambda: None if engine.data_parallel is not None else engine.root_tokens())
+    single_names = guarded_factories(engine.root_tokens)  # _serve_single: the exact strategy, every rank
     if engine.data_parallel is not None:  # each rank its own sequences
         from mlxdist.engine.dp_generator import NoPromptCache, make_batch_generator
 
@@ -148,7 +150,7 @@ def serve(executor, options: Dict[str, Any]) -> None:
     ACTIVITY.armed, ACTIVITY.serving_http = True, True
     ACTIVITY.beat("serving-http")
     ACTIVITY.progress()
-    generator = generator_class(loop_names)(provider, prompt_cache, world)
+    generator = generator_class(loop_names, single_names)(provider, prompt_cache, world)
     if options.get("rebalance_every"):
         generator.rebalancer = Rebalancer(world, engine, options["rebalance_every"],
                                           options.get("rebalance_replicas", 0), engine.options.rank_memory_gb)
