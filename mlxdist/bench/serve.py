@@ -16,7 +16,6 @@ import json
 import os
 import re
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -27,13 +26,9 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+from mlxdist.runtime.backends import free_port
+
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _mpirun() -> str:
@@ -94,7 +89,7 @@ def server_command(contender: str, args: argparse.Namespace, port: int, max_conc
 
 
 def start(contender: str, args: argparse.Namespace, max_concurrent: int) -> "tuple[Launched, str]":
-    port = _free_port()
+    port = free_port()
     server = Launched(contender, server_command(contender, args, port, max_concurrent))
     url = f"http://127.0.0.1:{port}"
     server.wait_ready(url)
