@@ -58,8 +58,8 @@ class LoadOptions:
             raise UserError(f"unknown layout {self.layout!r} (choose {', '.join(LAYOUTS)})")
         if self.expert_capacity is not None and self.memory_budget_gb is not None:
             raise UserError("give --expert-capacity or --memory-budget, not both")
-        if self.memory_budget_gb is not None and not self.memory_budget_gb > 0:
-            raise UserError(f"--memory-budget must be a positive number of GB, not {self.memory_budget_gb}")
+        if self.memory_budget_gb is not None and not 0 < self.memory_budget_gb < float("inf"):
+            raise UserError(f"--memory-budget must be a positive, finite number of GB, not {self.memory_budget_gb}")
         if self.expert_split not in EXPERT_SPLITS:
             raise UserError(f"unknown expert split {self.expert_split!r} (choose {', '.join(EXPERT_SPLITS)})")
         if self.expert_capacity is not None or self.memory_budget_gb is not None:
@@ -135,10 +135,10 @@ class GenerationParams:
 
     def validate(self) -> None:
         for max_tokens in self.max_tokens if isinstance(self.max_tokens, list) else [self.max_tokens]:
-            if not (isinstance(max_tokens, int) and max_tokens >= 1):
+            if not (isinstance(max_tokens, int) and not isinstance(max_tokens, bool) and max_tokens >= 1):
                 raise UserError(f"max_tokens must be at least 1, got {max_tokens}")
-        if not self.temp >= 0:
-            raise UserError(f"temperature must be >= 0, got {self.temp}")
+        if not 0 <= self.temp < float("inf"):
+            raise UserError(f"temperature must be >= 0 and finite, got {self.temp}")
         if not 0 < self.top_p <= 1:
             raise UserError(f"top_p must be in (0, 1], got {self.top_p}")
         if not self.top_k >= 0:

@@ -10,7 +10,12 @@ is refused, by the caller, naming the field.
     parse_int(text, field) -> int, or ValueError naming ``field``
     is_digits(text) -> whether it is ASCII digits (a key to check before int())
     parse_duration(text, field) -> a positive, finite number of seconds, or ValueError
-    arg_int / arg_duration: the same as argparse types
+    parse_number(text, field, low, high, above) -> a finite float in range, or ValueError
+    arg_int / arg_duration / arg_number: the same as argparse types
+
+``float()`` is as lax as ``int()`` (``float("５")`` is 5.0, ``float("1_0")``
+10.0, ``float("nan")`` a number): every number read from text goes through
+``parse_number``.
 """
 
 import argparse
@@ -21,6 +26,7 @@ from typing import Callable, Optional, Union
 MAX_DIGITS = 20  # a 64-bit unsigned integer; int() of a longer text costs the square of its length
 _INT = re.compile(r"-?[0-9]+\Z")
 _NUMBER = re.compile(r"(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?\Z")
+MAX_NUMBER_CHARS = 64
 
 
 def parse_int(text: str, field: str, signed: bool = False, max_digits: int = MAX_DIGITS) -> int:
@@ -45,6 +51,34 @@ def parse_duration(text: str, field: str) -> float:
     if not isinstance(text, str) or not _NUMBER.match(text) or not 0 < float(text) < math.inf:
         raise ValueError(f"{field} must be a positive, finite number of seconds, not {_show(text)}")
     return float(text)
+
+
+def parse_number(text: str, field: str, low: Optional[float] = None, high: Optional[float] = None,
+                 above: Optional[float] = None) -> float:
+    """``text`` as a finite number written in ASCII (``2``, ``0.5``, ``1e2``;
+    a leading ``-`` only where the range reaches below 0), at least ``low``,
+    at most ``high`` and greater than ``above`` where given; else ValueError
+    naming ``field`` and the range."""
+    floor = low if low is not None else above
+    body = text[1:] if isinstance(text, str) and text.startswith("-") and (floor is None or floor < 0) else text
+    value = None
+    if isinstance(body, str) and len(body) <= MAX_NUMBER_CHARS and _NUMBER.match(body):
+        value = float(text)
+    if value is None or not math.isfinite(value) or (low is not None and value < low) or (
+            high is not None and value > high) or (above is not None and value <= above):
+        raise ValueError(f"{field} must be {_range(low, high, above)} in ASCII digits, not {_show(text)}")
+    return value
+
+
+def _range(low: Optional[float], high: Optional[float], above: Optional[float]) -> str:
+    if low is not None and high is not None:
+        return f"a number from {low:g} to {high:g}"
+    if above is not None:
+        return "a positive number" if above == 0 and high is None else (
+            f"a number greater than {above:g}" + (f" and at most {high:g}" if high is not None else ""))
+    if low is not None:
+        return "a non-negative number" if low == 0 else f"a number of at least {low:g}"
+    return f"a number of at most {high:g}" if high is not None else "a finite number"
 
 
 def check_duration(value: float, field: str) -> float:
@@ -97,6 +131,20 @@ def arg_duration() -> Callable[[str], float]:
             raise argparse.ArgumentTypeError(str(e)) from None
 
     read.__name__ = "duration"
+    return read
+
+
+def arg_number(low: Optional[float] = None, high: Optional[float] = None,
+               above: Optional[float] = None) -> Callable[[str], float]:
+    """An argparse type: a finite number as ``parse_number`` reads it."""
+
+    def read(text: str) -> float:
+        try:
+            return parse_number(text, "the value", low, high, above)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    read.__name__ = "number"
     return read
 
 

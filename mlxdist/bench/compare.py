@@ -37,7 +37,7 @@ from mlxdist.bench.harness import median_row, versions
 from mlxdist.bench.linkemu import PRESETS, EmulatedLink, link_env, measure, parse_link
 from mlxdist.errors import UserError
 from mlxdist.bench.report import plot, write_markdown
-from mlxdist.digits import is_digits
+from mlxdist.digits import arg_int, arg_number, is_digits
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -265,12 +265,12 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description="Compare mlxdist with mlx-lm single, tensor parallel and pipeline.")
     parser.add_argument("--model", default=None, help="Model folder or hub id (default: a synthetic --preset).")
     parser.add_argument("--preset", default="bench-small", help="mlxdist.synth preset when no --model.")
-    parser.add_argument("--bits", type=int, default=4)
-    parser.add_argument("--layers", type=int, default=None, help="Override the preset's layer count.")
-    parser.add_argument("-p", "--prompt-tokens", type=int, default=128)
-    parser.add_argument("-g", "--generation-tokens", type=int, default=32)
+    parser.add_argument("--bits", type=arg_int(), default=4)
+    parser.add_argument("--layers", type=arg_int(), default=None, help="Override the preset's layer count.")
+    parser.add_argument("-p", "--prompt-tokens", type=arg_int(), default=128)
+    parser.add_argument("-g", "--generation-tokens", type=arg_int(), default=32)
     parser.add_argument("-b", "--batch-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32])
-    parser.add_argument("-n", "--num-trials", type=int, default=3, help="Rounds (interleaved trials).")
+    parser.add_argument("-n", "--num-trials", type=arg_int(), default=3, help="Rounds (interleaved trials).")
     parser.add_argument("--ranks", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2])
     parser.add_argument("--dispatch", type=lambda s: s.split(","), default=["auto", "collective", "p2p"])
     parser.add_argument("--layout", choices=("masked", "compact"), default=None,
@@ -285,8 +285,8 @@ def parse_args(argv=None):
                              "(default: one, with mlxdist's default).")
     parser.add_argument("--replicate", choices=REPLICATE, default=None,
                         help="mlxdist's --replicate (default: its own, auto).")
-    parser.add_argument("--warmup-tokens", type=int, default=8)
-    parser.add_argument("--timeout", type=float, default=900, help="Seconds per launch.")
+    parser.add_argument("--warmup-tokens", type=arg_int(), default=8)
+    parser.add_argument("--timeout", type=arg_number(), default=900, help="Seconds per launch.")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "out"))
     parser.add_argument("--mlxdist-only", action="store_true",
                         help="Launch mlxdist's contenders alone (no mlx-lm rows, no ratios to them).")

@@ -25,6 +25,7 @@ import mlx.core as mx
 
 from mlxdist.bench import probes  # noqa: F401  (registers the probes, on every rank)
 from mlxdist.bench import speculative
+from mlxdist.digits import arg_int
 from mlxdist.dispatch import DISPATCH_MODES, RowDispatcher, modes, traffic
 from mlxdist.config import AUTO_SPLIT, EXPERT_SPLITS, REPLICATE
 from mlxdist.model.checkpoint import text_config
@@ -277,16 +278,16 @@ def format_table(report: Dict[str, Any]) -> str:
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description="Benchmark mlxdist generation throughput.")
     parser.add_argument("--model", default=None, help="Model folder or hub id (default: built-in tiny MoE).")
-    parser.add_argument("-p", "--prompt-tokens", type=int, default=512)
-    parser.add_argument("-g", "--generation-tokens", type=int, default=128)
+    parser.add_argument("-p", "--prompt-tokens", type=arg_int(), default=512)
+    parser.add_argument("-g", "--generation-tokens", type=arg_int(), default=128)
     parser.add_argument("-b", "--batch-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32])
-    parser.add_argument("-n", "--num-trials", type=int, default=3)
+    parser.add_argument("-n", "--num-trials", type=arg_int(), default=3)
     parser.add_argument("--dispatch", type=lambda s: s.split(","), default=list(MODES), help="collective,p2p")
     parser.add_argument("--layout", choices=("masked", "compact"), default=None,
                         help="Collective modes' layout (default: compact on the CPU, masked on GPUs).")
     parser.add_argument("--backend", choices=BACKENDS, default=None, help="MLX's transport (default: nccl on CUDA).")
-    parser.add_argument("--warmup-tokens", type=int, default=16, help="Tokens of the warm-up generation.")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--warmup-tokens", type=arg_int(), default=16, help="Tokens of the warm-up generation.")
+    parser.add_argument("--seed", type=arg_int(), default=0)
     parser.add_argument("--placement", default=None, help="Placement JSON file for every load (default: even).")
     parser.add_argument("--replicate", choices=REPLICATE, default="auto",
                         help="auto's --replicate: every expert on every rank where it fits (auto), always or never.")

@@ -22,15 +22,16 @@ from mlx_lm import load
 from mlx_lm.generate import batch_generate, stream_generate
 
 import mlxdist
+from mlxdist.digits import arg_int
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m mlxdist.bench one-rank", description=__doc__.splitlines()[0])
     p.add_argument("model", help="model folder or hub id")
     p.add_argument("-b", "--batch-sizes", default="1,8,32", help="comma-separated (default %(default)s)")
-    p.add_argument("-p", "--prompt-tokens", type=int, default=128, help="prompt tokens (default %(default)s)")
-    p.add_argument("-g", "--generation-tokens", type=int, default=32, help="tokens generated (default %(default)s)")
-    p.add_argument("-n", "--rounds", type=int, default=5, help="interleaved rounds (default %(default)s)")
+    p.add_argument("-p", "--prompt-tokens", type=arg_int(), default=128, help="prompt tokens (default %(default)s)")
+    p.add_argument("-g", "--generation-tokens", type=arg_int(), default=32, help="tokens generated (default %(default)s)")
+    p.add_argument("-n", "--rounds", type=arg_int(), default=5, help="interleaved rounds (default %(default)s)")
     args = p.parse_args(argv)
     try:
         args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]

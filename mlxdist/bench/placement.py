@@ -21,6 +21,7 @@ from typing import Any, Dict, List, Optional
 
 from mlxdist.bench.harness import bench_case, median_row, random_prompts, run_on_every_rank, versions
 from mlxdist.dispatch import DenseRanks, modes
+from mlxdist.digits import arg_int, arg_number
 from mlxdist.model.balance import balanced, imbalance
 from mlxdist.model.checkpoint import text_config
 from mlxdist.model.placement import Placement
@@ -110,23 +111,23 @@ def format_table(report: Dict[str, Any]) -> str:
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="Model folder (default: built-in tiny MoE).")
-    parser.add_argument("-p", "--prompt-tokens", type=int, default=64)
-    parser.add_argument("-g", "--generation-tokens", type=int, default=32)
+    parser.add_argument("-p", "--prompt-tokens", type=arg_int(), default=64)
+    parser.add_argument("-g", "--generation-tokens", type=arg_int(), default=32)
     parser.add_argument("-b", "--batch-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32])
-    parser.add_argument("-n", "--num-trials", type=int, default=3)
-    parser.add_argument("--rounds", type=int, default=1, help="Interleaved rounds over the placements.")
+    parser.add_argument("-n", "--num-trials", type=arg_int(), default=3)
+    parser.add_argument("--rounds", type=arg_int(), default=1, help="Interleaved rounds over the placements.")
     parser.add_argument("--dispatch", default="collective", choices=list(modes.MODES))
     parser.add_argument("--layout", choices=("masked", "compact"), default=None)
-    parser.add_argument("--replicas", type=int, default=1, help="Replica slots per rank for the third placement.")
-    parser.add_argument("--record-tokens", type=int, default=32, help="Tokens of the recording generation.")
+    parser.add_argument("--replicas", type=arg_int(), default=1, help="Replica slots per rank for the third placement.")
+    parser.add_argument("--record-tokens", type=arg_int(), default=32, help="Tokens of the recording generation.")
     parser.add_argument("--rank-memory", type=lambda s: [float(x) for x in s.split(",")], default=None,
                         help="Also time budgets of these ratios (e.g. 2,1), even and balanced.")
-    parser.add_argument("--budget-scale", type=float, default=1.0,
+    parser.add_argument("--budget-scale", type=arg_number(), default=1.0,
                         help="GB per unit of --rank-memory (the budgets must hold the rank's experts).")
     parser.add_argument("--save", default=None, metavar="DIR",
                         help="Write the placements made from the recorded routing to DIR (one JSON file each).")
-    parser.add_argument("--warmup-tokens", type=int, default=8)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--warmup-tokens", type=arg_int(), default=8)
+    parser.add_argument("--seed", type=arg_int(), default=0)
     parser.add_argument("--json", action="store_true", help="One JSON object on stdout.")
     args = parser.parse_args(argv)
     args.no_link, args.expert_split = False, "whole"  # what bench_case reads

@@ -33,6 +33,8 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Dict, List, Optional
 
+from mlxdist.digits import arg_number
+
 __all__ = ["MODELS", "ModelShape", "expected_busiest", "project", "main"]
 
 
@@ -176,11 +178,11 @@ def markdown(chip: str, collective_us: float, machines: List[int], efficiency: f
 def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m mlxdist.bench project", description=__doc__.split("\n")[0])
     parser.add_argument("--chip", choices=tuple(CHIPS), default="m3-ultra")
-    parser.add_argument("--collective-us", type=float, default=150.0,
+    parser.add_argument("--collective-us", type=arg_number(), default=150.0,
                         help="What one collective costs over the link, µs (default %(default)s).")
     parser.add_argument("--machines", type=lambda s: [int(x) for x in s.split(",")], default=[2, 4])
-    parser.add_argument("--efficiency", type=float, default=1.0, help="Fraction of the bandwidth reached.")
-    parser.add_argument("--bits", type=float, default=None,
+    parser.add_argument("--efficiency", type=arg_number(), default=1.0, help="Fraction of the bandwidth reached.")
+    parser.add_argument("--bits", type=arg_number(), default=None,
                         help="Bits a weight for every model (default: each model's 4-bit or MXFP4 figure).")
     args = parser.parse_args(argv)
     if not (0 < args.efficiency <= 1 and 0 <= args.collective_us < 1e6 and all(1 < m <= 64 for m in args.machines)

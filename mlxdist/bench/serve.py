@@ -26,6 +26,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+from mlxdist.digits import arg_int, arg_number
 from mlxdist.runtime.backends import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -235,19 +236,19 @@ def plot(report: Dict[str, Any], path: Path) -> None:
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m mlxdist.bench.serve", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="Checkpoint folder (both servers load it).")
-    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--ranks", type=arg_int(), default=2)
     p.add_argument("-c", "--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32])
-    p.add_argument("-r", "--requests", type=int, default=4, help="Requests per client at each level.")
-    p.add_argument("-g", "--generation-tokens", type=int, default=32)
-    p.add_argument("-p", "--prompt-words", type=int, default=32)
-    p.add_argument("--rounds", type=int, default=1)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("-r", "--requests", type=arg_int(), default=4, help="Requests per client at each level.")
+    p.add_argument("-g", "--generation-tokens", type=arg_int(), default=32)
+    p.add_argument("-p", "--prompt-words", type=arg_int(), default=32)
+    p.add_argument("--rounds", type=arg_int(), default=1)
+    p.add_argument("--seed", type=arg_int(), default=0)
     p.add_argument("--out", default=None, help="Folder for serve.json, serve.md and serve.png.")
     p.add_argument("--dispatch", type=lambda s: s.split(","), default=["collective"],
                    help="mlxdist server modes to run, e.g. collective,dp (one contender each)")
-    p.add_argument("--rebalance-every", type=float, default=None, metavar="SECONDS",
+    p.add_argument("--rebalance-every", type=arg_number(), default=None, metavar="SECONDS",
                    help="Also run each mlxdist server with --rebalance-every SECONDS (one more contender each).")
-    p.add_argument("--rebalance-replicas", type=int, default=1, help="Its --rebalance-replicas.")
+    p.add_argument("--rebalance-replicas", type=arg_int(), default=1, help="Its --rebalance-replicas.")
     p.add_argument("--mpirun", default=None, help="mpirun to start mlxdist with (default: this environment's).")
     p.add_argument("--wrapper", default=None,
                    help="Command before python on each rank, e.g. benchmarks/gpu/rank.sh (one GPU per rank).")

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Union
 
 from mlxdist.config import AUTO_WIDTH, MAX_DRAFT_TOKENS
-from mlxdist.digits import arg_int_or
+from mlxdist.digits import arg_int, arg_int_or
 
 PROMPT_KINDS = ("random", "repetitive")
 SELF = "self"  # --draft-model self: the benchmarked checkpoint drafts for itself
@@ -55,7 +55,7 @@ def draft_widths(text: str) -> List[Union[int, str]]:
 
 def add_arguments(parser) -> None:
     """The benchmark's speculative options (``harness`` and ``compare`` pass them through)."""
-    parser.add_argument("--prompt-lookup-ngram", type=int, default=0, metavar="N",
+    parser.add_argument("--prompt-lookup-ngram", type=arg_int(), default=0, metavar="N",
                         help="Also run speculative decoding by prompt lookup on the last N tokens (b = 1 rows).")
     parser.add_argument("--draft-model", default=None, metavar="PATH|self",
                         help="Also run speculative decoding with this draft model (self: the benchmarked "

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 from mlxdist.bench.serve import Launched, _free_port, _mpirun
+from mlxdist.digits import arg_int, arg_number
 
 KINDS = {"normal": 30, "stream": 15, "dropped": 10, "malformed": 25, "slow": 8, "oversized": 12}
 PROMPTS = [f"Request {i}: " + "tokens " * (i % 5) for i in range(8)]
@@ -331,15 +332,15 @@ def _stress(args: argparse.Namespace, server: Launched, port: int, key: str,
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m mlxdist.bench stress", description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True, help="checkpoint folder (e.g. one written by python -m mlxdist.synth)")
-    p.add_argument("--ranks", type=int, default=2)
-    p.add_argument("--requests", type=int, default=10000)
-    p.add_argument("--clients", type=int, default=16, help="requests in flight at once (default %(default)s)")
-    p.add_argument("--max-tokens", type=int, default=6, help="tokens of each normal answer (default %(default)s)")
-    p.add_argument("--max-concurrent", type=int, default=16, help="the server's --max-concurrent")
-    p.add_argument("--max-seconds", type=float, default=1800, help="requests not started by then fail the run")
-    p.add_argument("--rss-bound-mb", type=float, default=300,
+    p.add_argument("--ranks", type=arg_int(), default=2)
+    p.add_argument("--requests", type=arg_int(), default=10000)
+    p.add_argument("--clients", type=arg_int(), default=16, help="requests in flight at once (default %(default)s)")
+    p.add_argument("--max-tokens", type=arg_int(), default=6, help="tokens of each normal answer (default %(default)s)")
+    p.add_argument("--max-concurrent", type=arg_int(), default=16, help="the server's --max-concurrent")
+    p.add_argument("--max-seconds", type=arg_number(), default=1800, help="requests not started by then fail the run")
+    p.add_argument("--rss-bound-mb", type=arg_number(), default=300,
                    help="allowed growth of each rank's RSS from its size once serving (default %(default)s)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=arg_int(), default=0)
     p.add_argument("--mpirun", default=None, help="the launcher (default: the environment's mpirun)")
     p.add_argument("--out", default=None, help="write the report (JSON) here")
     return p.parse_args(argv)

@@ -21,6 +21,7 @@ import sys
 import time
 from typing import Any, Dict, List, Optional
 
+from mlxdist.digits import arg_int
 from mlxdist.executor import register_probe
 from mlxdist.bench.harness import random_prompts
 from mlxdist.model.checkpoint import text_config
@@ -50,11 +51,11 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     p = argparse.ArgumentParser(prog="python -m mlxdist.bench.survival", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True)
-    p.add_argument("-p", "--prompt-tokens", type=int, default=32)
-    p.add_argument("-g", "--generation-tokens", type=int, default=64)
-    p.add_argument("--at", type=int, default=32, help="kill after this many tokens")
-    p.add_argument("--victim", type=int, default=2, help="the rank to kill (on rank 0's host)")
-    p.add_argument("--expert-capacity", type=int, default=None)
+    p.add_argument("-p", "--prompt-tokens", type=arg_int(), default=32)
+    p.add_argument("-g", "--generation-tokens", type=arg_int(), default=64)
+    p.add_argument("--at", type=arg_int(), default=32, help="kill after this many tokens")
+    p.add_argument("--victim", type=arg_int(), default=2, help="the rank to kill (on rank 0's host)")
+    p.add_argument("--expert-capacity", type=arg_int(), default=None)
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     with mlxdist.init(timeout=600) as cluster:

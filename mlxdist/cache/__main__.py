@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+from mlxdist.digits import arg_int
 from mlxdist.model.share import MANIFEST, shares_root
 
 _KEY = re.compile(r"^[0-9a-f]{1,64}$")
@@ -62,7 +63,7 @@ def main(argv=None) -> int:
     ls.add_argument("--json", action="store_true")
     rm = sub.add_parser("remove", help="remove cached shares")
     rm.add_argument("key", nargs="?")
-    rm.add_argument("--rank", type=int, default=None)
+    rm.add_argument("--rank", type=arg_int(0), default=None)
     rm.add_argument("--all", action="store_true")
     args = p.parse_args(argv)
     if args.command == "remove":

@@ -14,6 +14,7 @@ import argparse
 import sys
 from typing import List, Optional
 
+from mlxdist.digits import arg_int
 from mlxdist.errors import UserError, say_error
 from mlxdist.model.balance import balanced, imbalance
 from mlxdist.model.budgets import parse_rank_memory
@@ -24,8 +25,8 @@ from mlxdist.model.routing_file import RoutingStats
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m mlxdist.place", description=__doc__.splitlines()[0])
     p.add_argument("routing", help="routing statistics file (written by --record-routing)")
-    p.add_argument("--ranks", type=int, required=True, help="ranks of the job the placement is for")
-    p.add_argument("--replicas", type=int, default=0,
+    p.add_argument("--ranks", type=arg_int(1), required=True, help="ranks of the job the placement is for")
+    p.add_argument("--replicas", type=arg_int(0), default=0,
                    help="extra expert slots per rank for replicas of the hottest experts (default %(default)s)")
     p.add_argument("--rank-memory", default=None, metavar="A,B,...",
                    help="GB of expert weights per rank: each rank holds experts in proportion (default: equal)")

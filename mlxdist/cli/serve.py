@@ -9,11 +9,11 @@ import socket
 import sys
 from typing import List, Optional
 
-from mlxdist import envs
+from mlxdist.cli.api_key import api_key
 from mlxdist.cli.run import RankZeroParser, add_host_flags, apply_host_flags, rank_memory_arg
 from mlxdist.config import AUTO_SPLIT, EXPERT_SPLITS
-from mlxdist.digits import arg_duration, arg_int
-from mlxdist.errors import UserError, one_line, say_error
+from mlxdist.digits import arg_duration, arg_int, arg_number
+from mlxdist.errors import UserError, say_error
 from mlxdist.runtime.progress import set_quiet
 from mlxdist.runtime.watchdog import DEFAULT_TIMEOUT
 from mlxdist.runtime.world import BACKENDS, launcher_rank, set_exit_code
@@ -66,8 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Answer browsers' cross-origin requests from ORIGIN ('*': any); repeatable. "
                         "Default: none (a web page the user opens cannot drive the server).")
     p.add_argument("--max-tokens", type=arg_int(), default=512, help="Default max_tokens of a request.")
-    p.add_argument("--temp", type=float, default=0.0, help="Default temperature.")
-    p.add_argument("--top-p", type=float, default=1.0, help="Default top_p.")
+    p.add_argument("--temp", type=arg_number(0, 100), default=0.0, help="Default temperature (0 to 100, as a "
+                   "request's).")
+    p.add_argument("--top-p", type=arg_number(0, 1), default=1.0, help="Default top_p (0 to 1, as a request's).")
     p.add_argument("--draft-model", default=None,
                    help="Speculative decoding (mlx-lm's server: then one request at a time): a small model with "
                         "the same tokenizer drafts tokens the distributed model verifies, several per forward.")
@@ -113,17 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def read_api_key(args: argparse.Namespace) -> Optional[str]:
     """The bearer token: --api-key, else --api-key-file's first line, else
-    MLXDIST_API_KEY, else None; UserError for a file that gives none."""
-    if args.api_key or not args.api_key_file:
-        return args.api_key or envs.get("MLXDIST_API_KEY")
-    try:
-        with open(args.api_key_file, encoding="utf-8") as f:
-            key = f.readline(4096).strip()
-    except (OSError, UnicodeDecodeError) as e:
-        raise UserError(f"--api-key-file {args.api_key_file}: cannot read it ({one_line(e)})") from None
-    if not key:
-        raise UserError(f"--api-key-file {args.api_key_file}: its first line is empty")
-    return key
+    MLXDIST_API_KEY, else None; UserError for one that is empty or that a
+    client could not send (cli/api_key.py)."""
+    return api_key(args.api_key, args.api_key_file)
 
 
 def check_options(args: argparse.Namespace) -> Optional[str]:
@@ -154,6 +147,9 @@ def check_options(args: argparse.Namespace) -> Optional[str]:
         return f"--port must be in [0, 65535], not {args.port}"
     if args.max_header_bytes < 1024 or args.max_headers < 1:
         return "--max-header-bytes must be at least 1024 and --max-headers at least 1"
+    if args.api_key and len(args.api_key) + 1024 > args.max_header_bytes:
+        return (f"the API key's {len(args.api_key)} characters leave a request's other headers less than 1024 of "
+                f"--max-header-bytes {args.max_header_bytes}: raise it, or use a shorter key")
     return None
 
 

@@ -46,6 +46,7 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 
 from mlxdist.cli.job_file import INPUT_ERROR, load_job_file
 from mlxdist.cli.job_results import recorded_ids
+from mlxdist.digits import arg_int, parse_int
 from mlxdist.errors import UserError
 from mlxdist.model.budgets import budgets_for_ranks, parse_rank_memory
 from mlxdist.runtime.world import retry_launcher
@@ -102,15 +103,30 @@ def find_mpirun() -> str:
     return found
 
 
+def check_mpirun(given: str) -> str:
+    """``--mpirun``: a program that exists and may be run (a name is looked up on PATH)."""
+    found = shutil.which(given)
+    if found is None:
+        raise UserError(f"--mpirun {given}: no such program (or not executable)")
+    return found
+
+
 def read_hostfile(path: str) -> List[Tuple[str, int]]:
-    """(host, slots) per line of an Open MPI hostfile."""
+    """(host, slots) per line of an Open MPI hostfile; UserError naming a
+    line whose slots are not a positive integer in ASCII digits."""
     hosts = []
-    for line in Path(path).read_text().splitlines():
+    for lineno, line in enumerate(Path(path).read_text().splitlines(), 1):
         line = line.split("#", 1)[0].strip()
         if not line:
             continue
         parts = line.split()
-        slots = next((int(p.split("=", 1)[1]) for p in parts[1:] if p.startswith("slots=")), 1)
+        text = next((p.split("=", 1)[1] for p in parts[1:] if p.startswith("slots=")), "1")
+        try:
+            slots = parse_int(text, "slots")
+        except ValueError as e:
+            raise UserError(f"--hostfile {path} line {lineno}: {e}") from None
+        if slots < 1:
+            raise UserError(f"--hostfile {path} line {lineno}: slots must be at least 1, not {slots}")
         hosts.append((parts[0], slots))
     return hosts
 
@@ -229,8 +245,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     own, run_args = (argv[: argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
     p = argparse.ArgumentParser(prog="python -m mlxdist.supervise", description=__doc__.split("\n\n")[0])
-    p.add_argument("--ranks", type=int, required=True, help="Ranks to start with.")
-    p.add_argument("--min-ranks", type=int, default=1, help="Give up below this many.")
+    p.add_argument("--ranks", type=arg_int(1), required=True, help="Ranks to start with.")
+    p.add_argument("--min-ranks", type=arg_int(1), default=1, help="Give up below this many (at most --ranks).")
     p.add_argument("--hostfile", default=None, help="Open MPI hostfile (host slots=N per line)")
     p.add_argument("--routing", default=None, metavar="FILE",
                    help="routing file to rebuild --placement from on fewer ranks (default: the run's "
@@ -240,10 +256,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     jobs, out = _option(run_args, "--jobs"), _option(run_args, "--out")
     if not jobs or not out:
         p.error("the mlxdist.run options after -- must include --jobs and --out")
+    if args.min_ranks > args.ranks:
+        p.error(f"--min-ranks {args.min_ranks} is more than --ranks {args.ranks}")
     try:
         wanted = _job_ids(jobs)  # the run would refuse a bad file on every start: no rank to blame
         slots = rank_slots(args.ranks, args.hostfile, _option(run_args, "--rank-memory"))
-        mpirun = args.mpirun or find_mpirun()
+        mpirun = check_mpirun(args.mpirun) if args.mpirun else find_mpirun()
     except (UserError, OSError, ValueError) as e:
         _say(f"error: {e}")
         return INPUT_ERROR

@@ -15,6 +15,7 @@ import argparse
 import json
 import sys
 
+from mlxdist.digits import arg_number
 from mlxdist.doctor import facts, links, report
 from mlxdist.doctor.together import gathered
 from mlxdist.errors import StepFailed, say_error
@@ -25,7 +26,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m mlxdist.doctor", description=__doc__.splitlines()[0])
     p.add_argument("--model", help="model folder or hub id: its presence, fingerprint and fit on every rank")
     p.add_argument("--backend", choices=BACKENDS, default=None, help="MLX's transport to check (default as a job's)")
-    p.add_argument("--min-disk", type=float, default=1.0, metavar="GB",
+    p.add_argument("--min-disk", type=arg_number(0), default=1.0, metavar="GB",
                    help="free GB wanted where models are cached (default %(default)s)")
     p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
     args = p.parse_args(argv)

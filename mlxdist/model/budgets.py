@@ -17,6 +17,7 @@ import ipaddress
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 from mlxdist import json_input
+from mlxdist.digits import parse_number
 from mlxdist.errors import PlacementError
 
 Budgets = Union[List[float], Dict[str, float]]  # GB per rank, or GB by host name
@@ -30,7 +31,7 @@ def parse_rank_memory(text: str, num_ranks: Optional[int] = None) -> Budgets:
     if "=" in text:
         return by_host([_host_budget(part) for part in text.split(",")], "--rank-memory")
     try:
-        budgets = [float(part) for part in text.split(",")]
+        budgets = [parse_number(part.strip(), "a budget") for part in text.split(",")]
     except ValueError:
         raise PlacementError(f"--rank-memory takes GB per rank separated by commas (e.g. 64,32), HOST=GB per "
                              f"host, or a JSON hostfile, not {text!r:.40}") from None
@@ -119,9 +120,9 @@ def _host_budget(part: str) -> Tuple[str, float]:
     """One ``HOST=GB`` of ``--rank-memory``."""
     name, _, gb = part.partition("=")
     try:
-        value = float(gb)
+        value = parse_number(gb.strip(), "a budget", above=0)
     except ValueError:
-        value = float("nan")
+        value = 0.0
     if not name.strip() or not _positive(value):
         raise PlacementError(f"--rank-memory takes HOST=GB per host separated by commas, not {part!r:.40}")
     return name.strip(), value

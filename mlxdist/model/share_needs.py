@@ -23,7 +23,7 @@ from mlxdist.model.checkpoint import SwitchSite, TensorEntry
 
 Spans = Dict[str, List[Tuple[int, int]]]  # weight file name -> sorted, disjoint [start, end)
 
-_EXPERT_NAME = re.compile(r"(?:^|\.)experts\.(\d+)\.")
+_EXPERT_NAME = re.compile(r"(?:^|\.)experts\.([0-9]+)\.")  # [0-9]: \d takes any Unicode digit
 
 
 def share_spans(index: Dict[str, TensorEntry], sources, sites: List[SwitchSite], owned: Dict[int, List[int]],

@@ -31,6 +31,8 @@ import time
 from typing import Dict, List, Optional, Tuple
 
 from mlxdist import envs
+from mlxdist.digits import parse_int, parse_number
+from mlxdist.errors import BadVariable
 
 
 class Fault:
@@ -38,15 +40,18 @@ class Fault:
 
     def __init__(self, spec: str, rank: int):
         action, _, params = spec.strip().partition(":")
-        values = dict(p.split("=", 1) for p in params.split(",") if p)
+        values = dict(p.partition("=")[::2] for p in params.split(",") if p)
         self.action = action
         target = values.get("rank", str(rank) if action == "sequence" else "-1")
-        self.armed = target == "all" or int(target) == rank
-        self.max_tokens = int(values.get("max_tokens", -1))
-        self.layer = int(values.get("layer", -1))
-        self.step = int(values.get("step", 0))
-        self.seconds = float(values.get("seconds", 3600))
-        self.skip = int(values.get("skip", 0))  # matching moments to let pass first (later generations)
+        try:
+            self.armed = target == "all" or parse_int(target, "rank", signed=True) == rank
+            self.max_tokens = parse_int(values.get("max_tokens", "-1"), "max_tokens", signed=True)
+            self.layer = parse_int(values.get("layer", "-1"), "layer", signed=True)
+            self.step = parse_int(values.get("step", "0"), "step")
+            self.seconds = parse_number(values.get("seconds", "3600"), "seconds", low=0)
+            self.skip = parse_int(values.get("skip", "0"), "skip")  # matching moments to let pass first
+        except ValueError as e:
+            raise BadVariable(f"the environment variable MLXDIST_FAULT: {spec.strip()[:60]!r}: {e}") from None
         self.at = values.get("at")  # fail: the shared step
         self.op = values.get("op")  # fail at=command: the command
 

@@ -20,10 +20,9 @@ from mlxdist import envs
 
 def detect_memory(rank: int) -> Tuple[int, str]:
     """(bytes, where the figure comes from) for this rank."""
-    override = envs.get("MLXDIST_TEST_MEMORY_GB")
+    override = envs.get("MLXDIST_TEST_MEMORY_GB")  # GB: one for every rank, or one per rank
     if override:
-        parts = [float(p) for p in override.split(",")]
-        return int(parts[min(rank, len(parts) - 1)] * 1e9), "MLXDIST_TEST_MEMORY_GB"
+        return int(override[min(rank, len(override) - 1)] * 1e9), "MLXDIST_TEST_MEMORY_GB"
     found = _from_mlx()
     if found is not None:
         return found

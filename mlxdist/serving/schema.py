@@ -112,7 +112,7 @@ def check_fields(body: Dict[str, Any], limits: RequestLimits) -> int:
     for name in ("adapters", "draft_model"):
         if body.get(name) not in (None, "default_model"):
             raise RequestError(f"{name} are not loaded by this server: it serves the one model it started with", name)
-    if body.get("n") not in (None, 1):
+    if body.get("n") is not None and (type(body["n"]) is not int or body["n"] != 1):  # true == 1.0 == 1 in Python
         raise RequestError("n must be 1: one choice per request", "n")
     _integer(body, "num_draft_tokens", 0, (1 << 31) - 1)
     if (body.get("num_draft_tokens") or 0) > limits.max_draft_tokens:

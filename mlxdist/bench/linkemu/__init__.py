@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, Optional
 
+from mlxdist.digits import arg_int
 from mlxdist.errors import UserError
 
 __all__ = ["PRESETS", "EmulatedLink", "build", "link_env", "measure", "measured_section", "parse_link"]
@@ -154,7 +155,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m mlxdist.bench link",
                                      description="Measure what an emulated link adds to MPI calls on two ranks.")
     parser.add_argument("--link", required=True, help=f"A preset ({', '.join(PRESETS)}) or LATENCY_US,GBPS.")
-    parser.add_argument("-n", "--rounds", type=int, default=100, help="Calls timed per figure (median).")
+    parser.add_argument("-n", "--rounds", type=arg_int(), default=100, help="Calls timed per figure (median).")
     args = parser.parse_args(argv)
     try:
         link = parse_link(args.link)
