@@ -81,13 +81,6 @@ def _range(low: Optional[float], high: Optional[float], above: Optional[float]) 
     return f"a number of at most {high:g}" if high is not None else "a finite number"
 
 
-def check_duration(value: float, field: str) -> float:
-    """A duration already read as a number: positive and finite, else ValueError."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
-        raise ValueError(f"{field} must be a positive, finite number of seconds, not {value!r}")
-    return float(value)
-
-
 def arg_int(low: Optional[int] = None) -> Callable[[str], int]:
     """An argparse type: an ASCII integer (of at least ``low`` where given;
     a sign is read only where ``low`` is None or negative)."""
