@@ -157,16 +157,16 @@ def test_cors_is_off_unless_asked(hostile_server):
 ])
 def test_schema_field_by_field(body, param):
     from mlxdist.errors import RequestError
-    from mlxdist.serving.schema import RequestLimits, check_body
+    from mlxdist.serving.schema import RequestLimits, check_request
 
     limits = RequestLimits(vocab_size=512, context_length=4096)
     with pytest.raises(RequestError) as e:
-        check_body(json.dumps(body).encode(), limits)
+        check_request(json.dumps(body).encode(), limits)
     assert e.value.param == param and e.value.status == 400
 
 
 def test_schema_passes_what_clients_send():
-    from mlxdist.serving.schema import RequestLimits, check_body
+    from mlxdist.serving.schema import RequestLimits, check_request
 
     limits = RequestLimits(vocab_size=512, context_length=4096)
     good = [
@@ -179,9 +179,9 @@ def test_schema_passes_what_clients_send():
         {"prompt": "Hi", "top_logprobs": -1, "max_completion_tokens": 16, "repetition_penalty": 1.1},
     ]
     for body in good:
-        checked = check_body(json.dumps(body).encode(), limits)
+        checked = check_request(json.dumps(body).encode(), limits)[0]
         assert checked.get("prompt", checked.get("messages")) == body.get("prompt", body.get("messages"))
-    assert isinstance(check_body(json.dumps(good[1]).encode(), limits)["xtc_probability"], float)
+    assert isinstance(check_request(json.dumps(good[1]).encode(), limits)[0]["xtc_probability"], float)
 
 
 def test_concurrent_hostile_and_normal_clients(hostile_server, checkpoint):

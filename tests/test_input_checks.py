@@ -135,13 +135,13 @@ def test_mlx_mpi_libname_empty_is_unset_and_a_wrong_one_is_named(tmp_path):
 def test_n_must_be_the_integer_one():
     """"n": true (and 1.0) passed as n = 1 on today's main: true == 1 in Python."""
     from mlxdist.errors import RequestError
-    from mlxdist.serving.schema import RequestLimits, check_body
+    from mlxdist.serving.schema import RequestLimits, check_request
 
     limits = RequestLimits(vocab_size=512)
     for n in ("true", "1.0", "2", '"1"'):
         with pytest.raises(RequestError, match="n must be 1"):
-            check_body(b'{"prompt": "hi", "n": %s}' % n.encode(), limits)
-    assert check_body(b'{"prompt": "hi", "n": 1}', limits)["n"] == 1
+            check_request(b'{"prompt": "hi", "n": %s}' % n.encode(), limits)
+    assert check_request(b'{"prompt": "hi", "n": 1}', limits)[0]["n"] == 1
 
 
 # -- item 11: ASCII digits everywhere ------------------------------------------------------------

@@ -11,7 +11,7 @@ from mlxdist import json_input
 from mlxdist.cli.job_file import parse_json_line
 from mlxdist.errors import PlacementError, RequestError
 from mlxdist.model.placement import Placement
-from mlxdist.serving.schema import RequestLimits, check_body
+from mlxdist.serving.schema import RequestLimits, check_request
 
 
 @pytest.mark.parametrize("raw,reason", [
@@ -52,13 +52,13 @@ def test_every_input_reads_alike(tmp_path):
     with pytest.raises(ValueError, match="nests deeper than 64 levels"):
         parse_json_line(deep)
     with pytest.raises(RequestError, match="the request body nests deeper than 64 levels"):
-        check_body(deep, RequestLimits(vocab_size=100))
+        check_request(deep, RequestLimits(vocab_size=100))
     path = tmp_path / "placement.json"
     path.write_bytes(deep)
     with pytest.raises(PlacementError, match=f"placement file {path} nests deeper than 64 levels"):
         Placement.load(path)
     with pytest.raises(RequestError, match="the request body holds NaN, not a finite number"):
-        check_body(b'{"prompt": "Hi", "temperature": NaN}', RequestLimits(vocab_size=100))
+        check_request(b'{"prompt": "Hi", "temperature": NaN}', RequestLimits(vocab_size=100))
     big = tmp_path / "big.json"
     big.write_bytes(b" " * (2 << 20))
     with pytest.raises(PlacementError, match="is larger than 1 MiB"):

@@ -10,8 +10,7 @@ against the loaded model (its vocabulary and context) and against bounds on
 the work one request may cause, and a refusal is an OpenAI-shaped 400
 naming the field (``RequestError``). What passes is what mlx-lm reads.
 
-    check_body(raw bytes, limits) -> the parsed body (a dict), or RequestError
-    check_request(raw bytes, limits) -> (the body, its prompt's characters)
+    check_request(raw bytes, limits) -> (the parsed body, its prompt's characters), or RequestError
 """
 
 import json
@@ -65,11 +64,6 @@ class RequestLimits:
     allow_request_templates: bool = False  # chat_template_kwargs.chat_template, rendered on rank 0 (templates.py)
     max_template_chars: int = 64 << 10
     max_draft_tokens: int = DEFAULT_MAX_DRAFT_TOKENS  # a request's num_draft_tokens (--max-draft-tokens)
-
-
-def check_body(raw: bytes, limits: RequestLimits) -> Dict[str, Any]:
-    """Parse and check one request body; raises ``RequestError`` (a 400)."""
-    return check_request(raw, limits)[0]
 
 
 def check_request(raw: bytes, limits: RequestLimits) -> Tuple[Dict[str, Any], int]:
