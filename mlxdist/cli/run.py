@@ -117,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     distribution_opts.add_argument("--no-rank0-experts", action="store_true", help="rank 0 holds no experts")
 
     memory_opts = p.add_argument_group("memory", "what each rank keeps resident (docs/memory.md)")
-    memory_opts.add_argument("--rank-memory", metavar="HOST=GB,...|A,B,...", type=rank_memory_arg, default=None,
+    memory_opts.add_argument("--rank-memory", metavar="HOST=GB,...|A,B,...", type=rank_memory_later, default=None,
                              help="GB of expert weights each host (matched by name, split evenly over its ranks; or "
                                   "a JSON hostfile with memory_gb) or each rank (in order) may keep resident: "
                                   "experts are spread in proportion, and a placement that does not fit is refused "
@@ -189,6 +189,28 @@ def rank_memory_arg(text: str):
         return parse_rank_memory(text)
     except UserError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+@dataclass(frozen=True)
+class RankMemoryFile:
+    """``--rank-memory``'s JSON hostfile as the command line names it, read
+    by rank 0 alone once the job has started (``read_rank_memory``): it may
+    exist on rank 0's host only, and a rank that could not read it must not
+    leave the others waiting for it in MPI's start."""
+
+    path: str
+
+
+def rank_memory_later(text: str):
+    """``--rank-memory`` of the run and the server: ``rank_memory_arg``,
+    but a JSON hostfile is only named here (``RankMemoryFile``)."""
+    return RankMemoryFile(text) if text.endswith(".json") else rank_memory_arg(text)
+
+
+def read_rank_memory(value):
+    """``--rank-memory``'s budgets, its hostfile read now (rank 0, after
+    ``join``); PlacementError for a hostfile that gives none."""
+    return parse_rank_memory(value.path) if isinstance(value, RankMemoryFile) else value
 
 
 def _str2bool(text: str) -> bool:
@@ -330,11 +352,13 @@ class Inputs:
 
 def check_inputs(args, num_ranks: int) -> Tuple[int, Inputs]:
     """Rank 0, before mlx-lm is imported: the generation flags, the
-    placement file and the job file (read, checked, --out locked), so that
+    placement file, --rank-memory's hostfile and the job file (read,
+    checked, --out locked; each may exist on rank 0's host alone), so that
     a refused input costs seconds less and nothing is loaded. Returns the
     exit status (0: go on) and what was read."""
     try:
         GenerationParams(**{**generation_args(args), "seed": 0}).validate()
+        args.rank_memory = read_rank_memory(args.rank_memory)
         placement = Placement.load(args.placement) if args.placement else None
         if placement is not None:
             placement.check_world(num_ranks)

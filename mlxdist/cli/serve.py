@@ -10,13 +10,13 @@ import sys
 from typing import List, Optional
 
 from mlxdist.cli.api_key import api_key
-from mlxdist.cli.run import RankZeroParser, add_host_flags, apply_host_flags, rank_memory_arg
+from mlxdist.cli.run import RankZeroParser, add_host_flags, apply_host_flags, rank_memory_later, read_rank_memory
 from mlxdist.config import AUTO_SPLIT, EXPERT_SPLITS
 from mlxdist.digits import arg_duration, arg_int, arg_number
 from mlxdist.errors import UserError, say_error
 from mlxdist.runtime.progress import set_quiet
 from mlxdist.runtime.watchdog import DEFAULT_TIMEOUT
-from mlxdist.runtime.world import BACKENDS, launcher_rank, set_exit_code
+from mlxdist.runtime.world import BACKENDS, join, run_or_abort, set_exit_code
 from mlxdist.serving.connections import (
     DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_BODY, DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_HEADERS,
     DEFAULT_MAX_QUEUED, DEFAULT_MAX_QUEUED_CHARS, DEFAULT_REQUEST_TIMEOUT, HTTPServer,
@@ -101,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "SECONDS, between two steps on every rank (docs/placement.md); default: never")
     p.add_argument("--rebalance-replicas", type=arg_int(), default=0, metavar="R",
                    help="replica slots per rank in those placements (default %(default)s)")
-    p.add_argument("--rank-memory", metavar="HOST=GB,...|A,B,...", type=rank_memory_arg, default=None,
+    p.add_argument("--rank-memory", metavar="HOST=GB,...|A,B,...", type=rank_memory_later, default=None,
                    help="GB of expert weights each host (by name, split evenly over its ranks; or a JSON hostfile with "
                         "memory_gb) or each rank (in order) may keep resident "
                         "(docs/placement.md)")
@@ -121,9 +121,10 @@ def read_api_key(args: argparse.Namespace) -> Optional[str]:
 
 def check_options(args: argparse.Namespace) -> Optional[str]:
     """Why these options cannot serve, or None (``args.api_key`` is set from
-    wherever the token is given)."""
+    wherever the token is given, ``args.rank_memory`` read from its hostfile)."""
     try:
         args.api_key = read_api_key(args)
+        args.rank_memory = read_rank_memory(args.rank_memory)
     except UserError as e:
         return str(e)
     if args.host not in LOOPBACK and not args.api_key:
@@ -166,18 +167,28 @@ def check_port(host: str, port: int) -> None:
             raise UserError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
 
 
+def _check_on_rank_0(args: argparse.Namespace) -> int:
+    """Rank 0, once the job has started: the options, and the files they
+    name (``--api-key-file``, ``--rank-memory``'s hostfile), which only rank
+    0 reads and which may exist on its host alone. The exit status (0: go on)."""
+    problem = check_options(args)
+    if problem:
+        say_error(problem)
+        return 2
+    return 0
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     """``python -m mlxdist.serve``."""
     args = build_parser().parse_args(argv)
     apply_host_flags(args)
     set_quiet(args.quiet)
-    problem = check_options(args)
-    if problem:
-        if launcher_rank() != 0:
-            return 0  # rank 0 reports and gives the job its status (were this one to exit 2 first, mpirun
-            # could stop rank 0 before it said why)
-        say_error(problem)
-        return 2
+    world = join(args.backend)  # before the files are read: rank 0's verdict on them reaches every rank
+    code = run_or_abort(world, _check_on_rank_0, args) if world.is_root else 0
+    code = int(world.control.bcast_bytes(str(code).encode() if world.is_root else None))
+    if code:
+        set_exit_code(code)
+        return code
     from mlxdist.api import init  # mlx-lm and transformers: seconds, so only once the command line is good
 
     cluster = init(timeout=args.timeout, backend=args.backend)  # other ranks serve inside
