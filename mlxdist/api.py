@@ -127,6 +127,8 @@ class Cluster:
         draft_model: Optional[str] = None,
         revision: Optional[str] = None,
         replicate: str = "auto",
+        exact: bool = False,
+        remeasure: bool = False,
     ) -> "Cluster":
         """Load ``model`` (a folder or hub id; None: the built-in random MoE)
         on every rank, releasing any model loaded before.
@@ -161,6 +163,10 @@ class Cluster:
         sequence per rank or more run as N replicas with no exchange; "auto"
         does that where every host has room for the whole model per rank and
         nothing else says where experts go; "never" spreads them.
+        ``exact``: every batch bit-exact (auto runs collective with whole
+        experts; dp and collective-tp are refused). ``remeasure`` (auto):
+        measure and decide again rather than reuse the decision stored at an
+        earlier load of this model on these hosts (``engine.decision``).
         Raises ``UserError``/``LoadError`` with one line."""
         if isinstance(placement, str):
             placement = Placement.load(placement)
@@ -174,7 +180,8 @@ class Cluster:
                               expert_capacity, memory_budget_gb, expert_split,
                               record_routing=record_routing is not None or count_routing,
                               rank_memory_gb=_budgets(rank_memory_gb),
-                              draft_model=draft_model, revision=revision, replicate=replicate)
+                              draft_model=draft_model, revision=revision, replicate=replicate, exact=exact,
+                              remeasure=remeasure)
         options.validate()
         self._finish_recording()
         self.executor.load(self._broadcast(Command(commands.LOAD, asdict(options))).args)

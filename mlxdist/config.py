@@ -48,9 +48,16 @@ class LoadOptions:
     # auto: every rank holds every expert (batches as N replicas) where every host has room for a
     # whole model per rank; always / never: whatever the memory says (--replicate, dispatch auto only)
     replicate: str = "auto"
+    # every batch bit-exact: auto runs collective with whole experts (the exact modes stay as they are)
+    exact: bool = False
+    remeasure: bool = False  # auto: measure and decide again, not the decision stored at an earlier load
 
     def validate(self) -> None:
         modes.mode(self.dispatch)
+        if not isinstance(self.exact, bool) or not isinstance(self.remeasure, bool):
+            raise UserError("exact and remeasure take true or false")
+        if self.exact:
+            modes.check_exact(self.dispatch, self.expert_split, self.replicate)
         if self.revision is not None and not (isinstance(self.revision, str) and 0 < len(self.revision) <= 256
                                               and self.revision.isprintable()):
             raise UserError(f"--revision must be a branch, tag or commit, not {self.revision!r:.60}")
@@ -98,7 +105,7 @@ class LoadOptions:
         """Whether every expert may go on every rank (--replicate): a mode that
         replicates, and nothing else saying where the experts go."""
         return (modes.mode(self.dispatch).replicates and not self.placed and not self.pages
-                and self.expert_split != "width")
+                and self.expert_split != "width" and not self.exact)
 
     @property
     def may_cut_in_width(self) -> bool:
@@ -106,7 +113,7 @@ class LoadOptions:
         ``--dispatch auto``, with nothing that needs whole experts (a
         placement, budgets, paging, --record-routing, --replicate always)."""
         return (self.expert_split == AUTO_SPLIT and modes.mode(self.dispatch).cuts_experts and not self.placed
-                and not self.pages and not self.record_routing and self.replicate != "always")
+                and not self.pages and not self.record_routing and self.replicate != "always" and not self.exact)
 
     @property
     def placed(self) -> bool:

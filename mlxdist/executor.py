@@ -251,6 +251,7 @@ class CommandExecutor:
                 if args.get("reset"):
                     engine.paging.reset()
             mine["experts_held"] = held
+            mine["auto_decision"] = engine.decision.report() if engine.decision is not None else None  # rank 0's
             if args.get("routing"):  # this rank's part of the job's routed slots (--record-routing)
                 share = routing_share(engine.dispatchers.values(), self.world.rank)
                 mine["routing"] = {str(l): c.tolist() for l, c in share.items()}

@@ -32,6 +32,9 @@ def mpirun_env() -> dict:
         # cores with other jobs measure their link anywhere from 10 us to milliseconds a collective.
         # Tests of the measurement set "measure" (test_auto_link.py).
         MLXDIST_AUTO_LINK=env.get("MLXDIST_AUTO_LINK", "local"),
+        # Tests that measure the link measure it at every load, whatever an earlier test stored
+        # (test_decision.py, which tests the stored decision, sets 0).
+        MLXDIST_REMEASURE=env.get("MLXDIST_REMEASURE", "1"),
         PRTE_MCA_rmaps_default_mapping_policy=":oversubscribe",
         HF_HUB_OFFLINE="1",
         PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""),

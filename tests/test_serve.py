@@ -198,7 +198,12 @@ def leave_mid_stream(server):
 
 
 def test_health_and_models(server):
-    assert server.get("/health") == (200, '{"status": "ok"}')
+    status, text = server.get("/health")
+    health = json.loads(text)
+    assert status == 200 and health["status"] == "ok"
+    # how auto decided at load (docs/modes.md): the server's collective has nothing to decide
+    decision = health["auto_decision"]
+    assert decision["source"] == "fixed" and decision["strategies"] == ["collective"]
     status, text = server.get("/v1/models")
     assert status == 200 and json.loads(text)["data"][0]["id"] == str(server.model)
 

@@ -112,6 +112,12 @@ def build_parser() -> argparse.ArgumentParser:
                                         "per rank or more run as N replicas with no exchange; auto: where every "
                                         "host has room for the whole model per rank it runs and nothing else says "
                                         "where experts go (default %(default)s)")
+    distribution_opts.add_argument("--exact", action="store_true",
+                                   help="every batch bit-exact (single-process mlx-lm's logits): auto runs collective "
+                                        "with whole experts for every batch; collective and p2p are exact already")
+    distribution_opts.add_argument("--remeasure", action="store_true",
+                                   help="auto: measure the link and the dense work and decide again, not the decision "
+                                        "stored at the first load of this model on these hosts (docs/modes.md)")
     distribution_opts.add_argument("--placement", help="placement JSON file (default: experts spread evenly)")
     distribution_opts.add_argument("--save-placement", help="write the placement used to this JSON file")
     distribution_opts.add_argument("--no-rank0-experts", action="store_true", help="rank 0 holds no experts")
@@ -312,6 +318,7 @@ def _run_prompt(cluster: Cluster, args, text: str, logprobs: List) -> None:
             "weights_gb": [{k.replace("_bytes", ""): v / 1e9 for k, v in m.items()} for m in engine.memory_by_rank],
             "dispatch": engine.dispatch,
             "expert_split": engine.options.expert_split,  # the cut taken (auto chooses one at load)
+            "auto_decision": engine.decision.report() if engine.decision is not None else None,  # docs/modes.md
             "num_ranks": cluster.world.size,
         }
         if cluster.world.lost:
@@ -339,6 +346,10 @@ def _explain_auto(engine) -> None:
     if engine.auto_inputs is None:
         return
     print(f"auto: {engine.auto_inputs.describe()}", file=sys.stderr, flush=True)
+    decision = engine.decision
+    if decision is not None and decision.source != "fixed":
+        where = decision.file or "not stored"
+        print(f"auto: decision {decision.source} ({where}; --remeasure decides again)", file=sys.stderr, flush=True)
     engine.on_choice = lambda choice: print(choice.describe(), file=sys.stderr, flush=True)
 
 
@@ -385,7 +396,7 @@ def command_loop(cluster: Cluster, args, inputs: Inputs) -> int:
         cluster.load(args.model, args.dispatch, inputs.placement, not args.no_rank0_experts, args.layout, args.stats,
                      args.expert_capacity, args.memory_budget, args.expert_split,
                      record_routing=args.record_routing, rank_memory_gb=args.rank_memory, draft_model=args.draft_model,
-                     revision=args.revision, replicate=args.replicate)
+                     revision=args.revision, replicate=args.replicate, exact=args.exact, remeasure=args.remeasure)
     except UserError as e:
         say_error(str(e))
         if jobs is not None:

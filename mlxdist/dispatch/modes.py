@@ -30,6 +30,7 @@ class Mode:
     measures_link: bool = False  # chooses among its strategies from the link measured at load (auto_choice)
     replicates: bool = False  # may hold every expert on every rank and run batches as replicas (--replicate)
     cuts_experts: bool = False  # --expert-split auto may cut its experts in width (dispatch/splitcost.py)
+    exact: bool = False  # bit-exact against one process with whole experts, at every batch
 
 
 MODES: Dict[str, Mode] = {m.name: m for m in (
@@ -39,10 +40,11 @@ MODES: Dict[str, Mode] = {m.name: m for m in (
                  "and such batches run as N replicas (no exchange); experts whole or cut in width, as weighed at load",
          measures_link=True, replicates=True, cuts_experts=True),
     Mode("dp", "each rank its own sequences, per-token combine (not bit-exact)"),
-    Mode("collective", "every rank runs the dense model, one all_sum of the slots per layer (exact)"),
+    Mode("collective", "every rank runs the dense model, one all_sum of the slots per layer (exact)", exact=True),
     Mode("collective-tp", "collective with attention split by mlx-lm's shard() (not bit-exact)"),
     Mode("p2p", "rank 0 runs the dense model, workers hold experts only (exact; survives a lost rank)",
-         takes_width=False, routing_on_host=True, survives_rank_loss=True, mlx_collectives=False, dense_on_root=True),
+         takes_width=False, routing_on_host=True, survives_rank_loss=True, mlx_collectives=False, dense_on_root=True,
+         exact=True),
 )}
 DISPATCH_MODES = tuple(MODES)
 # What a load may build: every mode's strategy but auto's own name, and
@@ -88,6 +90,22 @@ def check_options(name: str, layout: str, expert_split: str, pages: bool, placed
                         f"use --layout compact or {hosts}")
 
 
+def check_exact(name: str, expert_split: str, replicate: str) -> None:
+    """``--exact`` (every batch bit-exact) runs where a mode can keep it:
+    the exact modes as they are, ``auto`` restricted to ``collective`` with
+    whole experts (``strategies``)."""
+    m = mode(name)
+    if not (m.exact or m.measures_link):
+        able = ", ".join(n for n, other in MODES.items() if other.exact or other.measures_link)
+        raise UserError(f"--exact keeps every batch bit-exact: it runs with --dispatch {able}, not {name} "
+                        f"(not bit-exact)")
+    if expert_split == "width":
+        raise UserError("--exact needs whole experts: --expert-split width adds partial sums over the ranks")
+    if replicate == "always":
+        raise UserError("--exact runs every batch through collective: it takes no --replicate always "
+                        "(replicas decode another batch shape than one process)")
+
+
 def check_survival(name: str, ranks: int, tolerant: bool) -> None:
     """A job launched to survive a lost rank must run a mode that can."""
     if tolerant and ranks > 1 and not mode(name).survives_rank_loss:
@@ -105,7 +123,8 @@ def check_launcher(name: str, ranks: int, has_mpi: bool) -> None:
                         f"launch with mpirun (launch/mpirun -np N), or use --dispatch {able}")
 
 
-def strategies(name: str, by_width: bool, backend: str, shardable: bool, everywhere: bool = False) -> List[str]:
+def strategies(name: str, by_width: bool, backend: str, shardable: bool, everywhere: bool = False,
+               exact: bool = False) -> List[str]:
     """The strategies a load of mode ``name`` builds, the first the default:
     ``auto`` and ``dp`` hold collective and dp; ``auto`` with every expert
     on every rank (``everywhere``) holds collective and replicas, and
@@ -114,9 +133,12 @@ def strategies(name: str, by_width: bool, backend: str, shardable: bool, everywh
     single sequences as collective-tp where mlx-lm can ``shard()`` the model
     (on a twin of it: ``splits_attention``), or as collective where the link
     makes its fewer collectives cheaper. (On NCCL's GPUs a step is bound by
-    the host's time per graph node, which the cost model does not see.)"""
+    the host's time per graph node, which the cost model does not see.)
+    ``exact`` (--exact): ``auto`` holds collective alone."""
     if name not in ("auto", "dp"):
         return [name]
+    if exact:
+        return ["collective"]
     if mode(name).replicates and everywhere and not by_width:
         splits = shardable and splits_one_sequence(backend, "whole", "replicas")
         return ["collective", "collective-tp", "replicas"] if splits else ["collective", "replicas"]

@@ -22,6 +22,7 @@ from mlxdist.dispatch import DenseRanks, Dispatcher, LayerOwnership, RowDispatch
 from mlxdist.dispatch.linkcost import AutoInputs, Choice
 from mlxdist.dispatch.splitcost import SplitChoice
 from mlxdist.engine.batch import batch_generate
+from mlxdist.engine.decision import Decision
 from mlxdist.engine.dp_schedule import DataParallelGeneration
 from mlxdist.engine.replicas import generate_own_share
 from mlxdist.engine.sampling import sequence_samplers
@@ -93,6 +94,7 @@ class Engine:
     split: Optional[Split] = None  # --expert-split auto: the cut taken at load and why
     choice: Optional[Choice] = None  # auto: the latest choice and what it was chosen from
     on_choice: Optional[Callable[[Choice], None]] = None  # called where auto's choice changes (rank 0's --verbose)
+    decision: Optional[Decision] = None  # auto: how it decided (stored, measured or fixed), as reported
 
     def __post_init__(self):
         self.base_model = self.model

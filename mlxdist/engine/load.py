@@ -25,6 +25,7 @@ from mlxdist.dispatch import DenseRanks, LayerOwnership, RowDispatcher, make_dis
 from mlxdist.dispatch.linkcost import AutoInputs, LinkCost
 from mlxdist.dispatch.splitcost import choose_split
 from mlxdist.engine.costs import measure_auto_inputs, model_shape, split_bytes
+from mlxdist.engine.decision import Recalled, recall, settle, usable
 from mlxdist.engine.engine import Engine, Split
 from mlxdist.engine.split_probe import dense_linear_bytes, measure_split_inputs
 from mlxdist.errors import UserError, one_line
@@ -87,7 +88,8 @@ def load_engine(world: World, options: LoadOptions) -> Engine:
     faults.point("load", world.rank, op="read")
     lazy = _read_lazy(located.path)
     options, plan = _placement(world, options, lazy)
-    options, split = _expert_split(world, options, lazy, plan)
+    recalled = _recall(world, options, located, plan)
+    options, split = _expert_split(world, options, lazy, plan, recalled)
     by_width = options.expert_split == "width" and world.size > 1
     # Before anything is evaluated (finding the routers runs them).
     fetch_share(world, located, lambda: rank_spans(world, options, lazy.sources, lazy.sites, plan))
@@ -119,8 +121,9 @@ def load_engine(world: World, options: LoadOptions) -> Engine:
     if runs_dense:
         model, tokenizer = lazy.model, _dense_part(lazy)
         dense_bytes = nbytes(model.parameters()) - expert_bytes + (own_bytes(twin, model) if twin is not None else 0)
+    split_choice = split.choice if split is not None else None
     auto = _measure_for_auto(world, options, lazy, dispatchers, routers, twin,
-                             split.choice.inputs.link if split is not None and split.choice is not None else None)
+                             split_choice.inputs.link if split_choice is not None else None, recalled)
     engine = Engine(
         world,
         options,
@@ -142,6 +145,7 @@ def load_engine(world: World, options: LoadOptions) -> Engine:
         auto_inputs=auto,
         split=split,
     )
+    engine.decision = settle(world, recalled, auto, split_choice, list(dispatchers), options)
     engine.model_path = lazy.path  # a rank's share, where it has no copy of its own: what it reads again later
     engine.located = located
     set_wired_limit()
@@ -207,7 +211,20 @@ def _replicates(world: World, options: LoadOptions, lazy: _Lazy, found: List[Dic
     return all(ranks_on[m["host"]] * whole <= m["bytes"] * (1 - MARGIN) for m in found)
 
 
-def _expert_split(world: World, options: LoadOptions, lazy: _Lazy, plan: Placement) -> Tuple[LoadOptions, Optional[Split]]:
+def _recall(world: World, options: LoadOptions, located: Located, plan: Placement) -> Optional[Recalled]:
+    """Where ``auto`` may measure (more than one rank, not --exact, rank 0
+    without MLXDIST_AUTO_LINK=local): its stored decision's key, and rank
+    0's stored decision (``engine/decision.py``); else None."""
+    if world.size == 1 or options.exact or not modes.mode(options.dispatch).measures_link:
+        return None
+    if _link_wanted(world) == "local":
+        return None
+    return recall(world, options, located.digests, located.revision, plan.to_json(), _libraries(),
+                  f"{world.backend} on {mx.default_device()}")
+
+
+def _expert_split(world: World, options: LoadOptions, lazy: _Lazy, plan: Placement,
+                  recalled: Optional[Recalled] = None) -> Tuple[LoadOptions, Optional[Split]]:
     """The options with ``--expert-split auto`` resolved, every rank alike,
     and why. Whole where anything needs whole experts (one rank, a mode
     other than auto, a placement, budgets, paging, --record-routing),
@@ -215,7 +232,8 @@ def _expert_split(world: World, options: LoadOptions, lazy: _Lazy, plan: Placeme
     for one sequence), where memories differ (whole experts fill each as it
     has room), where the experts cannot be cut in width, and where rank 0
     has MLXDIST_AUTO_LINK=local; else the cut ``dispatch/splitcost.py``
-    weighs cheaper from what the ranks measure here (``engine/split_probe.py``)."""
+    weighs cheaper from what the ranks measure here (``engine/split_probe.py``),
+    or the one ``recalled`` holds from an earlier load."""
     if options.expert_split != AUTO_SPLIT:
         return options, None
     whole = replace(options, expert_split="whole")
@@ -240,9 +258,11 @@ def _expert_split(world: World, options: LoadOptions, lazy: _Lazy, plan: Placeme
     shape = model_shape(lazy.model, lazy.config, len(lazy.sites), top_k, dtype)
     dense, share = dense_linear_bytes(lazy.model, lazy.sites)
     shardable = can_shard(lazy.model, lazy.config, world.size)
-    inputs, work = measure_split_inputs(world, site, [owners[0] for owners in plan.layers[site.layer]], shape, dtype,
-                                        dense, share if shardable else 0.0)
-    choice = choose_split(inputs, work, world.size, world.backend, shardable)
+    choice = recalled.split if recalled is not None else None
+    if choice is None or not usable(world, recalled, choice.inputs.shape, shape):
+        inputs, work = measure_split_inputs(world, site, [owners[0] for owners in plan.layers[site.layer]], shape,
+                                            dtype, dense, share if shardable else 0.0)
+        choice = choose_split(inputs, work, world.size, world.backend, shardable)
     return replace(options, expert_split=choice.split), Split(choice.split, choice.describe(), choice)
 
 
@@ -262,7 +282,7 @@ def _strategies(world: World, options: LoadOptions, lazy: _Lazy, by_width: bool,
     blocks cannot be read runs without dp)."""
     strategies = modes.strategies(options.dispatch, by_width, world.backend,
                                   world.size > 1 and can_shard(lazy.model, lazy.config, world.size),
-                                  everywhere=plan.on_every_rank)
+                                  everywhere=plan.on_every_rank, exact=options.exact)
     strategies = strategies if world.size > 1 else strategies[:1]  # one rank: every strategy is the identity
     routers: Dict[type, RouterWeights] = {}
     if modes.uses_router_weights(strategies):
@@ -292,11 +312,12 @@ def _dispatchers(world: World, options: LoadOptions, lazy: _Lazy, strategies: Li
 
 def _measure_for_auto(world: World, options: LoadOptions, lazy: _Lazy, dispatchers: Dict[str, Any],
                       routers: Dict[type, RouterWeights], twin: Optional[nn.Module],
-                      link: Optional[LinkCost]) -> Optional[AutoInputs]:
+                      link: Optional[LinkCost], recalled: Optional[Recalled] = None) -> Optional[AutoInputs]:
     """What ``auto`` chooses from besides b and N (``engine/costs.py``),
-    where it has a choice: measured here, on every rank, agreed; None
-    (its rule on one host's link) where rank 0 has MLXDIST_AUTO_LINK=local.
-    ``link``: the link as ``--expert-split auto`` measured it in this load, not measured again."""
+    where it has a choice: ``recalled``'s, stored at an earlier load, else
+    measured here, on every rank, agreed; None (its rule on one host's
+    link) where rank 0 has MLXDIST_AUTO_LINK=local. ``link``: the link as
+    ``--expert-split auto`` measured it in this load, not measured again."""
     if not modes.mode(options.dispatch).measures_link or len(dispatchers) < 2:
         return None
     if _link_wanted(world) == "local":
@@ -305,6 +326,9 @@ def _measure_for_auto(world: World, options: LoadOptions, lazy: _Lazy, dispatche
     top_k = next(iter(routers.values())).top_k if routers else cfg.get("num_experts_per_tok") or 1
     dtype = activation_dtype(lazy.model)
     shape = model_shape(lazy.model, lazy.config, len(lazy.sites), top_k, dtype)
+    stored = recalled.inputs if recalled is not None else None
+    if stored is not None and usable(world, recalled, stored.shape, shape):
+        return stored
     per_expert = bytes_per_expert(lazy.sites)
     return measure_auto_inputs(world, lazy.model, shape, dtype, split_bytes(twin, lazy.model, world.size), link,
                                sum(per_expert.values()) / len(per_expert))
@@ -421,7 +445,7 @@ def _fingerprint(options: LoadOptions, located: Located, plan, world: World) -> 
         "files": located.digests,
         "revision": located.revision,
         "placement": _digest(json.dumps(plan.to_json(), sort_keys=True).encode()),
-        "libraries": f"mlx {_version('mlx')}, mlx-lm {_version('mlx-lm')}",
+        "libraries": _libraries(),
         "device": f"{world.backend} on {mx.default_device()}",
     }
 
@@ -451,6 +475,10 @@ def _find_routing_weights(model: nn.Module, sites, config: Dict[str, Any]) -> Di
         shapes = sorted({f"top-{w.top_k} {w.dtype}" for w in found.values()})
         raise UserError(f"--dispatch dp needs one top-k and weight dtype in every MoE layer, found {shapes}")
     return found
+
+
+def _libraries() -> str:
+    return f"mlx {_version('mlx')}, mlx-lm {_version('mlx-lm')}"
 
 
 def _version(package: str) -> str:

@@ -172,6 +172,15 @@ def make_handler(api_key: Optional[str], max_body: int, limits: RequestLimits, m
             if self._allowed():
                 super().do_GET()
 
+        def handle_health_check(self):
+            """mlx-lm's status, and how ``auto`` decided at load (stored,
+            measured or fixed: ``engine/decision.py``)."""
+            healthy = self.response_generator.is_healthy
+            decision = self.response_generator.model_provider.engine.decision
+            report = decision.report() if decision is not None else None
+            self._send_json(200 if healthy else 503, {"status": "ok" if healthy else "unavailable",
+                                                      "auto_decision": report})
+
         def do_POST(self):
             self.rendered_prompt: Optional[str] = None  # a request's own template, rendered (per request)
             if not self._allowed():
