@@ -93,9 +93,9 @@ def test_a_hub_id_in_no_cache_will_be_downloaded_at_load(tmp_path):
 
 def test_a_probe_failing_on_rank_1_ends_every_rank_with_its_line(tmp_path, checkpoint):
     """Rank 1 sees the model folder with model.safetensors a dangling link
-    (a hub snapshot whose blob is gone): the doctor used to print a
-    traceback there and wait forever on rank 0. Now: one problem line
-    naming rank 1, no traceback, every rank non-zero."""
+    (a hub snapshot whose blob is gone), then an empty /proc/meminfo: the
+    doctor used to print a traceback there and wait forever on rank 0.
+    Now: one problem line naming rank 1, no traceback, every rank non-zero."""
     path = checkpoint("qwen3_moe")
     broken = tmp_path / "broken"
     shutil.copytree(path, broken)
@@ -108,3 +108,10 @@ def test_a_probe_failing_on_rank_1_ends_every_rank_with_its_line(tmp_path, check
         f"{PROBLEM}rank 1 could not be examined: FileNotFoundError: [Errno 2] No such file or directory: "
         f"'{path}/model.safetensors'"], proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
+    empty = tmp_path / "meminfo"
+    empty.write_text("")  # rank 1's /proc/meminfo reads empty
+    proc = launch(2, [VIEW, "--bind", empty, "/proc/meminfo", "--", sys.executable, "-m", "mlxdist.doctor"],
+                  module=None, timeout=120)
+    assert proc.returncode != 0
+    assert _lines(proc.stderr, "problem") == [f"{PROBLEM}rank 1 could not be examined: KeyError: 'MemTotal'"], \
+        proc.stderr[-3000:]
