@@ -80,6 +80,13 @@ def test_supervise_gives_mpirun_the_prefix_across_hosts(tmp_path):
     for name in ("mpirun", "prted"):
         (brew / "bin" / name).write_text("")
     assert open_mpi_prefix(str(brew / "bin/mpirun")) == str(brew)
+    linked = tmp_path / "homebrew/bin"  # Homebrew links bin/mpirun and bin/prted into its Cellar
+    linked.mkdir(parents=True)
+    for name in ("mpirun", "prted"):
+        (linked / name).symlink_to(brew / "bin" / name)
+    assert open_mpi_prefix(str(linked / "mpirun")) == str(linked.parent)
+    (linked / "prted").unlink()  # not linked: where the link points
+    assert open_mpi_prefix(str(linked / "mpirun")) == str(brew)
     assert open_mpi_prefix(str(ROOT / "launch/mpirun")) is None
     assert "--prefix" not in mpirun_command(str(ROOT / "launch/mpirun"), slots, True, [])
     alone = mpirun_command(str(mpirun), slots[:2], False, [])

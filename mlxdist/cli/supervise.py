@@ -199,12 +199,13 @@ def mpirun_command(mpirun: str, slots: List[RankSlot], across_hosts: bool, run_a
 def open_mpi_prefix(mpirun: str) -> Optional[str]:
     """Where the Open MPI of ``mpirun`` (a path, or a name on PATH) is
     installed: the folder above its ``bin``, where ``prted`` (Open MPI 5) or
-    ``orted`` (4) is beside it; None for anything else."""
-    found = shutil.which(mpirun) or mpirun
-    folder = Path(found).resolve().parent
-    if not any((folder / daemon).exists() for daemon in ("prted", "orted")):
-        return None
-    return str(folder.parent)
+    ``orted`` (4) is beside it (``/opt/homebrew`` for Homebrew's link, the
+    same on every Mac whatever version it links to); None for anything else."""
+    found = Path(shutil.which(mpirun) or mpirun).absolute()
+    for folder in (found.parent, found.resolve().parent):  # Homebrew's bin links, then where they point
+        if any((folder / daemon).exists() for daemon in ("prted", "orted")):
+            return str(folder.parent)
+    return None
 
 
 def replanned_args(run_args: List[str], slots: List[RankSlot], routing: Optional[str],
