@@ -28,7 +28,7 @@ from mlxdist.engine.replicas import generate_own_share
 from mlxdist.engine.sampling import sequence_samplers
 from mlxdist.engine.speculative import drafter, load_draft
 from mlxdist.engine.token_stream import RootTokens, root_tokens
-from mlxdist.errors import UserError, one_line
+from mlxdist.errors import StepFailed, UserError, one_line
 from mlxdist.model.balance import bytes_per_expert, check_rank_memory
 from mlxdist.model.checkpoint import (
     find_switch_sites, nbytes, read_safetensors_index, resolve_model_path, restack_experts, text_config,
@@ -318,6 +318,8 @@ class Engine:
         prepared, error = {}, None
         try:
             prepared = self._prepare(plan, sites, sources)
+        except StepFailed:  # a fetch's exchange inside agreed on it: every rank raised there, none exchanges again
+            raise
         except Exception as e:  # noqa: BLE001 - every rank hears of it below; the prepared modules are dropped
             error = f"cannot prepare the new placement: {one_line(e)}"
         exchange(self.world, None, error)
