@@ -73,7 +73,7 @@ def test_supervise_gives_mpirun_the_prefix_across_hosts(tmp_path):
     mpirun = Path(sys.executable).parent / "mpirun"
     cmd = mpirun_command(str(mpirun), slots, True, ["--jobs", "j", "--out", "o"])
     assert cmd[:6] == [str(mpirun), "-np", "3", "--oversubscribe", "--bind-to", "none"]
-    assert cmd[6:10] == ["--prefix", str(mpirun.resolve().parent.parent), "--host", "mac-1:2,mac-2:1"]
+    assert cmd[6:10] == ["--prefix", str(mpirun.parent.parent), "--host", "mac-1:2,mac-2:1"]
     assert cmd[10:] == [sys.executable, "-m", "mlxdist.run", "--jobs", "j", "--out", "o"]
     brew = tmp_path / "opt/open-mpi"
     (brew / "bin").mkdir(parents=True)
