@@ -428,8 +428,15 @@ def _budgets(rank_memory_gb) -> Union[None, List[float], Dict[str, float]]:
     if rank_memory_gb is None:
         return None
     if isinstance(rank_memory_gb, dict):
-        return {str(k): float(v) for k, v in rank_memory_gb.items()}
-    return [float(b) for b in rank_memory_gb]
+        return {str(k): _gb(v) for k, v in rank_memory_gb.items()}
+    return [_gb(b) for b in rank_memory_gb]
+
+
+def _gb(value):
+    """A budget as LOAD carries it: a number as a float; anything else as
+    given, for ``LoadOptions.validate`` to refuse (float() would read "５",
+    "nan" and True)."""
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else value
 
 
 def init(timeout: float = DEFAULT_TIMEOUT, backend: Optional[str] = None) -> Cluster:

@@ -195,6 +195,18 @@ def test_numbers_in_other_digits_are_refused(tmp_path, monkeypatch, capsys):
     assert [parse_number(t, "x") for t in ("2", "0.5", ".5", "1e2", "-1.5")] == [2, 0.5, 0.5, 100, -1.5]
 
 
+def test_load_budgets_are_numbers_not_text():
+    """load(rank_memory_gb=["５"]) (or [True], {"h": "nan"}) became 5.0 (1.0, nan) through float() on
+    today's main."""
+    from mlxdist.api import _budgets
+    from mlxdist.config import LoadOptions
+
+    for budgets in ([WIDE_FIVE], [True], {"h": "nan"}, ["64"]):
+        with pytest.raises(UserError, match="--rank-memory must give a positive number"):
+            LoadOptions(model="m", rank_memory_gb=_budgets(budgets)).validate()
+    assert _budgets({"h": 64}) == {"h": 64.0}
+
+
 def test_a_number_in_other_digits_is_one_line_under_mpirun():
     proc = launch(2, ["-p", "hi", "--prompt-lookup-ngram", WIDE_FIVE], timeout=120)
     assert proc.returncode == 2 and "--prompt-lookup-ngram" in one_line(proc), proc.stderr[-2000:]
