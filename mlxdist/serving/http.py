@@ -76,6 +76,9 @@ def make_handler(api_key: Optional[str], max_body: int, limits: RequestLimits, m
 
     class Handler(lm_server.APIHandler):
         timeout = idle_timeout  # socket timeout: a connection that sends nothing is closed
+        # One request per connection: the reader's deadline and header bounds (setup) are the
+        # connection's, so a kept-alive second request would run without them.
+        protocol_version = "HTTP/1.0"
 
         def setup(self):
             super().setup()
