@@ -38,6 +38,7 @@ def test_serve_and_run_refuse_sampling_defaults_no_request_could_use(capsys):
     default request then noise or a 400; run --memory-budget inf a ValueError."""
     from mlxdist.cli.run import build_parser as run_parser
     from mlxdist.cli.serve import build_parser as serve_parser
+    from mlxdist.config import GenerationParams
 
     for argv in (["--temp", "nan"], ["--temp", "inf"], ["--temp", "-1"], ["--temp", "101"], ["--top-p", "nan"],
                  ["--top-p", "2"], ["--top-p", "-0.1"]):
@@ -46,9 +47,14 @@ def test_serve_and_run_refuse_sampling_defaults_no_request_could_use(capsys):
     args = serve_parser().parse_args(["--temp", "0.7", "--top-p", "0"])
     assert (args.temp, args.top_p) == (0.7, 0.0)  # what a request may ask (serving/schema.py): 0 is off
     for argv in (["--memory-budget", "inf"], ["--memory-budget", "nan"], ["--memory-budget", "0"],
-                 ["--temp", "inf"], ["--top-p", "0"], ["--min-p", "nan"], ["--min-p", "1.5"]):
+                 ["--temp", "inf"], ["--top-p", "nan"], ["--min-p", "nan"], ["--temp", "1e400"]):
         refused(run_parser(), argv)
     assert run_parser().parse_args(["--memory-budget", "1e-1"]).memory_budget == 0.1
+    args = run_parser().parse_args(["--temp", "-0.5", "--top-p", "2"])  # in range or not: GenerationParams says
+    with pytest.raises(UserError, match="temperature must be >= 0"):
+        GenerationParams(temp=args.temp).validate()
+    with pytest.raises(UserError, match="temperature must be >= 0 and finite"):
+        GenerationParams(temp=float("inf")).validate()  # the API's and job files' path
 
 
 def test_doctor_refuses_a_min_disk_that_checks_nothing():

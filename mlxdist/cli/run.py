@@ -62,13 +62,13 @@ def build_parser() -> argparse.ArgumentParser:
     sampling_opts = p.add_argument_group("sampling")
     sampling_opts.add_argument("-m", "--max-tokens", type=arg_int(), default=DEFAULT_MAX_TOKENS,
                                help="tokens to generate at most (default %(default)s)")
-    sampling_opts.add_argument("--temp", type=arg_number(0), default=0.0,
+    sampling_opts.add_argument("--temp", type=arg_number(), default=0.0,
                                help="sampling temperature; 0: greedy (default %(default)s)")
-    sampling_opts.add_argument("--top-p", type=arg_number(high=1, above=0), default=1.0,
+    sampling_opts.add_argument("--top-p", type=arg_number(), default=1.0,
                                help="nucleus sampling threshold (default %(default)s)")
     sampling_opts.add_argument("--top-k", type=arg_int(), default=0,
                                help="sample from the k likeliest tokens; 0: all (default %(default)s)")
-    sampling_opts.add_argument("--min-p", type=arg_number(0, 1), default=0.0,
+    sampling_opts.add_argument("--min-p", type=arg_number(), default=0.0,
                                help="minimum probability relative to the likeliest token (default %(default)s)")
     sampling_opts.add_argument("--seed", type=arg_int(), default=None,
                                help="random seed of the sampler (default: one drawn on rank 0 for each generation, "
@@ -87,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
                                   help="tokens drafted per verifying forward, or auto: per prompt, the width with "
                                        "the most tokens a second by what the earlier prompts measured (3 for the "
                                        "first; docs/modes.md) (default %(default)s)")
-    speculative_opts.add_argument("--prompt-lookup-ngram", type=arg_int(0), default=0, metavar="N",
+    speculative_opts.add_argument("--prompt-lookup-ngram", type=arg_int(), default=0, metavar="N",
                                   help="without a draft model: draft the tokens that followed the last N tokens "
                                        "where they occurred before in the prompt or output (default 0: off)")
 
