@@ -19,7 +19,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
 from mlxdist.runtime import control as commands
 from mlxdist.runtime.control import Command
 from mlxdist.dispatch import default_layout
-from mlxdist.config import AUTO_WIDTH, GenerationParams, LoadOptions
+from mlxdist.config import AUTO_WIDTH, KV_RESERVE_TOKENS, GenerationParams, LoadOptions
 from mlxdist.engine import Engine
 from mlxdist.engine.speculative import DraftTally, drafter_name
 from mlxdist.engine.verify_width import START, VerifyWidths
@@ -129,6 +129,7 @@ class Cluster:
         replicate: str = "auto",
         exact: bool = False,
         remeasure: bool = False,
+        kv_reserve_tokens: int = KV_RESERVE_TOKENS,
     ) -> "Cluster":
         """Load ``model`` (a folder or hub id; None: the built-in random MoE)
         on every rank, releasing any model loaded before.
@@ -167,6 +168,8 @@ class Cluster:
         experts; dp and collective-tp are refused). ``remeasure`` (auto):
         measure and decide again rather than reuse the decision stored at an
         earlier load of this model on these hosts (``engine.decision``).
+        ``kv_reserve_tokens``: KV-cache tokens each rank that runs attention
+        keeps room for, at the model's own cache size per token (docs/memory.md).
         Raises ``UserError``/``LoadError`` with one line."""
         if isinstance(placement, str):
             placement = Placement.load(placement)
@@ -181,7 +184,7 @@ class Cluster:
                               record_routing=record_routing is not None or count_routing,
                               rank_memory_gb=_budgets(rank_memory_gb),
                               draft_model=draft_model, revision=revision, replicate=replicate, exact=exact,
-                              remeasure=remeasure)
+                              remeasure=remeasure, kv_reserve_tokens=kv_reserve_tokens)
         options.validate()
         self._finish_recording()
         self.executor.load(self._broadcast(Command(commands.LOAD, asdict(options))).args)

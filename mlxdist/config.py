@@ -3,9 +3,11 @@ parameters GENERATE carries, each checked on rank 0 before any rank acts.
 The dispatch modes themselves and ``auto``'s rule are in ``dispatch/modes.py``.
 """
 
+import argparse
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Union
 
+from mlxdist.digits import arg_int
 from mlxdist.dispatch import LAYOUTS, modes
 from mlxdist.errors import UserError
 
@@ -22,6 +24,16 @@ REPLICATE = ("auto", "always", "never")  # --replicate: every expert on every ra
 MAX_DRAFT_TOKENS = 64  # drafted tokens one verifying forward may carry
 AUTO_WIDTH = "auto"  # num_draft_tokens chosen per generation (engine/verify_width.py)
 MAX_LOOKUP_NGRAM = 64
+KV_RESERVE_TOKENS = 32768  # --kv-reserve-tokens by default (model/fit.py): e.g. 8 sequences of 4,096
+MAX_KV_RESERVE_TOKENS = 1 << 30
+
+
+def kv_reserve_tokens_arg(text: str) -> int:
+    """An argparse type for ``--kv-reserve-tokens``: an integer from 1 to ``MAX_KV_RESERVE_TOKENS``."""
+    value = arg_int(1)(text)
+    if value > MAX_KV_RESERVE_TOKENS:
+        raise argparse.ArgumentTypeError(f"the value must be at most {MAX_KV_RESERVE_TOKENS}, not {value}")
+    return value
 
 
 @dataclass
@@ -48,6 +60,9 @@ class LoadOptions:
     # auto: every rank holds every expert (batches as N replicas) where every host has room for a
     # whole model per rank; always / never: whatever the memory says (--replicate, dispatch auto only)
     replicate: str = "auto"
+    # KV-cache tokens reserved on every rank that runs attention, at the model's own cache's size per
+    # token (--kv-reserve-tokens; model/fit.py)
+    kv_reserve_tokens: int = KV_RESERVE_TOKENS
     # every batch bit-exact: auto runs collective with whole experts (the exact modes stay as they are)
     exact: bool = False
     remeasure: bool = False  # auto: measure and decide again, not the decision stored at an earlier load
@@ -81,6 +96,10 @@ class LoadOptions:
                         for b in budgets)):
             raise UserError(f"--rank-memory must give a positive number of GB per rank or per host, not "
                             f"{self.rank_memory_gb!r:.60}")
+        if not (isinstance(self.kv_reserve_tokens, int) and not isinstance(self.kv_reserve_tokens, bool)
+                and 1 <= self.kv_reserve_tokens <= MAX_KV_RESERVE_TOKENS):
+            raise UserError(f"--kv-reserve-tokens takes a number of tokens from 1 to {MAX_KV_RESERVE_TOKENS}, not "
+                            f"{self.kv_reserve_tokens!r:.40}")
         if self.draft_model is not None and not (isinstance(self.draft_model, str) and self.draft_model.strip()):
             raise UserError(f"--draft-model takes a folder or hub id, not {self.draft_model!r:.60}")
         if self.replicate not in REPLICATE:

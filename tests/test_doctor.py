@@ -33,7 +33,9 @@ def test_a_version_mismatch_and_a_loopback_address_are_named(hosts):
     assert len(lines) == 3, lines
 
 
-def test_too_little_memory_and_a_model_on_no_rank_are_named():
+def test_a_model_on_no_rank_is_named_and_the_fit_lines_are_the_callers():
+    """The fit is doctor/fit.py's (model/fit.py's, as a load reckons it:
+    tests/test_memory_fit.py); problems() adds its lines after its own."""
     from mlxdist.doctor.report import problems
 
     def rank(r, available, model):
@@ -43,8 +45,7 @@ def test_too_little_memory_and_a_model_on_no_rank_are_named():
     model = {"present": True, "weights_gb": 100.0, "fingerprint": "ab", "where": "/m"}
     ranks = [rank(0, 80.0, model), rank(1, 30.0, model), rank(2, 80.0, {"present": False, "where": "/m: no"})]
     addresses = [{"host": {"name": f"h{i}", "addresses": []}, "toward": [None] * 3, "errors": {}} for i in range(3)]
-    found = problems(ranks, addresses, [[None] * 3] * 3)
-    assert found == ["rank 1: too little memory for the model: about 40.0 GB needed (its share of 100.0 GB of "
-                     "weights), 30.0 GB available"]  # rank 2 is sent its share: one copy is enough
+    assert problems(ranks, addresses, [[None] * 3] * 3) == []  # rank 2 is sent its share: one copy is enough
+    assert problems(ranks, addresses, [[None] * 3] * 3, fit=["rank 1 needs"]) == ["rank 1 needs"]
     nowhere = [rank(r, 80.0, {"present": False, "where": "/m: no"}) for r in range(3)]
     assert problems(nowhere, addresses, [[None] * 3] * 3) == ["no rank has the model: /m: no"]

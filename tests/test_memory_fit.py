@@ -1,26 +1,38 @@
 """Memory found by itself (runtime/memory.py; docs/memory.md): with no
 budgets, the even placement follows what each rank can hold after its dense
-part, a KV reserve and a margin, and a model that fits no way is refused,
-naming the rank, before a byte is read. Each rank's figure comes from the
-test-only override MLXDIST_TEST_MEMORY_GB."""
+part, a KV reserve (mlx-lm's own cache for --kv-reserve-tokens tokens) and a
+margin, and a model that fits no way is refused, naming the rank, before a
+byte is read; the doctor says the same, by the same function
+(model/fit.py). Each rank's figure comes from the test-only override
+MLXDIST_TEST_MEMORY_GB."""
 
 import functools
 import json
 import sys
 
 from conftest import error_lines, last_json, launch
+from mlxdist.config import KV_RESERVE_TOKENS
 from test_exact import MAX_TOKENS, PROMPT, reference
 
 
-@functools.lru_cache(maxsize=None)
-def _figures(path):
-    """(dense bytes, KV reserve bytes, expert bytes of the whole model) of a checkpoint, from one rank's load
-    (once per session)."""
-    from mlxdist.model.balance import KV_RESERVE_TOKENS, kv_bytes_per_token
+# The qwen3_moe test checkpoint's cache, by hand: 3 layers x (keys + values) 2 x 4 KV heads x head_dim 16
+# x 4 bytes (float32) a token.
+KV_PER_TOKEN = 3 * 2 * 4 * 16 * 4
 
-    got = last_json(launch(0, ["--model", path, "-p", "hi", "-m", "1", "--json"]).stdout)["weights_gb"][0]
-    kv = KV_RESERVE_TOKENS * kv_bytes_per_token(json.loads((path / "config.json").read_text()))
-    return got["dense"] * 1e9, kv, got["expert"] * 1e9
+
+@functools.lru_cache(maxsize=None)
+def _figures(path, tokens=KV_RESERVE_TOKENS):
+    """(dense bytes, KV reserve bytes for ``tokens``, expert bytes of the whole model) of a checkpoint, from one
+    rank's load (once per session)."""
+    config = json.loads((path / "config.json").read_text())
+    assert (config["num_hidden_layers"], config["num_key_value_heads"], config["head_dim"]) == (3, 4, 16)
+    got = _weights(path)
+    return got["dense"] * 1e9, tokens * KV_PER_TOKEN, got["expert"] * 1e9
+
+
+@functools.lru_cache(maxsize=None)
+def _weights(path):
+    return last_json(launch(0, ["--model", path, "-p", "hi", "-m", "1", "--json"]).stdout)["weights_gb"][0]
 
 
 def _run(path, memory_gb, *args):
@@ -29,7 +41,7 @@ def _run(path, memory_gb, *args):
 
 
 def test_shares_follow_the_memory_each_rank_finds(checkpoint):
-    from mlxdist.model.balance import MARGIN
+    from mlxdist.model.fit import MARGIN
 
     path = checkpoint("qwen3_moe")
     dense, kv, experts = _figures(path)
@@ -44,7 +56,7 @@ def test_shares_follow_the_memory_each_rank_finds(checkpoint):
 
 
 def test_a_model_that_fits_no_way_is_refused_naming_the_rank(checkpoint):
-    from mlxdist.model.balance import MARGIN
+    from mlxdist.model.fit import MARGIN
 
     path = checkpoint("qwen3_moe")
     dense, kv, experts = _figures(path)
@@ -52,10 +64,53 @@ def test_a_model_that_fits_no_way_is_refused_naming_the_rank(checkpoint):
     proc = _run(path, f"{memory / 1e9:.9f}")
     lines = error_lines(proc.stderr)
     assert proc.returncode != 0 and lines, proc.stderr[-2000:]
-    assert "rank 0 would hold" in lines[0] and "the model does not fit" in lines[0], lines[0]
+    assert lines[0].startswith("mlxdist: error: rank 0 (host ") and "the model does not fit" in lines[0], lines[0]
     proc = _run(path, f"{dense / 1e9:.9f}")
     lines = error_lines(proc.stderr)
-    assert lines and "rank 0 has" in lines[0] and "leave nothing for experts" in lines[0], lines[0]
+    assert lines and "rank 0 (host " in lines[0] and "the model does not fit" in lines[0], lines[0]
+
+
+def test_the_load_and_the_doctor_agree_on_the_fit(checkpoint):
+    """Memory just below and just above what each rank needs (its dense
+    part, its half of the experts and 20,000 tokens of the model's float32
+    KV cache, over 90 %): the load refuses, naming the rank, the numbers and
+    the ways out, and the doctor gives the same line; above, the load
+    generates and the doctor is ready. --rank-memory budgets below each
+    rank's expert weights: the same refusal from both."""
+    from mlxdist.model.fit import MARGIN
+
+    path = checkpoint("qwen3_moe")
+    tokens = 20000
+    dense, kv, experts = _figures(path, tokens)
+    need = dense + experts / 2 + kv
+    fit = ["--dispatch", "collective", "--kv-reserve-tokens", tokens]
+
+    def both(memory_gb, *extra):
+        env = {"MLXDIST_TEST_MEMORY_GB": f"{memory_gb:.9f}"}
+        load = launch(2, ["--model", path, "-p", "hi", "-m", 2, "--json", *fit, *extra], env=env, timeout=240)
+        doctor = launch(2, ["--model", path, "--backend", "mpi", *fit, *extra], module="mlxdist.doctor", env=env,
+                        timeout=240)
+        return load, doctor
+
+    load, doctor = both(0.98 * need / (1 - MARGIN) / 1e9)
+    refused = error_lines(load.stderr)
+    assert load.returncode != 0 and len(refused) == 1 and "Traceback" not in load.stderr, load.stderr[-3000:]
+    line = refused[0][len("mlxdist: error: "):]
+    assert line.startswith("rank 0 (host ") and f"+ KV {kv / 1e9:.3g} GB for {tokens} tokens; has" in line, line
+    assert "--rank-memory" in line and "--expert-capacity" in line and "--kv-reserve-tokens" in line, line
+    problems = error_lines(doctor.stderr, "mlxdist doctor: problem: ")
+    assert doctor.returncode == 1 and problems[0] == f"mlxdist doctor: problem: {line}", doctor.stderr[-3000:]
+    load, doctor = both(1.02 * need / (1 - MARGIN) / 1e9)
+    assert load.returncode == 0 and len(last_json(load.stdout)["tokens"]) == 2, load.stderr[-3000:]
+    assert doctor.returncode == 0 and "mlxdist doctor: ready" in doctor.stderr, doctor.stderr[-3000:]
+    budget = f"{0.98 * experts / 2 / 1e9:.9f}"
+    load, doctor = both(1.0, "--rank-memory", f"{budget},{budget}")
+    refused = error_lines(load.stderr)
+    assert load.returncode != 0 and refused and refused[0].startswith("mlxdist: error: rank 0 holds 18 experts: "), \
+        load.stderr[-3000:]
+    problems = error_lines(doctor.stderr, "mlxdist doctor: problem: ")  # every rank that does not fit: 0 and 1
+    assert problems[0] == f"mlxdist doctor: problem: {refused[0][len('mlxdist: error: '):]}", doctor.stderr[-3000:]
+    assert len(problems) == 2 and problems[1].startswith("mlxdist doctor: problem: rank 1 holds 18 experts: ")
 
 
 def test_budgets_per_host_are_matched_by_host_name(checkpoint, tmp_path):

@@ -81,12 +81,12 @@ def _load(checkpoint, extra, env=None):
 
 
 def test_no_room_for_two_models_on_the_host_spreads_the_experts(checkpoint):
-    """Two ranks on one host of (as told) 0.05 GB: room for one whole model
-    (2.3 MB of weights and a 25 MB KV reserve, within 90 % of the memory),
-    not for two, so auto spreads the experts; told 0.1 GB, it replicates.
-    --verbose says which."""
-    tight = _load(checkpoint, ["--verbose"], env={"MLXDIST_TEST_MEMORY_GB": "0.05"})
-    roomy = _load(checkpoint, ["--verbose"], env={"MLXDIST_TEST_MEMORY_GB": "0.1"})
+    """Two ranks on one host of (as told) 0.1 GB: room for one whole model
+    (2.3 MB of weights and a 50 MB KV reserve: 32,768 tokens of its float32
+    cache, within 90 % of the memory), not for two, so auto spreads the
+    experts; told 0.2 GB, it replicates. --verbose says which."""
+    tight = _load(checkpoint, ["--verbose"], env={"MLXDIST_TEST_MEMORY_GB": "0.1"})
+    roomy = _load(checkpoint, ["--verbose"], env={"MLXDIST_TEST_MEMORY_GB": "0.2"})
     assert tight.returncode == 0 and roomy.returncode == 0, (tight.stderr[-2000:], roomy.stderr[-2000:])
     assert "every rank holds every expert" not in tight.stderr
     assert "every rank holds every expert (--replicate auto)" in roomy.stderr

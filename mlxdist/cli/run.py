@@ -18,7 +18,10 @@ from typing import TYPE_CHECKING, Iterator, List, Optional, Tuple
 import mlx.core as mx
 
 from mlxdist import envs
-from mlxdist.config import AUTO_SPLIT, AUTO_WIDTH, DEFAULT_MAX_TOKENS, EXPERT_SPLITS, REPLICATE, GenerationParams
+from mlxdist.config import (
+    AUTO_SPLIT, AUTO_WIDTH, DEFAULT_MAX_TOKENS, EXPERT_SPLITS, KV_RESERVE_TOKENS, REPLICATE, GenerationParams,
+    kv_reserve_tokens_arg,
+)
 from mlxdist.digits import arg_duration, arg_int, arg_int_or, arg_number
 from mlxdist.dispatch import DISPATCH_MODES, LAYOUTS, modes
 from mlxdist.errors import GenerationFailed, UserError, say_error
@@ -135,6 +138,10 @@ def build_parser() -> argparse.ArgumentParser:
     memory_opts.add_argument("--memory-budget", type=arg_number(above=0), default=None, metavar="GB",
                              help="weights each rank may hold, in GB: sets its expert capacity from what its dense "
                                   "weights leave (as --expert-capacity, which it replaces)")
+    memory_opts.add_argument("--kv-reserve-tokens", type=kv_reserve_tokens_arg, default=KV_RESERVE_TOKENS,
+                             metavar="N",
+                             help="KV-cache tokens each rank that runs attention keeps room for, at the model's own "
+                                  "cache size per token (default %(default)s)")
 
     output_opts = p.add_argument_group("output")
     output_opts.add_argument("--verbose", type=_str2bool, nargs="?", const=True, default=None,
@@ -396,7 +403,8 @@ def command_loop(cluster: Cluster, args, inputs: Inputs) -> int:
         cluster.load(args.model, args.dispatch, inputs.placement, not args.no_rank0_experts, args.layout, args.stats,
                      args.expert_capacity, args.memory_budget, args.expert_split,
                      record_routing=args.record_routing, rank_memory_gb=args.rank_memory, draft_model=args.draft_model,
-                     revision=args.revision, replicate=args.replicate, exact=args.exact, remeasure=args.remeasure)
+                     revision=args.revision, replicate=args.replicate, exact=args.exact, remeasure=args.remeasure,
+                     kv_reserve_tokens=args.kv_reserve_tokens)
     except UserError as e:
         say_error(str(e))
         if jobs is not None:

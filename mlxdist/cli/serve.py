@@ -11,7 +11,7 @@ from typing import List, Optional
 
 from mlxdist.cli.api_key import api_key
 from mlxdist.cli.run import RankZeroParser, add_host_flags, apply_host_flags, rank_memory_later, read_rank_memory
-from mlxdist.config import AUTO_SPLIT, EXPERT_SPLITS
+from mlxdist.config import AUTO_SPLIT, EXPERT_SPLITS, KV_RESERVE_TOKENS, kv_reserve_tokens_arg
 from mlxdist.digits import arg_duration, arg_int, arg_number
 from mlxdist.errors import UserError, say_error
 from mlxdist.runtime.progress import set_quiet
@@ -105,6 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="GB of expert weights each host (by name, split evenly over its ranks; or a JSON hostfile with "
                         "memory_gb) or each rank (in order) may keep resident "
                         "(docs/placement.md)")
+    p.add_argument("--kv-reserve-tokens", type=kv_reserve_tokens_arg, default=KV_RESERVE_TOKENS, metavar="N",
+                   help="KV-cache tokens each rank that runs attention keeps room for, at the model's own cache size "
+                        "per token (default %(default)s; docs/memory.md)")
     p.add_argument("--timeout", type=arg_duration(), default=DEFAULT_TIMEOUT,
                    help="Seconds without progress before a rank is declared hung; one serving step (it may be a "
                         "long prefill) gets 10 x that (default %(default)s).")
@@ -198,9 +201,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         cluster.load(args.model, dispatch=args.dispatch, expert_split=args.expert_split,
                      record_routing=args.record_routing, record_routing_every=args.record_routing_every,
                      rank_memory_gb=args.rank_memory, count_routing=args.rebalance_every is not None,
-                     draft_model=args.draft_model, revision=args.revision)
+                     draft_model=args.draft_model, revision=args.revision, kv_reserve_tokens=args.kv_reserve_tokens)
         loaded = ("backend", "timeout", "dispatch", "expert_split", "record_routing", "record_routing_every",
-                  "rank_memory", "api_key_file", "revision", "quiet")
+                  "rank_memory", "api_key_file", "revision", "quiet", "kv_reserve_tokens")
         options = {k: v for k, v in vars(args).items() if k not in loaded}
         options["model"] = cluster.engine.options.model
         cluster.serve_http(options)

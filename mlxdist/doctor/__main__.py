@@ -15,8 +15,12 @@ import argparse
 import json
 import sys
 
-from mlxdist.digits import arg_number
+from mlxdist.cli.run import rank_memory_arg
+from mlxdist.config import KV_RESERVE_TOKENS, kv_reserve_tokens_arg
+from mlxdist.digits import arg_int, arg_number
+from mlxdist.dispatch import DISPATCH_MODES
 from mlxdist.doctor import facts, links, report
+from mlxdist.doctor.fit import fit_problems
 from mlxdist.doctor.together import gathered
 from mlxdist.errors import StepFailed, say_error
 from mlxdist.runtime.world import BACKENDS, init_world, launcher_rank, run_or_abort, set_exit_code
@@ -29,6 +33,15 @@ def main(argv=None) -> int:
     p.add_argument("--min-disk", type=arg_number(0), default=1.0, metavar="GB",
                    help="free GB wanted where models are cached (default %(default)s)")
     p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
+    fit_opts = p.add_argument_group("the model's fit, as a load with these options reckons it (docs/memory.md)")
+    fit_opts.add_argument("--dispatch", choices=DISPATCH_MODES, default="auto", help="the mode (default %(default)s)")
+    fit_opts.add_argument("--rank-memory", metavar="HOST=GB,...|A,B,...", type=rank_memory_arg, default=None,
+                          help="GB of expert weights each host or rank may keep resident (default: from the memory "
+                               "each rank finds)")
+    fit_opts.add_argument("--kv-reserve-tokens", type=kv_reserve_tokens_arg, default=KV_RESERVE_TOKENS, metavar="N",
+                          help="KV-cache tokens reserved per rank (default %(default)s)")
+    fit_opts.add_argument("--expert-capacity", type=arg_int(1), default=None, metavar="N",
+                          help="experts each rank keeps resident per layer")
     args = p.parse_args(argv)
     try:
         world = init_world(args.backend)
@@ -49,7 +62,7 @@ def examine(world, args) -> int:
         addresses = links.addresses(world)
         reach = links.reachability(world, addresses)
         timing = links.timings(world)
-        found = report.problems(ranks, addresses, reach, args.min_disk)
+        found = report.problems(ranks, addresses, reach, args.min_disk, fit_problems(world, ranks, args))
         gathered(world, "could not print the report",
                  lambda: _print(args, ranks, addresses, reach, timing, found) if world.is_root else None)
     except StepFailed as e:

@@ -1,16 +1,16 @@
 """The doctor's findings: the problems and the warnings (one line each), and the table."""
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 from mlxdist.doctor.links import hosts_differ
 
 VERSIONED = ("python", "mlx", "mlx-lm", "mlxdist", "mpi4py")
-HEADROOM = 1.2  # weights x this must fit a rank's available memory (activations, caches, the OS)
 
 
 def problems(ranks: List[Dict[str, Any]], addresses: List[Dict[str, Any]], reach: List[List[Optional[bool]]],
-             min_disk_gb: float = 1.0) -> List[str]:
-    """Every problem found, one line each (empty: ready)."""
+             min_disk_gb: float = 1.0, fit: Sequence[str] = ()) -> List[str]:
+    """Every problem found, one line each (empty: ready). ``fit``: the
+    ranks the model does not fit, as a load would refuse them (``doctor/fit.py``)."""
     found = []
     for name in VERSIONED:
         seen = {r["versions"].get(name) for r in ranks}
@@ -35,7 +35,7 @@ def problems(ranks: List[Dict[str, Any]], addresses: List[Dict[str, Any]], reach
             elif reach[j][i] is False:
                 found.append(f"rank {j} cannot connect to rank {i} at {toward} (a firewall, or no route)")
     found += _model_problems(ranks, min_disk_gb)
-    return found
+    return found + list(fit)
 
 
 def _model_problems(ranks: List[Dict[str, Any]], min_disk_gb: float) -> List[str]:
@@ -56,13 +56,6 @@ def _model_problems(ranks: List[Dict[str, Any]], min_disk_gb: float) -> List[str
     if len({r["model"]["fingerprint"] for r in present}) > 1:
         found.append("the model differs between ranks: " + ", ".join(
             f"rank {r['rank']} {r['model']['fingerprint']}" for r in present))
-    weights_gb = present[0]["model"]["weights_gb"]
-    for r in ranks:
-        need = weights_gb / len(ranks) * HEADROOM
-        if r["available_gb"] is not None and need > r["available_gb"]:
-            found.append(f"rank {r['rank']}: too little memory for the model: about {need:.1f} GB needed "
-                         f"(its share of {weights_gb:.1f} GB of weights), {r['available_gb']:.1f} "
-                         f"GB available")
     return found
 
 

@@ -10,7 +10,6 @@ in the load, ends it on every rank with the same line.
 
 import hashlib
 import json
-import socket
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
@@ -35,12 +34,10 @@ from mlxdist.model.checkpoint import (
     split_experts_by_width, split_shared_by_width, switch_extras, text_config, width_refusal,
 )
 from mlxdist.model.paging import PagingStats, capacity_for_budget, expert_module
-from mlxdist.model.balance import (
-    KV_RESERVE_TOKENS, MARGIN, bytes_per_expert, check_plan_fits, check_rank_memory, expert_budgets,
-    kv_bytes_per_token,
-)
+from mlxdist.model.balance import bytes_per_expert, check_rank_memory
+from mlxdist.model.fit import MARGIN, KvReserve, ModelWeights, RankMemory, cache_cost, check_fits, plan_fit
 from mlxdist.model.budgets import budgets_for_ranks
-from mlxdist.model.placement import Placement, resolve_placement
+from mlxdist.model.placement import Placement
 from mlxdist.model.routing import RouterWeights, RoutingWeightsNotFound, activation_dtype, find_router_weights
 from mlxdist.model.sources import load_lazy
 from mlxdist.model.switch import DistributedSwitch, MoEBlock
@@ -48,8 +45,8 @@ from mlxdist.model.tensor_parallel import can_shard, own_bytes, shard_dense, ten
 from mlxdist.runtime import faults
 from mlxdist.runtime.agreement import exchange
 from mlxdist.runtime.control import PROTOCOL_VERSION
-from mlxdist.runtime.memory import detect_memory, set_wired_limit
-from mlxdist.runtime.progress import Stage
+from mlxdist.runtime.memory import set_wired_limit
+from mlxdist.runtime.progress import Stage, say
 from mlxdist.runtime.world import World
 
 __all__ = ["load_engine"]
@@ -170,45 +167,48 @@ def _read_lazy(path: Path) -> _Lazy:
 
 
 def _placement(world: World, options: LoadOptions, lazy: _Lazy) -> Tuple[LoadOptions, Placement]:
-    """The placement the job uses: the given one, else the even policy in
-    proportion to the budgets (given by rank, or by host name and matched to
-    the ranks' hosts here), else to the memory each rank found; a plan that
-    cannot fit is refused before a byte is read. The options with budgets by rank."""
-    sites = lazy.sites
-    experts_per_layer = {s.layer: s.num_experts for s in sites}
-    found = exchange(world, _my_memory(world))  # every rank's memory and host
-    memory = [m["bytes"] for m in found]
+    """The placement the job uses and the options with budgets by rank
+    (given by host name: matched to the ranks' hosts here). Placed and
+    checked by ``model/fit.py``'s ``plan_fit``, as the doctor checks it,
+    from the memory every rank found and the model's own KV cache: a plan
+    that cannot fit is refused on every rank before a byte is read."""
+    memory = [RankMemory.from_json(m) for m in exchange(world, RankMemory.here(world.rank).to_json())]
     if options.rank_memory_gb is not None:  # per rank as given, per host by the ranks' host names
-        options = replace(options, rank_memory_gb=budgets_for_ranks(options.rank_memory_gb, [m["host"] for m in found]))
-    budgets = options.rank_memory_gb
-    room = _room_for_experts(world, options, lazy.model, sites, lazy.config, memory) if budgets is None else None
-    plan = resolve_placement(options.placement, experts_per_layer, world.size, options.rank0_experts,
-                             budgets or _unequal(room, options))
-    if _replicates(world, options, lazy, found):
+        options = replace(options, rank_memory_gb=budgets_for_ranks(options.rank_memory_gb, [m.host for m in memory]))
+    weights = ModelWeights.of(lazy.model, lazy.sites)
+    kv = KvReserve(options.kv_reserve_tokens, cache_cost(lazy.model, lazy.config))
+    if world.is_root and not kv.cost.measured:
+        say(f"KV reserve from {kv.cost.source}")
+    runs_dense = [modes.runs_dense(options.dispatch, r) for r in range(world.size)]  # p2p's workers run none
+    checked = (options.expert_capacity is None and options.memory_budget_gb is None and all(m.bytes for m in memory)
+               and not (options.expert_split == "width" and world.size > 1))
+    plan, fits = plan_fit(memory, weights, runs_dense, kv, options.placement, options.rank0_experts,
+                          options.rank_memory_gb, options.expert_capacity, checked)
+    if _replicates(world, options, lazy, memory, kv):
         plan = plan.everywhere()
-    elif room is not None:  # refused before a byte is read
-        check_plan_fits(plan, room, bytes_per_expert(sites), memory)
+    elif options.memory_budget_gb is None:  # --memory-budget sets each rank's capacity later (_capacity)
+        check_fits(fits)
     return options, plan
 
 
-def _replicates(world: World, options: LoadOptions, lazy: _Lazy, found: List[Dict[str, Any]]) -> bool:
+def _replicates(world: World, options: LoadOptions, lazy: _Lazy, found: List[RankMemory], kv: KvReserve) -> bool:
     """Whether every rank holds every expert (``--replicate``; batches then
     run as N replicas): ``always``; under ``auto``, where the mode is auto,
     nothing says where the experts go and every host has room for a whole
     model per rank it runs, beside each rank's KV reserve, the split twin
     collective-tp runs on where the model can be ``shard()``-ed (at most
-    1/N of the dense part) and the margin (``model/balance.py``'s). Every
+    1/N of the dense part) and the margin (``model/fit.py``'s). Every
     rank decides alike from the memory all of them reported."""
     if world.size == 1 or options.replicate == "never":
         return False
     if options.replicate == "always":
         return True
-    if not options.may_replicate or not all(m["bytes"] for m in found):
+    if not options.may_replicate or not all(m.bytes for m in found):
         return False
     twin = _dense_bytes(lazy.model, lazy.sites) // world.size if can_shard(lazy.model, lazy.config, world.size) else 0
-    whole = nbytes(lazy.model.parameters()) + twin + KV_RESERVE_TOKENS * kv_bytes_per_token(lazy.config)
-    ranks_on = {h: sum(m["host"] == h for m in found) for h in {m["host"] for m in found}}
-    return all(ranks_on[m["host"]] * whole <= m["bytes"] * (1 - MARGIN) for m in found)
+    whole = nbytes(lazy.model.parameters()) + twin + kv.bytes
+    ranks_on = {h: sum(m.host == h for m in found) for h in {m.host for m in found}}
+    return all(ranks_on[m.host] * whole <= m.bytes * (1 - MARGIN) for m in found)
 
 
 def _recall(world: World, options: LoadOptions, located: Located, plan: Placement) -> Optional[Recalled]:
@@ -391,37 +391,10 @@ def _dense_part(lazy: _Lazy):
         raise UserError(f"cannot load the tokenizer in {lazy.path} (tokenizer.json): {one_line(e)}") from None
 
 
-def _my_memory(world: World) -> Dict[str, Any]:
-    found, source = detect_memory(world.rank)
-    return {"bytes": found, "source": source, "host": socket.gethostname()}
-
-
-def _room_for_experts(world: World, options: LoadOptions, lazy_model, sites, config, memory) -> Optional[List[float]]:
-    """[N] GB each rank can give its experts, from the memory each found
-    (``runtime/memory.py``; ``model/balance.py``'s budgets); None where the
-    load decides residency otherwise (paging, experts cut in width) or a
-    rank's memory is unknown."""
-    if options.expert_capacity is not None or options.memory_budget_gb is not None or not all(memory):
-        return None
-    if options.expert_split == "width" and world.size > 1:
-        return None
-    dense = _dense_bytes(lazy_model, sites)
-    runs_dense = [modes.runs_dense(options.dispatch, r) for r in range(world.size)]  # p2p's workers run none
-    return expert_budgets(memory, [dense if d else 0 for d in runs_dense], KV_RESERVE_TOKENS * kv_bytes_per_token(config))
-
-
 def _dense_bytes(lazy_model: nn.Module, sites) -> int:
     """Bytes of the model's weights outside its routed experts (sizes of the lazy model: no reads)."""
     per_expert = bytes_per_expert(sites)
     return nbytes(lazy_model.parameters()) - int(sum(per_expert[s.layer] * s.num_experts for s in sites))
-
-
-def _unequal(room: Optional[List[float]], options: LoadOptions) -> Optional[List[float]]:
-    """Budgets the even placement follows: ``room`` where the ranks differ
-    by more than 1 % (equal ranks keep the plain even placement)."""
-    if room is None or not options.rank0_experts or max(room) <= 1.01 * min(room):
-        return None
-    return room
 
 
 def _reading_stage(world: World, plan, sites, by_width: bool) -> Stage:

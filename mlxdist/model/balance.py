@@ -30,8 +30,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from mlx.utils import tree_flatten
 
-from mlxdist.errors import PlacementError, UserError
-from mlxdist.model.checkpoint import text_config
+from mlxdist.errors import PlacementError
 from mlxdist.model.placement import Owners, Placement, proportional_counts
 
 MAX_SWAPS = 10_000  # per layer: a bound, never reached in practice (each swap lowers a pair's maximum)
@@ -174,60 +173,10 @@ def check_rank_memory(placement: Placement, rank: int, budget_gb: float, expert_
                       capacity: Optional[int] = None) -> float:
     """The GB of expert weights ``rank`` keeps resident under ``placement``
     (per layer: the experts it holds, or at most ``capacity`` of them when
-    paging); raises ``UserError`` naming the rank and by how much when that
-    exceeds ``budget_gb``."""
-    held = placement.held_counts()
-    resident = {l: c[rank] if capacity is None else min(c[rank], capacity) for l, c in held.items()}
-    need = sum(resident[l] * expert_bytes[l] for l in resident) / 1e9
-    if need > budget_gb:
-        total = sum(held[l][rank] for l in held)
-        paged = f", {capacity} per layer resident" if capacity is not None else ""
-        raise UserError(f"rank {rank} holds {total} experts{paged}: {need:.3g} GB of expert weights, over its "
-                        f"--rank-memory {budget_gb:g} GB by {need - budget_gb:.3g} GB (give it fewer experts, "
-                        f"or page them with --expert-capacity)")
-    return need
+    paging); raises ``UserError`` with ``model/fit.py``'s refusal when that
+    exceeds its ``--rank-memory`` ``budget_gb``."""
+    from mlxdist.model.fit import budget_fit, check_fits  # fit.py reads this module's bytes_per_expert
 
-
-# Memory found by itself (runtime/memory.py): what each rank keeps free besides its weights.
-KV_RESERVE_TOKENS = 32768  # KV-cache tokens reserved on every rank that runs attention (e.g. 8 x 4096)
-MARGIN = 0.10  # of each rank's memory, kept free for activations, buffers and the system
-
-
-def kv_bytes_per_token(config) -> int:
-    """Bytes of KV cache per token over every layer, from the config (keys
-    and values at 2 bytes; a model without the usual keys: hidden size x 2)."""
-    cfg = text_config(config)
-    layers = int(cfg.get("num_hidden_layers") or cfg.get("n_layers") or 1)
-    heads = int(cfg.get("num_attention_heads") or cfg.get("n_heads") or 1)
-    kv_heads = int(cfg.get("num_key_value_heads") or heads)
-    hidden = int(cfg.get("hidden_size") or cfg.get("d_model") or 0)
-    head_dim = int(cfg.get("head_dim") or (hidden // heads if heads else 0))
-    return layers * 2 * kv_heads * head_dim * 2
-
-
-def expert_budgets(memory: Sequence[int], dense: Sequence[int], kv: int) -> List[float]:
-    """[N] GB each rank can give its experts: its memory less its dense part,
-    its KV reserve and ``MARGIN``. Raises ``UserError`` naming the first rank
-    left with nothing."""
-    out = []
-    for rank, (has, d) in enumerate(zip(memory, dense)):
-        left = has * (1 - MARGIN) - d - (kv if d else 0)
-        if left <= 0:
-            raise UserError(f"rank {rank} has {has / 1e9:.3g} GB: its dense part ({d / 1e9:.3g} GB), KV reserve "
-                            f"({(kv if d else 0) / 1e9:.3g} GB) and margin ({has * MARGIN / 1e9:.3g} GB) leave "
-                            f"nothing for experts")
-        out.append(left / 1e9)
-    return out
-
-
-def check_plan_fits(placement: Placement, budgets_gb: Sequence[float], expert_bytes: Dict[int, float],
-                    memory: Sequence[int]) -> None:
-    """Raise ``UserError`` naming the first rank whose experts under
-    ``placement`` exceed its budget (``expert_budgets``)."""
-    held = placement.held_counts(len(budgets_gb))
-    for rank, budget in enumerate(budgets_gb):
-        need = sum(counts[rank] * expert_bytes[l] for l, counts in held.items()) / 1e9
-        if need > budget:
-            raise UserError(f"rank {rank} would hold {need:.3g} GB of experts but has room for {budget:.3g} GB "
-                            f"({memory[rank] / 1e9:.3g} GB of memory, less its dense part, KV reserve and margin): "
-                            f"the model does not fit (more ranks, or page experts with --expert-capacity)")
+    fit = budget_fit(placement, rank, budget_gb, expert_bytes, capacity)
+    check_fits([fit])
+    return fit.experts / 1e9
