@@ -306,3 +306,45 @@ def test_job_prompts_are_templated_like_p(checkpoint, tmp_path, raw):
     (expected,) = mlx_lm_greedy(path, [prompt], 6, **encoding)
     assert record["tokens"] == expected
     assert record["prompt_tokens"] == len(job_ids(load_tokenizer(path), prompt, **encoding))
+
+
+def test_endless_and_shared_files_are_refused_at_start(tmp_path):
+    """A job file or --out that never ends or never takes a write (a device:
+    /dev/zero and /dev/urandom used to be read forever, /dev/full spun at
+    --out's repair) or --out naming the job file itself (also through a
+    symlink: the results were appended to the jobs): one line, every rank
+    ends, before the model loads (it does not exist here), the job file
+    untouched."""
+    jobs = tmp_path / "jobs.jsonl"
+    write_jobs(jobs, 2)
+    before = jobs.read_bytes()
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(jobs)
+    cases = [
+        ("/dev/zero", tmp_path / "out.jsonl", "job file /dev/zero is a character device, not a regular file"),
+        ("/dev/urandom", tmp_path / "out.jsonl", "job file /dev/urandom is a character device, not a regular file"),
+        (jobs, "/dev/full", "--out /dev/full is a character device, not a regular file"),
+        (jobs, jobs, f"--out {jobs} is the job file {jobs}"),
+        (jobs, link, f"--out {link} is the job file {jobs}"),
+    ]
+    for jobs_path, out, message in cases:
+        proc = launch(2, ["--model", tmp_path / "no-such-model", "--jobs", jobs_path, "--out", out], timeout=60)
+        lines = error_lines(proc.stderr)
+        assert proc.returncode == 2 and len(lines) == 1 and message in lines[0], proc.stderr[-2000:]
+    assert jobs.read_bytes() == before and not (tmp_path / "out.jsonl").exists()
+
+
+def test_a_full_disk_ends_the_run_with_one_line(checkpoint, tmp_path):
+    """--out on a file system that fills up mid-run (rank 0's view: a 4 KiB
+    tmpfs, tests/scripts/rank_view.py): the write error is one line and
+    every rank exits 1."""
+    jobs, full = tmp_path / "jobs.jsonl", tmp_path / "full"
+    write_jobs(jobs, 60)
+    view = [ROOT / "tests/scripts/rank_view.py", "--ranks", 0, "--hide", full, "--hide-size", "4k", "--"]
+    proc = launch(2, [*view, sys.executable, "-m", "mlxdist.run", "--model", checkpoint("tiny"), "--jobs", jobs,
+                      "--out", full / "out.jsonl", "-m", 8, "--batch-size", 4], module=None, timeout=120)
+    lines = error_lines(proc.stderr.replace("\r", "\n"))
+    assert proc.returncode == 1 and lines == [f"mlxdist: error: cannot write {full / 'out.jsonl'}: No space left on "
+                                              f"device; the run stops (a rerun resumes after the records written)"], \
+        proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr

@@ -3,13 +3,16 @@ a bad line becomes an error record for its id, never the end of the run.
 
 Input: one JSON object per line with ``id`` and ``prompt`` or ``messages``,
 plus optional sampling parameters (max_tokens, temp, top_p, top_k, min_p,
-seed) overriding the command line's. Every line is read with bounded cost
-(``MAX_LINE_BYTES``, and ``json_input``'s limits) and every field is
-checked before anything is broadcast. Ids are strings (an integer id is its
+seed) overriding the command line's. The file is a regular one of at most
+``MAX_FILE_BYTES`` (a device such as ``/dev/zero`` never ends), every line
+is read with bounded cost (``MAX_LINE_BYTES``, and ``json_input``'s limits)
+and every field is checked before anything is broadcast. Ids are strings (an integer id is its
 ``str()``); the same id twice refuses the whole file before anything runs.
 """
 
 import math
+import os
+import stat
 from dataclasses import dataclass
 from typing import Any, BinaryIO, Dict, Iterator, List, Optional, Tuple, Union
 
@@ -21,6 +24,7 @@ from mlxdist.json_input import MAX_DEPTH
 
 SAMPLING_KEYS = ("max_tokens", "temp", "top_p", "top_k", "min_p", "seed", "num_draft_tokens", "prompt_lookup_ngram")
 MAX_LINE_BYTES = 1 << 20  # a longer line (of the job file or --out) is refused unread
+MAX_FILE_BYTES = 1 << 30  # a larger job file is refused: its entries are held before the run
 SEED_LIMIT = 2**64  # seeds are 64-bit unsigned integers
 INPUT_ERROR = 2  # exit status of a run refused for its input; the supervisor does not restart it
 _SHOW = 60  # characters of a bad value quoted in a reason
@@ -104,6 +108,30 @@ def bounded_lines(f: BinaryIO) -> Iterator[Tuple[int, bytes, bool]]:
                     ended = bool(rest)
                     break
         yield lineno, chunk, ended
+
+
+def file_kind(mode: int) -> str:
+    """What a file of ``st_mode`` ``mode`` is, in words."""
+    kinds = ((stat.S_ISDIR, "a folder"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+             (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"))
+    return next((name for test, name in kinds if test(mode)), "not a regular file")
+
+
+def open_regular(path: str, what: str, flags: int = os.O_RDONLY, mode: str = "rb") -> BinaryIO:
+    """``path`` opened with ``flags`` (without waiting: a FIFO would wait for
+    a writer), or ``UserError`` naming ``what`` unless it is a regular file:
+    a device (``/dev/zero``, ``/dev/urandom``, ``/dev/full``) never ends or
+    never takes a write, a FIFO reads once."""
+    try:
+        fd = os.open(path, flags | os.O_NONBLOCK, 0o644)
+    except OSError as e:
+        raise UserError(f"cannot open {what} {path}: {e.strerror}") from None
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
+        os.close(fd)
+        raise UserError(f"{what} {path} is {file_kind(info.st_mode)}, not a regular file: give a file")
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, mode)
 
 
 # -- the job file -----------------------------------------------------------
@@ -202,9 +230,15 @@ def parse_job(line: Union[str, bytes], lineno: int, defaults: Dict[str, Any]) ->
 
 def read_jobs(path: str, defaults: Dict[str, Any]) -> Iterator[Entry]:
     """A ``Job`` or a ``BadLine`` per non-blank line of the job file.
-    Raises OSError where the file cannot be read."""
-    with open(path, "rb") as f:
+    Raises OSError where the file cannot be read, ``UserError`` where it is
+    not a regular file or holds more than ``MAX_FILE_BYTES``."""
+    with open_regular(path, "job file") as f:
+        too_large = f"job file {path} holds more than {MAX_FILE_BYTES} bytes, the most a job file may: split it"
+        if os.fstat(f.fileno()).st_size > MAX_FILE_BYTES:
+            raise UserError(too_large)
         for lineno, raw, _ in bounded_lines(f):
+            if f.tell() > MAX_FILE_BYTES:  # it grew while read
+                raise UserError(too_large)
             if not raw.strip():
                 continue
             yield parse_job(raw, lineno, defaults)

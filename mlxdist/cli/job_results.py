@@ -15,7 +15,7 @@ from tqdm import tqdm
 
 from mlxdist.errors import UserError
 
-from mlxdist.cli.job_file import bounded_lines, parse_json_line
+from mlxdist.cli.job_file import bounded_lines, open_regular, parse_json_line
 
 
 # -- the output -------------------------------------------------------------
@@ -97,6 +97,10 @@ def warn(message: str) -> None:
         os.write(sys.stderr.fileno(), f"mlxdist: warning: {message}\n".encode("utf-8", "backslashreplace"))
 
 
+class OutputError(UserError):
+    """A record the ``--out`` file would not take: the run stops with this line."""
+
+
 class ResultsFile:
     """The ``--out`` file, held by one run: locked (``flock``, not waiting),
     its half-written last line cut off, its records read, then appended to,
@@ -104,10 +108,7 @@ class ResultsFile:
 
     def __init__(self, path: str):
         self.path = path
-        try:
-            self.file = open(path, "a+b")
-        except OSError as e:
-            raise UserError(f"cannot open {path}: {e.strerror}") from None
+        self.file = open_regular(path, "--out", os.O_RDWR | os.O_APPEND | os.O_CREAT, "a+b")
         try:
             fcntl.flock(self.file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
@@ -135,10 +136,19 @@ class ResultsFile:
         return results if retry_errors else results | errors
 
     def write(self, record: Dict[str, Any]) -> None:
-        """Append one record and make it durable."""
-        self.file.write(json.dumps(record).encode() + b"\n")
-        self.file.flush()
-        os.fsync(self.file.fileno())
+        """Append one record and make it durable; ``OutputError`` where the
+        file will not take it (a full disk: what was written of it is a
+        half-written last line, which the next run cuts off). Written past
+        the file object's buffer, so a failed write is not tried again at
+        close."""
+        line = memoryview(json.dumps(record).encode() + b"\n")
+        try:
+            while line:
+                line = line[os.write(self.file.fileno(), line):]
+            os.fsync(self.file.fileno())
+        except OSError as e:
+            raise OutputError(f"cannot write {self.path}: {e.strerror}; the run stops (a rerun resumes after the "
+                              f"records written)") from None
 
     def close(self) -> None:
         """Release the file (and its lock)."""

@@ -14,12 +14,15 @@ the run goes on. Ids are strings (an integer id is its ``str()``); the same id
 twice refuses the whole file before anything runs.
 
 Output: one JSON object per finished job, appended and fsynced as each batch
-finishes, by one run at a time (``flock`` on the file). A rerun cuts off a
+finishes, by one run at a time (``flock`` on the file), to a regular file
+that is not the job file; a record it will not take (a full disk) ends the
+run with one line. A rerun cuts off a
 half-written last line, reports and ignores damaged lines, and skips the ids
 already recorded (error records too, unless ``retry_errors``), so nothing is
 lost and nothing is written twice.
 """
 
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -28,10 +31,10 @@ from typing import Any, Dict, List, Optional, Set, Union
 
 from tqdm import tqdm
 
-from mlxdist.errors import GenerationFailed, UserError, one_line
+from mlxdist.errors import GenerationFailed, UserError, one_line, say_error
 
 from mlxdist.cli.job_file import INPUT_ERROR, BadLine, Entry, Job, error_record, is_integer, load_job_file, show_value
-from mlxdist.cli.job_results import ResultsFile, warn
+from mlxdist.cli.job_results import OutputError, ResultsFile, warn
 
 __all__ = ["INPUT_ERROR", "JobRun", "open_jobs", "run_jobs"]
 
@@ -72,6 +75,9 @@ def open_jobs(jobs_path: str, out_path: str, defaults: Dict[str, Any], retry_err
     ``UserError`` (unreadable file, duplicate ids, output held by another run).
     ``templated`` / ``system_prompt``: how prompt lines are encoded (``JobRun.prompt_of``)."""
     entries = load_job_file(jobs_path, defaults)
+    if _same_file(jobs_path, out_path):
+        raise UserError(f"--out {out_path} is the job file {jobs_path}: the results would be appended to the jobs; "
+                        f"give another file")
     out = ResultsFile(out_path)
     try:
         done = out.finished(retry_errors)
@@ -79,6 +85,14 @@ def open_jobs(jobs_path: str, out_path: str, defaults: Dict[str, Any], retry_err
         out.close()
         raise
     return JobRun(jobs_path, entries, out, done, templated, system_prompt)
+
+
+def _same_file(a: str, b: str) -> bool:
+    """Whether two paths name one file (a symlink, a hard link, another spelling)."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one does not exist (yet)
+        return False
 
 
 def run_jobs(cluster, jobs: Union[JobRun, str], out_path: Optional[str] = None,
@@ -89,6 +103,10 @@ def run_jobs(cluster, jobs: Union[JobRun, str], out_path: Optional[str] = None,
     run = jobs if isinstance(jobs, JobRun) else open_jobs(jobs, out_path, defaults or {}, retry_errors)
     try:
         return _run(cluster, run, batch_size)
+    except OutputError as e:  # rank 0's file: the other ranks are waiting for the next command, not in a step
+        with tqdm.external_write_mode(file=sys.stderr):  # on a line of its own, not after the bar
+            say_error(str(e))
+        return 1
     finally:
         run.close()
 
