@@ -16,7 +16,7 @@ naming the field (``RequestError``). What passes is what mlx-lm reads.
 import json
 import math
 from dataclasses import dataclass
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Dict, Iterable, Optional, Tuple
 
 from mlxdist import json_input
 from mlxdist.digits import parse_int
@@ -332,8 +332,3 @@ def error_body(message: str, kind: str = "invalid_request_error", param: Optiona
                code: Optional[Any] = None) -> Dict[str, Any]:
     """OpenAI's error object."""
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
-
-
-def field_names() -> List[str]:
-    """The fields a request may carry (documented in docs/serving.md)."""
-    return sorted(KNOWN | IGNORED)
