@@ -82,12 +82,12 @@ def _range(low: Optional[float], high: Optional[float], above: Optional[float]) 
 
 
 def arg_int(low: Optional[int] = None) -> Callable[[str], int]:
-    """An argparse type: an ASCII integer (of at least ``low`` where given;
-    a sign is read only where ``low`` is None or negative)."""
+    """An argparse type: an ASCII integer (of at least ``low`` where given:
+    ``-1`` against a low of 1 is refused for being below it)."""
 
     def read(text: str) -> int:
         try:
-            value = parse_int(text, "the value", signed=low is None or low < 0)
+            value = parse_int(text, "the value", signed=True)
         except ValueError as e:
             raise argparse.ArgumentTypeError(str(e)) from None
         if low is not None and value < low:
