@@ -160,7 +160,8 @@ class CommandExecutor:
             if not engine.runs_dense:
                 engine.serve()
             elif len(args["prompts"]) == 1 and not args.get("batch"):
-                alone = engine.strategy_for(1) == "replicas"  # every rank holds the model
+                # a strategy with no exchange (replicas): every rank holds the model, rank 0 runs it alone
+                alone = not engine.dispatchers[engine.strategy_for(1)].exchanges
                 if alone and not self.world.is_root:
                     ACTIVITY.beat("serving")
                 else:
