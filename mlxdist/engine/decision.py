@@ -108,23 +108,24 @@ def recall(world: World, options: LoadOptions, digests: Dict[str, str], revision
     hosts = exchange(world, socket.gethostname())
     key = decision_key(options, digests, revision, placement, hosts, world.backend, device, libraries)
     path = decisions_root() / f"{key}.json"
-    stored = None
+    clean = None
     if world.is_root and not (options.remeasure or envs.get("MLXDIST_REMEASURE")):
         stored, why = _read(path)
         if why is None and stored is not None:
-            try:
-                parse(stored, key)
+            try:  # what the others are sent is the decision as read, nothing else of the file
+                inputs, split = parse(stored, key)
+                when = stored.get("decided_at")
+                clean = {"version": VERSION, "key": key, "inputs": _inputs_json(inputs), "split": _split_json(split),
+                         "decided_at": when if isinstance(when, str) and len(when) <= 40 else None}
             except ValueError as e:
                 why = str(e)
         if why is not None:
-            stored = None
             _warn(f"ignoring the stored auto decision {path}: {why}; measuring again")
-    stored = exchange(world, stored)[0]  # rank 0's, on every rank
-    if stored is None:
+    clean = exchange(world, clean)[0]  # rank 0's, on every rank
+    if clean is None:
         return Recalled(key, path)
-    inputs, split = parse(stored, key)
-    when = stored.get("decided_at")
-    return Recalled(key, path, inputs, split, when if isinstance(when, str) and len(when) <= 40 else None)
+    inputs, split = parse(clean, key)
+    return Recalled(key, path, inputs, split, clean["decided_at"])
 
 
 def settle(world: World, recalled: Optional[Recalled], inputs: Optional[AutoInputs], split: Optional[SplitChoice],
@@ -180,7 +181,7 @@ def parse(stored: Any, key: str):
         worst = {}
         for cut in CUTS:
             pair = _object(s.get("worst"), "split.worst").get(cut)
-            if not (isinstance(pair, list) and len(pair) == 2 and pair[1] in BATCHES):
+            if not (isinstance(pair, list) and len(pair) == 2 and type(pair[1]) is int and pair[1] in BATCHES):
                 raise ValueError("split.worst must give each cut [ratio, batch]")
             worst[cut] = (_number(pair[0], "split.worst"), int(pair[1]))
         split = SplitChoice(s["split"], steps, strategies, worst, _inputs(s.get("inputs")))

@@ -1,7 +1,7 @@
 """Under mpirun, with a decision stored for CKPT by an earlier launch: load
 CKPT under auto (the stored decision, reused), read every rank's stats, load
-with remeasure, then with each hostile file in place of the decision (each
-measured again), then with exact (collective for every batch) and
+with remeasure, then with each hostile file in place of the decision, and one made for
+other shapes (each measured again), then with exact (collective for every batch) and
 exact under dp (refused). Prints JSON.
 
     python decision_each.py CKPT
@@ -36,6 +36,10 @@ def run(cluster, args) -> dict:
         store.write_bytes(data)
         load()
         out["rewritten"].append(json.loads(store.read_text())["key"] == first["key"])  # measured, stored again
+    other = json.loads(store.read_text())  # a decision of this key, for another model's shapes
+    other["inputs"]["shape"]["hidden"] += 1
+    store.write_text(json.dumps(other))
+    load()
     store.unlink()
     store.mkdir()  # not a file at all: measured, and the decision cannot be stored there
     load()
