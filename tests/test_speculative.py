@@ -145,3 +145,28 @@ def test_auto_width_follows_what_earlier_prompts_measured(checkpoint, plain):
     widths = [r["num_draft_tokens"] for r in records]
     assert widths[0] == 3 and widths[1] in (2, 4), widths
     assert all(1 <= k <= 16 for k in widths), widths
+
+
+def test_the_servers_prompt_cache_keeps_entries_cut_to_their_tokens():
+    """serving/prompt_cache.py, on mlx-lm's own caches: an entry whose layers
+    hold fewer tokens than its key (the speculative loop's) is kept under the
+    tokens every layer holds; a request equal to a whole key gets the entry
+    less its last token, which it then computes."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+
+    from mlxdist.serving.prompt_cache import AlignedPromptCache
+
+    def layer(tokens):
+        cache = KVCache()
+        cache.update_and_fetch(mx.zeros((1, 1, tokens, 4)), mx.zeros((1, 1, tokens, 4)))
+        return cache
+
+    store = AlignedPromptCache(4)
+    store.insert_cache("m", [1, 2, 3, 4, 5, 6], [layer(5), layer(4)])  # the model one short, the draft two
+    cache, rest = store.fetch_nearest_cache("m", [1, 2, 3, 4, 9])
+    assert rest == [9] and [c.offset for c in cache] == [4, 4]
+    cache, rest = store.fetch_nearest_cache("m", [1, 2, 3, 4])
+    assert rest == [4] and [c.offset for c in cache] == [3, 3]
+    cache, rest = store.fetch_nearest_cache("m", [1, 2, 3, 4, 5, 6])  # tokens 5 and 6 were not kept
+    assert rest == [5, 6] and [c.offset for c in cache] == [4, 4]
