@@ -198,10 +198,12 @@ def bench_case(cluster, mode: str, prompts: List[List[int]], args) -> Dict[str, 
 
 
 def _load(cluster, mode: str, args, draft_model: Optional[str] = None) -> None:
-    """Load ``args.model`` in ``mode`` (with a draft model where given), EOS ignored."""
+    """Load ``args.model`` in ``mode`` (with a draft model where given), EOS
+    ignored; ``auto`` measures and decides on the link of this run, never
+    from a decision stored by another (an emulated link keeps the key)."""
     cluster.load(args.model, dispatch=mode, layout=args.layout, expert_split=args.expert_split,
                  placement=args.placement, draft_model=draft_model,
-                 replicate=args.replicate if modes.mode(mode).replicates else "auto")
+                 replicate=args.replicate if modes.mode(mode).replicates else "auto", remeasure=True)
     cluster.probe("no_eos")
     if args.no_link:
         cluster.probe("no_link", on=True)
