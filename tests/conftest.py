@@ -48,8 +48,8 @@ def launch(np_: int, args, timeout: float = 120, input: str = None, module: str 
     """Run ``python -m module args`` (a script where module is None) on
     ``np_`` ranks (no mpirun for np_ = 0), with ``env`` over ``mpirun_env()``
     (a value None unsets the variable). A launch that Open MPI's launcher
-    failed before any rank ran (LAUNCHER_FAILURE; in bursts here: twice in a
-    row once) is tried again, up to LAUNCHER_RETRIES times."""
+    failed before any rank ran (LAUNCHER_FAILURE, which can come several in
+    a row) is tried again, up to LAUNCHER_RETRIES times."""
     return retry_launcher(lambda: _launch(np_, args, timeout, input, module, env, mpirun_args))
 
 
