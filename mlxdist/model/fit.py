@@ -394,7 +394,7 @@ def table(configs: Sequence[Path], ranks: Sequence[int], gbs: Sequence[int], bit
 
 
 def main(argv=None) -> int:
-    from mlxdist.digits import arg_int
+    from mlxdist.digits import arg_int, parse_int, parse_number
     from mlxdist.errors import say_error
 
     p = argparse.ArgumentParser(prog="python -m mlxdist.model.fit", description=table.__doc__.split("\n")[0])
@@ -407,12 +407,13 @@ def main(argv=None) -> int:
     p.add_argument("--share", default="0.75,0.9", help="the GPU's share of each Mac's memory (default %(default)s)")
     args = p.parse_args(argv)
     try:
-        ranks, gbs = [int(x) for x in args.ranks.split(",")], [int(x) for x in args.gb.split(",")]
-        shares = [float(x) for x in args.share.split(",")]
-        if min(ranks) < 1 or min(gbs) < 1 or not all(0 < s <= 1 for s in shares):
-            raise ValueError
-    except ValueError:
-        say_error("--ranks and --gb take positive integers, --share numbers in (0, 1], comma-separated")
+        ranks = [parse_int(x.strip(), "--ranks") for x in args.ranks.split(",")]
+        gbs = [parse_int(x.strip(), "--gb") for x in args.gb.split(",")]
+        shares = [parse_number(x.strip(), "--share", high=1, above=0) for x in args.share.split(",")]
+        if min(ranks) < 1 or min(gbs) < 1 or max(ranks) > 1024 or max(gbs) > 1 << 20:
+            raise ValueError("--ranks takes 1 to 1024 Macs, --gb 1 to 1048576 GB")
+    except ValueError as e:
+        say_error(str(e))
         return 2
     try:
         print(table(args.config, ranks, gbs, args.bits, args.kv_reserve_tokens, shares))
