@@ -33,7 +33,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from mlxdist import __version__, envs
 from mlxdist.config import LoadOptions
@@ -161,7 +161,7 @@ def usable(world: World, recalled: Recalled, stored_shape: traffic.Shape, shape:
     return False
 
 
-def parse(stored: Any, key: str):
+def parse(stored: Any, key: str) -> Tuple[Optional[AutoInputs], Optional[SplitChoice]]:
     """(AutoInputs or None, SplitChoice or None) from a stored decision of
     ``key``; ``ValueError`` saying what is wrong with it."""
     if not isinstance(stored, dict) or stored.get("version") != VERSION:
