@@ -25,6 +25,7 @@ from mlxdist.errors import (
 )
 from mlxdist.model.fingerprint import differing_files
 from mlxdist.model.placement import Placement
+from mlxdist.model.unreceived import explain
 from mlxdist.runtime import faults
 from mlxdist.runtime.agreement import exchange, failed_together
 from mlxdist.runtime.world import World
@@ -122,6 +123,7 @@ class CommandExecutor:
         except StepFailed as e:  # every rank raised it at the same exchange
             raise LoadError(str(e)) from None
         except Exception as e:  # a corrupt file fails deep inside mlx or tokenizers
+            e = explain(e)  # a read of bytes a share was not sent
             error = one_line(e)
             if not isinstance(e, MlxdistError):
                 path = keep_traceback(self.world.rank)

@@ -193,6 +193,27 @@ def test_under_mlx_launch_a_rank_is_sent_its_share(checkpoint, tmp_path):
     assert _received(first)[1] > _kept(first)[1] and _received(again) == [0, 0]
 
 
+def test_under_mlx_launch_ring_four_ranks_the_shares_are_relayed(checkpoint, tmp_path):
+    """mlx.launch --backend ring -n 4, the model folder on rank 0 only: MLX's ring sends only to a rank's
+    neighbours, so the files and each share go forward along the ring (ranks 1 and 2 pass on what the ranks after
+    them need). Every rank is sent its share and the tokens are mlx-lm's."""
+    from mlxdist.runtime.backends import free_port
+
+    path = checkpoint("qwen3_moe")  # 12 experts a layer: 3 a rank
+
+    def ring(cmd):  # launch/mlx-launch: mlx.launch, exiting with the ranks' status
+        return subprocess.run([ROOT / "launch/mlx-launch", "--backend", "ring", "-n", "4", "--starting-port",
+                               str(free_port()), "--", sys.executable, *map(str, cmd)],
+                              capture_output=True, text=True, timeout=420, cwd=ROOT, env=mpirun_env())
+
+    (step,) = _share_steps(4, path, ["collective:even"], ["--hide", path.parent, "--cache", tmp_path / "cache"],
+                           tmp_path, launcher=ring)
+    assert step["tokens"] == reference(path)[0]
+    assert _received(step)[0] == 0
+    for r in (1, 2, 3):
+        assert _kept(step)[r] < _received(step)[r] <= 1.1 * (_kept(step)[r] + _files_bytes(path)), (r, step)
+
+
 def test_cache_lists_and_removes_shares(tmp_path, monkeypatch):
     """python -m mlxdist.cache on a share written by model/share.py."""
     from mlxdist.model.share import Share

@@ -343,8 +343,10 @@ class Engine:
         if self.located is not None:  # a rank holding only its share is sent the experts new to it
             from mlxdist.engine.fetch import fetch_share, rank_spans
 
-            fetch_share(self.world, self.located, lambda: rank_spans(self.world, self.options, sources,
-                                                                     list(sites.values()), plan))
+            if fetch_share(self.world, self.located, lambda: rank_spans(self.world, self.options, sources,
+                                                                        list(sites.values()), plan)):
+                lazy_model, sources = self._lazy_model()  # read before the share grew: it refused the new experts
+                sites = {s.layer: s for s in find_switch_sites(lazy_model)}
             self.memory["received_bytes"] = self.located.received
         paging = self.paging or PagingStats()
         prepared = {}

@@ -14,6 +14,13 @@ only. Two steps of LOAD, each called by every rank at the same point:
    (``model/share_needs.py``), checks those its share holds, and asks for
    the rest; the source streams each rank its ranges in bounded chunks
    (``model/transfer.py``), checked by a checksum (XXH3, ``model/checksum.py``), written into the share.
+   A lazy model read from the share before it grew is read again: it
+   refused what the share lacked then (``model/unreceived.py``).
+
+Where only neighbours can talk (MLX's ``ring`` and ``jaccl-ring``), the
+files and each share go forward along the ring from the source, the ranks
+between passing each chunk on (``transfer.hops``); in ring order, so each
+rank has its own before it passes on the later ones'.
 
 Every step ends with the ranks agreeing (``runtime/agreement.py``'s
 ``exchange``): an error on any rank is raised on every rank, so no rank waits
@@ -97,25 +104,39 @@ def locate_model(world: World, model: str, revision: Optional[str]) -> Located:
             error = one_line(e)
     wants = exchange(world, need_files, error)
     link = transfer.link_for(world)
-    for r, want in enumerate(wants):
-        if not want:
+    blob = b""  # where the files cannot be packed, an empty message: each receiver waits for one
+    if world.rank == source and any(wants):
+        try:
+            blob = _pack_files(path, ref["digests"])
+        except Exception as e:  # noqa: BLE001
+            error = one_line(e)
+    for r in transfer.ring_order(world.size, source):
+        if not wants[r]:
             continue
+        route = transfer.hops(link, world.size, source, r)
         if world.rank == source:
             say(f"sending rank {r} the model's files (config, tokenizer, weight headers)")
             try:
-                transfer.send_blob(link, r, _pack_files(path, ref["digests"]))
+                transfer.send_blob(link, route[1], blob)
             except Exception as e:  # noqa: BLE001
                 error = one_line(e)
         elif world.rank == r:
-            error = _unpack_files(located, transfer.recv_blob(link, source))
+            error = _unpack_files(located, transfer.recv_blob(link, route[-2]))
+        elif world.rank in route:
+            at = route.index(world.rank)
+            error = _relaying(lambda: transfer.relay_blob(link, route[at - 1], route[at + 1])) or error
     exchange(world, None, error)
+    if located.share is not None:  # until its share is fetched, what it lacks is refused (model/unreceived.py)
+        located.share.guard()
     return located
 
 
-def fetch_share(world: World, located: Located, spans: Callable[[], Spans]) -> None:
-    """Step 2 (see the module's docstring): ``spans()`` says what this rank reads."""
+def fetch_share(world: World, located: Located, spans: Callable[[], Spans]) -> bool:
+    """Step 2 (see the module's docstring): ``spans()`` says what this rank
+    reads. Returns whether this rank's share grew: a lazy model read from it
+    before (``model/unreceived.py`` refused what it lacked then) is stale."""
     if located.everyone_holds:
-        return
+        return False
     missing, error = {}, None
     if located.share is not None:
         try:
@@ -125,22 +146,28 @@ def fetch_share(world: World, located: Located, spans: Callable[[], Spans]) -> N
             error = one_line(e)
     asks = exchange(world, [[n, s, e] for n, ranges in missing.items() for s, e in ranges], error)
     link = transfer.link_for(world)
-    for r, ask in enumerate(asks):
-        wanted = [tuple(x) for x in ask]
+    for r in transfer.ring_order(world.size, located.source):
+        wanted = [tuple(x) for x in asks[r]]
         if not wanted:
             continue
+        route = transfer.hops(link, world.size, located.source, r)
         if world.rank == located.source:
             try:
                 with transfer.FolderFiles(located.path, "rb") as files, Stage(f"sent rank {r} its share",
                                                                 sum(e - s for _, s, e in wanted)) as stage:
-                    located.sent[r] = transfer.send_spans(link, r, files, wanted, stage.update)
+                    located.sent[r] = transfer.send_spans(link, route[1], files, wanted, stage.update)
             except Exception as e:  # noqa: BLE001
                 error = one_line(e)
         elif world.rank == r:
-            error = _receive(located, link, wanted)
+            error = _receive(located, link, wanted, route[-2]) or error
+        elif world.rank in route:
+            at = route.index(world.rank)
+            error = _relaying(lambda: transfer.relay_spans(link, route[at - 1], route[at + 1], wanted)) or error
     exchange(world, None, error)
-    if located.share is not None:
-        located.share.guard()
+    if located.share is None:
+        return False
+    located.share.guard()
+    return bool(asks[world.rank])
 
 
 def rank_spans(world: World, options, sources, sites, plan) -> Spans:
@@ -156,14 +183,24 @@ def rank_spans(world: World, options, sources, sites, plan) -> Spans:
     return share_spans(sources.index, sources, sites, owned, dense, whole)
 
 
-def _receive(located: Located, link, spans) -> Optional[str]:
-    """Receive ``spans`` into this rank's share; an error (as one line) once the stream is drained."""
+def _relaying(relay: Callable[[], Any]) -> Optional[str]:
+    """Run ``relay`` (this rank passing a stream on between two others); an error as one line."""
+    try:
+        relay()
+    except Exception as e:  # noqa: BLE001
+        return one_line(e)
+    return None
+
+
+def _receive(located: Located, link, spans, src: int) -> Optional[str]:
+    """Receive ``spans`` from ``src`` (the source, or the rank before this one
+    on the ring) into this rank's share; an error (as one line) once the stream is drained."""
     share = located.share
     before = rss_now()
     reset_rss_peak()
     with transfer.FolderFiles(share.folder, "r+b") as files:
         try:
-            sums = transfer.recv_spans(link, located.source, files, spans)
+            sums = transfer.recv_spans(link, src, files, spans)
         except Exception as e:  # noqa: BLE001
             return one_line(e)
     peak = rss_peak()

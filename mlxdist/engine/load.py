@@ -89,7 +89,8 @@ def load_engine(world: World, options: LoadOptions) -> Engine:
     options, split = _expert_split(world, options, lazy, plan, recalled)
     by_width = options.expert_split == "width" and world.size > 1
     # Before anything is evaluated (finding the routers runs them).
-    fetch_share(world, located, lambda: rank_spans(world, options, lazy.sources, lazy.sites, plan))
+    if fetch_share(world, located, lambda: rank_spans(world, options, lazy.sources, lazy.sites, plan)):
+        lazy = _read_again(lazy)
     strategies, routers = _strategies(world, options, lazy, by_width, plan)
     dispatchers = _dispatchers(world, options, lazy, strategies, routers, by_width)
     first = dispatchers[strategies[0]]
@@ -154,6 +155,15 @@ def _read_lazy(path: Path) -> _Lazy:
     check_config(path)
     index = read_safetensors_index(path)
     try:
+def _read_again(lazy: _Lazy) -> _Lazy:
+    """``lazy`` with mlx-lm's lazy model read again, the rest kept: read
+    before this rank's share grew, it refuses what the share holds now
+    (``model/unreceived.py``)."""
+    fresh = _read_lazy(lazy.path)
+    return replace(lazy, index=fresh.index, model=fresh.model, config=fresh.config, sources=fresh.sources,
+                   sites=fresh.sites)
+
+
         lazy_model, config, sources = load_lazy(path, index)
     except (ValueError, FileNotFoundError, OSError, KeyError, TypeError) as e:
         raise UserError(f"cannot load {path}: {one_line(e)}") from None

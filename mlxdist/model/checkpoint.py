@@ -187,17 +187,35 @@ def register_held(file: Path, ranges: List[Tuple[int, int]]) -> None:
     _HELD[Path(file)] = sorted(ranges)
 
 
-def check_held(file: Path, start: int, length: int) -> None:
-    """Raise ``CheckpointError`` where ``file`` is part of a share that lacks these bytes."""
+def any_share() -> bool:
+    """Whether this process reads from a share (``register_held`` was called)."""
+    return bool(_HELD)
+
+
+def is_share_file(file: Path) -> bool:
+    """Whether ``file`` is a weight file of a share registered with ``register_held``."""
+    return Path(file) in _HELD
+
+
+def holds(file: Path, start: int, length: int) -> bool:
+    """Whether bytes ``start..start + length`` of ``file`` may be read: any
+    file that is no share's, and a share's ranges it holds."""
     ranges = _HELD.get(Path(file))
     if ranges is None or length == 0:
-        return
+        return True
     end, at = start + length, start
     for s, e in ranges:
         if s <= at < e:
             at = e
             if at >= end:
-                return
+                return True
+    return False
+
+
+def check_held(file: Path, start: int, length: int) -> None:
+    """Raise ``CheckpointError`` where ``file`` is part of a share that lacks these bytes."""
+    if holds(file, start, length):
+        return
     raise CheckpointError(f"{file} is this rank's share of the model, which lacks bytes {start}..{end} "
                           f"(experts it did not hold at load: load again to fetch them)")
 

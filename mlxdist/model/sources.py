@@ -32,6 +32,7 @@ from mlx.utils import tree_unflatten
 from mlxdist.arrays import from_numpy, to_numpy
 from mlxdist.errors import CheckpointError
 from mlxdist.model.checkpoint import SwitchSite, TensorEntry, entry_dtype, read_rows, read_stacked, stacked_tensors
+from mlxdist.model.unreceived import refuse_unheld
 
 _NUMPY = {mx.float32: np.float32, mx.float16: np.float16, mx.bfloat16: np.uint16, mx.uint32: np.uint32,
           mx.int32: np.int32, mx.uint8: np.uint8, mx.int8: np.int8, mx.int64: np.int64, mx.uint16: np.uint16}
@@ -155,7 +156,8 @@ def load_lazy(path: Path, index: Dict[str, TensorEntry]) -> Tuple[nn.Module, Dic
     """``mlx_lm.utils.load_model(path, lazy=True)``, recording, for the
     duration of the call, each ``mx.stack`` its ``sanitize`` runs and the
     name each ``mx.load`` gave each tensor, so that a stacked expert tensor
-    can be rebuilt from its owned experts' inputs alone.
+    can be rebuilt from its owned experts' inputs alone. From a share, a
+    tensor it does not hold whole fails when evaluated (``model/unreceived.py``).
 
     A model's ``sanitize`` (and whatever it calls, in any module) stacks
     through ``mx.stack``, and a lazy array does not tell its inputs, so the
@@ -171,6 +173,8 @@ def load_lazy(path: Path, index: Dict[str, TensorEntry]) -> Tuple[nn.Module, Dic
 
     def recording_load(file, *args, **kwargs):
         out = load(file, *args, **kwargs)
+        if isinstance(out, dict):  # a share's tensors it lacks fail when read
+            out = refuse_unheld(file, out, load)
         if isinstance(out, dict) and threading.get_ident() == loader:
             loaded.update((id(v), (k, v)) for k, v in out.items())
         return out

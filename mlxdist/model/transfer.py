@@ -18,6 +18,10 @@ checksum differs.
 Links, one per launcher: ``MpiLink`` (mpi4py's point-to-point messages,
 under mpirun, whatever MLX's backend) and ``MlxLink`` (MLX's
 ``send``/``recv`` on the job's group, under ``mlx.launch``: ring and jaccl).
+MLX's ``ring`` and ``jaccl-ring`` let a rank send to its two neighbours
+only: there a stream goes forward along the ring, each rank between the
+sender and the receiver passing every chunk on as it comes (``hops``,
+``relay_spans``); the other links send straight to the receiver.
 """
 
 import queue
@@ -33,6 +37,9 @@ from mlxdist.errors import UserError
 from mlxdist.model.checksum import Checksum
 
 CHUNK = 16 << 20  # bytes per message
+# MLX backends whose send/recv reach the two neighbours of a rank only ("[ring] Send only supported to direct
+# neighbors"): what goes further is relayed by the ranks between.
+NEIGHBOURS_ONLY = ("ring", "jaccl-ring")
 _TAG = 733
 
 Span = Tuple[str, int, int]  # (file name, start, end)
@@ -41,6 +48,8 @@ Progress = Optional[Callable[[int], None]]  # called with the bytes of each chun
 
 class Link(ABC):
     """Point-to-point byte messages between two ranks."""
+
+    neighbours_only = False  # whether a rank may send only to the next rank and the one before it
 
     @abstractmethod
     def isend(self, buf: np.ndarray, dst: int):
@@ -66,9 +75,14 @@ class MpiLink(Link):
         return self.comm.Irecv([buf, MPI.BYTE], source=src, tag=_TAG)
 
 
-class _Done:
+class _Sent:
+    def __init__(self, array):
+        self.array = array
+
     def wait(self):
-        pass
+        import mlx.core as mx
+
+        mx.eval(self.array)
 
 
 class _Received:
@@ -89,13 +103,18 @@ class MlxLink(Link):
         if backend == "nccl":
             raise UserError("a rank without the model is sent its share by point-to-point messages, which MLX's "
                             "nccl backend lacks: give every rank the model, or launch with mpirun")
+        import mlx.core as mx
+
         self.group = group
+        self.neighbours_only = backend in NEIGHBOURS_ONLY
+        self.sends = mx.new_stream(mx.cpu)  # a send runs beside a receive (relay_spans)
 
     def isend(self, buf, dst):
         import mlx.core as mx
 
-        mx.eval(mx.distributed.send(mx.array(buf), dst, group=self.group, stream=mx.cpu))
-        return _Done()
+        sent = mx.distributed.send(mx.array(buf), dst, group=self.group, stream=self.sends)  # buf copied: free now
+        mx.async_eval(sent)
+        return _Sent(sent)
 
     def irecv(self, buf, src):
         import mlx.core as mx
@@ -109,6 +128,43 @@ def link_for(world) -> Link:
     if world.control.has_mpi:
         return MpiLink(world.comm)
     return MlxLink(world.group, world.backend)
+
+
+def hops(link: Link, size: int, source: int, dst: int) -> List[int]:
+    """The ranks a stream from ``source`` to ``dst`` passes through, both
+    included: straight there, or where only neighbours can talk, forward
+    along the ring (source, source + 1, ..., dst, modulo ``size``)."""
+    if not link.neighbours_only:
+        return [source, dst]
+    return [(source + i) % size for i in range((dst - source) % size + 1)]
+
+
+def ring_order(size: int, source: int) -> List[int]:
+    """Every rank but ``source``, in the order a ring from ``source`` reaches
+    them: each rank receives its own stream before it relays the later ones."""
+    return [(source + i) % size for i in range(1, size)]
+
+
+def relay_spans(link: Link, src: int, dst: int, spans: List[Span], chunk: int = CHUNK) -> int:
+    """Pass the stream of ``spans`` (what ``send_spans`` sends) from ``src``
+    on to ``dst`` chunk by chunk, and its checksums after it; returns the
+    bytes passed on. Each chunk goes on as soon as it is in, so a stream
+    through k ranks takes about one chunk's time per rank more than one hop."""
+    size = min(chunk, max(1, sum(e - s for _, s, e in spans)))
+    bufs, sending, passed = [np.empty(size, np.uint8), np.empty(size, np.uint8)], None, 0
+    for i, pieces in enumerate(chunks(spans, chunk)):
+        n, buf = _size(pieces), bufs[i % 2]  # received into one buffer while the other one is sent on
+        link.irecv(buf[:n], src).wait()
+        if sending is not None:
+            sending.wait()
+        sending = link.isend(buf[:n], dst)
+        passed += n
+    if sending is not None:
+        sending.wait()
+    sums = np.empty(len(spans) * 8, np.uint8)
+    link.irecv(sums, src).wait()
+    link.isend(sums, dst).wait()
+    return passed
 
 
 def chunks(spans: List[Span], chunk: int = CHUNK) -> Iterator[List[Tuple[int, int, int, int]]]:
@@ -287,6 +343,14 @@ def send_blob(link: Link, dst: int, data: bytes) -> None:
     """Send ``data`` whole (small: the model's config and tokenizer files)."""
     link.isend(np.array([len(data)], dtype=np.int64).view(np.uint8), dst).wait()
     send_spans(link, dst, _Blob(data), [("", 0, len(data))])
+
+
+def relay_blob(link: Link, src: int, dst: int) -> None:
+    """Pass a ``send_blob`` from ``src`` on to ``dst``."""
+    n = np.empty(1, dtype=np.int64)
+    link.irecv(n.view(np.uint8), src).wait()
+    link.isend(n.view(np.uint8), dst).wait()
+    relay_spans(link, src, dst, [("", 0, int(n[0]))])
 
 
 def recv_blob(link: Link, src: int) -> bytes:

@@ -1,0 +1,77 @@
+"""No hole of a share reaches mlx-lm: what ``mx.load`` gives mlx-lm from a
+share's weight file (``model/share.py``).
+
+A share's weight file is sparse: the bytes its rank was not sent read as
+zeros. mlxdist's own offset reads check the ranges held
+(``checkpoint.check_held``), but mlx-lm's ``load_model`` calls ``mx.load``
+on the whole file and evaluates whatever the model keeps (dense tensors,
+experts that ``sanitize`` builds): a tensor it evaluates from a hole would
+silently be zeros. So every tensor of a share file that the share does not
+hold whole is given to mlx-lm as an array that fails when evaluated: MLX
+loads it lazily from a file of that tensor's header (``<share>/unreceived/
+<file name>``), which is then cut short, so evaluating it raises MLX's
+``[read] Unable to read from file``; ``explain`` turns that into one line.
+A tensor the share holds whole reads from the share as before.
+"""
+
+import json
+import os
+import struct
+from pathlib import Path
+from typing import Callable, Dict
+
+import mlx.core as mx
+
+from mlxdist.errors import CheckpointError
+from mlxdist.model.checkpoint import any_share, holds, is_share_file
+from mlxdist.model.fingerprint import header_bytes
+
+FOLDER = "unreceived"  # beside a share's files
+MLX_READ_FAILED = "[read] Unable to read from file"
+
+
+def refuse_unheld(file, arrays: Dict[str, mx.array], load: Callable = mx.load) -> Dict[str, mx.array]:
+    """``arrays`` (what ``load(file)`` gave, name -> lazy array), with every
+    tensor that the share ``file`` belongs to does not hold whole replaced by
+    an array of its shape and dtype that fails when evaluated; ``arrays``
+    itself where ``file`` is no share's."""
+    file = Path(file)
+    if not is_share_file(file):
+        return arrays
+    head = header_bytes(file)
+    header = json.loads(head[8:])
+    unheld = {name: info for name, info in header.items()
+              if name in arrays and not holds(file, len(head) + info["data_offsets"][0],
+                                              info["data_offsets"][1] - info["data_offsets"][0])}
+    if not unheld:
+        return arrays
+    return {**arrays, **_failing_arrays(file.parent / FOLDER / file.name, unheld, load)}
+
+
+def _failing_arrays(poison: Path, unheld: Dict[str, Dict], load: Callable) -> Dict[str, mx.array]:
+    """Arrays shaped as ``unheld``'s tensors (safetensors header entries),
+    lazily loaded from ``poison``, a file cut short after the load."""
+    header, at = {}, 0
+    for name, info in unheld.items():
+        size = info["data_offsets"][1] - info["data_offsets"][0]
+        header[name] = {"dtype": info["dtype"], "shape": info["shape"], "data_offsets": [at, at + size]}
+        at += size
+    text = json.dumps(header).encode()
+    prefix = struct.pack("<Q", len(text)) + text
+    poison.parent.mkdir(exist_ok=True)
+    poison.unlink(missing_ok=True)  # arrays of an earlier load keep reading the file they opened
+    with open(poison, "wb") as f:
+        f.write(prefix)
+        f.truncate(len(prefix) + at)  # sparse: no disk
+    arrays = load(str(poison))
+    os.truncate(poison, len(prefix))
+    return arrays
+
+
+def explain(error: Exception) -> Exception:
+    """``error`` as one line where it is MLX failing to read an array that
+    ``refuse_unheld`` made (a share is in use); ``error`` itself otherwise."""
+    if MLX_READ_FAILED not in str(error) or not any_share():
+        return error
+    return CheckpointError("this rank was about to read bytes of the model that its share was not sent (they "
+                           "would read as zeros): refused. Load again, or give this rank its own copy of the model")
