@@ -42,6 +42,8 @@ def main(argv=None) -> int:
                           help="KV-cache tokens reserved per rank (default %(default)s)")
     fit_opts.add_argument("--expert-capacity", type=arg_int(1), default=None, metavar="N",
                           help="experts each rank keeps resident per layer")
+    fit_opts.add_argument("--memory-budget", type=arg_number(above=0), default=None, metavar="GB",
+                          help="weights each rank may hold (sets its expert capacity)")
     args = p.parse_args(argv)
     try:
         world = init_world(args.backend)

@@ -17,7 +17,8 @@ from mlxdist.errors import MlxdistError, one_line
 def fit_problems(world, ranks: List[Dict[str, Any]], args) -> List[str]:
     """One line per rank the model does not fit (the load's refusal), on
     every rank alike. ``ranks``: every rank's facts; ``args``: the doctor's
-    ``dispatch``, ``rank_memory``, ``kv_reserve_tokens``, ``expert_capacity``."""
+    ``dispatch``, ``rank_memory``, ``kv_reserve_tokens``, ``expert_capacity``,
+    ``memory_budget``."""
     from mlxdist.model.fit import RankMemory
 
     try:
@@ -41,7 +42,9 @@ def _lines(path: Path, memory, args) -> List[str]:
     from mlxdist.dispatch import modes
     from mlxdist.model.budgets import budgets_for_ranks
     from mlxdist.model.checkpoint import check_config, find_switch_sites, read_safetensors_index
-    from mlxdist.model.fit import KvReserve, ModelWeights, cache_cost, plan_fit
+    from mlxdist.errors import UserError
+    from mlxdist.model.fit import KvReserve, ModelWeights, budget_fit, cache_cost, plan_fit
+    from mlxdist.model.paging import capacity_for_budget
     from mlxdist.model.sources import load_lazy
 
     check_config(path)
@@ -54,7 +57,13 @@ def _lines(path: Path, memory, args) -> List[str]:
         budgets = budgets_for_ranks(args.rank_memory, [m.host for m in memory])
     runs_dense = [modes.runs_dense(args.dispatch, r) for r in range(len(memory))]
     kv = KvReserve(args.kv_reserve_tokens, cache_cost(model, config))
-    checked = args.expert_capacity is None and all(m.bytes for m in memory)
-    _, fits = plan_fit(memory, ModelWeights.of(model, sites), runs_dense, kv, None, True, budgets,
-                       args.expert_capacity, checked)
+    if args.expert_capacity is not None and args.memory_budget is not None:
+        raise UserError("give --expert-capacity or --memory-budget, not both")
+    checked = args.expert_capacity is None and args.memory_budget is None and all(m.bytes for m in memory)
+    weights = ModelWeights.of(model, sites)
+    plan, fits = plan_fit(memory, weights, runs_dense, kv, None, True, budgets, args.expert_capacity, checked)
+    if args.memory_budget is not None:  # each rank's capacity from what its dense part leaves, as at load
+        capacity = [capacity_for_budget(args.memory_budget * 1e9, model, sites, d) for d in runs_dense]
+        fits = [] if budgets is None else [budget_fit(plan, r, budgets[r], weights.per_expert, capacity[r])
+                                           for r in range(len(memory))]
     return [f.refusal() for f in fits if not f.fits]
