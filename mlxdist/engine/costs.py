@@ -32,6 +32,7 @@ from mlx_lm.generate import generation_stream
 from mlxdist.dispatch import traffic
 from mlxdist.dispatch.linkcost import AutoInputs, DenseCost, LinkCost, row_bytes
 from mlxdist.errors import one_line
+from mlxdist.model.checkpoint import hidden_size
 from mlxdist.runtime import faults
 from mlxdist.runtime.agreement import exchange
 from mlxdist.runtime.world import World
@@ -46,9 +47,8 @@ ROWS = 8  # rows of the second dense timing
 
 def model_shape(model: nn.Module, config: Dict, moe_layers: int, top_k: int, dtype: mx.Dtype) -> traffic.Shape:
     """The shapes the traffic model needs (``traffic.Shape``)."""
-    cfg = config.get("text_config", config)
     layers = len(getattr(model, "layers", None) or []) or moe_layers
-    return traffic.Shape(hidden=cfg["hidden_size"], top_k=top_k, layers=layers, moe_layers=moe_layers,
+    return traffic.Shape(hidden=hidden_size(config, model), top_k=top_k, layers=layers, moe_layers=moe_layers,
                          itemsize=dtype.size)
 
 

@@ -33,7 +33,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from mlxdist.compat import extend_cache as _extend_cache
 from mlxdist.dispatch import Combine, RowDispatcher
-from mlxdist.model.checkpoint import text_config
+from mlxdist.model.checkpoint import hidden_size
 from mlxdist.model.switch import DistributedSwitch
 
 
@@ -94,8 +94,7 @@ class DataParallelGeneration:
         self.dispatcher = dispatcher
         self.params = params
         self.switches: List[DistributedSwitch] = engine.switches
-        cfg = text_config(engine.config)
-        self.width = cfg["hidden_size"]
+        self.width = hidden_size(engine.config, self.model)
         self.eos = set(getattr(engine.tokenizer, "eos_token_ids", None) or [])
         self.live: List[List[Sequence]] = [[] for _ in range(self.world.size)]  # every rank's, as all see them
         self.local = LocalBatch()

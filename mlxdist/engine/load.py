@@ -10,6 +10,7 @@ in the load, ends it on every rank with the same line.
 
 import hashlib
 import json
+import sys
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
@@ -30,7 +31,7 @@ from mlxdist.engine.split_probe import dense_linear_bytes, measure_split_inputs
 from mlxdist.errors import UserError, one_line
 from mlxdist.engine.fetch import Located, fetch_share, locate_model, rank_spans
 from mlxdist.model.checkpoint import (
-    check_config, find_switch_sites, nbytes, read_safetensors_index,
+    check_config, find_switch_sites, hidden_size, nbytes, read_safetensors_index,
     split_experts_by_width, split_shared_by_width, switch_extras, text_config, width_refusal,
 )
 from mlxdist.model.paging import PagingStats, capacity_for_budget, expert_module
@@ -41,7 +42,7 @@ from mlxdist.model.placement import Placement
 from mlxdist.model.routing import RouterWeights, RoutingWeightsNotFound, activation_dtype, find_router_weights
 from mlxdist.model.sources import load_lazy
 from mlxdist.model.switch import DistributedSwitch, MoEBlock
-from mlxdist.model.tensor_parallel import can_shard, own_bytes, shard_dense, tensor_parallel_twin
+from mlxdist.model.tensor_parallel import own_bytes, shard_dense, shard_lazily, tensor_parallel_twin
 from mlxdist.runtime import faults
 from mlxdist.runtime.agreement import exchange
 from mlxdist.runtime.control import PROTOCOL_VERSION
@@ -62,6 +63,8 @@ class _Lazy:
     config: Dict[str, Any]
     sources: Any
     sites: List[Any]
+    split: Optional[nn.Module] = None  # auto: a second lazy copy split by mlx-lm's shard(), where it splits
+    unsplit: Optional[str] = None  # else why it cannot be split (auto, a model with a shard())
 
 
 @dataclass
@@ -84,6 +87,7 @@ def load_engine(world: World, options: LoadOptions) -> Engine:
     located = locate_model(world, options.model, options.revision)  # a rank without the model gets its share
     faults.point("load", world.rank, op="read")
     lazy = _read_lazy(located.path)
+    lazy.split, lazy.unsplit = _split_copy(world, options, lazy)
     options, plan = _placement(world, options, lazy)
     recalled = _recall(world, options, located, plan)
     options, split = _expert_split(world, options, lazy, plan, recalled)
@@ -113,7 +117,8 @@ def load_engine(world: World, options: LoadOptions) -> Engine:
             shared = {site.path.rsplit(".", 1)[0]: block for site, block in zip(lazy.sites, modules.blocks)}
         else:
             shared = {site.path: switch for site, switch in zip(lazy.sites, modules.switches)}
-        twin = tensor_parallel_twin(lazy.model, lazy.path, world, lazy.config, shared)
+        twin = tensor_parallel_twin(lazy.model, lazy.split, shared)
+    lazy.split = None
     expert_bytes = sum(nbytes(e.parameters()) for e in modules.experts.values())
     model, tokenizer, dense_bytes = None, None, 0
     if runs_dense:
@@ -215,7 +220,7 @@ def _replicates(world: World, options: LoadOptions, lazy: _Lazy, found: List[Ran
         return True
     if not options.may_replicate or not all(m.bytes for m in found):
         return False
-    twin = _dense_bytes(lazy.model, lazy.sites) // world.size if can_shard(lazy.model, lazy.config, world.size) else 0
+    twin = _dense_bytes(lazy.model, lazy.sites) // world.size if lazy.split is not None else 0
     whole = nbytes(lazy.model.parameters()) + twin + kv.bytes
     ranks_on = {h: sum(m.host == h for m in found) for h in {m.host for m in found}}
     return all(ranks_on[m.host] * whole <= m.bytes * (1 - MARGIN) for m in found)
@@ -267,13 +272,27 @@ def _expert_split(world: World, options: LoadOptions, lazy: _Lazy, plan: Placeme
     dtype = activation_dtype(lazy.model)
     shape = model_shape(lazy.model, lazy.config, len(lazy.sites), top_k, dtype)
     dense, share = dense_linear_bytes(lazy.model, lazy.sites)
-    shardable = can_shard(lazy.model, lazy.config, world.size)
+    shardable = lazy.split is not None
     choice = recalled.split if recalled is not None else None
     if choice is None or not usable(world, recalled, choice.inputs.shape, shape):
         inputs, work = measure_split_inputs(world, site, [owners[0] for owners in plan.layers[site.layer]], shape,
                                             dtype, dense, share if shardable else 0.0)
         choice = choose_split(inputs, work, world.size, world.backend, shardable)
     return replace(options, expert_split=choice.split), Split(choice.split, choice.describe(), choice)
+
+
+def _split_copy(world: World, options: LoadOptions, lazy: _Lazy) -> Tuple[Optional[nn.Module], Optional[str]]:
+    """Under ``auto`` on several ranks, the model split by mlx-lm's
+    ``shard()`` that collective-tp would run on (``shard_lazily``: nothing
+    read), or None where any rank finds it cannot be split, with the first
+    rank's reason where the model has a ``shard()``; every rank alike."""
+    if world.size == 1 or not modes.mode(options.dispatch).measures_link:
+        return None, None
+    split, refusal = shard_lazily(lazy.path, world, lazy.config)
+    refusal = next(filter(None, exchange(world, refusal)), None)
+    if refusal is None:
+        return split, None
+    return None, refusal if hasattr(lazy.model, "shard") else None
 
 
 def _link_wanted(world: World) -> str:
@@ -290,10 +309,13 @@ def _strategies(world: World, options: LoadOptions, lazy: _Lazy, by_width: bool,
     rank: replicas in place of dp), and each MoE block class's router
     weights where one of them needs them (under ``auto``, a model whose
     blocks cannot be read runs without dp)."""
-    strategies = modes.strategies(options.dispatch, by_width, world.backend,
-                                  world.size > 1 and can_shard(lazy.model, lazy.config, world.size),
+    strategies = modes.strategies(options.dispatch, by_width, world.backend, lazy.split is not None,
                                   everywhere=plan.on_every_rank, exact=options.exact)
     strategies = strategies if world.size > 1 else strategies[:1]  # one rank: every strategy is the identity
+    if lazy.unsplit is not None and world.is_root and "collective-tp" in modes.strategies(
+            options.dispatch, by_width, world.backend, True, everywhere=plan.on_every_rank, exact=options.exact):
+        print(f"mlxdist: note: auto runs one sequence as collective, not split by mlx-lm's shard() (collective-tp): "
+              f"{lazy.unsplit}", file=sys.stderr, flush=True)
     routers: Dict[type, RouterWeights] = {}
     if modes.uses_router_weights(strategies):
         try:
@@ -445,13 +467,13 @@ def _in_last_layer(model: nn.Module, sites) -> bool:
 
 def _find_routing_weights(model: nn.Module, sites, config: Dict[str, Any]) -> Dict[type, RouterWeights]:
     """Per MoE block class: its top-k and the dtype its router weights are exact in."""
-    cfg = text_config(config)
+    width = hidden_size(config, model)
     dtype = activation_dtype(model)
     found: Dict[type, RouterWeights] = {}
     try:
         for site in sites:
             if type(site.parent) not in found:
-                found[type(site.parent)] = find_router_weights(site.parent, site.attr, cfg["hidden_size"], dtype)
+                found[type(site.parent)] = find_router_weights(site.parent, site.attr, width, dtype)
     except RoutingWeightsNotFound as e:
         raise UserError(f"--dispatch dp cannot run {config.get('model_type')}: {e}") from None
     if len({(w.top_k, w.dtype) for w in found.values()}) > 1:

@@ -92,6 +92,20 @@ def text_config(config: Dict[str, Any]) -> Dict[str, Any]:
     return config.get("text_config", config)
 
 
+def hidden_size(config: Dict[str, Any], model: nn.Module) -> int:
+    """D, the width of the hidden states the MoE layers exchange: the text
+    config's ``hidden_size``, else the width the model's experts return
+    (their projection back, [E, D, ..]; phixtral's config says ``model_dim``)."""
+    size = text_config(config).get("hidden_size")
+    if isinstance(size, int) and size > 0:
+        return size
+    for path, module in model.named_modules():
+        if isinstance(module, PROJECTION_TYPES) and path.rsplit(".", 1)[-1] in FROM_HIDDEN:
+            return module.weight.shape[1]
+    raise UserError(f"cannot tell the hidden size of {config.get('model_type')}: no hidden_size in its config "
+                    f"and no expert projection back ({', '.join(FROM_HIDDEN)})")
+
+
 def check_config(path: Path) -> None:
     """Raise ``CheckpointError`` unless ``config.json`` is JSON."""
     try:

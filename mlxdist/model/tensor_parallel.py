@@ -8,27 +8,24 @@ expert on every rank, keeps the model whole for ``dp`` or ``replicas`` and
 adds a second, sharded model for one-sequence batches that shares the
 experts, embedding, norms and head with the first; only the split layers
 (attention, dense MLPs, shared experts with whole experts: about 1/N of their
-weights) are new.
+weights) are new. ``shard_lazily`` builds that second model's split before
+anything is read, and says why where mlx-lm's ``shard()`` cannot split a
+model over the ranks (``auto`` then runs what ``collective`` runs).
 """
 
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 from mlx_lm.utils import load_model
 
-from mlxdist.errors import UserError
+from mlxdist.errors import UserError, one_line
 from mlxdist.model.checkpoint import SwitchSite, text_config
 from mlxdist.runtime.world import World
 
-__all__ = ["can_shard", "own_bytes", "shard_dense", "tensor_parallel_twin"]
-
-
-def can_shard(model: nn.Module, config: Dict[str, Any], ranks: int) -> bool:
-    """Whether mlx-lm has a ``shard()`` for this model and its heads divide by ``ranks``."""
-    return hasattr(model, "shard") and not _heads_left_over(config, ranks)
+__all__ = ["own_bytes", "shard_dense", "shard_lazily", "tensor_parallel_twin"]
 
 
 def shard_dense(model: nn.Module, sites: List[SwitchSite], world: World, config: Dict[str, Any],
@@ -54,18 +51,42 @@ def shard_dense(model: nn.Module, sites: List[SwitchSite], world: World, config:
             module.sharding_group = None
 
 
-def tensor_parallel_twin(model: nn.Module, path: Path, world: World, config: Dict[str, Any],
-                         shared: Dict[str, nn.Module]) -> nn.Module:
-    """A second copy of ``model`` built by mlx-lm's ``shard()``, holding
-    ``model``'s own modules where ``shared`` says (path -> module: with
-    experts cut in width, each wrapped MoE block; with whole experts, each
-    distributed switch, inside the twin's block that sums its output over
-    the ranks as ``shard()`` made it), and whose every other tensor that
-    ``shard()`` left at its shape is ``model``'s array (the same buffer).
-    Only the split tensors are its own."""
-    _check_shardable(model, config, world.size)
+def shard_lazily(path: Path, world: World, config: Dict[str, Any]) -> Tuple[Optional[nn.Module], Optional[str]]:
+    """A second lazy copy of the checkpoint at ``path`` split by mlx-lm's
+    ``shard()`` over the world's ranks (shapes only: nothing is read), or
+    None and why it cannot be split, in one line: no ``shard()``, heads that
+    do not divide, a split ``shard()`` refuses (a width, or quantization
+    groups per rank, that does not divide: mlx raises while building the
+    split layers), or a count ``shard()`` divides with a remainder, such as
+    2 key-value heads over 4 ranks (``//`` leaves 0, and the forward fails
+    later). The caller agrees on the outcome with the other ranks."""
+    model_type = text_config(config).get("model_type") or config.get("model_type")
     twin, _ = load_model(path, lazy=True)
-    twin.shard(world.group)
+    if not hasattr(twin, "shard"):
+        return None, f"mlx-lm has no shard() for {model_type}"
+    heads = _heads_left_over(config, world.size)
+    if heads:
+        return None, f"{heads[0]} does not divide by {world.size}"
+    before = _counts(twin)
+    try:
+        twin.shard(world.group)
+    except Exception as e:  # noqa: BLE001 - whatever shard() raises on shapes: the caller agrees on it
+        return None, f"mlx-lm's shard() of {model_type} over {world.size} ranks fails: {one_line(e)}"
+    after = _counts(twin)
+    for key, count in sorted(before.items()):
+        if count > 0 and count % world.size and after.get(key) == count // world.size:
+            return None, f"{key[0]}.{key[1]} = {count} does not divide by {world.size}"
+    return twin, None
+
+
+def tensor_parallel_twin(model: nn.Module, twin: nn.Module, shared: Dict[str, nn.Module]) -> nn.Module:
+    """``twin`` (``shard_lazily``'s copy of ``model``, split by mlx-lm's
+    ``shard()``) holding ``model``'s own modules where ``shared`` says
+    (path -> module: with experts cut in width, each wrapped MoE block; with
+    whole experts, each distributed switch, inside the twin's block that
+    sums its output over the ranks as ``shard()`` made it), and whose every
+    other tensor that ``shard()`` left at its shape is ``model``'s array
+    (the same buffer). Only the split tensors are its own."""
     twin_modules = dict(twin.named_modules())
     for module_path, module in shared.items():
         holder, attr = module_path.rsplit(".", 1)
@@ -87,6 +108,13 @@ def own_bytes(twin: nn.Module, model: nn.Module) -> int:
 def _own_arrays(twin: nn.Module, model: nn.Module) -> List[mx.array]:
     held = {id(v) for _, v in tree_flatten(model.parameters())}
     return [v for _, v in tree_flatten(twin.parameters()) if id(v) not in held]
+
+
+def _counts(model: nn.Module) -> Dict[Tuple[str, str], int]:
+    """(module path, attribute) -> every whole-number attribute of the
+    model's modules (heads, groups: what ``shard()`` divides by N)."""
+    return {(path, name): value for path, module in model.named_modules() for name, value in vars(module).items()
+            if type(value) is int}
 
 
 def _heads_left_over(config: Dict[str, Any], ranks: int) -> List[str]:

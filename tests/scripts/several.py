@@ -5,8 +5,8 @@ the cost of starting the ranks. Prints {"steps": [each step's result]}.
     python several.py STEPS_FILE
 
 STEPS_FILE: a JSON list of steps, each {"script": S, "args": [...],
-"grouped": G}: S one of generate_each, batch_each, paged_each,
-replicas_each or place_live, run as ``S.run(cluster, args)`` (args: its
+"grouped": G}: S one of generate_each, default_each, batch_each,
+paged_each, replicas_each or place_live, run as ``S.run(cluster, args)`` (args: its
 command line); G (optional): MLXDIST_GROUPED_EXPERTS's value for this step
 on every rank ("1": every expert call grouped, as the variable set at the
 launch would do; model/grouped.py).
@@ -17,6 +17,7 @@ import os
 import sys
 
 import batch_each
+import default_each
 import generate_each
 import mlxdist
 import paged_each
@@ -26,8 +27,9 @@ import replicate_place
 from mlxdist.executor import register_probe
 from mlxdist.model import grouped
 
-SCRIPTS = {"generate_each": generate_each, "batch_each": batch_each, "paged_each": paged_each,
-           "replicas_each": replicas_each, "place_live": place_live, "replicate_place": replicate_place}
+SCRIPTS = {"generate_each": generate_each, "default_each": default_each, "batch_each": batch_each,
+           "paged_each": paged_each, "replicas_each": replicas_each, "place_live": place_live,
+           "replicate_place": replicate_place}
 AT_LAUNCH = grouped.OVERRIDE
 
 
