@@ -155,11 +155,6 @@ def load_engine(world: World, options: LoadOptions) -> Engine:
     return engine
 
 
-def _read_lazy(path: Path) -> _Lazy:
-    """The checkpoint's index and mlx-lm's lazy model, with its MoE layers."""
-    check_config(path)
-    index = read_safetensors_index(path)
-    try:
 def _read_again(lazy: _Lazy) -> _Lazy:
     """``lazy`` with mlx-lm's lazy model read again, the rest kept: read
     before this rank's share grew, it refuses what the share holds now
@@ -169,6 +164,11 @@ def _read_again(lazy: _Lazy) -> _Lazy:
                    sites=fresh.sites)
 
 
+def _read_lazy(path: Path) -> _Lazy:
+    """The checkpoint's index and mlx-lm's lazy model, with its MoE layers."""
+    check_config(path)
+    index = read_safetensors_index(path)
+    try:
         lazy_model, config, sources = load_lazy(path, index)
     except (ValueError, FileNotFoundError, OSError, KeyError, TypeError) as e:
         raise UserError(f"cannot load {path}: {one_line(e)}") from None
