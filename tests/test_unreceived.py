@@ -53,13 +53,16 @@ def share_with_a_hole(checkpoint, tmp_path, monkeypatch):
                 del ckpt._HELD[name]
 
 
-def test_a_hole_is_asked_for_again(share_with_a_hole):
-    from mlxdist.model.checkpoint import read_safetensors_index
+def test_a_hole_is_asked_for_again_and_mlxdist_reads_refuse_it(share_with_a_hole):
+    from mlxdist.errors import CheckpointError
+    from mlxdist.model.checkpoint import check_held, read_safetensors_index
 
     share, name, path = share_with_a_hole
     entry = read_safetensors_index(path)[name]
     wanted = {entry.file.name: [(entry.offset, entry.end)]}
     assert share.missing(wanted) == wanted
+    with pytest.raises(CheckpointError, match=f"lacks bytes {entry.offset}..{entry.end} "):
+        check_held(share.folder / entry.file.name, entry.offset, entry.nbytes)
 
 
 def test_mlx_lm_never_reads_a_hole(share_with_a_hole):

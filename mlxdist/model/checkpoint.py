@@ -230,6 +230,7 @@ def check_held(file: Path, start: int, length: int) -> None:
     """Raise ``CheckpointError`` where ``file`` is part of a share that lacks these bytes."""
     if holds(file, start, length):
         return
+    end = start + length
     raise CheckpointError(f"{file} is this rank's share of the model, which lacks bytes {start}..{end} "
                           f"(experts it did not hold at load: load again to fetch them)")
 
