@@ -126,3 +126,35 @@ def test_the_table_of_docs_memory_md_is_the_functions():
     assert out.returncode == 0, out.stderr
     doc = (ROOT / "docs" / "memory.md").read_text()
     assert out.stdout.strip() in doc.replace("tests/configs/", "")
+
+
+def test_every_moe_model_type_of_mlx_lm_is_measured_without_side_effects():
+    """Every MoE model type of the installed mlx-lm as a tiny model: its cache is measured on the model
+    (deepseek_v41's LayerCache grows through its state, not update_and_fetch: the formula, saying so),
+    and the measuring forward leaves the model's output unchanged."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlxdist.compat import model_classes
+    from mlxdist.model.fit import cache_cost
+    from mlxdist.synth import TINY_MODELS, tiny_config
+
+    formula = {"deepseek_v41"}
+    measured = []
+    for model_type in sorted(TINY_MODELS):
+        config = tiny_config(model_type)
+        model_class, args_class = model_classes(config)
+        model = model_class(args_class.from_dict(config))
+        tokens = mx.array([[1, 2, 3]])
+        try:
+            before = model(tokens, cache=make_prompt_cache(model))
+            mx.eval(before)
+        except (ValueError, RuntimeError) as e:  # a kernel written for Metal only (muse_spark): mlx-lm cannot run it
+            assert "Metal" in str(e), (model_type, e)
+            continue
+        cost = cache_cost(model, config)
+        assert cost.measured == (model_type not in formula), (model_type, cost.source)
+        assert cost.bytes_per_token > 0, model_type
+        assert mx.array_equal(model(tokens, cache=make_prompt_cache(model)), before), model_type
+        measured.append(model_type)
+    assert len(measured) >= 50, measured
