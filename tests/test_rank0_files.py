@@ -11,7 +11,7 @@ import socket
 import subprocess
 import sys
 
-from conftest import ROOT, error_lines, last_json, launch, mpirun_env
+from conftest import ROOT, error_lines, kill_session, last_json, launch, mpirun_env
 from test_backends import MLX_LAUNCH
 from test_serve import KEY, Server, alone, completion
 
@@ -32,7 +32,12 @@ class ViewedServer(Server):
 
     def __init__(self, path, view, extra):
         self.view = [str(v) for v in view]
-        super().__init__(path, extra=extra)
+        try:
+            super().__init__(path, extra=extra)
+        except RuntimeError:  # it never listened: end its ranks (a session of their own) before failing
+            if getattr(self, "proc", None) is not None:
+                kill_session(self.proc.pid)
+            raise
 
     def command(self, path, nranks, extra):
         cmd = super().command(path, nranks, extra)
