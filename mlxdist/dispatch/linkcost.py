@@ -58,10 +58,10 @@ class LinkCost:
         return f"{self.latency * 1e6:.0f} us per collective + {rate}"
 
 
-# A collective between ranks of one host (MPI over shared memory: 10-60 us
-# for a row between two ranks of the 2-core CPU, more with three ranks or
-# other jobs on its cores; NCCL over NVLink less), where AUTO_DP_ROWS_PER_RANK
-# and the width rule were measured.
+# A collective between ranks of one host: MPI over shared memory takes 10-60 us
+# for a row between two ranks of a 2-core CPU (more with three ranks or other
+# work on its cores), NCCL over NVLink less. AUTO_DP_ROWS_PER_RANK and the
+# width rule were measured on such a link.
 LOCAL = LinkCost(latency=100e-6, seconds_per_byte=1 / 10e9)
 
 

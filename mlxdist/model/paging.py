@@ -1,7 +1,7 @@
 """Capacity-limited ranks: a rank may own more experts of a layer than it
 keeps resident (``--expert-capacity``). The resident ones sit in a fixed
 stack of ``capacity`` slots; an expert a batch needs that is not resident is
-read from this rank's copy of the checkpoint (the loader's offset reads) into
+read from this rank's copy of the checkpoint (``ExpertSource.read``, the reads at load) into
 the least recently used slot. Results are exact: the same weights, the same
 per-row kernels. A call that needs more distinct experts than there are slots
 runs in rounds of at most ``capacity`` experts, so any capacity of one or more

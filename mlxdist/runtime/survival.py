@@ -32,8 +32,8 @@ from mlxdist import envs
 from mlxdist.errors import say_error
 
 # The failure detector runs in MPI's progress engine, not a thread of its own: with
-# mpi_ft_detector_thread on, a rank crashed inside MPI's start-up in 5 of 40 launches here
-# (a null function call), 0 of 40 without it.
+# mpi_ft_detector_thread on, Open MPI 5 crashes a rank inside MPI's start-up (a null function
+# call) in about one launch in eight on a 2-core Linux host (5 of 40; 0 of 40 without it).
 MPIRUN_FT_FLAGS = ["--with-ft", "ulfm", "--mca", "mpi_ft_enable", "true", "--mca", "mpi_ft_detector", "true",
                    "--mca", "mpi_ft_detector_thread", "false"]
 

@@ -33,7 +33,7 @@ from mlxdist.errors import UserError
 __all__ = ["PRESETS", "EmulatedLink", "build", "link_env", "measure", "measured_section", "parse_link"]
 
 SHIM = Path(__file__).with_name("shim.c")
-METAL_HANDOFF_US = 175  # Metal's GPU-to-CPU hand-off around a collective without MLX_METAL_FAST_SYNCH: 150-200 us (MLX PR #1773)
+METAL_HANDOFF_US = 175  # Metal's GPU-to-CPU hand-off around a collective is 150-200 us without MLX_METAL_FAST_SYNCH (MLX PR #1773)
 
 
 @dataclass(frozen=True)
@@ -51,8 +51,8 @@ class EmulatedLink:
 
 PRESETS: Dict[str, EmulatedLink] = {link.name: link for link in (
     EmulatedLink("tb5-rdma", 36 + METAL_HANDOFF_US, 7.4,
-                 "JACCL (RDMA over Thunderbolt 5) all_sum median 36 us measured during decode on 2 x M4 Max, "
-                 "plus Metal's hand-off; 7.4 GB/s measured between nodes"),
+                 "JACCL (RDMA over Thunderbolt 5): all_sum takes a median 36 us during decode on 2 x M4 Max, "
+                 "plus Metal's hand-off; 7.4 GB/s between the two"),
     EmulatedLink("tb-tcp", 150 + METAL_HANDOFF_US, 2.0,
                  "TCP over the Thunderbolt bridge, ~300 us per round trip (Apple TN3205; users report "
                  "0.3-0.7 ms over Thunderbolt 5): 150 us one way, plus Metal's hand-off; 2.0 GB/s (iperf3 "
