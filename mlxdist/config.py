@@ -163,8 +163,10 @@ class GenerationParams:
         for max_tokens in self.max_tokens if isinstance(self.max_tokens, list) else [self.max_tokens]:
             if not (isinstance(max_tokens, int) and not isinstance(max_tokens, bool) and max_tokens >= 1):
                 raise UserError(f"max_tokens must be at least 1, got {max_tokens}")
-        if not 0 <= self.temp < float("inf"):
-            raise UserError(f"temperature must be >= 0 and finite, got {self.temp}")
+        if not self.temp >= 0:
+            raise UserError(f"temperature must be >= 0, got {self.temp}")
+        if self.temp == float("inf"):
+            raise UserError(f"temperature must be finite, got {self.temp}")
         if not 0 < self.top_p <= 1:
             raise UserError(f"top_p must be in (0, 1], got {self.top_p}")
         if not self.top_k >= 0:

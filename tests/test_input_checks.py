@@ -53,7 +53,7 @@ def test_serve_and_run_refuse_sampling_defaults_no_request_could_use(capsys):
     args = run_parser().parse_args(["--temp", "-0.5", "--top-p", "2"])  # in range or not: GenerationParams says
     with pytest.raises(UserError, match="temperature must be >= 0"):
         GenerationParams(temp=args.temp).validate()
-    with pytest.raises(UserError, match="temperature must be >= 0 and finite"):
+    with pytest.raises(UserError, match="temperature must be finite"):
         GenerationParams(temp=float("inf")).validate()  # the API's and job files' path
 
 
