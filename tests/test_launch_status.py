@@ -11,13 +11,20 @@ RANK = "import os, sys, time; rank = int(os.environ['MLX_RANK']); "
 
 
 def _launch(code, *, script=True, timeout=120):
+    from mlxdist.runtime.backends import free_port
+
     cmd = [str(ROOT / "launch/mlx-launch")] if script else [sys.executable, "-m", "mlxdist.launch"]
-    return subprocess.run([*cmd, "--backend", "ring", "-n", "2", "--", sys.executable, "-c", RANK + code],
+    return subprocess.run([*cmd, "--backend", "ring", "-n", "2", "--starting-port", str(free_port()), "--",
+                           sys.executable, "-c", RANK + code],
                           capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=mpirun_env())
 
 
-def test_a_rank_that_exits_3_is_the_job_status():
-    proc = _launch("print('out', rank, flush=True); sys.exit(3 if rank == 1 else 0)")
+def test_a_rank_that_exits_3_is_the_job_status(tmp_path):
+    done = tmp_path / "rank0-done"  # rank 1 fails once rank 0 has printed (mlx.launch then stops the others)
+    proc = _launch(f"import pathlib; done = pathlib.Path({str(done)!r}); print('out', rank, flush=True)\n"
+                   f"if rank == 0: done.touch()\n"
+                   f"while rank == 1 and not done.exists(): time.sleep(0.05)\n"
+                   f"sys.exit(3 if rank == 1 else 0)")
     assert proc.returncode == 3, proc.stderr[-2000:]
     assert "Node with rank 1 exited with code 3" in proc.stderr  # mlx.launch's own lines pass through
     assert sorted(proc.stdout.split("\n")[:2]) == ["out 0", "out 1"], proc.stdout
