@@ -198,17 +198,17 @@ def _receive(located: Located, link, spans, src: int) -> Optional[str]:
     share = located.share
     before = rss_now()
     reset_rss_peak()
-    with transfer.FolderFiles(share.folder, "r+b") as files:
-        try:
-            sums = transfer.recv_spans(link, src, files, spans)
-        except Exception as e:  # noqa: BLE001
-            return one_line(e)
+    try:  # recording the ranges too: a full disk there is this step's error, not a skipped exchange
+        with transfer.FolderFiles(share.folder, "r+b") as files:
+            sums = transfer.recv_spans(link, src, files, spans)  # the stream drained even where it raises
+        for (name, start, end), value in zip(spans, sums):
+            share.record(name, [(start, end, value)])
+        share.save()
+    except Exception as e:  # noqa: BLE001
+        return one_line(e)
     peak = rss_peak()
     if before is not None and peak is not None:
         located.transfer_peak = max(located.transfer_peak, peak - before)
-    for (name, start, end), value in zip(spans, sums):
-        share.record(name, [(start, end, value)])
-    share.save()
     located.received += sum(e - s for _, s, e in spans)
     return None
 
