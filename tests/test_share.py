@@ -288,3 +288,49 @@ def test_receiving_a_share_holds_two_chunks_at_most(checkpoint, tmp_path):
     rank1 = last_json(proc.stdout)["weights_gb"][1]
     assert rank1["received"] * 1e9 > 3 * CHUNK
     assert 0 < rank1["transfer_peak"] * 1e9 <= 2 * CHUNK + (4 << 20), rank1
+
+
+def test_routes_along_the_ring_where_only_neighbours_talk():
+    from mlxdist.model.transfer import Link, hops, ring_order
+
+    class Ring(Link):
+        neighbours_only = True
+
+        def isend(self, buf, dst):
+            raise AssertionError
+
+        def irecv(self, buf, src):
+            raise AssertionError
+
+    class Mesh(Ring):
+        neighbours_only = False
+
+    assert hops(Ring(), 4, 2, 1) == [2, 3, 0, 1] and hops(Ring(), 4, 0, 1) == [0, 1]
+    assert hops(Mesh(), 4, 2, 1) == [2, 1]
+    assert ring_order(4, 2) == [3, 0, 1]
+
+
+def test_a_chunk_thread_that_fails_is_raised_not_waited_for():
+    """transfer._pipelined: the thread that reads or writes the chunks fails outside a chunk's own error handling;
+    the caller, waiting for that thread's next buffer, raises its error (it used to wait forever)."""
+    import threading
+
+    from mlxdist.model.transfer import _pipelined
+
+    def failing(buf, pieces):
+        raise MemoryError("the chunk thread")
+
+    for before, chunks in [(True, 3), (False, 3), (False, 2), (False, 1)]:
+        raised = []
+
+        def consume():
+            try:
+                for buf, _ in _pipelined([[(0, 0, 4, 0)]] * chunks, 8, failing, before=before):
+                    pass
+            except MemoryError as e:
+                raised.append(str(e))
+
+        thread = threading.Thread(target=consume, daemon=True)
+        thread.start()
+        thread.join(30)
+        assert raised == ["the chunk thread"], (before, chunks)

@@ -275,18 +275,33 @@ def _pipelined(plan, chunk: int, work: Callable, before: bool):
     handed = queue.Queue() if not before else None
 
     def run() -> None:
-        for pieces in plan:
-            buf = free.get() if before else handed.get()
-            work(buf, pieces)
-            (ready if before else free).put(buf)
+        try:
+            for pieces in plan:
+                buf = free.get() if before else handed.get()
+                work(buf, pieces)
+                (ready if before else free).put(buf)
+        except BaseException as e:  # noqa: BLE001 - the caller waits on this queue: it raises it there
+            (ready if before else free).put(_Failed(e))
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
     for pieces in plan:
         buf = ready.get() if before else free.get()
+        if isinstance(buf, _Failed):
+            raise buf.error
         yield buf, pieces
         (free if before else handed).put(buf)
     thread.join()
+    failed = [b for b in list((ready if before else free).queue) if isinstance(b, _Failed)]
+    if failed:  # on the last chunks, after the caller's last wait
+        raise failed[0].error
+
+
+class _Failed:
+    """What ``_pipelined``'s thread hands on in place of a buffer when it fails."""
+
+    def __init__(self, error: BaseException):
+        self.error = error
 
 
 class FolderFiles:
