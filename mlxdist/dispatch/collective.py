@@ -18,14 +18,14 @@ experts' partial sums in the same all_sum; not bit-exact.
 """
 
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import mlx.core as mx
 import numpy as np
 
 from mlxdist.runtime.world import World
 from mlxdist.dispatch.base import Combine, DenseRanks, Dispatcher, ExpertBatch
-from mlxdist.dispatch.ownership import LayerOwnership
+from mlxdist.dispatch.ownership import LayerOwnership, MaskedTables
 from mlxdist.dispatch.stats import ExchangeStats
 
 LAYOUTS = ("masked", "compact")
@@ -67,7 +67,7 @@ class CollectiveDispatcher(Dispatcher):
         # here and their outputs are summed (exchange_block), not slots.
         self.wraps_blocks = wraps_blocks
         self.stats = ExchangeStats()
-        self._tables: Dict[int, Tuple[LayerOwnership, mx.array, mx.array]] = {}
+        self._tables = MaskedTables()
 
     @property
     def combines(self) -> Combine:
@@ -76,14 +76,6 @@ class CollectiveDispatcher(Dispatcher):
     @property
     def exact(self) -> bool:
         return self.world.size == 1 or (self.reduce and not self.wraps_blocks and not self.splits_attention)
-
-    def _masked_table(self, ownership: LayerOwnership) -> Tuple[mx.array, mx.array]:
-        """([E] local id, or 0 where not held here; [E] computed here, without replicas)."""
-        cached = self._tables.get(ownership.layer)
-        if cached is None or cached[0] is not ownership:  # new, or the layer was placed again
-            local_index, owned = ownership.masked_table()
-            cached = self._tables[ownership.layer] = (ownership, mx.array(local_index), mx.array(owned))
-        return cached[1:]
 
     def dispatch(self, ownership: LayerOwnership, x: mx.array, inds: mx.array, weights: Optional[mx.array] = None):
         self.stats.layers += 1
@@ -95,7 +87,7 @@ class CollectiveDispatcher(Dispatcher):
             self.stats.count_balance(ownership, np.asarray(inds).reshape(-1))
         if self.layout == "compact":
             return self._dispatch_compact(ownership, x, inds, CollectiveHandle(out_shape, x.dtype, load))
-        local_index, owned = self._masked_table(ownership)
+        local_index, owned = self._tables.get(ownership)  # [E], [E] computed here, without replicas
         owned_slots = ownership.owned_slots(inds) if ownership.replicated else owned[inds]
         handle = CollectiveHandle(out_shape, x.dtype, load, owned_slots=owned_slots)
         return ExpertBatch(x, local_index[inds]), handle

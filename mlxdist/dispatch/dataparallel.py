@@ -47,7 +47,7 @@ the last reduce); a forward's first gather and a rank without rows add it.
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Deque, Dict, List, Optional, Tuple
+from typing import Callable, Deque, List, Optional, Tuple
 
 
 import mlx.core as mx
@@ -56,7 +56,7 @@ import numpy as np
 from mlxdist.runtime.world import World
 from mlxdist.dispatch.base import Combine, ExpertBatch, RowDispatcher
 from mlxdist.dispatch.collective import LAYOUTS
-from mlxdist.dispatch.ownership import LayerOwnership
+from mlxdist.dispatch.ownership import LayerOwnership, MaskedTables
 from mlxdist.dispatch.stats import ExchangeStats
 
 
@@ -97,7 +97,7 @@ class DataParallelDispatcher(RowDispatcher):
         self.final_layer: Optional[int] = None  # the MoE layer that is the model's last layer, if any
         self._last: Optional[mx.array] = None  # the latest reduce: the next gather waits for it
         self._forward_starts = False  # the next gather is a forward's first
-        self._tables: Dict[int, Tuple[LayerOwnership, mx.array, mx.array]] = {}
+        self._tables = MaskedTables(self.weights_dtype)  # held-here as 1/0 in the weights' dtype, to weight by
 
     @property
     def combines(self) -> Combine:
@@ -122,15 +122,6 @@ class DataParallelDispatcher(RowDispatcher):
     def skips(self, layer: int) -> bool:
         """Whether ``layer``'s exchange is dead in this forward (same answer on every rank)."""
         return self.prompt_only and layer == self.final_layer
-
-    def _masked_table(self, ownership: LayerOwnership) -> Tuple[mx.array, mx.array]:
-        """([E] local id, or 0; [E] 1 where held here, to weight by, in the weights' dtype)."""
-        cached = self._tables.get(ownership.layer)
-        if cached is None or cached[0] is not ownership:  # new, or the layer was placed again
-            local_index, owned = ownership.masked_table()
-            cached = (ownership, mx.array(local_index), mx.array(owned).astype(self.weights_dtype))
-            self._tables[ownership.layer] = cached
-        return cached[1:]
 
     def dispatch(self, ownership: LayerOwnership, x: mx.array, inds: mx.array, weights: Optional[mx.array] = None):
         D, K = x.shape[-1], inds.shape[-1]
@@ -165,7 +156,7 @@ class DataParallelDispatcher(RowDispatcher):
             self.stats.count_balance(ownership, np.asarray(I).reshape(-1)[real])
         if self.layout == "compact":
             return self._dispatch_compact(ownership, X, W, I, out_shape, rows, padded, x.dtype)
-        local_index, owned = self._masked_table(ownership)
+        local_index, owned = self._tables.get(ownership)
         mask = ownership.owned_slots(I).astype(self.weights_dtype) if ownership.replicated else owned[I]
         handle = TokenHandle(out_shape, rows, padded, x.dtype, W * mask)
         return ExpertBatch(X, local_index[I]), handle

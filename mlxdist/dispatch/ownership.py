@@ -18,7 +18,7 @@ token's experts would all go to their primaries, however many share one).
 """
 
 from dataclasses import dataclass
-from typing import Sequence, Tuple, Union
+from typing import Dict, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 import numpy as np
@@ -120,3 +120,22 @@ class LayerOwnership:
         replica = before * mx.array(self._copies)[flat] // count
         owners = mx.array(self._holder_table)[flat, replica]
         return (owners == self.rank).reshape(shape)
+
+
+class MaskedTables:
+    """Each layer's ``masked_table()`` as MLX arrays, made once per placement
+    of the layer (placing a layer again gives it a new ``LayerOwnership``).
+    ``owned_dtype``: the dtype of the [E] held-here table (bool where None)."""
+
+    def __init__(self, owned_dtype: Optional[mx.Dtype] = None):
+        self.owned_dtype = owned_dtype
+        self._tables: Dict[int, Tuple[LayerOwnership, mx.array, mx.array]] = {}
+
+    def get(self, ownership: LayerOwnership) -> Tuple[mx.array, mx.array]:
+        """([E] local id, or 0 where not held here; [E] held and computed here)."""
+        cached = self._tables.get(ownership.layer)
+        if cached is None or cached[0] is not ownership:
+            local_index, owned = ownership.masked_table()
+            owned = mx.array(owned) if self.owned_dtype is None else mx.array(owned).astype(self.owned_dtype)
+            cached = self._tables[ownership.layer] = (ownership, mx.array(local_index), owned)
+        return cached[1:]
