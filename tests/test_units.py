@@ -2,6 +2,7 @@
 helpers, and reading expert rows straight from safetensors files."""
 
 import json
+import re
 
 import mlx.core as mx
 import numpy as np
@@ -138,6 +139,21 @@ def test_truncated_safetensors_is_detected(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(data[: len(data) // 2])
     with pytest.raises(CheckpointError, match="truncated"):
         read_safetensors_index(tmp_path)
+
+
+def test_hostile_safetensors_headers_are_refused_in_one_line(tmp_path):
+    """A header length past the format's limit is refused before anything
+    that long is read; a header that is not a JSON object is refused too."""
+    import struct
+
+    file = tmp_path / "model.safetensors"
+    for data, says in [(struct.pack("<Q", 1 << 60) + b"{}", "header of 1152921504606846976 bytes"),
+                       (struct.pack("<Q", 2) + b"[]", "a JSON list where the header's object should be"),
+                       (struct.pack("<Q", 8) + b'{"a": 1}', "not a valid safetensors file"),
+                       (struct.pack("<Q", 9) + b'{"a": 1}', "truncated inside its safetensors header")]:
+        file.write_bytes(data)
+        with pytest.raises(CheckpointError, match=re.escape(says)):
+            read_safetensors_index(tmp_path)
 
 
 def test_finds_real_libmpi():

@@ -17,7 +17,6 @@ is not contiguous needs.
 """
 
 import json
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
@@ -30,6 +29,7 @@ from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU, Switch
 
 from mlxdist.arrays import from_numpy
 from mlxdist.errors import CheckpointError, ModelNotFound, UserError, one_line
+from mlxdist.model.fingerprint import header_bytes
 
 SWITCH_TYPES = (SwitchGLU, SwitchMLP)
 PROJECTION_TYPES = (SwitchLinear, QuantizedSwitchLinear)
@@ -132,20 +132,21 @@ def read_safetensors_index(model_path: Path) -> Dict[str, TensorEntry]:
     """Name -> where its bytes are, from the headers of every weight file."""
     entries = {}
     for file in sorted(model_path.glob("model*.safetensors")):
+        head = header_bytes(file)  # its length capped, its bytes all there
         try:
-            with open(file, "rb") as f:
-                (n,) = struct.unpack("<Q", f.read(8))
-                header = json.loads(f.read(n))
-        except (OSError, struct.error, json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise CheckpointError(f"{file} is not a valid safetensors file ({e})") from None
-        size = file.stat().st_size
-        for name, info in header.items():
-            if name == "__metadata__":
-                continue
-            start, end = info["data_offsets"]
-            if 8 + n + end > size:
-                raise CheckpointError(f"{file} is truncated (tensor {name} ends past the file)")
-            entries[name] = TensorEntry(file, info["dtype"], tuple(info["shape"]), 8 + n + start, end - start)
+            header = json.loads(head[8:])
+            if not isinstance(header, dict):
+                raise ValueError(f"a JSON {type(header).__name__} where the header's object should be")
+            size = file.stat().st_size
+            for name, info in header.items():
+                if name == "__metadata__":
+                    continue
+                start, end = info["data_offsets"]
+                if len(head) + end > size:
+                    raise CheckpointError(f"{file} is truncated (tensor {name} ends past the file)")
+                entries[name] = TensorEntry(file, info["dtype"], tuple(info["shape"]), len(head) + start, end - start)
+        except (OSError, ValueError, KeyError, TypeError) as e:  # JSONDecodeError and UnicodeDecodeError among them
+            raise CheckpointError(f"{file} is not a valid safetensors file ({one_line(e)})") from None
     return entries
 
 
