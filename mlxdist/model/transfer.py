@@ -24,6 +24,7 @@ sender and the receiver passing every chunk on as it comes (``hops``,
 ``relay_spans``); the other links send straight to the receiver.
 """
 
+import functools
 import queue
 import threading
 from abc import ABC, abstractmethod
@@ -103,16 +104,13 @@ class MlxLink(Link):
         if backend == "nccl":
             raise UserError("a rank without the model is sent its share by point-to-point messages, which MLX's "
                             "nccl backend lacks: give every rank the model, or launch with mpirun")
-        import mlx.core as mx
-
         self.group = group
         self.neighbours_only = backend in NEIGHBOURS_ONLY
-        self.sends = mx.new_stream(mx.cpu)  # a send runs beside a receive (relay_spans)
 
     def isend(self, buf, dst):
         import mlx.core as mx
 
-        sent = mx.distributed.send(mx.array(buf), dst, group=self.group, stream=self.sends)  # buf copied: free now
+        sent = mx.distributed.send(mx.array(buf), dst, group=self.group, stream=_sends())  # buf copied: free now
         mx.async_eval(sent)
         return _Sent(sent)
 
@@ -121,6 +119,14 @@ class MlxLink(Link):
 
         array = mx.distributed.recv((buf.size,), mx.uint8, src, group=self.group, stream=mx.cpu)
         return _Received(array, buf)
+
+
+@functools.lru_cache(maxsize=1)
+def _sends():
+    """The CPU stream MLX's sends run on, one a process: a send runs beside a receive (``relay_spans``)."""
+    import mlx.core as mx
+
+    return mx.new_stream(mx.cpu)
 
 
 def link_for(world) -> Link:
