@@ -26,7 +26,7 @@ import mlx.core as mx
 from mlxdist.bench import probes  # noqa: F401  (registers the probes, on every rank)
 from mlxdist.bench import speculative
 from mlxdist.digits import arg_int
-from mlxdist.dispatch import DISPATCH_MODES, RowDispatcher, modes, traffic
+from mlxdist.dispatch import DISPATCH_MODES, DenseRanks, modes, traffic
 from mlxdist.config import AUTO_SPLIT, EXPERT_SPLITS, REPLICATE
 from mlxdist.model.checkpoint import text_config
 from mlxdist.runtime.world import BACKENDS
@@ -104,7 +104,7 @@ def closeness(cluster, prompts: List[List[int]], max_tokens: int) -> Dict[str, A
     step where any differs, and the largest |difference| of the sampled
     tokens' log-probabilities while the tokens agree."""
     dispatchers = cluster.engine.dispatchers
-    reference = next(name for name, d in dispatchers.items() if not isinstance(d, RowDispatcher))
+    reference = next(name for name, d in dispatchers.items() if d.dense_ranks is not DenseRanks.OWN)
     runs = [cluster.run_batch(cluster.request(prompts, strategy=s, max_tokens=max_tokens, seed=0))
             for s in (cluster.engine.data_parallel.name, reference)]
     first, worst, equal = max_tokens, 0.0, 0
@@ -170,7 +170,7 @@ def bench_case(cluster, mode: str, prompts: List[List[int]], args) -> Dict[str, 
     if args.no_link:  # the tokens are not the model's, and there is no transport to floor
         row.update(link=False, floor_us=None, exchange_over_floor=None)
         return row
-    if isinstance(engine.dispatcher, RowDispatcher):
+    if engine.dispatcher.dense_ranks is DenseRanks.OWN:
         row["vs_exact"] = closeness(cluster, prompts, args.generation_tokens)
         if not engine.dispatchers[strategy].exchanges:  # replicas: no exchange to floor
             # each rank computes its own rows' slots: (max - mean) / mean of the rows each rank was given

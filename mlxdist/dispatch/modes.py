@@ -9,9 +9,14 @@ for single sequences, and ``choose`` picks between them per generation
 """
 
 from dataclasses import dataclass
-from typing import Dict, List
+from typing import Dict, List, Tuple, Type
 
+from mlxdist.dispatch.base import Dispatcher
+from mlxdist.dispatch.collective import CollectiveDispatcher
+from mlxdist.dispatch.dataparallel import DataParallelDispatcher
 from mlxdist.dispatch.linkcost import AutoInputs, Choice, cheapest
+from mlxdist.dispatch.p2p import P2PDispatcher
+from mlxdist.dispatch.replicas import ReplicaDispatcher
 from mlxdist.errors import UserError
 
 
@@ -22,9 +27,9 @@ class Mode:
 
     name: str
     summary: str  # one line for --help
+    builds: Tuple[str, ...] = ()  # the strategies a load of it may build (``strategies``); () for its own name alone
     takes_width: bool = True  # runs with --expert-split width
     routing_on_host: bool = False  # reads the routing back per layer whatever the layout (can page experts)
-    survives_rank_loss: bool = False
     mlx_collectives: bool = True  # its exchange runs on MLX's collectives (else: mpi4py's sends)
     dense_on_root: bool = False  # rank 0 alone runs the dense model (the others hold experts only)
     measures_link: bool = False  # chooses among its strategies from the link measured at load (auto_choice)
@@ -32,18 +37,25 @@ class Mode:
     cuts_experts: bool = False  # --expert-split auto may cut its experts in width (dispatch/splitcost.py)
     exact: bool = False  # bit-exact against one process with whole experts, at every batch
 
+    @property
+    def survives_rank_loss(self) -> bool:
+        """Whether every strategy it may build goes on when a rank is lost
+        (each declares it: ``Dispatcher.survives_rank_loss``)."""
+        return all(STRATEGY_CLASSES[s].survives_rank_loss for s in self.builds or (self.name,))
+
 
 MODES: Dict[str, Mode] = {m.name: m for m in (
     Mode("auto", "per generation, the strategy whose decode step costs the least over the link measured at load: "
                  "on a fast link dp for batches of at least one sequence per rank (8 on NCCL with whole experts), "
                  "else collective; where every rank has room for the whole model, every rank holds every expert "
                  "and such batches run as N replicas (no exchange); experts whole or cut in width, as weighed at load",
-         measures_link=True, replicates=True, cuts_experts=True),
-    Mode("dp", "each rank its own sequences, per-token combine (not bit-exact)"),
+         builds=("collective", "collective-tp", "dp", "replicas"), measures_link=True, replicates=True,
+         cuts_experts=True),
+    Mode("dp", "each rank its own sequences, per-token combine (not bit-exact)", builds=("collective", "dp")),
     Mode("collective", "every rank runs the dense model, one all_sum of the slots per layer (exact)", exact=True),
     Mode("collective-tp", "collective with attention split by mlx-lm's shard() (not bit-exact)"),
     Mode("p2p", "rank 0 runs the dense model, workers hold experts only (exact; survives a lost rank)",
-         takes_width=False, routing_on_host=True, survives_rank_loss=True, mlx_collectives=False, dense_on_root=True,
+         takes_width=False, routing_on_host=True, mlx_collectives=False, dense_on_root=True,
          exact=True),
 )}
 DISPATCH_MODES = tuple(MODES)
@@ -52,6 +64,10 @@ DISPATCH_MODES = tuple(MODES)
 # expert (``replicas.py``; no user picks it by name).
 STRATEGIES = DISPATCH_MODES[1:] + ("replicas",)
 ROW_STRATEGIES = ("dp", "replicas")  # each rank its own sequences (``RowDispatcher``)
+# Each strategy's class, which declares what it is (``base.Dispatcher``).
+STRATEGY_CLASSES: Dict[str, Type[Dispatcher]] = {
+    "collective": CollectiveDispatcher, "collective-tp": CollectiveDispatcher, "dp": DataParallelDispatcher,
+    "replicas": ReplicaDispatcher, "p2p": P2PDispatcher}
 
 # Rows per rank from which ``auto`` runs dp. On GPUs a decode step is bound
 # by the host's cost per graph node and dp with whole experts adds nodes per

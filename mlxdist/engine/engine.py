@@ -156,7 +156,7 @@ class Engine:
     @property
     def data_parallel(self) -> Optional[RowDispatcher]:
         """The loaded strategy in which each rank runs its own sequences, if any."""
-        return next((d for d in self.dispatchers.values() if isinstance(d, RowDispatcher)), None)
+        return next((d for d in self.dispatchers.values() if d.dense_ranks is DenseRanks.OWN), None)
 
     @property
     def vocab_size(self) -> int:
@@ -227,10 +227,10 @@ class Engine:
         samplers = sequence_samplers(params.sampler(), params.seed if params.seed is not None else 0, len(prompts))
         batch_size = params.completion_batch_size or max(len(prompts), 1)
         try:
-            if isinstance(dispatcher, RowDispatcher) and not dispatcher.exchanges:  # replicas: each rank alone
+            if dispatcher.dense_ranks is DenseRanks.OWN and not dispatcher.exchanges:  # replicas: each rank alone
                 return generate_own_share(self, prompts, params.max_tokens_each(len(prompts)), samplers, batch_size,
                                           params.prefill_step_size, params.max_kv_size)
-            if isinstance(dispatcher, RowDispatcher):
+            if dispatcher.dense_ranks is DenseRanks.OWN:
                 result = DataParallelGeneration(self, dispatcher, params).run(
                     prompts, params.max_tokens_each(len(prompts)), samplers)
                 self.kv_bytes = result.kv_bytes

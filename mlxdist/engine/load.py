@@ -21,7 +21,7 @@ from mlx_lm.utils import load_tokenizer
 
 from mlxdist import __version__, envs
 from mlxdist.config import AUTO_SPLIT, LoadOptions
-from mlxdist.dispatch import DenseRanks, LayerOwnership, RowDispatcher, make_dispatcher, modes
+from mlxdist.dispatch import DenseRanks, LayerOwnership, make_dispatcher, modes
 from mlxdist.dispatch.linkcost import AutoInputs, LinkCost
 from mlxdist.dispatch.splitcost import choose_split
 from mlxdist.engine.costs import measure_auto_inputs, model_shape, split_bytes
@@ -336,7 +336,7 @@ def _dispatchers(world: World, options: LoadOptions, lazy: _Lazy, strategies: Li
                    for name in strategies}
     for d in dispatchers.values():  # counted where routing_share reads it
         d.stats.record_routing = options.record_routing and (world.is_root or d.dense_ranks is DenseRanks.OWN)
-    row_dispatcher = next((d for d in dispatchers.values() if isinstance(d, RowDispatcher)), None)
+    row_dispatcher = next((d for d in dispatchers.values() if d.dense_ranks is DenseRanks.OWN), None)
     if row_dispatcher is not None and _in_last_layer(lazy.model, lazy.sites):
         row_dispatcher.final_layer = lazy.sites[-1].layer  # nothing after it but the head
     return dispatchers

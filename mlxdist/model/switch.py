@@ -10,7 +10,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxdist.dispatch import Combine, Dispatcher, LayerOwnership, RowDispatcher
+from mlxdist.dispatch import Combine, DenseRanks, Dispatcher, LayerOwnership
 from mlxdist.model.experts import call_unsorted, run_experts
 from mlxdist.model.routing import RouterWeights, SlotTap, block_with_weights
 from mlxdist.runtime import faults
@@ -112,10 +112,10 @@ class DistributedSwitch(nn.Module):
 
     def serve_idle(self, width: int) -> None:
         """This rank's part in one MoE layer of a forward pass in which it
-        has no rows of its own (a ``RowDispatcher``): serve its experts to the
+        has no rows of its own (``dense_ranks`` OWN): serve its experts to the
         other ranks' rows."""
         dispatcher = self.dispatcher
-        assert isinstance(dispatcher, RowDispatcher)
+        assert dispatcher.dense_ranks is DenseRanks.OWN
         x, inds, weights = dispatcher.empty_input(width)
         batch, handle = dispatcher.dispatch(self.ownership, x, inds, weights)
         y = run_experts(self.experts, batch) if batch is not None and self.experts is not None else None
