@@ -5,9 +5,12 @@ fairest one-rank comparison: one launch, one warm machine for both).
 Per batch size: mlx-lm's ``stream_generate`` (b = 1) or ``batch_generate``
 (as the benchmark's mlx-lm contender calls it), the same asking for
 log-probabilities (b > 1), and mlxdist's ``Cluster.stream`` / ``run_batch``
-with ``--dispatch collective``. Prints one JSON line per batch size: each
-contender's median generation tok/s over the rounds, every trial, and
-mlxdist's ratio to mlx-lm.
+with ``--dispatch collective``. EOS is ignored on both sides, so every
+trial generates its full ``-g`` tokens. Prints one JSON line per batch size:
+each contender's median generation tok/s over the rounds, every trial, each
+round's mlxdist / mlx-lm (``round_ratios``) and their median
+(``mlxdist_over_mlx_lm``: rounds run back to back, so a round's two figures
+share the machine's state, which the medians of each side alone would not).
 
     python -m mlxdist.bench one-rank MODEL [-b 1,8,32] [-p 128] [-g 32] [-n 5]
 """
@@ -22,6 +25,8 @@ from mlx_lm import load
 from mlx_lm.generate import batch_generate, stream_generate
 
 import mlxdist
+from mlxdist.bench import probes  # noqa: F401  (registers no_eos)
+from mlxdist.compat import never_stop_at_eos
 from mlxdist.digits import arg_int
 
 
@@ -50,8 +55,10 @@ def prompts_of(batch: int, tokens: int) -> List[List[int]]:
 def main(argv: Optional[List[str]] = None) -> None:
     args = parse_args(argv)
     model, tokenizer = load(args.model)
+    never_stop_at_eos(tokenizer)  # as mlx_lm.benchmark and the other contenders
     with mlxdist.init() as cluster:
         cluster.load(args.model, dispatch="collective")
+        cluster.probe("no_eos")
         for b in args.batch_sizes:
             prompts = prompts_of(b, args.prompt_tokens)
 
@@ -82,8 +89,9 @@ def main(argv: Optional[List[str]] = None) -> None:
                 for name, run in runs.items():
                     trials[name].append(run(args.generation_tokens))
             medians = {name: statistics.median(v) for name, v in trials.items()}
-            print(json.dumps({"batch": b, **medians, "mlxdist_over_mlx_lm": medians["mlxdist"] / medians["mlx-lm"],
-                              "trials": trials}), flush=True)
+            ratios = [ours / theirs for ours, theirs in zip(trials["mlxdist"], trials["mlx-lm"])]
+            print(json.dumps({"batch": b, **medians, "mlxdist_over_mlx_lm": statistics.median(ratios),
+                              "round_ratios": ratios, "trials": trials}), flush=True)
 
 
 if __name__ == "__main__":
