@@ -13,7 +13,7 @@ import io
 import json
 import logging
 import time
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from mlx_lm import server as lm_server
 
@@ -83,6 +83,7 @@ def make_handler(api_key: Optional[str], max_body: int, limits: RequestLimits, m
         def setup(self):
             super().setup()
             self.error_status: Optional[int] = None
+            self.queued_headers: List[Tuple[str, tuple]] = []  # the response's status and headers, until end_headers
             self.wfile = _OpenAIErrors(self.wfile, self)
             self.connection_state = self.server.connection(self.request)
             self.rfile = RequestReader(self.connection_state, self.connection_state.started + request_timeout,
@@ -270,12 +271,26 @@ def make_handler(api_key: Optional[str], max_body: int, limits: RequestLimits, m
             except (RankLost, GenerationFailed) as e:  # after the request's context: mid-answer
                 status = 503 if isinstance(e, RankLost) else 500
                 error = error_body(str(e), "server_error", None, status)
-                if getattr(self, "_headers_buffer", None):  # not streaming: the 200 is not sent yet
-                    self._headers_buffer = []
+                if self.queued_headers:  # not streaming: the 200 is not sent yet
+                    self.queued_headers = []
                     self._send_json(status, error)
                 else:
                     self.wfile.write(f"data: {json.dumps(error)}\n\n".encode())
                     self.wfile.flush()
+
+        # The status line and headers are held here until end_headers sends them, so that a
+        # generation failing after mlx-lm queued its 200 answers with its own status instead.
+        def send_response_only(self, code, message=None):
+            self.queued_headers.append(("send_response_only", (code, message)))
+
+        def send_header(self, keyword, value):
+            self.queued_headers.append(("send_header", (keyword, value)))
+
+        def end_headers(self):
+            queued, self.queued_headers = self.queued_headers, []
+            for method, args in queued:
+                getattr(super(), method)(*args)
+            super().end_headers()
 
         def _set_completion_headers(self, status_code: int = 200):
             # mlx-lm answers every failed generate() with 404: ours say what they are
