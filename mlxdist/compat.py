@@ -8,10 +8,17 @@ mlxdist uses it. The functions are re-exported under plain names; the
 members mlxdist's subclasses override, call or read are listed in
 ``MEMBERS`` with the parameters mlxdist passes.
 
+``mlx_lm.server`` is an application, not a library: none of its names,
+public or private, is promised. Every one mlxdist's server uses is served
+from here (``SERVER``, as ``compat.<name>``) and ``check()`` finds each, so
+no other module imports ``mlx_lm.server``.
+
 ``with_globals`` gives one mlx-lm function its own view of the names it
 looks up in its module, instead of replacing them in the module for every
 caller (see ``serving/server.py``): the function must look those names up
-(``GLOBALS_READ``).
+(``GLOBALS_READ``). The copy shares the function's code and reads a snapshot
+of its module's names taken when it is made, with the given names over them:
+a name the module rebinds later is not seen by the copy.
 """
 
 import dataclasses
@@ -25,15 +32,29 @@ from mlx_lm.generate import _extend_cache as extend_cache  # noqa: F401 - merges
 from mlx_lm.utils import _download as download  # noqa: F401 - a hub id to a local directory
 from mlx_lm.utils import _get_classes as model_classes  # noqa: F401 - config -> (Model, ModelArgs)
 
-# mlx-lm's server, imported where it is used only (it is large): its per-request factories.
-_SERVER = {"make_request_sampler": "_make_sampler", "make_request_processors": "_make_logits_processors"}
+# Every name of mlx-lm's server that mlxdist uses: mlxdist's name -> the server's. The module
+# is imported on the first use of one (it is large).
+SERVER: Dict[str, str] = {
+    "make_request_sampler": "_make_sampler",  # a request's sampler
+    "make_request_processors": "_make_logits_processors",  # a request's logits processors
+    "APIHandler": "APIHandler",  # the HTTP handler mlxdist's serving/http.py subclasses
+    "ModelProvider": "ModelProvider",
+    "ResponseGenerator": "ResponseGenerator",
+    "GenerationContext": "GenerationContext",
+    "GenerationArguments": "GenerationArguments",
+    "CompletionRequest": "CompletionRequest",
+    "Response": "Response",
+    "TimeBudget": "TimeBudget",
+    "get_system_fingerprint": "get_system_fingerprint",
+    "process_message_content": "process_message_content",
+}
 
 
 def __getattr__(name: str) -> Any:
-    if name in _SERVER:
+    if name in SERVER:
         from mlx_lm import server
 
-        return getattr(server, _SERVER[name])
+        return getattr(server, SERVER[name])
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -101,6 +122,8 @@ def with_globals(func: Callable, **names: Any) -> Callable:
 def check() -> List[str]:
     """What this mlx-lm no longer has as mlxdist uses it, one line each ([] where all is well)."""
     problems = []
+    server = importlib.import_module("mlx_lm.server")
+    problems += [f"mlx_lm.server.{name} is gone" for name in SERVER.values() if not hasattr(server, name)]
     for module, name, params in FUNCTIONS:
         found = getattr(importlib.import_module(module), name, None)
         problems += _check_params(f"{module}.{name}", found, params)

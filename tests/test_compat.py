@@ -77,6 +77,22 @@ def test_private_mlx_lm_names_go_through_compat_only():
         ", ".join(sorted(unlisted))
 
 
+def test_mlx_lm_server_is_reached_through_compat_only():
+    """mlx-lm's server promises none of its names: no module but compat
+    (nor a test) imports it, every name of it mlxdist reads through compat
+    is in compat.SERVER, and the installed mlx-lm has each (check())."""
+    imports = re.compile(r"^\s*(?:from mlx_lm import [^\n]*\bserver\b|from mlx_lm\.server import|import mlx_lm\.server)",
+                         re.M)
+    tests = [(p.relative_to(ROOT), p.read_text()) for p in sorted((ROOT / "tests").rglob("*.py"))
+             if p.name != "test_compat.py"]
+    found = [str(rel) for rel, text in [*_sources(), *tests] if imports.search(text)]
+    assert not found, "mlx_lm.server imported outside mlxdist/compat.py: " + ", ".join(found)
+    used = {(rel, n) for rel, text in _sources() for n in re.findall(r"\bcompat\.(\w+)", text)}
+    unknown = sorted(f"{rel}: compat.{n}" for rel, n in used if not hasattr(compat, n))
+    assert not unknown, "names read through compat that it does not serve: " + ", ".join(unknown)
+    assert not [p for p in compat.check() if p.startswith("mlx_lm.server.")]
+
+
 def test_mlx_lm_modules_are_left_as_they_are():
     """The server's loops find mlxdist's batch generator and guarded
     factories as their own view of mlx-lm's names; mlx-lm's module keeps its

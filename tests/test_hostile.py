@@ -246,8 +246,7 @@ def test_the_request_queue_counts_its_prompt_text():
     """What --max-queued-chars bounds: the prompt text of the requests waiting, as they come and go."""
     from queue import Queue
 
-    from mlx_lm.server import CompletionRequest
-
+    from mlxdist.compat import CompletionRequest
     from mlxdist.serving.lockstep import TrackingQueue
     from mlxdist.serving.schema import RequestLimits, check_request
 

@@ -142,13 +142,12 @@ def test_dp_refuses_a_block_it_cannot_read_by_name(checkpoints):
 def test_layers_found_by_structure(model_type):
     """Each expert module's layer is its decoder layer's position in the
     model's list of layers, whatever the list is called."""
-    from mlx_lm.utils import _get_classes
-
+    from mlxdist.compat import model_classes
     from mlxdist.model.checkpoint import find_switch_sites
     from mlxdist.synth import tiny_config
 
     config = tiny_config(model_type)
-    model_class, args_class = _get_classes(config)
+    model_class, args_class = model_classes(config)
     model = model_class(args_class.from_dict(config))
     sites = find_switch_sites(model)
     holders = [i for i, layer in enumerate(model.layers) if any(m is s.module for s in sites

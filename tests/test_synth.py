@@ -59,13 +59,13 @@ def test_padded_tokenizer(tmp_path):
 
 @pytest.mark.parametrize("preset", list(synth.PRESETS))
 def test_preset_configs(preset):
-    from mlx_lm.utils import _get_classes
+    from mlxdist.compat import model_classes
 
     config = synth.PRESETS[preset]
     assert "model_type" in config and "quantization" not in config
     assert config["vocab_size"] >= synth.TOKENIZER_VOCAB
     assert config["eos_token_id"] == synth.EOS_ID
-    _, args_class = _get_classes(config)
+    _, args_class = model_classes(config)
     args_class.from_dict(config)
 
 

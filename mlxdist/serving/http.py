@@ -15,8 +15,7 @@ import logging
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
-from mlx_lm import server as lm_server
-
+from mlxdist import compat
 from mlxdist.digits import parse_int
 from mlxdist.errors import GenerationFailed, HeadersTooLarge, RankLost, RequestError, RequestTimeout
 from mlxdist.serving.connections import (
@@ -74,7 +73,7 @@ def make_handler(api_key: Optional[str], max_body: int, limits: RequestLimits, m
     deadline for the whole request, bounds on its headers and an idle
     timeout; every refusal in OpenAI's error shape."""
 
-    class Handler(lm_server.APIHandler):
+    class Handler(compat.APIHandler):
         timeout = idle_timeout  # socket timeout: a connection that sends nothing is closed
         # One request per connection: the reader's deadline and header bounds (setup) are the
         # connection's, so a kept-alive second request would run without them.
@@ -247,7 +246,7 @@ def make_handler(api_key: Optional[str], max_body: int, limits: RequestLimits, m
             template = kwargs.pop("chat_template")
             messages = copy.deepcopy(body["messages"])
             try:
-                lm_server.process_message_content(messages)
+                compat.process_message_content(messages)
             except (ValueError, KeyError, TypeError) as e:
                 raise RequestError(f"messages: {e}", "messages") from None
             tokenizer = self.response_generator.model_provider.engine.tokenizer

@@ -31,9 +31,9 @@ import threading
 from typing import Any, Callable, Dict, List, Optional
 
 import mlx.core as mx
-from mlx_lm import server as lm_server
 from mlx_lm.sample_utils import greedy_sampler
 
+from mlxdist import compat
 from mlxdist.compat import make_request_processors, make_request_sampler, set_detokenizer
 from mlxdist.errors import GenerationFailed, one_line
 from mlxdist.runtime import faults
@@ -48,12 +48,12 @@ class Sequence:
     def __init__(self, queue, max_tokens: int):
         self.queue = queue
         self.max_tokens = max_tokens
-        self.ctx: Optional[lm_server.GenerationContext] = None
+        self.ctx: Optional[compat.GenerationContext] = None
         self.failed: Optional[BaseException] = None
         self.tokens = 0
 
     def put(self, item) -> None:
-        if isinstance(item, lm_server.GenerationContext):
+        if isinstance(item, compat.GenerationContext):
             self.ctx = item
             _SETUP.sequence = self
             if self.failed is not None:

@@ -15,11 +15,12 @@ import threading
 import time
 import typing
 import weakref
+from queue import Queue
 from typing import Any, Optional
 
 from jinja2 import TemplateError
-from mlx_lm import server as lm_server
 
+from mlxdist import compat
 from mlxdist.errors import GenerationFailed, MlxdistError, RankLost, RequestError, one_line
 from mlxdist.runtime.agreement import failed_together
 from mlxdist.serving.isolation import Sequence
@@ -50,7 +51,7 @@ def _from_json(cls: Any, data: Any) -> Any:
     return data
 
 
-class TrackingQueue(lm_server.Queue):
+class TrackingQueue(Queue):
     """The generator's request queue, remembering each live request's
     response queue and the prompt text waiting in it (``chars``)."""
 
@@ -104,10 +105,10 @@ class _SingleQueue:
             agreed = failed_together(self.generator.world, item)
             if not isinstance(item, MlxdistError):
                 item = GenerationFailed(f"generation failed: {agreed}")
-        if lockstep and isinstance(item, lm_server.GenerationContext):
+        if lockstep and isinstance(item, compat.GenerationContext):
             item.stop = self._leave
         self.sequence.put(item)
-        if lockstep and isinstance(item, lm_server.Response):
+        if lockstep and isinstance(item, compat.Response):
             left = self.generator._share_object(self.left)
             if self.generator._stop:
                 self.shared_end = GenerationFailed("the server is shutting down")
@@ -120,7 +121,7 @@ class _SingleQueue:
         self.left = True
 
 
-class _ProgressBudget(lm_server.TimeBudget):
+class _ProgressBudget(compat.TimeBudget):
     """mlx-lm's time budget of batch steps between shared messages, telling
     the watchdog of each step taken (a step that never ends is a hung rank)."""
 
@@ -129,7 +130,7 @@ class _ProgressBudget(lm_server.TimeBudget):
         return super().__next__()
 
 
-class LockstepResponseGenerator(lm_server.ResponseGenerator):
+class LockstepResponseGenerator(compat.ResponseGenerator):
     """mlx-lm's response generator, sharing rank 0's requests and removals as
     JSON on mlxdist's control communicator, with a stop every rank hears."""
 
@@ -172,9 +173,9 @@ class LockstepResponseGenerator(lm_server.ResponseGenerator):
         shared = self._share_object(shared)
         if shared is None:
             return None
-        queue = request[0] if request is not None else lm_server.Queue()
-        args = _from_json(lm_server.GenerationArguments, shared["args"])
-        return Sequence(queue, args.max_tokens), _from_json(lm_server.CompletionRequest, shared["request"]), args
+        queue = request[0] if request is not None else Queue()
+        args = _from_json(compat.GenerationArguments, shared["args"])
+        return Sequence(queue, args.max_tokens), _from_json(compat.CompletionRequest, shared["request"]), args
 
     def _tokenize(self, tokenizer, request, args):
         """mlx-lm's tokenisation, plus this request's stop matcher (so its

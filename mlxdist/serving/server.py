@@ -32,9 +32,9 @@ import sys
 import threading
 from typing import Any, Dict
 
-from mlx_lm import server as lm_server
+from mlx_lm.models.cache import make_prompt_cache
 
-from mlxdist import envs
+from mlxdist import compat, envs
 from mlxdist.compat import with_globals
 from mlxdist.runtime.watchdog import ACTIVITY, ON_FATAL
 from mlxdist.errors import UserError
@@ -66,7 +66,7 @@ def lm_server_args(options: Dict[str, Any]) -> argparse.Namespace:
     )
 
 
-class EngineModelProvider(lm_server.ModelProvider):
+class EngineModelProvider(compat.ModelProvider):
     """mlx-lm's model provider, handing out the model loaded on this rank."""
 
     def __init__(self, cli_args: argparse.Namespace, engine):
@@ -84,7 +84,7 @@ class EngineModelProvider(lm_server.ModelProvider):
         self.model, self.tokenizer, self.processor = self.engine.model, tokenizer, None
         self.draft_model = self.engine.draft_model
         self.is_batchable = self.draft_model is None and all(
-            hasattr(c, "merge") for c in lm_server.make_prompt_cache(self.model))
+            hasattr(c, "merge") for c in make_prompt_cache(self.model))
 
 
 def generator_class(names: Dict[str, Any], single: Dict[str, Any]) -> type:
@@ -94,7 +94,7 @@ def generator_class(names: Dict[str, Any], single: Dict[str, Any]) -> type:
     factories), instead of mlx-lm's module being changed for every caller.
     The copies sit between it and mlx-lm's class, so its ``super()`` calls
     reach them."""
-    base = lm_server.ResponseGenerator
+    base = compat.ResponseGenerator
     loops = type("ResponseGeneratorLoops", (base,), {
         "_generate": with_globals(base._generate, **names),
         "_serve_single": with_globals(base._serve_single, **single),
@@ -173,7 +173,7 @@ def serve(executor, options: Dict[str, Any]) -> None:
     httpd = None
     try:  # the generation loop runs on every rank from here: whatever happens, it is stopped on every rank
         httpd = _bind(options, lambda *a, **kw: handler(
-            generator, *a, system_fingerprint=lm_server.get_system_fingerprint(), **kw))
+            generator, *a, system_fingerprint=compat.get_system_fingerprint(), **kw))
         print(f"mlxdist: serving {options['model']} on http://{options['host']}:{httpd.server_port} "
               f"({world.size} rank{'s' if world.size > 1 else ''})", file=sys.stderr, flush=True)
         httpd.serve_forever()
