@@ -247,6 +247,26 @@ def test_dp_gathers_rows_weights_and_ids_as_sent(dtype, weights_dtype, top_k):
     assert mx.array_equal(handle.weights, weights.reshape(6, top_k).astype(mx.float32))
 
 
+def test_dp_counts_what_each_collective_hands_over():
+    """dp's byte counters are the arrays each collective takes from this rank
+    and hands back to it: the gather returns every rank's rows, and MPI's
+    all_sum (no reduce-scatter there) the whole sum, not 1/N of it."""
+    from mlxdist.dispatch import DataParallelDispatcher, LayerOwnership
+    from mlxdist.runtime.world import World
+
+    world = World(0, 1, mx.distributed.init(strict=False), backend="mpi")
+    dispatcher = DataParallelDispatcher(world, "masked", 2, mx.float32, mx.float32)
+    x, inds = mx.random.normal((6, 8)), mx.array([[0, 1]] * 6)
+    dispatcher.plan([6])
+    dispatcher.begin_forward()
+    batch, handle = dispatcher.dispatch(LayerOwnership.build(0, [0, 0], 0), x, inds, mx.ones((6, 2)))
+    packed = 6 * (8 + 2 + 2) * 4  # [T, D + K weights + K ids] float32, gathered from a group of one
+    assert (dispatcher.stats.bytes_sent, dispatcher.stats.bytes_received) == (packed, packed)
+    dispatcher.combine(mx.ones((6, 2, 8)), handle)
+    partial = 6 * 8 * 4  # [N*T, D]: all_sum's input and, whole, its result
+    assert (dispatcher.stats.bytes_sent, dispatcher.stats.bytes_received) == (packed + partial, packed + partial)
+
+
 @pytest.mark.parametrize("batch, ranks, backend, expect", [
     (1, 2, "mpi", "collective"), (2, 2, "mpi", "dp"), (3, 4, "mpi", "collective"), (4, 4, "mpi", "dp"),
     (8, 2, "nccl", "collective"), (15, 2, "nccl", "collective"), (16, 2, "nccl", "dp"), (32, 4, "nccl", "dp"),

@@ -103,6 +103,7 @@ class CollectiveDispatcher(Dispatcher):
             return out
         self.stats.layers += 1
         self.stats.bytes_sent += out.nbytes
+        self.stats.bytes_received += out.nbytes
         return mx.distributed.all_sum(out, group=self.world.group)
 
     def _dispatch_compact(self, ownership: LayerOwnership, x: mx.array, inds: mx.array, handle: CollectiveHandle):
@@ -132,6 +133,7 @@ class CollectiveDispatcher(Dispatcher):
             out = mx.where(handle.owned_slots[..., None], y, mx.array(-0.0, dtype=y.dtype))
         if handle.out_shape and self.reduce:
             self.stats.bytes_sent += out.nbytes
+            self.stats.bytes_received += out.nbytes
             out = mx.distributed.all_sum(out, group=self.world.group)
         if handle.expert_load is not None:  # evaluate the counters with the layer
             out = mx.depends(out, handle.expert_load)

@@ -146,6 +146,7 @@ class DataParallelDispatcher(RowDispatcher):
         packed = self._in_order(packed, rows)
         gathered = mx.distributed.all_gather(packed, group=self.world.group)  # [N*T, D + ...]
         self.stats.bytes_sent += packed.nbytes
+        self.stats.bytes_received += gathered.nbytes
         wcols = K * self.weights_dtype.size // x.dtype.size
         X = gathered[:, :D]  # [N*T, D]
         W = _as_columns(gathered[:, D : D + wcols], self.weights_dtype)  # [N*T, K]
@@ -182,6 +183,7 @@ class DataParallelDispatcher(RowDispatcher):
         xs = self._in_order(xs, rows)
         gathered = mx.distributed.all_gather(xs, group=self.world.group)  # [N*T, 1, D]
         self.stats.bytes_sent += xs.nbytes
+        self.stats.bytes_received += gathered.nbytes
         partial = block(gathered).astype(x.dtype)  # [N*T, 1, D]: this rank's part of each row's output
         mine = self._reduce_scatter(partial, padded)  # [T, 1, D]
         self._last = mine
@@ -200,10 +202,12 @@ class DataParallelDispatcher(RowDispatcher):
 
     def _reduce_scatter(self, partial: mx.array, padded: int) -> mx.array:
         """[N*T, ..] partial sums -> this rank's [T, ..] rows of their sum over the ranks."""
-        self.stats.bytes_received += partial.nbytes // self.world.size
+        self.stats.bytes_sent += partial.nbytes
         if self.world.backend == "nccl":
+            self.stats.bytes_received += partial.nbytes // self.world.size
             return mx.distributed.sum_scatter(partial, group=self.world.group)
-        rank = self.world.rank  # MPI: no reduce-scatter in MLX
+        rank = self.world.rank  # MPI: no reduce-scatter in MLX; all_sum returns the whole sum
+        self.stats.bytes_received += partial.nbytes
         return mx.distributed.all_sum(partial, group=self.world.group)[rank * padded : (rank + 1) * padded]
 
     def _dispatch_compact(self, ownership, X, W, I, out_shape, rows, padded, dtype):

@@ -36,6 +36,11 @@ class ExchangeStats:
     slots_local: int = 0
     slots_remote: int = 0
     rows_sent: int = 0  # p2p: token rows sent (a token goes once to each rank it needs)
+    # What this rank hands to the exchange and what the exchange hands back, as the arrays'
+    # sizes: p2p's messages and replies; for MLX's collectives each one's input and its result
+    # on this rank (all_gather: N inputs; all_sum: the whole sum; NCCL's sum_scatter: 1/N of it).
+    # Not the bytes on the link, which depend on the collective's algorithm (a ring all_sum
+    # moves about 2 (N-1)/N of its input each way).
     bytes_sent: int = 0
     bytes_received: int = 0
     wait_seconds: float = 0.0
