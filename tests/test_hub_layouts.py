@@ -24,7 +24,7 @@ OVERRIDES = {
     "gpt_oss": dict(hidden_size=128, num_local_experts=32, intermediate_size=512, num_hidden_layers=2),
 }
 ARCHS = list(OVERRIDES)
-# Read besides the weights a rank keeps: the fingerprint's samples (3 x 64 KiB a file), config, tokenizer.
+# Read besides the weights a rank keeps: the index of content hashes, config, tokenizer.
 OTHER_BYTES = 0.5e6
 
 _RUNS = {}
@@ -32,7 +32,20 @@ _RUNS = {}
 
 @pytest.fixture(scope="module")
 def hub(checkpoint):
-    return {arch: checkpoint(arch, layout="hub", overrides=OVERRIDES[arch]) for arch in ARCHS}
+    """The checkpoints, each file hashed once here (model/content_hash.py), as a load after the first finds them:
+    what a rank reads at load is then its share only."""
+    import os
+    import time
+
+    from mlxdist.model.fingerprint import checkpoint_digests
+
+    paths = {arch: checkpoint(arch, layout="hub", overrides=OVERRIDES[arch]) for arch in ARCHS}
+    past = time.time() - 3600  # older than content_hash.RACY: the identity is kept
+    for path in paths.values():
+        for f in path.iterdir():
+            os.utime(f, (past, past))
+        checkpoint_digests(path)
+    return paths
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ commit (``commit:PACKAGE``), OS build (``os_build``) or GPU (``gpu``), to
 check that differences are named.
 """
 
-import hashlib
 import os
 import platform
 import shutil
@@ -106,8 +105,9 @@ def cache_folder() -> Path:
 
 
 def model_facts(model: str) -> Dict[str, Any]:
-    """The model's folder on this rank, its weight bytes and a fingerprint
-    (config.json and the weight files' names and sizes), or why it is missing."""
+    """The model's folder on this rank, its weight bytes, each used file's
+    content identity (as a load reads them, ``model/fingerprint.py``) and
+    their digest as a fingerprint, or why it is missing."""
     folder = Path(model).expanduser()
     if not folder.is_dir():
         try:
@@ -126,12 +126,17 @@ def model_facts(model: str) -> Dict[str, Any]:
     config = folder / "config.json"
     if not config.is_file():
         return {"present": False, "where": f"{folder} has no config.json"}
-    weights = sorted(folder.glob("*.safetensors"))
-    digest = hashlib.sha256(config.read_bytes())
-    for w in weights:
-        digest.update(f"{w.name}:{w.stat().st_size}".encode())
-    return {"present": True, "where": str(folder), "weights_gb": sum(w.stat().st_size for w in weights) / 1e9,
-            "fingerprint": digest.hexdigest()[:12], "free_disk_gb": free_disk_gb(folder)}
+    from mlxdist.errors import CheckpointError, one_line
+    from mlxdist.model.fingerprint import checkpoint_digests, content_key, hub_revision
+
+    try:  # the load's own identities (model/content_hash.py): what the doctor says is what a load does
+        files = checkpoint_digests(folder)
+        weights = sum(f.stat().st_size for f in folder.glob("model*.safetensors"))
+    except (CheckpointError, OSError) as e:
+        return {"present": False, "where": f"{folder}: {one_line(e)}"}
+    return {"present": True, "name": model, "where": str(folder), "weights_gb": weights / 1e9,
+            "fingerprint": content_key(files)[:12], "files": files, "revision": hub_revision(folder),
+            "free_disk_gb": free_disk_gb(folder)}
 
 
 def rank_facts(world, model: Optional[str]) -> Dict[str, Any]:

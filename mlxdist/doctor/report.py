@@ -3,6 +3,7 @@
 from typing import Any, Dict, List, Optional, Sequence
 
 from mlxdist.doctor.links import hosts_differ
+from mlxdist.model.fingerprint import describe_copies
 
 VERSIONED = ("python", "mlx", "mlx-lm", "mlxdist", "mpi4py")
 
@@ -53,10 +54,10 @@ def _model_problems(ranks: List[Dict[str, Any]], min_disk_gb: float) -> List[str
     if not present:
         offline = "; HF_HUB_OFFLINE keeps rank 0 from downloading it" if ranks[0]["model"].get("offline") else ""
         return found + [f"no rank has the model: {ranks[0]['model']['where']}{offline}"]
-    if len({r["model"]["fingerprint"] for r in present}) > 1:
-        found.append("the model differs between ranks: " + ", ".join(
-            f"rank {r['rank']} {r['model']['fingerprint']}" for r in present))
-    return found
+    copies = {r["rank"]: {"digests": r["model"].get("files", {}), "revision": r["model"].get("revision")}
+              for r in present}
+    differ = describe_copies(present[0]["model"].get("name", present[0]["model"]["where"]), copies)
+    return found + ([differ] if differ else [])
 
 
 def warnings(ranks: List[Dict[str, Any]]) -> List[str]:

@@ -37,7 +37,7 @@ from typing import Any, Callable, Dict, List, Optional
 from mlxdist.errors import ModelNotFound, NotInHubCache, UserError, one_line
 from mlxdist.model.checkpoint import check_config, is_hub_id, read_safetensors_index, resolve_model_path
 from mlxdist.model.fingerprint import (
-    checkpoint_digests, content_key, differing_files, header_bytes, hub_revision, is_weight_file,
+    checkpoint_digests, content_key, describe_copies, header_bytes, hub_revision, is_weight_file,
 )
 from mlxdist.model.share import Share, check_disk
 from mlxdist.model.share_needs import Spans, share_spans, span_bytes
@@ -88,9 +88,9 @@ def locate_model(world: World, model: str, revision: Optional[str]) -> Located:
     if not holders:
         raise ModelNotFound(reports[0]["error"])
     source, ref = holders[0], reports[holders[0]]
-    differ = [f"rank {r} ({', '.join(_what_differs(ref, reports[r]))})" for r in holders if reports[r] != ref]
+    differ = describe_copies(model, {r: reports[r] for r in holders})
     if differ:
-        raise UserError(f"ranks hold different copies of {model} than rank {source}: " + "; ".join(differ))
+        raise UserError(differ)
     located = Located(path, ref["digests"], ref["revision"], source, holders, world.size)
     if located.everyone_holds:
         return located
@@ -271,11 +271,6 @@ def _check_index(path: Path) -> None:
     absent = sorted(n for n in names if not (path / n).is_file())
     if absent:
         raise ModelNotFound(f"{path} lacks {absent[0]}, which its {INDEX_FILE} names")
-
-
-def _what_differs(ref: Dict[str, Any], other: Dict[str, Any]) -> List[str]:
-    out = [f"checkpoint file {n}" for n in differing_files(ref["digests"], other["digests"])]
-    return out + (["hub revision"] if ref["revision"] != other["revision"] else [])
 
 
 def _pack_files(path: Path, digests: Dict[str, str]) -> bytes:

@@ -1,16 +1,12 @@
-"""What a checkpoint is, as digests every rank can compare without reading
-the weights: one digest per file that mlx-lm uses (the files its hub
-download fetches: config, tokenizer files, chat template, weights), and the
-hub revision the folder is a snapshot of.
-
-- a weight file (``model*.safetensors``): its size, its safetensors header
-  (every tensor's name, dtype, shape and offsets) and ``SAMPLE`` bytes at its
-  start, middle and end: cheap, the same on every rank that holds the same
-  file, different for another checkpoint of the same shapes;
-- any other file (config.json, tokenizer.json, ...): all of its bytes.
+"""What a checkpoint is, as identities every rank can compare: one per file
+that mlx-lm uses (the files its hub download fetches: config, tokenizer
+files, chat template, weights), each a hash of all of the file's bytes
+(``model/content_hash.py``: kept beside the file's size, inode and times,
+so a file is read whole once, and again only when it changes), and the hub
+revision the folder is a snapshot of.
 
 A rank that holds only its share of a checkpoint (``model/share.py``)
-reports the digests of the copy it was sent from.
+reports the identities of the copy it was sent from.
 """
 
 import fnmatch
@@ -21,12 +17,12 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 from mlxdist.errors import CheckpointError
+from mlxdist.model.content_hash import identity
 
 WEIGHT_PATTERN = "model*.safetensors"
 # mlx-lm's own hub download patterns (mlx_lm.utils.DEFAULT_ALLOW_PATTERNS): what it reads from a model folder.
 USED_PATTERNS = ("*.json", WEIGHT_PATTERN, "*.py", "tokenizer.model", "*.tiktoken", "tiktoken.model", "*.txt",
                  "*.jsonl", "*.jinja")
-SAMPLE = 1 << 16  # bytes digested at each of a weight file's start, middle and end
 MAX_HEADER = 100 << 20  # a safetensors header longer than this is refused (the format's own limit)
 
 
@@ -56,23 +52,15 @@ def header_bytes(file: Path) -> bytes:
 
 
 def file_digest(file: Path) -> str:
-    """The digest of one used file (see the module's docstring)."""
-    h = hashlib.sha256()
-    if not is_weight_file(file.name):
-        h.update(file.read_bytes())
-        return h.hexdigest()[:16]
-    size = file.stat().st_size
-    h.update(f"{size}:".encode())
-    h.update(header_bytes(file))
-    with open(file, "rb") as f:
-        for offset in sorted({0, max(size // 2 - SAMPLE // 2, 0), max(size - SAMPLE, 0)}):
-            f.seek(offset)
-            h.update(f.read(SAMPLE))
-    return h.hexdigest()[:16]
+    """The identity of one used file (see the module's docstring)."""
+    try:
+        return identity(file)
+    except OSError as e:
+        raise CheckpointError(f"{file} cannot be read ({e.strerror or e})") from None
 
 
 def checkpoint_digests(path: Path) -> Dict[str, str]:
-    """File name -> digest, for every file of ``path`` that mlx-lm reads."""
+    """File name -> identity, for every file of ``path`` that mlx-lm reads."""
     return {f.name: file_digest(f) for f in used_files(path)}
 
 
@@ -93,6 +81,31 @@ def differing_files(ref: Dict[str, str], other: Dict[str, str]) -> List[str]:
     name: ``(absent)`` where ``other`` lacks one, ``(extra)`` where ``ref`` does."""
     out = []
     for name in sorted(set(ref) | set(other)):
-        if ref.get(name) != other.get(name):
-            out.append(name if name in ref and name in other else f"{name} ({'absent' if name in ref else 'extra'})")
+        mine, theirs = ref.get(name), other.get(name)
+        if mine == theirs:
+            continue
+        if mine is None or theirs is None:
+            out.append(f"{name} ({'absent' if theirs is None else 'extra'})")
+        elif mine.split(":")[0] != theirs.split(":")[0]:  # one a hub blob's SHA-256, the other a folder's XXH3
+            out.append(f"{name} (a hub snapshot's file on one, a folder's on the other: give both the same kind)")
+        else:
+            out.append(name)
     return out
+
+
+def describe_copies(model: str, reports: Dict[int, Dict]) -> Optional[str]:
+    """None if the ranks of ``reports`` (rank -> {"digests", "revision"},
+    the ranks holding a copy) hold the same copy of ``model``; else one line
+    naming each rank that differs from the lowest, and in what. The load and
+    the doctor say the same."""
+    source = min(reports)
+    ref = reports[source]
+    differ = []
+    for r in sorted(reports):
+        what = [f"checkpoint file {n}" for n in differing_files(ref["digests"], reports[r]["digests"])]
+        what += ["hub revision"] if ref.get("revision") != reports[r].get("revision") else []
+        if what:
+            differ.append(f"rank {r} ({', '.join(what)})")
+    if not differ:
+        return None
+    return f"ranks hold different copies of {model} than rank {source}: " + "; ".join(differ)

@@ -7,9 +7,11 @@ OUT_FILE (JSON, one entry per step).
 
 STEP: DISPATCH:PLACEMENT, a load (PLACEMENT: even, or an integer S: the even
 placement with each layer's experts moved by S, rolled), place:S (the loaded
-model placed again live, so moved), or damage:RANK (that rank flips 16 bytes in the
+model placed again live, so moved), damage:RANK (that rank flips 16 bytes in the
 middle of every range its cached share holds past the headers; nothing is
-loaded).
+loaded), break:HOW@RANK (that rank's share damaged as the ``break`` probe says),
+or overwrite:FOLDER (rank 0 writes FOLDER's weight files into CKPT's in place,
+their modification times kept).
 """
 
 import json
@@ -50,13 +52,64 @@ def damage(executor, args) -> None:
                 f.write(bytes(b ^ 0xFF for b in data))
 
 
+@register_probe("break")
+def break_share(executor, args) -> None:
+    """On rank ``args["rank"]``: its cached share damaged as ``args["how"]`` says: ``digests`` (share.json's
+    digests a number), ``file`` (the rank's folder a file), ``link`` (a symbolic link to a copy of the folder)."""
+    import shutil
+
+    from mlxdist.model.share import MANIFEST, shares_root
+
+    rank = executor.world.rank
+    if rank != args["rank"]:
+        return
+    folder = next(shares_root().glob(f"*/rank{rank}/{MANIFEST}")).parent
+    if args["how"] == "digests":
+        manifest = json.loads((folder / MANIFEST).read_text())
+        (folder / MANIFEST).write_text(json.dumps({**manifest, "digests": 5}))
+    elif args["how"] == "file":
+        shutil.rmtree(folder)
+        folder.write_text("not a folder")
+    else:
+        elsewhere = folder.parent.parent.parent / "elsewhere"
+        shutil.move(folder, elsewhere)
+        folder.symlink_to(elsewhere)
+
+
+def overwrite(path: Path, other: Path) -> None:
+    """Each weight file of ``path`` written in place (same inode) where it differs from ``other``'s, its times set
+    back to what they were: only its change time says it changed."""
+    import os
+
+    for file in sorted(path.glob("model*.safetensors")):
+        new, times = (other / file.name).read_bytes(), os.stat(file)
+        with open(file, "r+b") as f:
+            old = f.read()
+            assert len(old) == len(new)
+            for at in range(0, len(new), 4096):
+                if old[at:at + 4096] != new[at:at + 4096]:
+                    f.seek(at)
+                    f.write(new[at:at + 4096])
+        os.utime(file, ns=(times.st_atime_ns, times.st_mtime_ns))
+
+
 out_file, prompt, max_tokens, path, *steps = sys.argv[1:]
 with mlxdist.init() as cluster:
     results = []
     for step in steps:
-        what, arg = step.split(":")
+        what, arg = step.split(":", 1)
         if what == "damage":
             cluster.probe("damage", rank=int(arg))
+            results.append({"step": step})
+            continue
+        if what == "overwrite":  # rank 0 (the holder)
+            if cluster.world.is_root:
+                overwrite(Path(path), Path(arg))
+            results.append({"step": step})
+            continue
+        if what == "break":
+            how, rank = arg.split("@")
+            cluster.probe("break", rank=int(rank), how=how)
             results.append({"step": step})
             continue
         if what == "place":
