@@ -21,6 +21,7 @@ placement stay; a new placement fetches only what it adds.
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
@@ -28,7 +29,8 @@ from mlxdist import envs
 from mlxdist.errors import UserError
 from mlxdist.model.checkpoint import register_held
 from mlxdist.model.checksum import Checksum, checksum
-from mlxdist.model.fingerprint import file_digest, is_weight_file
+from mlxdist.model.content_hash import matches
+from mlxdist.model.fingerprint import is_weight_file
 from mlxdist.model.share_needs import Spans, merge, subtract
 from mlxdist.model.transfer import FolderFiles
 
@@ -53,16 +55,19 @@ class Share:
 
     @classmethod
     def open(cls, key: str, rank: int) -> "Share":
-        """The share of checkpoint ``key`` for ``rank``, empty if none is
-        cached or its manifest cannot be read."""
+        """The share of checkpoint ``key`` for ``rank``: empty if none is
+        cached; a damaged one (see ``damage``) is dropped, with one warning."""
         folder = shares_root() / key / f"rank{rank}"
-        try:
-            manifest = json.loads((folder / MANIFEST).read_text())
-            if not isinstance(manifest, dict) or manifest.get("version") != VERSION:
-                manifest = {}
-        except (OSError, ValueError):
-            manifest = {}
-        return cls(folder, manifest)
+        manifest, why = read_manifest(folder)
+        if why is not None:
+            warn(f"rank {rank}'s cached share {key} is damaged ({why}): dropped, it is sent again")
+            for path in (folder.parent.parent, folder.parent, folder):
+                if not _is_folder(path):
+                    drop(path)
+                    break
+            else:
+                drop(folder)
+        return cls(folder, manifest or {})
 
     @property
     def digests(self) -> Dict[str, str]:
@@ -85,7 +90,7 @@ class Share:
                 if is_weight_file(name):
                     if file.stat().st_size != sizes.get(name) or not self._header_ok(name):
                         return False
-                elif file_digest(file) != digest:
+                elif not matches(file, digest):
                     return False
             except (OSError, UserError):
                 return False
@@ -95,8 +100,7 @@ class Share:
                     sizes: Dict[str, int]) -> None:
         """Start the share afresh: the non-weight ``files`` whole, and each
         weight file (in ``files``: its header) sparse at its size."""
-        if self.folder.exists():
-            shutil.rmtree(self.folder)
+        drop(self.folder)
         self.folder.mkdir(parents=True)
         check_disk(self.folder, sum(len(b) for b in files.values()), "the model's files")
         held = {}
@@ -112,15 +116,17 @@ class Share:
     def missing(self, need: Spans) -> Spans:
         """The ranges of ``need`` this share lacks, after checking each held
         range that ``need`` touches against its checksum (a damaged one is dropped)."""
-        held = self.manifest["held"]
+        held, dropped = self.manifest["held"], False
         for name, want in need.items():
             kept = []
             for start, end, value in held.get(name, []):
                 if _touches(start, end, want) and _checksum(self.folder / name, start, end) != value:
+                    dropped = True
                     continue
                 kept.append([start, end, value])
             held[name] = kept
-        self.save()
+        if dropped:  # a complete share is read, never written: it may be on a read-only disk
+            self.save()
         return subtract(need, self.held_spans())
 
     def held_spans(self) -> Spans:
@@ -131,7 +137,7 @@ class Share:
         self.manifest["held"].setdefault(name, []).extend([list(r) for r in ranges])
 
     def save(self) -> None:
-        tmp = self.folder / (MANIFEST + ".tmp")
+        tmp = self.folder / f"{MANIFEST}.{os.getpid()}.tmp"
         tmp.write_text(json.dumps(self.manifest))
         os.replace(tmp, self.folder / MANIFEST)
 
@@ -144,6 +150,80 @@ class Share:
     def _header_ok(self, name: str) -> bool:
         first = (self.manifest.get("held") or {}).get(name, [[0, 0, 0]])[0]
         return first[0] == 0 and _checksum(self.folder / name, first[0], first[1]) == first[2]
+
+
+def read_manifest(folder: Path) -> Tuple[Optional[Dict], Optional[str]]:
+    """(manifest, None) for a share folder whose manifest is whole; (None,
+    None) where there is no share (or one of an older version, or one whose
+    files were never all written: it is started afresh); (None, why) where
+    the share is damaged."""
+    for path in (folder.parent.parent, folder.parent):  # the shares' root, the key's folder: links allowed
+        if (path.exists() or path.is_symlink()) and not path.is_dir():
+            return None, f"{path} is not a folder"
+    if folder.is_symlink() or (folder.exists() and not folder.is_dir()):
+        return None, f"{folder} is not a folder"
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text())
+    except FileNotFoundError:
+        return None, None
+    except (OSError, ValueError) as e:
+        return None, f"{MANIFEST} unreadable: {e.__class__.__name__}"
+    if isinstance(manifest, dict) and manifest.get("version") != VERSION and isinstance(manifest.get("version"), int):
+        return None, None
+    why = _manifest_damage(manifest)
+    return (None, why) if why else (manifest, None)
+
+
+def _manifest_damage(manifest) -> Optional[str]:
+    """What is wrong with a manifest's shape, None if nothing."""
+    if not isinstance(manifest, dict):
+        return f"{MANIFEST} is not a table"
+    if manifest.get("version") != VERSION:
+        return f"{MANIFEST}: version is not a version"
+    fields = {"digests": dict, "sizes": dict, "held": dict}
+    for name, kind in fields.items():
+        if not isinstance(manifest.get(name), kind):
+            return f"{MANIFEST}: {name} is not a table"
+    if not isinstance(manifest.get("revision"), (str, type(None))):
+        return f"{MANIFEST}: revision is not a string"
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in manifest["digests"].items()):
+        return f"{MANIFEST}: digests are not strings"
+    if not all(isinstance(k, str) and _natural(v) for k, v in manifest["sizes"].items()):
+        return f"{MANIFEST}: sizes are not sizes"
+    for name, ranges in manifest["held"].items():
+        ok = name in manifest["digests"] and isinstance(ranges, list) and all(
+            isinstance(r, list) and len(r) == 3 and all(_natural(x) for x in r) and r[0] < r[1]
+            for r in ranges)
+        if not ok or not _natural(manifest["sizes"].get(name)) or any(r[1] > manifest["sizes"][name] for r in ranges):
+            return f"{MANIFEST}: the ranges held of {name!r:.80} are not ranges of it"
+    if any("/" in n or n.startswith(".") for n in manifest["digests"]):
+        return f"{MANIFEST}: a file name is not a name"
+    return None
+
+
+def _natural(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _is_folder(path: Path) -> bool:
+    """Nothing there, or a folder (the rank's own folder: not a link)."""
+    if path.name.startswith("rank") and path.is_symlink():
+        return False
+    return path.is_dir() or not (path.exists() or path.is_symlink())
+
+
+def drop(path: Path) -> None:
+    """Remove a share's folder (or whatever stands at its path: a file, a
+    symbolic link, itself only, never what it points to)."""
+    if path.is_symlink() or (path.exists() and not path.is_dir()):
+        path.unlink()
+    elif path.exists():
+        shutil.rmtree(path)
+
+
+def warn(message: str) -> None:
+    """``mlxdist: warning: <message>`` on stderr in one write."""
+    os.write(sys.stderr.fileno(), f"mlxdist: warning: {message}\n".encode("utf-8", "backslashreplace"))
 
 
 def check_disk(folder: Path, need: int, what: str) -> None:

@@ -9,7 +9,8 @@ experts that ``sanitize`` builds): a tensor it evaluates from a hole would
 silently be zeros. So every tensor of a share file that the share does not
 hold whole is given to mlx-lm as an array that fails when evaluated: MLX
 loads it lazily from a file of that tensor's header (``<share>/unreceived/
-<file name>``), which is then cut short, so evaluating it raises MLX's
+<file name>``; in the temporary folder where the share is on a read-only
+disk), which is then cut short, so evaluating it raises MLX's
 ``[read] Unable to read from file``; ``explain`` turns that into one line.
 A tensor the share holds whole reads from the share as before.
 """
@@ -17,6 +18,7 @@ A tensor the share holds whole reads from the share as before.
 import json
 import os
 import struct
+import tempfile
 from pathlib import Path
 from typing import Callable, Dict
 
@@ -58,14 +60,22 @@ def _failing_arrays(poison: Path, unheld: Dict[str, Dict], load: Callable) -> Di
         at += size
     text = json.dumps(header).encode()
     prefix = struct.pack("<Q", len(text)) + text
+    try:
+        _write_poison(poison, prefix, at)
+    except OSError:  # a share on a read-only disk: the file goes to the temporary folder
+        poison = Path(tempfile.gettempdir()) / f"mlxdist-{FOLDER}-{os.getpid()}" / poison.name
+        _write_poison(poison, prefix, at)
+    arrays = load(str(poison))
+    os.truncate(poison, len(prefix))
+    return arrays
+
+
+def _write_poison(poison: Path, prefix: bytes, data_bytes: int) -> None:
     poison.parent.mkdir(exist_ok=True)
     poison.unlink(missing_ok=True)  # arrays of an earlier load keep reading the file they opened
     with open(poison, "wb") as f:
         f.write(prefix)
-        f.truncate(len(prefix) + at)  # sparse: no disk
-    arrays = load(str(poison))
-    os.truncate(poison, len(prefix))
-    return arrays
+        f.truncate(len(prefix) + data_bytes)  # sparse: no disk
 
 
 def explain(error: Exception) -> Exception:
