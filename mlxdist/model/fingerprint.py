@@ -86,7 +86,7 @@ def differing_files(ref: Dict[str, str], other: Dict[str, str]) -> List[str]:
             continue
         if mine is None or theirs is None:
             out.append(f"{name} ({'absent' if theirs is None else 'extra'})")
-        elif ":" in mine and ":" in theirs and mine.split(":")[0] != theirs.split(":")[0]:  # a hub blob's SHA-256, a folder's XXH3
+        elif ":" in mine and ":" in theirs and mine.split(":")[0] != theirs.split(":")[0]:  # SHA-256 name, XXH3
             out.append(f"{name} (a hub snapshot's file on one, a folder's on the other: give both the same kind)")
         else:
             out.append(name)

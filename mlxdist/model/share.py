@@ -14,7 +14,10 @@ sender's file digests, ``model/fingerprint.py``), holding
   size, and the ranges held with a checksum of each (``model/checksum.py``).
 
 Before a load uses a range it is read again and checked against its checksum: a
-damaged range is dropped and fetched again. Ranges held from an earlier
+damaged range is dropped and fetched again. A damaged share (a manifest that
+cannot be read or is of the wrong shape, a file or a link where a folder
+should be) is dropped whole, with one warning, and sent again. A complete
+share is only read: it may sit on a read-only disk. Ranges held from an earlier
 placement stay; a new placement fetches only what it adds.
 """
 
