@@ -25,10 +25,3 @@ def __getattr__(name):
 
         return getattr(errors, name)
     raise AttributeError(f"module 'mlxdist' has no attribute {name!r}")
-
-
-# Before anything imports mlx-lm (and so transformers): every rank of every launch would otherwise
-# rescan transformers' model folders at import (import_index.py).
-from mlxdist import import_index as _import_index  # noqa: E402
-
-_import_index.install()

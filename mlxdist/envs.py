@@ -77,9 +77,6 @@ VARIABLES: Dict[str, Variable] = {v.name: v for v in (
              "(default: the system's temporary folder)."),
     Variable("MLXDIST_CACHE", "path", None, "Folder the built-in random checkpoint is written to on first use, "
              "and where a rank keeps the shares of models it was sent, under shares/ (default: ~/.cache/mlxdist)."),
-    Variable("MLXDIST_TRANSFORMERS_INDEX", "bool", True, "Keep the index transformers builds of its model "
-             "folders at import (about a second per process) under $MLXDIST_CACHE/transformers-index/ and read it "
-             "back in later processes (import_index.py); 0: let transformers scan every time."),
     Variable("MLXDIST_STDIN", "path", None, "Rank 0's standard input (a FIFO): set by launch/mpirun, because "
              "Open MPI 5 forwards stdin lines but not their end."),
     Variable("MLXDIST_GROUPED_EXPERTS", "switch", "", "Expert calls grouped by expert: 0 never, 1 always (any "

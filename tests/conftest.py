@@ -12,10 +12,19 @@ from pathlib import Path
 
 import pytest
 
-from mlxdist import envs
-from mlxdist.runtime.world import retry_launcher
-
 ROOT = Path(__file__).resolve().parent.parent
+# The suite's own start-up measure (tests/startup/transformers_index.py): in this process, before
+# anything imports mlx-lm, and, through PYTHONPATH, in every process the tests start.
+STARTUP = str(ROOT / "tests" / "startup")
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in [STARTUP, os.environ.get("PYTHONPATH")] if p)
+sys.path.insert(0, STARTUP)
+import transformers_index  # noqa: E402
+
+transformers_index.install()
+
+from mlxdist import envs  # noqa: E402
+from mlxdist.runtime.world import retry_launcher  # noqa: E402
+
 MPIRUN = str(Path(sys.executable).parent / "mpirun")
 if not os.path.exists(MPIRUN):
     MPIRUN = "mpirun"

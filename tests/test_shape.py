@@ -177,7 +177,7 @@ def test_mlx_launch_refuses_what_needs_mpi_in_one_line(checkpoint):
 # own layer or below. Entry points (cli/, the shims, bench/) sit on top.
 LAYERS = [
     {"mlxdist.envs", "mlxdist.errors", "mlxdist.digits", "mlxdist.arrays", "mlxdist.synth", "mlxdist.compat",
-     "mlxdist.json_input", "mlxdist.import_index"},
+     "mlxdist.json_input"},
     {"mlxdist.runtime"},
     {"mlxdist.dispatch"},
     {"mlxdist.model", "mlxdist.config"},

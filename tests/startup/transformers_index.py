@@ -1,22 +1,27 @@
-"""A rank's start without transformers' model-folder scan.
+"""The test suite's ranks start without transformers' model-folder scan.
 
 mlx-lm imports transformers (its tokenizers), and transformers 5, on import,
 reads every file under ``transformers/models`` (some 1,700 of them) to build
 the index its lazy module serves names from, twice: about a second of CPU
-per process, paid by every rank of every launch. The index depends only on
-the installed files, so the first process keeps it under
-``$MLXDIST_CACHE/transformers-index/`` and later ones read it back (a few
-milliseconds).
+per process, paid by every rank of every launch the suite makes. The index
+depends only on the installed files, so the first process keeps it and later
+ones read it back (a few milliseconds).
+
+This is the suite's own measure, never mlxdist's: it rewrites a private
+function of transformers in the process. ``sitecustomize.py`` beside it
+installs it in every Python process started with this folder on
+``PYTHONPATH``, which ``tests/conftest.py`` puts there for the suite.
 
 ``install()`` puts a finder on ``sys.meta_path`` that, when
 ``transformers.utils.import_utils`` is loaded, wraps its
 ``create_import_structure_from_path`` with that cache. The cache is keyed by
-transformers' version and the scanned folder's entries with their
-modification times (an install, upgrade or edited model folder is a miss),
-written atomically, and read as tagged JSON (no code). Anything unexpected
-(another transformers, an unreadable or damaged file) falls back to the scan
-itself: the index is never wrong, only sometimes not faster.
-``MLXDIST_TRANSFORMERS_INDEX=0`` turns it off.
+transformers' version and every file under the scanned folder with its size
+and modification time (an install, upgrade or a model file edited in place
+is a miss), written atomically, and read as tagged JSON (no code). Anything
+unexpected (another transformers, an unreadable or damaged file) falls back
+to the scan itself: the index is never wrong, only sometimes not faster.
+The folder is ``$MLXDIST_TEST_TRANSFORMERS_INDEX`` (default
+``~/.cache/mlxdist-tests/transformers-index``); ``0`` turns it off.
 """
 
 import hashlib
@@ -47,16 +52,10 @@ class _Finder(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
         if name != MODULE:
             return None
-        from mlxdist import envs
-        from mlxdist.errors import BadVariable
-
-        try:
-            if not envs.get("MLXDIST_TRANSFORMERS_INDEX"):
-                return None
-            folder = Path(envs.get("MLXDIST_CACHE") or Path.home() / ".cache" / "mlxdist") / "transformers-index"
-        except BadVariable as e:  # the index only saves time: say so, and let transformers scan
-            print(f"mlxdist: {e}; transformers scans its model folders", file=sys.stderr, flush=True)
+        setting = os.environ.get("MLXDIST_TEST_TRANSFORMERS_INDEX", "")
+        if setting == "0":
             return None
+        folder = Path(setting) if setting else Path.home() / ".cache" / "mlxdist-tests" / "transformers-index"
         spec = importlib.machinery.PathFinder.find_spec(name, path)
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return None
@@ -103,16 +102,25 @@ def cached_scan(scan: Callable[[Any], Dict], folder: Path, version: str) -> Call
 
 
 def _key(module_path, version: str) -> Optional[str]:
-    """A digest of transformers' version, the folder and its entries with
-    their modification times; None where the folder cannot be listed."""
+    """A digest of transformers' version, the folder and every file and
+    folder under it with its size and modification time (a file edited in
+    place changes its own time, not its folder's); None where the folder
+    cannot be listed."""
     listed = Path(module_path) if os.path.isdir(module_path) else Path(module_path).parent  # a file: its folder
+    listing = []
     try:
-        with os.scandir(listed) as entries:
-            listing = sorted(f"{e.name}:{e.stat(follow_symlinks=False).st_mtime_ns}" for e in entries)
+        for folder, dirs, files in os.walk(listed, onerror=_raise):
+            for name in sorted(dirs + files):
+                stat = os.stat(os.path.join(folder, name), follow_symlinks=False)
+                listing.append(f"{os.path.relpath(os.path.join(folder, name), listed)}:{stat.st_size}:{stat.st_mtime_ns}")
     except OSError:
         return None
-    text = "\n".join([version, str(Path(module_path).resolve()), *listing])
+    text = "\n".join([version, str(Path(module_path).resolve()), *sorted(listing)])
     return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def _raise(error: OSError) -> None:
+    raise error
 
 
 def _read(file: Path) -> Optional[Dict]:
