@@ -76,7 +76,8 @@ VARIABLES: Dict[str, Variable] = {v.name: v for v in (
     Variable("MLXDIST_LOG_DIR", "path", None, "Folder of the per-rank traceback logs "
              "(default: the system's temporary folder)."),
     Variable("MLXDIST_CACHE", "path", None, "Folder the built-in random checkpoint is written to on first use, "
-             "and where a rank keeps the shares of models it was sent, under shares/ (default: ~/.cache/mlxdist)."),
+             "where a rank keeps the shares of models it was sent, under shares/, and its model files' content hashes, "
+             "under hashes/ (default: ~/.cache/mlxdist)."),
     Variable("MLXDIST_STDIN", "path", None, "Rank 0's standard input (a FIFO): set by launch/mpirun, because "
              "Open MPI 5 forwards stdin lines but not their end."),
     Variable("MLXDIST_GROUPED_EXPERTS", "switch", "", "Expert calls grouped by expert: 0 never, 1 always (any "
