@@ -5,10 +5,13 @@ published one does), float32 and 4-bit, and shapes that mlx-lm's tensor
 parallelism cannot split (a 4-bit gpt_oss of 16 experts; a 4-bit gpt_oss
 whose experts are 6 quantization groups of 32 wide, as gpt-oss-120b's 2,880
 are 90: they divide by 2 and 3, not by 4). One launch per world size loads
-each checkpoint in turn under the default, as a user's run does (the link
-measured at load), generates one prompt and a batch of a prompt per rank,
-and loads under ``collective`` only where the default failed: any error
-the default has, ``collective`` must have too. Where the default cannot
+each checkpoint in turn under the default, generates one prompt and a batch
+of a prompt per rank, and loads under ``collective`` only where the default
+failed: any error the default has, ``collective`` must have too. On 2 ranks
+the link is measured at load, as a user's run does (the cost model runs);
+on 3 and 4 auto takes one host's link, whose rule runs one sequence split
+by tensor parallelism wherever it loaded that split (a measured link may
+choose otherwise, and leave a split that fails in the forward untried). Where the default cannot
 split the model as tensor parallelism does, it runs without that split and
 says so in one line."""
 
@@ -23,7 +26,8 @@ from mlxdist.synth import TINY_MODELS, TINY_PREFIX, write_checkpoint
 from shared_launch import several
 
 MAX_TOKENS = 4
-DEFAULT = "auto:measure"  # the default dispatch with the user's default MLXDIST_AUTO_LINK
+# world size -> the default dispatch with rank 0's MLXDIST_AUTO_LINK (default_each.py)
+DEFAULT = {2: "auto:measure", 3: "auto:local", 4: "auto:local"}
 # dbrx is refused by every mode (tests/test_models.py)
 TYPES = [t for t in sorted(TINY_MODELS) if t != "dbrx"]
 # name -> (model type, write_checkpoint's keyword arguments)
@@ -74,12 +78,12 @@ def checkpoints(tmp_path_factory):
 def test_default_loads_wherever_collective_does(checkpoints, nranks):
     names = RUNS[nranks]
     paths = [checkpoints[n] for n in names]
-    (got,) = several(nranks, [("default_each", [MAX_TOKENS, f"{DEFAULT},collective", *paths])],
+    (got,) = several(nranks, [("default_each", [MAX_TOKENS, f"{DEFAULT[nranks]},collective", *paths])],
                      timeout=120 + 15 * len(paths))
     worse = {}
     for name, path in zip(names, paths):
         runs = got[str(path)]
-        default = runs[DEFAULT]
+        default = runs[DEFAULT[nranks]]
         if "error" not in default:
             assert len(default["tokens"]) == MAX_TOKENS, name
             assert [len(t) for t in default["batch"]] == [MAX_TOKENS] * nranks, name
