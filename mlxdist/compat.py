@@ -113,6 +113,15 @@ def with_globals(func: Callable, **names: Any) -> Callable:
     if missing:
         raise RuntimeError(f"mlx-lm's {func.__qualname__} no longer looks up {', '.join(missing)}: "
                            f"mlxdist cannot give it its own (mlxdist/compat.py)")
+    return with_module_names(func, names)
+
+
+def with_module_names(func: Callable, names: Dict[str, Any]) -> Callable:
+    """A copy of ``func`` (an mlx-lm model's ``sanitize``) that finds
+    ``names`` where it, or a function it defines while it runs, looks them up
+    in its module's globals; the module itself is left as it is. Unlike
+    ``with_globals`` nothing is checked: mlxdist lists no lookups of a
+    model's code, and a name the function does not look up changes nothing."""
     view = {**func.__globals__, **names}
     copy = types.FunctionType(func.__code__, view, func.__name__, func.__defaults__, func.__closure__)
     copy.__kwdefaults__, copy.__qualname__, copy.__doc__ = func.__kwdefaults__, func.__qualname__, func.__doc__

@@ -131,6 +131,35 @@ def test_loading_leaves_mlx_core_as_it_is(checkpoint):
     assert mx.load is load and mx.stack is stack
 
 
+def test_mlx_core_stays_as_it_is_during_a_load(checkpoint):
+    """At every Python call of a load (sanitize's stacks among them), in the
+    hub layout whose per-expert tensors sanitize stacks, mlx.core's load and
+    stack are MLX's own, and the stacks are still recorded."""
+    import sys
+
+    import mlx.core as mx
+
+    from mlxdist.model.checkpoint import find_switch_sites, read_safetensors_index
+    from mlxdist.model.sources import load_lazy
+
+    load, stack = mx.load, mx.stack
+    swapped = []
+
+    def watch(frame, event, arg):
+        if mx.load is not load or mx.stack is not stack:
+            swapped.append(f"{frame.f_code.co_filename}:{frame.f_lineno}")
+
+    path = checkpoint("mixtral", layout="hub")
+    sys.setprofile(watch)
+    try:
+        model, _, sources = load_lazy(path, read_safetensors_index(path))
+    finally:
+        sys.setprofile(None)
+    assert not swapped, f"mlx.core swapped during the load, first seen at {swapped[0]}"
+    parts = [type(p).__name__ for site in find_switch_sites(model) for p in sources.expert_source(site)._parts]
+    assert parts and set(parts) == {"_Each"}, parts
+
+
 def test_the_command_lines_parse_before_mlx_lm_is_imported():
     """config.DEFAULT_MAX_TOKENS is mlx_lm.generate's, written out so that
     run and serve refuse a bad flag without importing mlx-lm (seconds)."""

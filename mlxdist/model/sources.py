@@ -19,7 +19,8 @@ load peaks at what the rank keeps. Paging (``model/paging.py``) reads single
 experts again through the same ``ExpertSource``.
 """
 
-import threading
+import inspect
+import types
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
@@ -153,49 +154,103 @@ def slice_experts(site: SwitchSite, expert_ids: List[int], sources) -> nn.Module
 
 
 def load_lazy(path: Path, index: Dict[str, TensorEntry]) -> Tuple[nn.Module, Dict[str, Any], CheckpointSources]:
-    """``mlx_lm.utils.load_model(path, lazy=True)``, recording, for the
-    duration of the call, each ``mx.stack`` its ``sanitize`` runs and the
-    name each ``mx.load`` gave each tensor, so that a stacked expert tensor
-    can be rebuilt from its owned experts' inputs alone. From a share, a
-    tensor it does not hold whole fails when evaluated (``model/unreceived.py``).
+    """``mlx_lm.utils.load_model(path, lazy=True)``, recording each
+    ``mx.stack`` its ``sanitize`` runs and the name each tensor was loaded
+    as, so that a stacked expert tensor can be rebuilt from its owned
+    experts' inputs alone. From a share, a tensor it does not hold whole
+    fails when evaluated (``model/unreceived.py``).
 
-    A model's ``sanitize`` (and whatever it calls, in any module) stacks
-    through ``mx.stack``, and a lazy array does not tell its inputs, so the
-    two functions are replaced on ``mlx.core`` for this call only, restored
-    after it, and record only this thread's calls: any other thread calling
-    them meanwhile gets MLX's own, unrecorded."""
+    A lazy array does not tell its inputs, so the stacks are recorded where
+    they are made: mlx-lm builds the model through ``get_model_classes``,
+    and on the model it builds (and on each of its modules with a
+    ``sanitize`` of its own, which a model's ``sanitize`` may hand the
+    weights on to) ``sanitize`` is, for the load only, a copy of the class's
+    that finds a recording ``mlx.core`` in its module's names
+    (``compat.with_module_names``). mlx-lm's modules and ``mlx.core`` are
+    left as they are. A stack made where that copy does not reach (a
+    parent class's ``sanitize`` called through ``super()`` or the class, a
+    function of another module) is not recorded: its tensor is read whole."""
     from mlx_lm.utils import load_model
 
+    from mlxdist.compat import model_classes
+
+    recorder = _StackRecorder()
     loaded: Dict[int, Tuple[str, mx.array]] = {}
-    made: List[Tuple[mx.array, List[mx.array]]] = []
-    load, stack = mx.load, mx.stack
-    loader = threading.get_ident()
+    built: List[nn.Module] = []
 
-    def recording_load(file, *args, **kwargs):
-        out = load(file, *args, **kwargs)
-        if isinstance(out, dict):  # a share's tensors it lacks fail when read
-            out = refuse_unheld(file, out, load)
-        if isinstance(out, dict) and threading.get_ident() == loader:
-            loaded.update((id(v), (k, v)) for k, v in out.items())
-        return out
+    def refuse_and_sanitize(sanitize: Optional[Callable]) -> Sanitize:
+        def load_and_sanitize(weights):
+            by_file: Dict[Path, Dict[str, mx.array]] = {}
+            for name, value in weights.items():
+                entry = index.get(name)
+                if entry is not None:
+                    by_file.setdefault(entry.file, {})[name] = value
+            for file, arrays in by_file.items():  # a share's tensors it lacks fail when read
+                weights.update(refuse_unheld(file, arrays))
+            loaded.update((id(v), (k, v)) for k, v in weights.items())
+            return sanitize(weights) if sanitize is not None else weights
 
-    def recording_stack(arrays, *args, **kwargs):
-        arrays = list(arrays)
-        out = stack(arrays, *args, **kwargs)
-        if not args and kwargs.get("axis", 0) == 0 and threading.get_ident() == loader:
-            made.append((out, arrays))
-        return out
+        return load_and_sanitize
 
-    mx.load, mx.stack = recording_load, recording_stack
+    def classes(config):
+        model_class, args_class = model_classes(config)
+
+        def build(args):
+            model = model_class(args)
+            built.append(model)
+            for module in [m for m in model.modules() if m is not model]:
+                if _recordable(module):
+                    module.sanitize = _recording(module, recorder)
+            own = _recording(model, recorder) if _recordable(model) else getattr(model, "sanitize", None)
+            model.sanitize = refuse_and_sanitize(own)  # load_model calls it, the model having one or not
+            return model
+
+        return build, args_class
+
     try:
-        model, config = load_model(path, lazy=True)
+        model, config = load_model(path, lazy=True, get_model_classes=classes)
     finally:
-        mx.load, mx.stack = load, stack
+        for m in built:
+            for module in m.modules():
+                if "sanitize" in vars(module):
+                    del module.sanitize
     stacks = {}
-    for result, inputs in made:  # every loaded array is still alive here: ids are not reused
+    for result, inputs in recorder.made:  # every loaded array is still alive here: ids are not reused
         names = [loaded[id(x)][0] if id(x) in loaded and loaded[id(x)][1] is x else None for x in inputs]
         stacks[id(result)] = _Stack(result, inputs, names)
     return model, config, CheckpointSources(index, stacks, getattr(model, "sanitize", None))
+
+
+class _StackRecorder:
+    """``mlx.core`` as a model's ``sanitize`` sees it during a load: each
+    stack along the first axis is recorded (its result and inputs)."""
+
+    def __init__(self):
+        self.made: List[Tuple[mx.array, List[mx.array]]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(mx, name)
+
+    def stack(self, arrays, *args, **kwargs) -> mx.array:
+        arrays = list(arrays)
+        out = mx.stack(arrays, *args, **kwargs)
+        if not args and kwargs.get("axis", 0) == 0:
+            self.made.append((out, arrays))
+        return out
+
+
+def _recordable(module: nn.Module) -> bool:
+    """Whether the module's class has a plain ``sanitize`` method."""
+    return inspect.isfunction(inspect.getattr_static(type(module), "sanitize", None))
+
+
+def _recording(module: nn.Module, recorder: _StackRecorder) -> Sanitize:
+    """The module's ``sanitize``, bound to it, finding ``recorder`` wherever its module names ``mlx.core``."""
+    from mlxdist.compat import with_module_names
+
+    func = inspect.getattr_static(type(module), "sanitize")
+    names = {k: recorder for k, v in func.__globals__.items() if v is mx}
+    return types.MethodType(with_module_names(func, names), module)
 
 
 class ExpertSource:
