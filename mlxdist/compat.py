@@ -18,7 +18,9 @@ looks up in its module, instead of replacing them in the module for every
 caller (see ``serving/server.py``): the function must look those names up
 (``GLOBALS_READ``). The copy shares the function's code and reads a snapshot
 of its module's names taken when it is made, with the given names over them:
-a name the module rebinds later is not seen by the copy.
+a name the module rebinds later is not seen by the copy. ``with_module_names``
+is the same copy, unchecked, for a model's ``sanitize`` during a load
+(``model/sources.py`` gives it a recording ``mlx.core``).
 """
 
 import dataclasses
