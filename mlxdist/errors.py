@@ -61,6 +61,15 @@ class LoadError(StepFailed):
     """LOAD failed on at least one rank; the message names the ranks."""
 
 
+class OutputError(UserError):
+    """A record the ``--out`` file would not take: the run stops with this line."""
+
+
+class RankStartError(MlxdistError, RuntimeError):
+    """A start-up failure of this rank's own (its host, not the job's
+    input): every rank that meets one says so itself."""
+
+
 class RequestError(UserError, ValueError):
     """A request the server refuses: HTTP ``status`` (400), naming the field ``param``."""
 

@@ -185,7 +185,7 @@ LAYERS = [
     {"mlxdist.serving", "mlxdist.executor"},
     {"mlxdist.api"},
     {"mlxdist.cli", "mlxdist.bench", "mlxdist.run", "mlxdist.serve", "mlxdist.supervise", "mlxdist.place",
-     "mlxdist.doctor", "mlxdist.cache"},
+     "mlxdist.doctor", "mlxdist.cache", "mlxdist.launch"},
 ]
 
 

@@ -13,7 +13,7 @@ from typing import Any, Dict, Optional, Set, Tuple
 
 from tqdm import tqdm
 
-from mlxdist.errors import UserError
+from mlxdist.errors import OutputError, UserError
 
 from mlxdist.cli.job_file import bounded_lines, open_regular, parse_json_line
 
@@ -95,10 +95,6 @@ def warn(message: str) -> None:
     sys.stderr.flush()
     with tqdm.external_write_mode(file=sys.stderr):
         os.write(sys.stderr.fileno(), f"mlxdist: warning: {message}\n".encode("utf-8", "backslashreplace"))
-
-
-class OutputError(UserError):
-    """A record the ``--out`` file would not take: the run stops with this line."""
 
 
 class ResultsFile:

@@ -163,6 +163,11 @@ def strategies(name: str, by_width: bool, backend: str, shardable: bool, everywh
     return ["collective", "dp"]
 
 
+def splits_dense(names: List[str]) -> bool:
+    """Whether one of these strategies runs the dense model split by mlx-lm's ``shard()`` (on a twin)."""
+    return "collective-tp" in names
+
+
 def uses_router_weights(names: List[str]) -> bool:
     """Whether one of these strategies needs each block's router weights found at load."""
     return "dp" in names

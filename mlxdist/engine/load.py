@@ -312,8 +312,8 @@ def _strategies(world: World, options: LoadOptions, lazy: _Lazy, by_width: bool,
     strategies = modes.strategies(options.dispatch, by_width, world.backend, lazy.split is not None,
                                   everywhere=plan.on_every_rank, exact=options.exact)
     strategies = strategies if world.size > 1 else strategies[:1]  # one rank: every strategy is the identity
-    if lazy.unsplit is not None and world.is_root and "collective-tp" in modes.strategies(
-            options.dispatch, by_width, world.backend, True, everywhere=plan.on_every_rank, exact=options.exact):
+    if lazy.unsplit is not None and world.is_root and modes.splits_dense(modes.strategies(
+            options.dispatch, by_width, world.backend, True, everywhere=plan.on_every_rank, exact=options.exact)):
         print(f"mlxdist: note: auto runs one sequence as collective, not split by mlx-lm's shard() (collective-tp): "
               f"{lazy.unsplit}", file=sys.stderr, flush=True)
     routers: Dict[type, RouterWeights] = {}

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 from mlxdist import envs, json_input
+from mlxdist.errors import RankStartError
 from mlxdist.runtime.addresses import address_toward, describe_host, interfaces, same_host
 from mlxdist.runtime.plane import comm_allgather_json
 
@@ -132,11 +133,6 @@ def connect_failure_causes(darwin: bool = sys.platform == "darwin") -> str:
     others = ("a firewall, a link down, or an address the peer cannot reach: check with python -m mlxdist.doctor "
               "--backend mpi")
     return f"likely {AUTO_SETUP_GONE}; else {others}" if darwin else others
-
-
-class RankStartError(RuntimeError):
-    """A start-up failure of this rank's own (its host, not the job's
-    input): every rank that meets one says so itself."""
 
 
 def check_own_addresses(rank: int) -> None:

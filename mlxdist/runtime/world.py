@@ -38,7 +38,7 @@ from typing import Any, Callable, List, Optional, Tuple
 import mlx.core as mx
 
 from mlxdist import envs
-from mlxdist.errors import failure_line, keep_traceback, say_error
+from mlxdist.errors import RankStartError, failure_line, keep_traceback, say_error
 from mlxdist.runtime import awake, backends, survival
 from mlxdist.runtime.libmpi import find_libmpi
 from mlxdist.runtime.plane import Control, MlxControl, MpiControl, SoloControl, comm_allgather_json
@@ -156,7 +156,7 @@ def join(backend: Optional[str] = None) -> World:
         rank = launcher_rank()
         if type(e).__module__.startswith("mpi4py"):  # a peer failed (it may be rank 0): each rank says so
             say_error(f"rank {rank}: a rank failed while the job started: {e}")
-        elif isinstance(e, backends.RankStartError):  # this rank's own: it says so, whichever it is
+        elif isinstance(e, RankStartError):  # this rank's own: it says so, whichever it is
             say_error(str(e))
         elif rank == 0:  # the same problem on every rank: rank 0 speaks for all
             say_error(str(e))
