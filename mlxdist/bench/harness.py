@@ -277,8 +277,12 @@ def format_table(report: Dict[str, Any]) -> str:
     return head + "\n".join(lines) + note + speculative.format_rows(report["results"])
 
 
-def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description="Benchmark mlxdist generation throughput.")
+def parse_args(argv=None, description: str = "Benchmark mlxdist generation throughput.", more=None):
+    """The harness's options; ``more(parser)`` adds a caller's own (bench mlxlm's --mode), so
+    that its --help names them."""
+    parser = argparse.ArgumentParser(description=description)
+    if more is not None:
+        more(parser)
     parser.add_argument("--model", default=None, help="Model folder or hub id (default: built-in tiny MoE).")
     parser.add_argument("-p", "--prompt-tokens", type=arg_int(), default=512)
     parser.add_argument("-g", "--generation-tokens", type=arg_int(), default=128)

@@ -266,6 +266,12 @@ def _without_batches(argv: List[str]) -> List[str]:
     return out
 
 
+def _own_options(parser) -> None:
+    """--mode and --replicas, for --help (main takes them out of argv before the harness parses)."""
+    parser.add_argument("--mode", choices=MODES, default="single", help="Which mlx-lm contender.")
+    parser.add_argument("--replicas", type=int, default=2, help="--mode replicas: how many processes.")
+
+
 def main(argv=None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     mode = "single"
@@ -287,7 +293,9 @@ def main(argv=None) -> None:
         except ValueError:
             raise SystemExit("--start-line takes FOLDER,INDEX,N (run_replicas passes it)") from None
         del argv[i : i + 2]
-    args = _bench_args(argv)
+    args = _bench_args(argv, description="mlx-lm's own runs, measured as python -m mlxdist.bench measures "
+                       "mlxdist (--dispatch, --layout, --expert-split and --replicate are mlxdist's and unused "
+                       "here).", more=_own_options)
     args.start_line = start_line
     if args.no_link:
         raise SystemExit("--no-link replaces mlxdist's exchange: python -m mlxdist.bench")
