@@ -7,11 +7,12 @@ whose experts are 6 quantization groups of 32 wide, as gpt-oss-120b's 2,880
 are 90: they divide by 2 and 3, not by 4). One launch per world size loads
 each checkpoint in turn under the default, generates one prompt and a batch
 of a prompt per rank, and loads under ``collective`` only where the default
-failed: any error the default has, ``collective`` must have too. On 2 ranks
-the link is measured at load, as a user's run does (the cost model runs);
-on 3 and 4 auto takes one host's link, whose rule runs one sequence split
-by tensor parallelism wherever it loaded that split (a measured link may
-choose otherwise, and leave a split that fails in the forward untried). Where the default cannot
+failed: any error the default has, ``collective`` must have too. On 2 and
+4 ranks auto takes one host's link, whose rule runs one sequence split by
+tensor parallelism wherever it loaded that split (a measured link may
+choose otherwise, and leave a split that fails in the forward untried); on
+3, where no tiny model's heads split, the link is measured at load, as a
+user's run does (the cost model runs). Where the default cannot
 split the model as tensor parallelism does, it runs without that split and
 says so in one line."""
 
@@ -27,7 +28,7 @@ from shared_launch import several
 
 MAX_TOKENS = 4
 # world size -> the default dispatch with rank 0's MLXDIST_AUTO_LINK (default_each.py)
-DEFAULT = {2: "auto:measure", 3: "auto:local", 4: "auto:local"}
+DEFAULT = {2: "auto:local", 3: "auto:measure", 4: "auto:local"}
 # dbrx is refused by every mode (tests/test_models.py)
 TYPES = [t for t in sorted(TINY_MODELS) if t != "dbrx"]
 # name -> (model type, write_checkpoint's keyword arguments)
@@ -104,7 +105,7 @@ def test_default_loads_wherever_collective_does(checkpoints, nranks):
             assert len(default["batch"]) == nranks and all(0 < len(t) <= MAX_TOKENS for t in default["batch"]), name
         if "loaded" in default:
             assert len(default["notes"]) <= 1, (name, default["notes"])
-        if UNSPLIT.get(name) == nranks:
+        if "loaded" in default and UNSPLIT.get(name) == nranks:
             assert "collective-tp" not in default["loaded"], name
             assert len(default["notes"]) == 1 and "mlx-lm's shard() of gpt_oss" in default["notes"][0], name
     assert not worse, "\n".join(f"{n}: {e}" for n, e in worse.items())
