@@ -13,13 +13,16 @@ the cluster usable.
 
 import random
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
 
 from mlxdist.runtime import control as commands
 from mlxdist.runtime.control import Command
 from mlxdist.dispatch import default_layout
-from mlxdist.config import AUTO_WIDTH, KV_RESERVE_TOKENS, GenerationParams, LoadOptions
+from mlxdist.config import (
+    AUTO_WIDTH, GenerateCommand, GenerationParams, LoadCommand, LoadOptions, PlaceCommand, ProbeCommand,
+    ServeCommand, ShutdownCommand, StatsCommand,
+)
 from mlxdist.engine import Engine
 from mlxdist.engine.speculative import DraftTally, drafter_name
 from mlxdist.engine.verify_width import START, VerifyWidths
@@ -99,7 +102,7 @@ class Cluster:
             self._finish_recording()
             self._closed = True
             ACTIVITY.beat("exiting")
-            self._broadcast(Command(commands.SHUTDOWN, {"exit_code": exit_code}))
+            self._broadcast(ShutdownCommand(exit_code))
 
     def _broadcast(self, command: Command) -> Command:
         if self._open_stream is not None:
@@ -112,31 +115,26 @@ class Cluster:
     def load(
         self,
         model: Optional[str] = None,
-        dispatch: str = "auto",
-        placement: Union[None, str, dict, Placement] = None,
-        rank0_experts: bool = True,
-        layout: Optional[str] = None,
-        stats: bool = False,
-        expert_capacity: Optional[int] = None,
-        memory_budget_gb: Optional[float] = None,
-        expert_split: str = "auto",
+        options: Optional[LoadOptions] = None,
+        *,
         record_routing: Optional[str] = None,
         record_routing_every: Optional[float] = None,
-        rank_memory_gb: Union[None, Sequence[float], Dict[str, float]] = None,
         count_routing: bool = False,
-        draft_model: Optional[str] = None,
-        revision: Optional[str] = None,
-        replicate: str = "auto",
-        exact: bool = False,
-        remeasure: bool = False,
-        kv_reserve_tokens: int = KV_RESERVE_TOKENS,
+        **overrides: Any,
     ) -> "Cluster":
-        """Load ``model`` (a folder or hub id; None: the built-in random MoE)
-        on every rank, releasing any model loaded before.
+        """Load ``model`` (a folder or hub id; None: ``options.model``, else
+        the built-in random MoE) on every rank, releasing any model loaded
+        before.
+
+        ``options``: a ``config.LoadOptions`` (None: its defaults, the layout
+        as rank 0's device suggests). ``overrides``: any of its fields by
+        name, over ``options``; ``layout=None`` takes the device's default.
+        The fields:
 
         ``dispatch``: auto (the default), collective, p2p, collective-tp or dp. ``placement``: a JSON
         file, a placement object or dict, or None for the even policy.
         ``layout``: the collective modes' masked or compact slots (None:
+        ``rank0_experts``: False keeps rank 0's experts on the other ranks.
         compact on the CPU, masked on GPUs, as rank 0 sees its device).
         ``stats``: count routed slots per expert (a cost on every MoE layer).
         ``expert_capacity``: experts each rank keeps resident per layer, the
@@ -170,24 +168,13 @@ class Cluster:
         earlier load of this model on these hosts (``engine.decision``).
         ``kv_reserve_tokens``: KV-cache tokens each rank that runs attention
         keeps room for, at the model's own cache size per token (docs/memory.md).
-        Raises ``UserError``/``LoadError`` with one line."""
-        if isinstance(placement, str):
-            placement = Placement.load(placement)
-        if isinstance(placement, Placement):
-            placement = placement.to_json()
-        if model is None:
-            from mlxdist.synth import default_checkpoint
-
-            model = str(default_checkpoint())
-        options = LoadOptions(str(model), dispatch, layout or default_layout(), placement, rank0_experts, stats,
-                              expert_capacity, memory_budget_gb, expert_split,
-                              record_routing=record_routing is not None or count_routing,
-                              rank_memory_gb=_budgets(rank_memory_gb),
-                              draft_model=draft_model, revision=revision, replicate=replicate, exact=exact,
-                              remeasure=remeasure, kv_reserve_tokens=kv_reserve_tokens)
+        Raises ``UserError``/``LoadError`` with one line, and ``TypeError``
+        for a keyword that is no field."""
+        options = _load_options(model, options, overrides)
+        options.record_routing = options.record_routing or record_routing is not None or count_routing
         options.validate()
         self._finish_recording()
-        self.executor.load(self._broadcast(Command(commands.LOAD, asdict(options))).args)
+        self.executor.load(self._broadcast(LoadCommand(options)))
         self._widths = VerifyWidths()  # what the last load's generations measured is not this one's
         if record_routing is not None:
             self._recorder = RoutingRecorder(self.engine, record_routing, record_routing_every)
@@ -198,7 +185,7 @@ class Cluster:
         load (needs ``load(record_routing=...)``), gathered on rank 0."""
         if self._recorder is None:
             raise UserError("routing is recorded only after load(record_routing=FILE)")
-        reports = self.executor.stats(self._broadcast(Command(commands.STATS, {"routing": True})).args)
+        reports = self.executor.stats(self._broadcast(StatsCommand(routing=True)))
         return self._recorder.record(add_shares(r.get("routing", {}) for r in reports))
 
     def _finish_recording(self) -> None:
@@ -238,7 +225,7 @@ class Cluster:
             raise UserError(f"prompt must be a string, got {type(prompt).__name__}")
         return list(tokenizer.encode(prompt))
 
-    def request(self, prompts: Sequence[List[int]], strategy: Optional[str] = None, **sampling) -> Command:
+    def request(self, prompts: Sequence[List[int]], strategy: Optional[str] = None, **sampling) -> GenerateCommand:
         """A checked GENERATE command for these token-id prompts (not sent
         yet: ``stream`` or ``run_batch`` runs it). ``sampling``: the fields of
         ``GenerationParams``. ``strategy``: run a batch with this one of the
@@ -265,12 +252,11 @@ class Cluster:
                     f"prompt of {len(ids)} tokens plus {max_tokens} new tokens "
                     f"exceeds the model's context of {limit}"
                 )
-        args = {"prompts": [list(map(int, p)) for p in prompts], "sampling": asdict(params), "strategy": strategy}
+        verify_width = None
         if params.num_draft_tokens == AUTO_WIDTH:  # every rank is sent the number
             drafter = self._drafter(params) if len(prompts) == 1 else None
-            width, args["verify_width"] = self._widths.choose(drafter) if drafter else (START, None)
-            args["sampling"]["num_draft_tokens"] = width
-        return Command(commands.GENERATE, args)
+            params.num_draft_tokens, verify_width = self._widths.choose(drafter) if drafter else (START, None)
+        return GenerateCommand([list(map(int, p)) for p in prompts], params, strategy, verify_width=verify_width)
 
     def _drafter(self, params: GenerationParams) -> Optional[str]:
         """Which drafter a one-prompt generation with ``params`` runs (None: plain decoding)."""
@@ -290,7 +276,7 @@ class Cluster:
         request = self.request([self.encode(prompt, messages)], **sampling)
         yield from self.stream(request)
 
-    def stream(self, request: Command, stats: Optional[Dict[str, Any]] = None) -> Iterator[Piece]:
+    def stream(self, request: GenerateCommand, stats: Optional[Dict[str, Any]] = None) -> Iterator[Piece]:
         """Run a one-prompt ``request`` on every rank, yielding each piece.
         ``stats`` (a dict) receives mlx-lm's counters, speculative
         decoding's (``draft_tokens``, ``draft_tokens_accepted``,
@@ -299,13 +285,14 @@ class Cluster:
         chose it), the peak memory of every rank and the exchange counters
         once the stream ends."""
         stats = {} if stats is None else stats
-        responses = self.executor.generate(self._broadcast(request).args)
+        request = self._broadcast(request)
+        responses = self.executor.generate(request)
         self._open_stream = responses
-        sampling = GenerationParams(**request.args["sampling"])
+        sampling = request.sampling
         drafter = self._drafter(sampling)  # None: plain decoding
         tally = DraftTally(sampling.num_draft_tokens if drafter else 0, sampling.max_tokens_each(1)[0])
-        if request.args.get("verify_width"):
-            stats["verify_width"] = request.args["verify_width"]
+        if request.verify_width:
+            stats["verify_width"] = request.verify_width
         try:
             for response in responses:
                 tally.add(response.from_draft)
@@ -365,13 +352,12 @@ class Cluster:
                                   messages=prompts[0] if isinstance(prompts[0], list) else None, **sampling)]
         return self.run_batch(self.request(ids, **sampling))
 
-    def run_batch(self, request: Command) -> List[Result]:
+    def run_batch(self, request: GenerateCommand) -> List[Result]:
         """Run a request of several prompts as one batch on every rank."""
-        ids = request.args["prompts"]
-        request = Command(request.op, {**request.args, "batch": True})
-        args = self._broadcast(request).args
+        ids = request.prompts
+        command = self._broadcast(replace(request, batch=True))
         try:
-            (response,) = list(self.executor.generate(args))
+            (response,) = list(self.executor.generate(command))
         finally:  # also after a generation every rank failed alike (the job goes on)
             after = self.executor.after_generation()
         s = response.stats
@@ -396,8 +382,8 @@ class Cluster:
         exchange (p2p), bytes moved, memory, and per-expert load counts
         (counted only while switched on: ``load(stats=True)`` or
         ``collect=True`` here; ``collect=False`` stops counting)."""
-        args = {"reset": reset, "collect": collect}
-        return self.executor.stats(self._broadcast(Command(commands.STATS, args)).args)
+        command = StatsCommand(reset=bool(reset), collect=None if collect is None else bool(collect))
+        return self.executor.stats(self._broadcast(command))
 
     def place(self, placement: Union[str, dict, Placement]) -> List[float]:
         """Hold ``placement``'s experts from now on (a JSON file, a placement
@@ -405,25 +391,51 @@ class Cluster:
         rank reads the experts it newly holds from its checkpoint copy and
         keeps the others; results do not change. Returns each rank's
         seconds. Raises ``UserError`` with one line, the old placement kept."""
-        if isinstance(placement, str):
-            placement = Placement.load(placement)
-        if isinstance(placement, Placement):
-            placement = placement.to_json()
+        placement = _placement_json(placement)
         Placement.from_json(placement)  # refused here, before any rank hears of it
-        return self.executor.place(self._broadcast(Command(commands.PLACE, {"placement": placement})).args)
+        return self.executor.place(self._broadcast(PlaceCommand(placement)))
 
     def serve_http(self, options: Dict[str, Any]) -> None:
         """Serve the loaded model over HTTP on rank 0, every rank batching in
         lockstep, until interrupted (``python -m mlxdist.serve``)."""
-        self.executor.serve_http(self._broadcast(Command(commands.SERVE, options)).args)
+        self.executor.serve_http(self._broadcast(ServeCommand(options)))
 
     def probe(self, name: str, **args) -> List[Any]:
         """Run the probe registered as ``name`` (``executor.register_probe``)
         on every rank at once; returns each rank's answer."""
         if name not in PROBES:
             raise UserError(f"no probe named {name!r} is registered")
-        command = self._broadcast(Command(commands.PROBE, {"name": name, "args": args}))
-        return self.executor.probe(command.args)
+        return self.executor.probe(self._broadcast(ProbeCommand(name, args)))
+
+
+def _load_options(model: Optional[str], options: Optional[LoadOptions], overrides: Dict[str, Any]) -> LoadOptions:
+    """``load``'s options as LOAD carries them: ``options`` (or the defaults)
+    with ``overrides`` and ``model`` over them, the placement as its JSON
+    object and the budgets as numbers."""
+    if options is not None and not isinstance(options, LoadOptions):
+        raise UserError(f"options must be a LoadOptions, not {type(options).__name__}")
+    names = {f.name for f in fields(LoadOptions)} - {"model", "record_routing"}
+    for name in overrides:
+        if name not in names:
+            raise TypeError(f"load() got an unexpected keyword argument {name!r}")
+    if overrides.get("layout", "") is None or (options is None and "layout" not in overrides):
+        overrides["layout"] = default_layout()
+    if model is None and options is None:
+        from mlxdist.synth import default_checkpoint
+
+        model = default_checkpoint()
+    if model is not None:
+        overrides["model"] = str(model)
+    options = replace(options, **overrides) if options is not None else LoadOptions(**overrides)
+    return replace(options, placement=_placement_json(options.placement),
+                   rank_memory_gb=_budgets(options.rank_memory_gb))
+
+
+def _placement_json(placement: Union[None, str, dict, Placement]) -> Optional[dict]:
+    """A placement as LOAD and PLACE carry it: a file read, an object as its JSON object."""
+    if isinstance(placement, str):
+        placement = Placement.load(placement)
+    return placement.to_json() if isinstance(placement, Placement) else placement
 
 
 def _budgets(rank_memory_gb) -> Union[None, List[float], Dict[str, float]]:

@@ -1,22 +1,26 @@
 """What a user chooses: the load options LOAD carries and the generation
-parameters GENERATE carries, each checked on rank 0 before any rank acts.
+parameters GENERATE carries, each checked on rank 0 before any rank acts;
+and the typed commands that carry them (and the others) to every rank.
 The dispatch modes themselves and ``auto``'s rule are in ``dispatch/modes.py``.
 """
 
 import argparse
-from dataclasses import dataclass
-from typing import Dict, List, Optional, Union
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Union
 
 from mlxdist.digits import arg_int
 from mlxdist.dispatch import LAYOUTS, modes
 from mlxdist.errors import UserError
+from mlxdist.runtime import control
+from mlxdist.runtime.control import Command
 
 # mlx_lm.generate's DEFAULT_MAX_TOKENS, written here so that the command lines
 # parse (and refuse a bad flag) before mlx-lm is imported; tests/test_compat.py
 # checks that the two agree.
 DEFAULT_MAX_TOKENS = 100
 
-__all__ = ["AUTO_SPLIT", "EXPERT_SPLITS", "REPLICATE", "GenerationParams", "LoadOptions"]
+__all__ = ["AUTO_SPLIT", "EXPERT_SPLITS", "REPLICATE", "GenerateCommand", "GenerationParams", "LoadCommand",
+           "LoadOptions", "PlaceCommand", "ProbeCommand", "ServeCommand", "ShutdownCommand", "StatsCommand"]
 
 AUTO_SPLIT = "auto"  # --expert-split chosen at load (LoadOptions.expert_split)
 EXPERT_SPLITS = (AUTO_SPLIT, "whole", "width")
@@ -194,3 +198,75 @@ class GenerationParams:
         from mlx_lm.sample_utils import make_sampler
 
         return make_sampler(self.temp, top_p=self.top_p, min_p=self.min_p, top_k=self.top_k)
+
+
+# The commands rank 0 broadcasts (runtime/control.py encodes and checks them),
+# each carried out by the CommandExecutor method of its name (executor.py).
+
+@dataclass
+class LoadCommand(Command):
+    """LOAD: load ``options.model`` on every rank."""
+
+    op = control.LOAD
+    options: LoadOptions
+
+
+@dataclass
+class GenerateCommand(Command):
+    """GENERATE: ``prompts`` (token ids, one list per prompt) under ``sampling``.
+    ``strategy``: a loaded strategy to run a batch with (None: auto's choice);
+    ``batch``: one batch response even for one prompt; ``verify_width``: the
+    line saying how ``num_draft_tokens="auto"`` chose ``sampling``'s number
+    (None: not chosen)."""
+
+    op = control.GENERATE
+    prompts: List[List[int]]
+    sampling: GenerationParams
+    strategy: Optional[str] = None
+    batch: bool = False
+    verify_width: Optional[str] = None
+
+
+@dataclass
+class StatsCommand(Command):
+    """STATS: every rank's counters. ``reset`` zeroes them after reading;
+    ``collect`` switches per-expert load counting on or off (None: as it is);
+    ``routing`` adds this rank's share of the routed slots."""
+
+    op = control.STATS
+    reset: bool = False
+    collect: Optional[bool] = None
+    routing: bool = False
+
+
+@dataclass
+class ProbeCommand(Command):
+    """PROBE: the probe registered as ``name`` (``executor.register_probe``), called with ``args``."""
+
+    op = control.PROBE
+    name: str
+    args: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class ServeCommand(Command):
+    """SERVE: the HTTP server's options (``serving/server.py``); every rank serves until rank 0 stops."""
+
+    op = control.SERVE
+    options: Dict[str, Any]
+
+
+@dataclass
+class PlaceCommand(Command):
+    """PLACE: every rank holds ``placement``'s experts (a placement's JSON object) from now on."""
+
+    op = control.PLACE
+    placement: Dict[str, Any]
+
+
+@dataclass
+class ShutdownCommand(Command):
+    """SHUTDOWN: every rank other than 0 exits with ``exit_code``."""
+
+    op = control.SHUTDOWN
+    exit_code: int = 0

@@ -17,7 +17,9 @@ import mlx.core as mx
 
 from mlxdist.runtime import control as commands
 from mlxdist.runtime.control import Command
-from mlxdist.config import GenerationParams, LoadOptions
+from mlxdist.config import (
+    GenerateCommand, LoadCommand, PlaceCommand, ProbeCommand, ServeCommand, ShutdownCommand, StatsCommand,
+)
 from mlxdist.dispatch.stats import routing_share
 from mlxdist.engine import Engine, load_engine
 from mlxdist.errors import (
@@ -108,7 +110,7 @@ class CommandExecutor:
             self.engine.adopt(lost)
             ACTIVITY.progress()
 
-    def load(self, args: Dict[str, Any]) -> Engine:
+    def load(self, command: LoadCommand) -> Engine:
         """LOAD on every rank; raises ``LoadError`` on every rank if any
         failed. A failure the ranks agreed on inside the load (``exchange``)
         ends it on every rank at once; one of this rank's own is sent at the
@@ -117,7 +119,7 @@ class CommandExecutor:
         self.unload()
         engine, error = None, None
         try:
-            engine = load_engine(self.world, LoadOptions(**args))
+            engine = load_engine(self.world, command.options)
             if self.world.lost:
                 engine.adopt(self.world.lost)
         except StepFailed as e:  # every rank raised it at the same exchange
@@ -143,7 +145,7 @@ class CommandExecutor:
         gc.collect()
         mx.clear_cache()
 
-    def generate(self, args: Dict[str, Any]) -> Iterator[Any]:
+    def generate(self, command: GenerateCommand) -> Iterator[Any]:
         """GENERATE on every rank. Yields mlx-lm's responses on ranks that run
         the dense model (a stream for one prompt, one batch response for
         several or where ``batch`` is set); p2p workers serve experts and
@@ -151,7 +153,7 @@ class CommandExecutor:
         replica (rank 0 alone: ``auto`` over a dear link, every rank holding
         the model)."""
         engine = self.engine
-        params = GenerationParams(**args["sampling"])
+        params = command.sampling
         mx.reset_peak_memory()
         engine.kv_bytes = None
         ACTIVITY.step, ACTIVITY.prefill, ACTIVITY.armed = 0, True, True
@@ -161,16 +163,16 @@ class CommandExecutor:
         try:
             if not engine.runs_dense:
                 engine.serve()
-            elif len(args["prompts"]) == 1 and not args.get("batch"):
+            elif len(command.prompts) == 1 and not command.batch:
                 # a strategy with no exchange (replicas): every rank holds the model, rank 0 runs it alone
                 alone = not engine.dispatchers[engine.strategy_for(1)].exchanges
                 if alone and not self.world.is_root:
                     ACTIVITY.beat("serving")
                 else:
-                    yield from self._stream(engine.generate(args["prompts"][0], params),
+                    yield from self._stream(engine.generate(command.prompts[0], params),
                                             not engine.root_runs_dense and not alone)
             else:
-                yield engine.generate_batch(args["prompts"], params, args.get("strategy"))
+                yield engine.generate_batch(command.prompts, params, command.strategy)
         except StepFailed as e:  # agreed where the ranks met (replicas' gather): every rank raised it
             raise GenerationFailed(str(e)) from None
         except Exception as e:
@@ -226,13 +228,13 @@ class CommandExecutor:
         kv = self.engine.kv_bytes if self.engine is not None else None
         return self.world.control.allgather_json({"peak": mx.get_peak_memory(), "kv": kv})
 
-    def stats(self, args: Dict[str, Any]) -> List[Dict[str, Any]]:
+    def stats(self, command: StatsCommand) -> List[Dict[str, Any]]:
         """STATS on every rank: each rank's counters, gathered everywhere.
         ``collect`` switches per-expert load counting on or off; ``reset``
         zeroes the counters after reading them."""
-        return self._gathered("stats", lambda: self._own_stats(args))
+        return self._gathered("stats", lambda: self._own_stats(command))
 
-    def _own_stats(self, args: Dict[str, Any]) -> Dict[str, Any]:
+    def _own_stats(self, command: StatsCommand) -> Dict[str, Any]:
         engine = self.engine
         mine: Dict[str, Any] = {
             "rank": self.world.rank,
@@ -251,17 +253,17 @@ class CommandExecutor:
             mine["weights_gb"] = {k.replace("_bytes", ""): v / 1e9 for k, v in engine.memory.items()}
             if engine.paging is not None:
                 mine["paging"] = engine.paging.as_dict()
-                if args.get("reset"):
+                if command.reset:
                     engine.paging.reset()
             mine["experts_held"] = held
             mine["auto_decision"] = engine.decision.report() if engine.decision is not None else None  # rank 0's
-            if args.get("routing"):  # this rank's part of the job's routed slots (--record-routing)
+            if command.routing:  # this rank's part of the job's routed slots (--record-routing)
                 share = routing_share(engine.dispatchers.values(), self.world.rank)
                 mine["routing"] = {str(l): c.tolist() for l, c in share.items()}
-            if args.get("reset"):
+            if command.reset:
                 counters.reset()
-            if args.get("collect") is not None:
-                counters.collect_expert_load = bool(args["collect"])
+            if command.collect is not None:
+                counters.collect_expert_load = command.collect
         return mine
 
     def _gathered(self, op: str, work: Callable[[], Any]) -> List[Any]:
@@ -278,56 +280,56 @@ class CommandExecutor:
             value, error = None, one_line(e)
         return exchange(self.world, value, error, failed=f"{op} failed: ")
 
-    def serve_http(self, args: Dict[str, Any]) -> None:
+    def serve_http(self, command: ServeCommand) -> None:
         """SERVE on every rank: the OpenAI-compatible server (``serving/server.py``)."""
         from mlxdist.serving.server import serve
 
-        serve(self, args)
+        serve(self, command.options)
 
-    def place(self, args: Dict[str, Any]) -> List[Dict[str, Any]]:
+    def place(self, command: PlaceCommand) -> List[float]:
         """PLACE on every rank: hold the given placement's experts from now
         on (``Engine.place``, all or nothing); each rank's seconds. Raises
         ``UserError`` on every rank, the old placement kept everywhere,
         where any rank refused or failed."""
         try:  # Engine.place agrees on every failure of its own; the plan was checked on rank 0
-            seconds = self.engine.place(Placement.from_json(args["placement"]))
+            seconds = self.engine.place(Placement.from_json(command.placement))
         except MlxdistError as e:  # the same on every rank: the ranks agree before anything changes
             raise UserError(f"place failed: {one_line(e)}") from None
         ACTIVITY.progress()
         return self.world.control.allgather_json(seconds)
 
-    def probe(self, args: Dict[str, Any]) -> List[Any]:
+    def probe(self, command: ProbeCommand) -> List[Any]:
         """PROBE on every rank: the registered probe's answer from each rank."""
-        return self._gathered("probe", lambda: PROBES[args["name"]](self, args.get("args", {})))
+        return self._gathered("probe", lambda: PROBES[command.name](self, command.args))
 
     def serve(self) -> int:
         """Ranks other than 0: follow rank 0's commands until SHUTDOWN."""
         while True:
             command = commands.broadcast(self.world)
-            if command.op == commands.SHUTDOWN:
+            if isinstance(command, ShutdownCommand):
                 ACTIVITY.beat("exiting")
-                return int(command.args.get("exit_code", 0))
+                return command.exit_code
             self.handle(command)
 
     def handle(self, command: Command) -> None:
         """One command on a rank other than 0 (rank 0's ``Cluster`` makes the same calls)."""
-        if command.op == commands.LOAD:
+        if isinstance(command, LoadCommand):
             try:
-                self.load(command.args)
+                self.load(command)
             except LoadError:
                 pass  # rank 0 reports it
-        elif command.op == commands.GENERATE:
+        elif isinstance(command, GenerateCommand):
             try:
-                for _ in self.generate(command.args):
+                for _ in self.generate(command):
                     pass
             except MlxdistError:
                 pass  # every rank failed alike (agreed): rank 0 reports it
             self.after_generation()
-        elif command.op == commands.SERVE:
-            self.serve_http(command.args)
+        elif isinstance(command, ServeCommand):
+            self.serve_http(command)
         else:
             try:
                 {commands.STATS: self.stats, commands.PROBE: self.probe, commands.PLACE: self.place}[command.op](
-                    command.args)
+                    command)
             except UserError:
                 pass  # raised on every rank alike: rank 0 reports it

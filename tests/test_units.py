@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from mlxdist.runtime import control as commands
-from mlxdist.runtime.control import Command, ProtocolError
+from mlxdist.config import GenerateCommand, GenerationParams
+from mlxdist.runtime.control import ProtocolError
 from mlxdist.dispatch import LayerOwnership
 from mlxdist.dispatch.base import ExpertBatch
 from mlxdist.model.experts import padded_slots, run_experts
@@ -75,7 +76,7 @@ def test_malformed_placement_files(tmp_path, text, message):
 
 
 def test_command_round_trip():
-    c = Command(commands.GENERATE, {"prompt": [1, 2, 3], "sampling": {"temp": 0.5}})
+    c = GenerateCommand([[1, 2, 3]], GenerationParams(temp=0.5))
     assert commands.decode(commands.encode(c)) == c
 
 

@@ -400,10 +400,12 @@ def command_loop(cluster: Cluster, args, inputs: Inputs) -> int:
     """Rank 0: LOAD, then GENERATE each prompt (or the job file)."""
     jobs = inputs.jobs
     try:
-        cluster.load(args.model, args.dispatch, inputs.placement, not args.no_rank0_experts, args.layout, args.stats,
-                     args.expert_capacity, args.memory_budget, args.expert_split,
-                     record_routing=args.record_routing, rank_memory_gb=args.rank_memory, draft_model=args.draft_model,
-                     revision=args.revision, replicate=args.replicate, exact=args.exact, remeasure=args.remeasure,
+        cluster.load(args.model, dispatch=args.dispatch, placement=inputs.placement,
+                     rank0_experts=not args.no_rank0_experts, layout=args.layout, stats=args.stats,
+                     expert_capacity=args.expert_capacity, memory_budget_gb=args.memory_budget,
+                     expert_split=args.expert_split, record_routing=args.record_routing,
+                     rank_memory_gb=args.rank_memory, draft_model=args.draft_model, revision=args.revision,
+                     replicate=args.replicate, exact=args.exact, remeasure=args.remeasure,
                      kv_reserve_tokens=args.kv_reserve_tokens)
     except UserError as e:
         say_error(str(e))

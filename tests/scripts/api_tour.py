@@ -10,6 +10,13 @@ import mlxdist
 from mlxdist import UserError
 from mlxdist.runtime.control import Command, ProtocolError
 
+
+class Explode(Command):
+    """A command no rank knows."""
+
+    op = "explode"
+
+
 ckpt_a, ckpt_b = sys.argv[1:3]
 PROMPTS = ["The quick brown fox", "Experts are routed by a gate", "Hello"]
 out = {}
@@ -40,7 +47,7 @@ with mlxdist.init() as cluster:
             errors.append(str(e))
     out["errors"] = errors
     try:
-        cluster._broadcast(Command("explode", {}))
+        cluster._broadcast(Explode())
     except ProtocolError as e:
         errors.append(str(e))
     try:
