@@ -78,7 +78,6 @@ SKIP = {
     ("docs/launchers.md", "python -m mlxdist.launch --backend ring -n 4"): "mlx.launch starts ranks over ssh: tests/test_launch_status.py",
     ("docs/launchers.md", "mlx.launch --backend jaccl"): "several Macs with RDMA",
     ("docs/launchers.md", "MLXDIST_JACCL_DEVICES=hosts.json"): "several Macs with RDMA",
-    ("docs/api.md", "launch/mpirun -np 4 --hostfile hostfiles/macs.txt"): "several Macs",
     ("docs/api.md", "EXTRAS=cuda launch/setup.sh"): "a GPU",
     ("docs/SECURITY.md", "mpirun --prefix"): "several Macs",
     ("docs/macs.md", "brew install"): "a Mac",
@@ -273,3 +272,23 @@ def test_every_repository_path_a_page_names_exists_or_names_its_commit():
                     re.search(r"\b[0-9a-f]{7,40}\b", around) and "removed" in around):
                 missing.append(f"{page.relative_to(ROOT)}: {found.group(1)}")
     assert not missing, missing
+
+
+def _anchors(text: str) -> set:
+    """GitHub's anchors of a page's headings."""
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in re.findall(r"^#+ (.*)$", text, re.M)}
+
+
+def test_every_link_between_pages_reaches_a_file_and_its_heading():
+    broken = []
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")), *sorted((ROOT / "benchmarks/results").glob("*.md"))]:
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            if re.match(r"\w+://|mailto:", target):
+                continue
+            path, _, anchor = target.partition("#")
+            file = (page.parent / path).resolve() if path else page
+            if not file.exists():
+                broken.append(f"{page.relative_to(ROOT)}: {target}")
+            elif anchor and file.suffix == ".md" and anchor not in _anchors(file.read_text()):
+                broken.append(f"{page.relative_to(ROOT)}: {target} (no such heading)")
+    assert not broken, broken
