@@ -133,8 +133,8 @@ class Cluster:
 
         ``dispatch``: auto (the default), collective, p2p, collective-tp or dp. ``placement``: a JSON
         file, a placement object or dict, or None for the even policy.
-        ``layout``: the collective modes' masked or compact slots (None:
         ``rank0_experts``: False keeps rank 0's experts on the other ranks.
+        ``layout``: the collective modes' masked or compact slots (None:
         compact on the CPU, masked on GPUs, as rank 0 sees its device).
         ``stats``: count routed slots per expert (a cost on every MoE layer).
         ``expert_capacity``: experts each rank keeps resident per layer, the
