@@ -292,3 +292,11 @@ def test_every_link_between_pages_reaches_a_file_and_its_heading():
             elif anchor and file.suffix == ".md" and anchor not in _anchors(file.read_text()):
                 broken.append(f"{page.relative_to(ROOT)}: {target} (no such heading)")
     assert not broken, broken
+
+
+def test_bench_mlxlm_help_lists_its_own_options():
+    """docs/benchmarks.md: `--help` lists every option of bench mlxlm (it showed the mlxdist harness's)."""
+    proc = subprocess.run([sys.executable, "-m", "mlxdist.bench", "mlxlm", "--help"], capture_output=True,
+                          text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0 and "python -m mlxdist.bench mlxlm" in proc.stdout, proc.stderr[-2000:]
+    assert "--mode {single,tensor,pipeline,replicas}" in proc.stdout and "--replicas" in proc.stdout
