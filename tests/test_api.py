@@ -61,6 +61,9 @@ def test_failed_calls_leave_the_cluster_usable(tour):
     assert out["load_error"] == "model path /no/such/model does not exist"
     assert out["no_model_error"].startswith("no model is loaded")
     assert out["reloaded"] == out["p2p"] == mlx_lm_alone(small, PROMPTS[0])
+    assert out["from_options"] == {"tokens": out["reloaded"], "model": str(small), "dispatch": "collective",
+                                   "layout": "compact", "stats": True}
+    assert out["not_a_field"] == "load() got an unexpected keyword argument 'dispatch_mode'"
 
 
 def test_expert_load_is_counted_only_when_asked(tour):

@@ -8,6 +8,7 @@ import sys
 
 import mlxdist
 from mlxdist import UserError
+from mlxdist.config import LoadOptions
 from mlxdist.runtime.control import Command, ProtocolError
 
 
@@ -71,4 +72,13 @@ with mlxdist.init() as cluster:
         out["no_model_error"] = str(e)
     cluster.load(ckpt_b, dispatch="collective")
     out["reloaded"] = cluster.generate(PROMPTS[0], max_tokens=8).tokens
+    cluster.load(options=LoadOptions("/not/this/one", dispatch="p2p", layout="compact"), model=ckpt_b,
+                 dispatch="collective", stats=True)  # an options object, keywords over it
+    options = cluster.engine.options
+    out["from_options"] = {"tokens": cluster.generate(PROMPTS[0], max_tokens=8).tokens, "model": options.model,
+                           "dispatch": options.dispatch, "layout": options.layout, "stats": options.stats}
+    try:
+        cluster.load(ckpt_b, dispatch_mode="collective")
+    except TypeError as e:
+        out["not_a_field"] = str(e)
 print(json.dumps(out))
