@@ -36,8 +36,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-from mlxdist.bench.serve import Launched, _free_port, _mpirun
+from mlxdist.bench.serve import Launched, _mpirun
 from mlxdist.digits import arg_int, arg_number
+from mlxdist.runtime.backends import free_port
 
 KINDS = {"normal": 30, "stream": 15, "dropped": 10, "malformed": 25, "slow": 8, "oversized": 12}
 PROMPTS = [f"Request {i}: " + "tokens " * (i % 5) for i in range(8)]
@@ -238,7 +239,7 @@ class Sampler(threading.Thread):
 
 def run(args: argparse.Namespace) -> Dict[str, Any]:
     expected = reference_texts(args.model, args.max_tokens)
-    port, key = _free_port(), "stress-key"
+    port, key = free_port(), "stress-key"
     cmd = [args.mpirun or _mpirun(), "-np", str(args.ranks), "--oversubscribe", "--bind-to", "none", "--stdin", "none",
            sys.executable, "-m", "mlxdist.serve", "--model", args.model, "--port", str(port), "--api-key", key,
            "--max-concurrent", str(args.max_concurrent), "--request-timeout", str(REQUEST_TIMEOUT),
