@@ -300,3 +300,27 @@ def test_bench_mlxlm_help_lists_its_own_options():
                           text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 0 and "python -m mlxdist.bench mlxlm" in proc.stdout, proc.stderr[-2000:]
     assert "--mode {single,tensor,pipeline,replicas}" in proc.stdout and "--replicas" in proc.stdout
+
+
+def test_options_named_inline_exist():
+    """Every --option of a `python -m mlxdist...` command written inline in a page is in that
+    command's --help (the issue was `python -m mlxdist.cache --json`, which only `list` takes)."""
+    wanted = {}
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
+        for span in re.findall(r"`(python -m mlxdist\.[^`]*)`", page.read_text()):
+            words = span.split()
+            command = []
+            for word in words[2:]:
+                if word.startswith(("-", "[", ".", ">")) or not re.fullmatch(r"[a-z][\w.-]*", word):
+                    break
+                command.append(word)
+            options = {w for w in re.findall(r"--[\w-]+", span)} - {"--help"}
+            if options:
+                wanted.setdefault(tuple(command), set()).update((page.name, o) for o in options)
+    missing = []
+    for command, options in wanted.items():
+        proc = subprocess.run([sys.executable, "-m", *command, "--help"], capture_output=True, text=True,
+                              timeout=120, cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        missing += [f"{page}: python -m {' '.join(command)} {option}" for page, option in sorted(options)
+                    if option not in proc.stdout]
+    assert not missing, missing
