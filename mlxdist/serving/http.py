@@ -13,6 +13,7 @@ import io
 import json
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
 from mlxdist import compat
@@ -64,248 +65,275 @@ class _OpenAIErrors:
 COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions", "/chat/completions")
 
 
+@dataclass(frozen=True)
+class HandlerSettings:
+    """What a server's handler refuses and when it gives up: the API key
+    (None: none), the body limit in bytes, the request schema's limits, the
+    queued requests and prompt characters past which it answers 429, and
+    the seconds and header bounds of one connection (``connections.py``)."""
+
+    api_key: Optional[str]
+    max_body: int
+    limits: RequestLimits
+    max_queued: int = DEFAULT_MAX_QUEUED
+    idle_timeout: float = DEFAULT_IDLE_TIMEOUT
+    max_queued_chars: int = DEFAULT_MAX_QUEUED_CHARS
+    request_timeout: float = DEFAULT_REQUEST_TIMEOUT
+    max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES
+    max_headers: int = DEFAULT_MAX_HEADERS
+
+
+class Handler(compat.APIHandler):
+    """mlx-lm's request handler behind ``settings`` (``make_handler`` makes
+    one class per server, its settings set)."""
+
+    settings: HandlerSettings
+    # One request per connection: the reader's deadline and header bounds (setup) are the
+    # connection's, so a kept-alive second request would run without them.
+    protocol_version = "HTTP/1.0"
+
+    def setup(self):
+        super().setup()
+        self.error_status: Optional[int] = None
+        self.queued_headers: List[Tuple[str, tuple]] = []  # the response's status and headers, until end_headers
+        self.wfile = _OpenAIErrors(self.wfile, self)
+        self.connection_state = self.server.connection(self.request)
+        settings = self.settings
+        self.rfile = RequestReader(self.connection_state, self.connection_state.started + settings.request_timeout,
+                                   settings.idle_timeout, settings.max_header_bytes, settings.max_headers)
+
+    def handle_one_request(self):
+        """The standard library's, with the request's deadline (408), the
+        header bounds (431), unknown methods (501) in OpenAI's shape, and
+        the request marked complete (past the connection cap, only
+        connections still reading are shed)."""
+        self.requestline, self.request_version, self.command = "", "HTTP/1.1", ""
+        try:
+            self.raw_requestline = self.rfile.readline(65537)
+            if not self.raw_requestline:
+                self.close_connection = True
+                return
+            if not self.parse_request():  # an error was sent
+                return
+            self.rfile.end_of_headers()
+            if self.command != "POST" and not self._answering():  # POST: once its body has arrived
+                return
+            method = getattr(self, "do_" + self.command, None)
+            if method is None:
+                self.send_error(501, f"unsupported method {self.command[:20]!r}")
+                return
+            method()
+            self.wfile.flush()
+        except RequestTimeout:
+            self._give_up(408, f"the request did not arrive whole within {self.settings.request_timeout:g} s")
+        except HeadersTooLarge as e:
+            self._give_up(431, f"request headers too large: {e}")
+        except TimeoutError:  # idle (--idle-timeout): closed unanswered, as a dead peer is
+            self.close_connection = True
+
+    def _answering(self) -> bool:
+        """The request has arrived whole; False (and the connection
+        closed) if the cap shed it meanwhile."""
+        if self.server.answering(self.connection_state):
+            self.request.settimeout(self.settings.idle_timeout)  # for the answer's writes
+            return True
+        self.close_connection = True
+        return False
+
+    def _give_up(self, status: int, message: str) -> None:
+        self.close_connection = True
+        state = self.connection_state
+        if state.answering or state.shed or not state.received:
+            return
+        logging.info("%s: %d %s", self.address_string(), status, message)
+        try:
+            self.send_error(status, message)
+        except OSError:
+            pass
+
+    def send_error(self, code: int, message: Optional[str] = None, explain: Optional[str] = None) -> None:
+        """The standard library's errors (bad request lines, 501, 414,
+        431) in OpenAI's shape, closing the connection."""
+        self.close_connection = True
+        if not self.request_version.startswith("HTTP/1."):
+            self.request_version = "HTTP/1.1"
+        text = message or self.responses.get(code, ("error",))[0]
+        kind = "invalid_request_error" if code < 500 else "server_error"
+        self._send_json(code, error_body(text, kind, None, code))
+
+    def _send_json(self, status: int, obj: Dict[str, Any]) -> None:
+        body = json.dumps(obj).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        if self.close_connection:
+            self.send_header("Connection", "close")
+        if getattr(self, "headers", None) is not None:
+            self._set_cors_headers()
+        self.end_headers()
+        self.wfile.write(body)
+
+    def _refuse(self, status: int, message: str, kind: str, param: Optional[str] = None) -> None:
+        self._send_json(status, error_body(message, kind, param, status))
+
+    def _allowed(self) -> bool:
+        if self.settings.api_key is None:
+            return True
+        given = self.headers.get("Authorization", "")
+        if hmac.compare_digest(given.encode(), f"Bearer {self.settings.api_key}".encode()):
+            return True
+        self._refuse(401, "missing or wrong API key", "invalid_request_error")
+        return False
+
+    def do_GET(self):
+        if self._allowed():
+            super().do_GET()
+
+    def handle_health_check(self):
+        """mlx-lm's status, and how ``auto`` decided at load (stored,
+        measured or fixed: ``engine/decision.py``)."""
+        healthy = self.response_generator.is_healthy
+        decision = self.response_generator.model_provider.engine.decision
+        report = decision.report() if decision is not None else None
+        self._send_json(200 if healthy else 503, {"status": "ok" if healthy else "unavailable",
+                                                  "auto_decision": report})
+
+    def do_POST(self):
+        self.rendered_prompt: Optional[str] = None  # a request's own template, rendered (per request)
+        if not self._allowed():
+            return
+        length = self.headers.get("Content-Length")
+        if length is None:
+            self._refuse(411, "Content-Length header is required", "invalid_request_error")
+            return
+        try:
+            length = parse_int(length.strip(" \t"), "Content-Length")
+        except ValueError as e:
+            self._refuse(400, str(e), "invalid_request_error", "Content-Length")
+            return
+        if length > self.settings.max_body:
+            self._refuse(413, f"request body of {length} bytes exceeds the limit of {self.settings.max_body}",
+                         "invalid_request_error")
+            return
+        if not self.response_generator.generation_available():
+            self._refuse(503, "the server lost a rank and is shutting down", "server_error")
+            return
+        if self.response_generator.requests.qsize() >= self.settings.max_queued:
+            self._refuse(429, f"{self.settings.max_queued} requests are queued already: try again later",
+                         "rate_limit_error")
+            return
+        raw = self.rfile.read(length)
+        if len(raw) < length:  # the client left mid-body
+            logging.info("%s: the client left before its request arrived whole", self.address_string())
+            self.close_connection = True
+            return
+        if not self._answering():
+            return
+        if self.path in COMPLETION_PATHS:
+            try:
+                body, chars = check_request(raw, self.settings.limits)
+                self.rendered_prompt = self._render_own_template(body)
+            except RequestError as e:
+                logging.info("refused a request: %s", e)
+                self._refuse(e.status, str(e), "invalid_request_error", e.param)
+                return
+            queued = self.response_generator.requests.chars
+            if queued and queued + chars > self.settings.max_queued_chars:
+                self._refuse(429, f"{queued} characters of prompts are queued already: try again later",
+                             "rate_limit_error")
+                return
+            body["model"] = self.response_generator.cli_args.model  # any name serves the loaded model
+            raw = json.dumps(body).encode()  # what mlx-lm reads: the checked body
+        self.headers.replace_header("Content-Length", str(len(raw)))
+        connection, self.rfile = self.rfile, io.BytesIO(raw)  # mlx-lm reads the body from rfile
+        try:
+            super().do_POST()
+        finally:
+            self.rfile = connection  # the connection's next request (keep-alive)
+
+    def _render_own_template(self, body: Dict[str, Any]) -> Optional[str]:
+        """The prompt text of a request that brings its own chat template
+        (only past the schema under --allow-request-templates), rendered
+        here, bounded; the template itself never reaches a rank."""
+        kwargs = body.get("chat_template_kwargs") or {}
+        if "chat_template" not in kwargs:
+            return None
+        template = kwargs.pop("chat_template")
+        messages = copy.deepcopy(body["messages"])
+        try:
+            compat.process_message_content(messages)
+        except (ValueError, KeyError, TypeError) as e:
+            raise RequestError(f"messages: {e}", "messages") from None
+        tokenizer = self.response_generator.model_provider.engine.tokenizer
+        special = {k: v for k, v in getattr(tokenizer, "special_tokens_map", {}).items() if isinstance(v, str)}
+        variables = {**special, **kwargs, "messages": messages, "tools": body.get("tools"),
+                     "add_generation_prompt": True}
+        text = render(template, variables, self.settings.limits.max_prompt_chars)
+        if not text:
+            raise RequestError("the request's chat template renders no text", "chat_template_kwargs")
+        return text
+
+    def handle_chat_completions(self):
+        request = super().handle_chat_completions()
+        if self.rendered_prompt is not None:
+            request.prompt = self.rendered_prompt  # the ranks tokenise this text (lockstep._tokenize)
+        return request
+
+    def handle_completion(self, request, stop_words):
+        try:
+            super().handle_completion(request, stop_words)
+        except (RankLost, GenerationFailed) as e:  # after the request's context: mid-answer
+            status = 503 if isinstance(e, RankLost) else 500
+            error = error_body(str(e), "server_error", None, status)
+            if self.queued_headers:  # not streaming: the 200 is not sent yet
+                self.queued_headers = []
+                self._send_json(status, error)
+            else:
+                self.wfile.write(f"data: {json.dumps(error)}\n\n".encode())
+                self.wfile.flush()
+
+    # The status line and headers are held here until end_headers sends them, so that a
+    # generation failing after mlx-lm queued its 200 answers with its own status instead.
+    def send_response_only(self, code, message=None):
+        self.queued_headers.append(("send_response_only", (code, message)))
+
+    def send_header(self, keyword, value):
+        self.queued_headers.append(("send_header", (keyword, value)))
+
+    def end_headers(self):
+        queued, self.queued_headers = self.queued_headers, []
+        for method, args in queued:
+            getattr(super(), method)(*args)
+        super().end_headers()
+
+    def _set_completion_headers(self, status_code: int = 200):
+        # mlx-lm answers every failed generate() with 404: ours say what they are
+        status = getattr(HANDLER_STATUS, "status", None)
+        HANDLER_STATUS.status = None
+        status = status if status and status_code == 404 else status_code
+        self.error_status = status if status >= 400 else None  # its body, next, in OpenAI's shape
+        super()._set_completion_headers(status)
+
+    def handle_models_request(self):
+        # mlx-lm lists the hub cache; this server has one model
+        model = self.response_generator.cli_args.model
+        self._send_json(200, {"object": "list", "data": [
+            {"id": model, "object": "model", "created": int(time.time()), "owned_by": "mlxdist"}]})
+
+    def log_message(self, format, *args):  # mlx-lm logs through logging
+        logging.info("%s - %s", self.address_string(), format % args)
+
+
 def make_handler(api_key: Optional[str], max_body: int, limits: RequestLimits, max_queued: int = DEFAULT_MAX_QUEUED,
                  idle_timeout: float = DEFAULT_IDLE_TIMEOUT, max_queued_chars: int = DEFAULT_MAX_QUEUED_CHARS,
                  request_timeout: float = DEFAULT_REQUEST_TIMEOUT, max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
                  max_headers: int = DEFAULT_MAX_HEADERS):
-    """mlx-lm's request handler behind a bearer token (when given), a body
-    limit, the request schema (``schema.py``), a cap on queued requests, a
-    deadline for the whole request, bounds on its headers and an idle
-    timeout; every refusal in OpenAI's error shape."""
-
-    class Handler(compat.APIHandler):
-        timeout = idle_timeout  # socket timeout: a connection that sends nothing is closed
-        # One request per connection: the reader's deadline and header bounds (setup) are the
-        # connection's, so a kept-alive second request would run without them.
-        protocol_version = "HTTP/1.0"
-
-        def setup(self):
-            super().setup()
-            self.error_status: Optional[int] = None
-            self.queued_headers: List[Tuple[str, tuple]] = []  # the response's status and headers, until end_headers
-            self.wfile = _OpenAIErrors(self.wfile, self)
-            self.connection_state = self.server.connection(self.request)
-            self.rfile = RequestReader(self.connection_state, self.connection_state.started + request_timeout,
-                                       idle_timeout, max_header_bytes, max_headers)
-
-        def handle_one_request(self):
-            """The standard library's, with the request's deadline (408), the
-            header bounds (431), unknown methods (501) in OpenAI's shape, and
-            the request marked complete (past the connection cap, only
-            connections still reading are shed)."""
-            self.requestline, self.request_version, self.command = "", "HTTP/1.1", ""
-            try:
-                self.raw_requestline = self.rfile.readline(65537)
-                if not self.raw_requestline:
-                    self.close_connection = True
-                    return
-                if not self.parse_request():  # an error was sent
-                    return
-                self.rfile.end_of_headers()
-                if self.command != "POST" and not self._answering():  # POST: once its body has arrived
-                    return
-                method = getattr(self, "do_" + self.command, None)
-                if method is None:
-                    self.send_error(501, f"unsupported method {self.command[:20]!r}")
-                    return
-                method()
-                self.wfile.flush()
-            except RequestTimeout:
-                self._give_up(408, f"the request did not arrive whole within {request_timeout:g} s")
-            except HeadersTooLarge as e:
-                self._give_up(431, f"request headers too large: {e}")
-            except TimeoutError:  # idle (--idle-timeout): closed unanswered, as a dead peer is
-                self.close_connection = True
-
-        def _answering(self) -> bool:
-            """The request has arrived whole; False (and the connection
-            closed) if the cap shed it meanwhile."""
-            if self.server.answering(self.connection_state):
-                self.request.settimeout(idle_timeout)  # for the answer's writes
-                return True
-            self.close_connection = True
-            return False
-
-        def _give_up(self, status: int, message: str) -> None:
-            self.close_connection = True
-            state = self.connection_state
-            if state.answering or state.shed or not state.received:
-                return
-            logging.info("%s: %d %s", self.address_string(), status, message)
-            try:
-                self.send_error(status, message)
-            except OSError:
-                pass
-
-        def send_error(self, code: int, message: Optional[str] = None, explain: Optional[str] = None) -> None:
-            """The standard library's errors (bad request lines, 501, 414,
-            431) in OpenAI's shape, closing the connection."""
-            self.close_connection = True
-            if not self.request_version.startswith("HTTP/1."):
-                self.request_version = "HTTP/1.1"
-            text = message or self.responses.get(code, ("error",))[0]
-            kind = "invalid_request_error" if code < 500 else "server_error"
-            self._send_json(code, error_body(text, kind, None, code))
-
-        def _send_json(self, status: int, obj: Dict[str, Any]) -> None:
-            body = json.dumps(obj).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            if self.close_connection:
-                self.send_header("Connection", "close")
-            if getattr(self, "headers", None) is not None:
-                self._set_cors_headers()
-            self.end_headers()
-            self.wfile.write(body)
-
-        def _refuse(self, status: int, message: str, kind: str, param: Optional[str] = None) -> None:
-            self._send_json(status, error_body(message, kind, param, status))
-
-        def _allowed(self) -> bool:
-            if api_key is None:
-                return True
-            given = self.headers.get("Authorization", "")
-            if hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                return True
-            self._refuse(401, "missing or wrong API key", "invalid_request_error")
-            return False
-
-        def do_GET(self):
-            if self._allowed():
-                super().do_GET()
-
-        def handle_health_check(self):
-            """mlx-lm's status, and how ``auto`` decided at load (stored,
-            measured or fixed: ``engine/decision.py``)."""
-            healthy = self.response_generator.is_healthy
-            decision = self.response_generator.model_provider.engine.decision
-            report = decision.report() if decision is not None else None
-            self._send_json(200 if healthy else 503, {"status": "ok" if healthy else "unavailable",
-                                                      "auto_decision": report})
-
-        def do_POST(self):
-            self.rendered_prompt: Optional[str] = None  # a request's own template, rendered (per request)
-            if not self._allowed():
-                return
-            length = self.headers.get("Content-Length")
-            if length is None:
-                self._refuse(411, "Content-Length header is required", "invalid_request_error")
-                return
-            try:
-                length = parse_int(length.strip(" \t"), "Content-Length")
-            except ValueError as e:
-                self._refuse(400, str(e), "invalid_request_error", "Content-Length")
-                return
-            if length > max_body:
-                self._refuse(413, f"request body of {length} bytes exceeds the limit of {max_body}",
-                             "invalid_request_error")
-                return
-            if not self.response_generator.generation_available():
-                self._refuse(503, "the server lost a rank and is shutting down", "server_error")
-                return
-            if self.response_generator.requests.qsize() >= max_queued:
-                self._refuse(429, f"{max_queued} requests are queued already: try again later", "rate_limit_error")
-                return
-            raw = self.rfile.read(length)
-            if len(raw) < length:  # the client left mid-body
-                logging.info("%s: the client left before its request arrived whole", self.address_string())
-                self.close_connection = True
-                return
-            if not self._answering():
-                return
-            if self.path in COMPLETION_PATHS:
-                try:
-                    body, chars = check_request(raw, limits)
-                    self.rendered_prompt = self._render_own_template(body)
-                except RequestError as e:
-                    logging.info("refused a request: %s", e)
-                    self._refuse(e.status, str(e), "invalid_request_error", e.param)
-                    return
-                queued = self.response_generator.requests.chars
-                if queued and queued + chars > max_queued_chars:
-                    self._refuse(429, f"{queued} characters of prompts are queued already: try again later",
-                                 "rate_limit_error")
-                    return
-                body["model"] = self.response_generator.cli_args.model  # any name serves the loaded model
-                raw = json.dumps(body).encode()  # what mlx-lm reads: the checked body
-            self.headers.replace_header("Content-Length", str(len(raw)))
-            connection, self.rfile = self.rfile, io.BytesIO(raw)  # mlx-lm reads the body from rfile
-            try:
-                super().do_POST()
-            finally:
-                self.rfile = connection  # the connection's next request (keep-alive)
-
-        def _render_own_template(self, body: Dict[str, Any]) -> Optional[str]:
-            """The prompt text of a request that brings its own chat template
-            (only past the schema under --allow-request-templates), rendered
-            here, bounded; the template itself never reaches a rank."""
-            kwargs = body.get("chat_template_kwargs") or {}
-            if "chat_template" not in kwargs:
-                return None
-            template = kwargs.pop("chat_template")
-            messages = copy.deepcopy(body["messages"])
-            try:
-                compat.process_message_content(messages)
-            except (ValueError, KeyError, TypeError) as e:
-                raise RequestError(f"messages: {e}", "messages") from None
-            tokenizer = self.response_generator.model_provider.engine.tokenizer
-            special = {k: v for k, v in getattr(tokenizer, "special_tokens_map", {}).items() if isinstance(v, str)}
-            variables = {**special, **kwargs, "messages": messages, "tools": body.get("tools"),
-                         "add_generation_prompt": True}
-            text = render(template, variables, limits.max_prompt_chars)
-            if not text:
-                raise RequestError("the request's chat template renders no text", "chat_template_kwargs")
-            return text
-
-        def handle_chat_completions(self):
-            request = super().handle_chat_completions()
-            if self.rendered_prompt is not None:
-                request.prompt = self.rendered_prompt  # the ranks tokenise this text (lockstep._tokenize)
-            return request
-
-        def handle_completion(self, request, stop_words):
-            try:
-                super().handle_completion(request, stop_words)
-            except (RankLost, GenerationFailed) as e:  # after the request's context: mid-answer
-                status = 503 if isinstance(e, RankLost) else 500
-                error = error_body(str(e), "server_error", None, status)
-                if self.queued_headers:  # not streaming: the 200 is not sent yet
-                    self.queued_headers = []
-                    self._send_json(status, error)
-                else:
-                    self.wfile.write(f"data: {json.dumps(error)}\n\n".encode())
-                    self.wfile.flush()
-
-        # The status line and headers are held here until end_headers sends them, so that a
-        # generation failing after mlx-lm queued its 200 answers with its own status instead.
-        def send_response_only(self, code, message=None):
-            self.queued_headers.append(("send_response_only", (code, message)))
-
-        def send_header(self, keyword, value):
-            self.queued_headers.append(("send_header", (keyword, value)))
-
-        def end_headers(self):
-            queued, self.queued_headers = self.queued_headers, []
-            for method, args in queued:
-                getattr(super(), method)(*args)
-            super().end_headers()
-
-        def _set_completion_headers(self, status_code: int = 200):
-            # mlx-lm answers every failed generate() with 404: ours say what they are
-            status = getattr(HANDLER_STATUS, "status", None)
-            HANDLER_STATUS.status = None
-            status = status if status and status_code == 404 else status_code
-            self.error_status = status if status >= 400 else None  # its body, next, in OpenAI's shape
-            super()._set_completion_headers(status)
-
-        def handle_models_request(self):
-            # mlx-lm lists the hub cache; this server has one model
-            model = self.response_generator.cli_args.model
-            self._send_json(200, {"object": "list", "data": [
-                {"id": model, "object": "model", "created": int(time.time()), "owned_by": "mlxdist"}]})
-
-        def log_message(self, format, *args):  # mlx-lm logs through logging
-            logging.info("%s - %s", self.address_string(), format % args)
-
-    return Handler
+    """A ``Handler`` class for one server: mlx-lm's request handler behind a
+    bearer token (when given), a body limit, the request schema
+    (``schema.py``), a cap on queued requests, a deadline for the whole
+    request, bounds on its headers and an idle timeout (``HandlerSettings``);
+    every refusal in OpenAI's error shape."""
+    settings = HandlerSettings(api_key, max_body, limits, max_queued, idle_timeout, max_queued_chars,
+                               request_timeout, max_header_bytes, max_headers)
+    # timeout: the socket's; a connection that sends nothing is closed
+    return type("Handler", (Handler,), {"settings": settings, "timeout": idle_timeout})
