@@ -68,6 +68,8 @@ _GOOD_GENERATE = json.loads(control.encode(EVERY_COMMAND[2]))["args"]
     (_wire("generate", {**_GOOD_GENERATE, "batch": None}), "generate.batch is null, not a boolean"),
     (b'{"version": 5, "op": "stats", "args": {}, "extra": 1}', "unknown key 'extra'"),
     (b'{"version": 5, "op": ["load"]}', "unknown command ['load']"),
+    (b'{"version": 5, "op": "probe", "args": {"name": "p", "args": {"x": ' + b"[" * 100000 + b"]" * 100000 + b"}}}",
+     "nested too deeply"),
 ])
 def test_malformed_commands_are_one_protocol_error(data, message):
     with pytest.raises(ProtocolError) as refused:

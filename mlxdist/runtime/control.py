@@ -69,6 +69,8 @@ def decode(data: bytes) -> Command:
         obj = json.loads(data)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ProtocolError(f"control message is not JSON: {e}") from None
+    except RecursionError:
+        raise ProtocolError("control message is nested too deeply") from None
     if not isinstance(obj, dict):
         raise ProtocolError("control message is not a JSON object")
     version = obj.get("version")
