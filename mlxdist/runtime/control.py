@@ -17,6 +17,7 @@ own command the same way before any rank hears of it.
 """
 
 import dataclasses
+import functools
 import json
 import typing
 from typing import Any, ClassVar, Dict, Optional, Type
@@ -110,7 +111,7 @@ def _dataclass(cls: type, obj: Any, where: str) -> Any:
     unknown = sorted(set(obj) - set(fields))
     if unknown:
         raise ProtocolError(f"unknown field {where}.{unknown[0]:.40}")
-    hints = typing.get_type_hints(cls)
+    hints = _hints(cls)
     values = {}
     for name, f in fields.items():
         if name in obj:
@@ -118,6 +119,11 @@ def _dataclass(cls: type, obj: Any, where: str) -> Any:
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             raise ProtocolError(f"{where} lacks its field {name}")
     return cls(**values)
+
+
+@functools.lru_cache(maxsize=None)
+def _hints(cls: type) -> Dict[str, Any]:
+    return typing.get_type_hints(cls)
 
 
 def _value(value: Any, hint: Any, where: str) -> Any:
@@ -138,7 +144,9 @@ def _value(value: Any, hint: Any, where: str) -> Any:
         if not isinstance(value, origin):
             raise ProtocolError(f"{where} is {_kind(value)}, not {_name(hint)}")
         if origin is list:
-            return [_value(v, params[0], f"{where}[{i}]") for i, v in enumerate(value)] if params else value
+            if not params or params[0] is Any or (params[0] in (int, str) and all(type(v) is params[0] for v in value)):
+                return value  # token ids: one pass, not a call per token
+            return [_value(v, params[0], f"{where}[{i}]") for i, v in enumerate(value)]
         return {k: _value(v, params[1], f"{where}.{k}") for k, v in value.items()} if params else value
     if hint is type(None):
         ok = value is None
