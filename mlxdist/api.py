@@ -33,6 +33,7 @@ from mlxdist.model.placement import Placement
 from mlxdist.model.routing_file import RoutingStats
 from mlxdist.dispatch.stats import add_shares
 from mlxdist.engine.routing_record import RoutingRecorder
+from mlxdist.runtime.heartbeat import DEFAULT_HEARTBEAT, check_heartbeat, start_heartbeat
 from mlxdist.runtime.watchdog import ACTIVITY, DEFAULT_TIMEOUT, start_watchdog
 
 __all__ = ["Cluster", "LoadError", "Piece", "Result", "UserError", "init"]
@@ -454,7 +455,8 @@ def _gb(value):
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else value
 
 
-def init(timeout: float = DEFAULT_TIMEOUT, backend: Optional[str] = None) -> Cluster:
+def init(timeout: float = DEFAULT_TIMEOUT, backend: Optional[str] = None,
+         heartbeat: Union[None, float, str] = DEFAULT_HEARTBEAT) -> Cluster:
     """Join the job. On rank 0, returns the ``Cluster`` handle; on every
     other rank, serves rank 0's commands and exits the process at shutdown.
 
@@ -468,9 +470,14 @@ def init(timeout: float = DEFAULT_TIMEOUT, backend: Optional[str] = None) -> Clu
     ``timeout``: seconds a generation may make no progress (a rank hung)
     before the job is ended with a report of who was waiting on whom.
     ``backend``: MLX's transport for arrays, "mpi", "nccl", "ring", "jaccl" or "jaccl-ring" (default: nccl
-    where MLX runs on CUDA, else mpi)."""
+    where MLX runs on CUDA, else mpi).
+    ``heartbeat``: seconds a rank may send no heartbeat before it is lost and
+    the job ends with one line naming it (``runtime/heartbeat.py``); None,
+    0 or "off": no heartbeat. Anything else raises ``UserError``."""
+    seconds = check_heartbeat(heartbeat)
     world = join(backend)
     start_watchdog(world, timeout)
+    start_heartbeat(world, seconds)
     if world.is_root:
         return Cluster(world)
     code = run_or_abort(world, CommandExecutor(world).serve)

@@ -213,11 +213,12 @@ def test_concurrent_hostile_and_normal_clients(hostile_server, checkpoint):
 def test_a_stopped_rank_is_reported_while_serving(checkpoint):
     """The watchdog guards serving: SIGSTOP rank 1, and a live request gets
     503 and the job ends non-zero with a report, within the deadline
-    (--timeout 0.5: the serving deadline is 10 x that)."""
+    (--timeout 0.5: the serving deadline is 10 x that; no heartbeat, which
+    would notice first: test_heartbeat.py)."""
     import os
     import signal
 
-    s = Server(checkpoint("qwen3_moe"), extra=["--timeout", "0.5"])
+    s = Server(checkpoint("qwen3_moe"), extra=["--timeout", "0.5", "--heartbeat", "off"])
     try:
         assert completion_ok(s)
         victim = s.ranks()[1]

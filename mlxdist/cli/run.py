@@ -27,6 +27,7 @@ from mlxdist.dispatch import DISPATCH_MODES, LAYOUTS, modes
 from mlxdist.errors import GenerationFailed, UserError, say_error
 from mlxdist.model.budgets import parse_rank_memory
 from mlxdist.model.placement import Placement
+from mlxdist.runtime.heartbeat import DEFAULT_HEARTBEAT, arg_heartbeat
 from mlxdist.runtime.progress import set_quiet
 from mlxdist.runtime.watchdog import DEFAULT_TIMEOUT
 from mlxdist.runtime.world import BACKENDS, join, launcher_rank, run_or_abort, set_exit_code
@@ -160,6 +161,9 @@ def build_parser() -> argparse.ArgumentParser:
     job_opts = p.add_argument_group("job")
     job_opts.add_argument("--timeout", type=arg_duration(), default=DEFAULT_TIMEOUT,
                           help="seconds without progress before a generation is declared hung (default %(default)s)")
+    job_opts.add_argument("--heartbeat", type=arg_heartbeat, default=DEFAULT_HEARTBEAT, metavar="SECONDS",
+                          help="seconds a rank may send no heartbeat before it is lost and the job ends with one "
+                               "line naming it and its host (default %(default)s; off: none; docs/failures.md)")
     add_host_flags(job_opts)
     return p
 
@@ -453,7 +457,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return code
     from mlxdist.api import init  # mlx-lm and transformers: seconds, so only once the input is good
 
-    cluster = init(timeout=args.timeout, backend=args.backend)
+    cluster = init(timeout=args.timeout, backend=args.backend, heartbeat=args.heartbeat)
     code = run_or_abort(cluster.world, command_loop, cluster, args, inputs)
     cluster.shutdown(code)
     set_exit_code(code)  # the status the process ends with (runtime/world.py finalizes and exits)

@@ -14,6 +14,7 @@ from mlxdist.cli.run import RankZeroParser, add_host_flags, apply_host_flags, ra
 from mlxdist.config import AUTO_SPLIT, EXPERT_SPLITS, KV_RESERVE_TOKENS, kv_reserve_tokens_arg
 from mlxdist.digits import arg_duration, arg_int, arg_number
 from mlxdist.errors import UserError, say_error
+from mlxdist.runtime.heartbeat import DEFAULT_HEARTBEAT, arg_heartbeat
 from mlxdist.runtime.progress import set_quiet
 from mlxdist.runtime.watchdog import DEFAULT_TIMEOUT
 from mlxdist.runtime.world import BACKENDS, join, run_or_abort, set_exit_code
@@ -111,6 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=arg_duration(), default=DEFAULT_TIMEOUT,
                    help="Seconds without progress before a rank is declared hung; one serving step (it may be a "
                         "long prefill) gets 10 x that (default %(default)s).")
+    p.add_argument("--heartbeat", type=arg_heartbeat, default=DEFAULT_HEARTBEAT, metavar="SECONDS",
+                   help="seconds a rank may send no heartbeat before it is lost and the job ends with one line naming "
+                        "it and its host (default %(default)s; off: none; docs/failures.md)")
     p.add_argument("--log-level", default="WARNING", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     return p
 
@@ -194,7 +198,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return code
     from mlxdist.api import init  # mlx-lm and transformers: seconds, so only once the command line is good
 
-    cluster = init(timeout=args.timeout, backend=args.backend)  # other ranks serve inside
+    cluster = init(timeout=args.timeout, backend=args.backend, heartbeat=args.heartbeat)  # other ranks serve inside
     code = 0
     try:
         check_port(args.host, args.port)
@@ -202,8 +206,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                      record_routing=args.record_routing, record_routing_every=args.record_routing_every,
                      rank_memory_gb=args.rank_memory, count_routing=args.rebalance_every is not None,
                      draft_model=args.draft_model, revision=args.revision, kv_reserve_tokens=args.kv_reserve_tokens)
-        loaded = ("backend", "timeout", "dispatch", "expert_split", "record_routing", "record_routing_every",
-                  "rank_memory", "api_key_file", "revision", "quiet", "kv_reserve_tokens")
+        loaded = ("backend", "timeout", "heartbeat", "dispatch", "expert_split", "record_routing",
+                  "record_routing_every", "rank_memory", "api_key_file", "revision", "quiet", "kv_reserve_tokens")
         options = {k: v for k, v in vars(args).items() if k not in loaded}
         options["model"] = cluster.engine.options.model
         cluster.serve_http(options)

@@ -20,6 +20,9 @@ back. While the latest forward is a prefill (more than one token per
 sequence: one long evaluation, and a first CUDA launch compiles for minutes)
 the deadline is ``PREFILL_FACTOR`` times longer.
 
+A rank that stops answering altogether (asleep, cut off, stopped) is lost
+sooner, after ``--heartbeat`` seconds, by ``heartbeat.py``.
+
 Faults for tests are injected by ``faults.py`` (``MLXDIST_FAULT``).
 """
 
@@ -130,7 +133,7 @@ class Watchdog:
         os.read(read_fd, 1)
         if ACTIVITY.phase != "exiting":  # a clean shutdown raced the launcher: nothing to report
             self.report("the job was stopped")
-        _run_on_fatal()
+        run_on_fatal()
         os._exit(1)
 
     def _deadline(self) -> None:
@@ -143,12 +146,12 @@ class Watchdog:
                 # Ranks stalled together pass their deadlines moments apart: let
                 # the others (the one really stuck among them) speak before this
                 # exit makes mpirun stop them.
-                if not _run_on_fatal():
+                if not run_on_fatal():
                     time.sleep(min(2.0, self.timeout))
                 os._exit(1)
 
 
-def _run_on_fatal() -> bool:
+def run_on_fatal() -> bool:
     """Run the ``ON_FATAL`` callbacks and give them ``FATAL_GRACE``; whether there were any."""
     for callback in ON_FATAL:
         callback()

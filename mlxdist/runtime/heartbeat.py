@@ -1,0 +1,291 @@
+"""A lost rank noticed in seconds: heartbeats on connections of their own.
+
+A rank that stops answering (a Mac asleep, a cable pulled, a process
+stopped) stops no collective by itself: the others wait in MPI, and the
+watchdog (``watchdog.py``) sees no progress only after ``--timeout`` (10 x
+that while serving). So each rank other than 0 holds one TCP connection to
+rank 0, apart from MPI and MLX, and a daemon thread at each end sends one
+byte on it every ``interval`` (a fifth of ``--heartbeat``, at most 1 s):
+
+- rank 0 listens on a port the system picks, on the address each rank
+  reaches it at (``addresses.address_toward``, as the ring backend chooses
+  it: loopback on one host), and tells the ranks the port and a token over
+  the control plane; each rank connects and sends ``<token> <rank>``;
+- a rank silent for ``--heartbeat`` seconds is lost: rank 0 tells the ranks
+  left (``!<line>``) and each of them and rank 0 prints the one line
+  ``rank R (host H) sent no heartbeat for S s: lost`` and exits with status
+  1 (rank 0 after the ``watchdog.ON_FATAL`` callbacks: the server answers
+  its requests). A rank that loses rank 0 says the same of rank 0 and exits.
+
+The thread needs no MPI progress and no main thread: a rank busy in a long
+prefill or load still beats (MLX and mpi4py release the GIL while they
+wait), while a stopped process's thread stops with it. A peer whose
+connection closes (its process ended) goes silent; mpirun usually ends the
+job first. Once a rank is exiting (``ACTIVITY.phase``), nothing is judged.
+In a fault-tolerant job (``--survive``, ``survival.py``) rank 0 leaves a lost
+rank other than 0 to Open MPI's failure detector and goes on.
+"""
+
+import argparse
+import math
+import os
+import secrets
+import selectors
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Union
+
+from mlxdist import envs
+from mlxdist.digits import parse_number
+from mlxdist.errors import UserError, say_error
+from mlxdist.runtime.addresses import address_toward, describe_host
+from mlxdist.runtime.watchdog import ACTIVITY, run_on_fatal
+from mlxdist.runtime.world import World, set_exit_code
+
+DEFAULT_HEARTBEAT = 5.0
+MIN_HEARTBEAT = 1.0  # below this a busy host's scheduler alone could look like a loss
+BEATS_PER_PERIOD = 5
+MAX_INTERVAL = 1.0
+BEAT = b"."
+NOTICE = b"!"  # rank 0 to the ranks left: the loss line follows, up to a newline
+CONNECT_SECONDS = 30.0
+OTHERS_EXIT_AFTER = 3.0  # a start-up failure is said by rank 0; the others give it that long
+
+
+def parse_heartbeat(text: str, field: str = "--heartbeat") -> Optional[float]:
+    """``text`` as heartbeat seconds: ``off`` (or ``0``) is None, else a
+    finite ASCII number of at least ``MIN_HEARTBEAT``; ValueError otherwise."""
+    if text in ("off", "0"):
+        return None
+    try:
+        return parse_number(text, field, low=MIN_HEARTBEAT)
+    except ValueError:
+        raise ValueError(f"{field} must be a number of seconds of at least {MIN_HEARTBEAT:g} in ASCII digits, "
+                         f"or off, not {text!r:.40}") from None
+
+
+def arg_heartbeat(text: str) -> Optional[float]:
+    """An argparse type: ``parse_heartbeat``."""
+    try:
+        return parse_heartbeat(text, "the value")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def check_heartbeat(value: Union[None, int, float, str]) -> Optional[float]:
+    """``init(heartbeat=)``: seconds (a number or its text), or None / ``"off"`` /
+    0 for none; ``UserError`` with one line otherwise."""
+    if value is None:
+        return None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if value == 0:
+            return None
+        if math.isfinite(value) and value >= MIN_HEARTBEAT:
+            return float(value)
+        value = repr(value)
+    if not isinstance(value, str):
+        raise UserError(f"heartbeat must be a number of seconds or None, not {type(value).__name__}")
+    try:
+        return parse_heartbeat(value, "heartbeat")
+    except ValueError as e:
+        raise UserError(str(e)) from None
+
+
+@dataclass
+class Peer:
+    """The other end of one heartbeat connection."""
+
+    rank: int
+    host: str
+    sock: socket.socket
+    heard: float  # monotonic time of its latest byte
+    notice: Optional[bytearray] = None  # a loss line from rank 0, being received
+
+
+class Heartbeat:
+    """This rank's beating and listening thread (``start_heartbeat`` makes it)."""
+
+    def __init__(self, world: World, seconds: float, peers: List[Peer]):
+        self.world = world
+        self.seconds = seconds
+        self.interval = min(seconds / BEATS_PER_PERIOD, MAX_INTERVAL)
+        self.peers = peers
+
+    def start(self) -> None:
+        threading.Thread(target=self._run, name="mlxdist-heartbeat", daemon=True).start()
+
+    def _run(self) -> None:
+        selector = selectors.DefaultSelector()
+        for peer in self.peers:
+            peer.sock.setblocking(False)
+            selector.register(peer.sock, selectors.EVENT_READ, peer)
+        next_beat = 0.0
+        while True:
+            if time.monotonic() >= next_beat:
+                for peer in self.peers:
+                    _send(peer.sock, BEAT)
+                next_beat = time.monotonic() + self.interval
+            # Read before judging: beats that waited while this thread did not run are news.
+            for key, _ in selector.select(timeout=max(0.0, next_beat - time.monotonic())):
+                self._read(selector, key.data)
+            if ACTIVITY.phase == "exiting":
+                continue
+            now = time.monotonic()
+            for peer in list(self.peers):
+                if now - peer.heard > self.seconds:
+                    self._lost(selector, peer)
+
+    def _read(self, selector: selectors.BaseSelector, peer: Peer) -> None:
+        try:
+            data = peer.sock.recv(65536)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:  # its process closed the connection: silence from now on
+            selector.unregister(peer.sock)
+            return
+        peer.heard = time.monotonic()
+        if peer.rank == 0 and (peer.notice is not None or NOTICE in data):
+            peer.notice = (peer.notice or bytearray()) + (data if peer.notice is not None else data.split(NOTICE, 1)[1])
+            if b"\n" in peer.notice and ACTIVITY.phase != "exiting":
+                self._end(bytes(peer.notice).split(b"\n", 1)[0].decode(errors="replace"))
+
+    def _lost(self, selector: selectors.BaseSelector, peer: Peer) -> None:
+        line = f"rank {peer.rank} (host {peer.host}) sent no heartbeat for {self.seconds:.1f} s: lost"
+        if self.world.is_root and self.world.tolerant:  # survival.py goes on without it
+            selector.unregister(peer.sock)
+            self.peers.remove(peer)
+            return
+        if self.world.is_root:
+            for other in self.peers:
+                if other is not peer:
+                    _send(other.sock, NOTICE + line.encode() + b"\n")
+        self._end(line)
+
+    def _end(self, line: str) -> None:
+        """Say ``line`` and end this process (the launcher then ends the job)."""
+        ACTIVITY.phase = "exiting"  # the launcher's stop that follows needs no report of its own
+        say_error(line)
+        if not run_on_fatal():
+            time.sleep(0.5)  # the notices reach the ranks left before the launcher stops them
+        set_exit_code(1)
+        os._exit(1)
+
+
+def _send(sock: socket.socket, data: bytes) -> None:
+    try:
+        sock.send(data)
+    except OSError:  # a full buffer (a stopped peer) or a closed connection: silence judges it
+        pass
+
+
+def start_heartbeat(world: World, seconds: Optional[float]) -> Optional[Heartbeat]:
+    """Connect every rank to rank 0 and start beating (None: one rank, or
+    ``seconds`` None). Every rank calls it at once (three control-plane
+    exchanges). A connection that cannot be made ends the job at start
+    with one line from rank 0."""
+    if world.size == 1 or seconds is None:
+        return None
+    hosts = world.control.allgather_json(describe_host())
+    listeners: Dict[str, socket.socket] = {}
+    plan = None
+    if world.is_root:
+        try:
+            plan = _listen(hosts, listeners)
+        except (OSError, RuntimeError) as e:
+            plan = {"error": f"rank 0 cannot listen for heartbeats: {e}"}
+    plan = world.control.allgather_json(plan)[0]
+    error = plan.get("error")
+    sock = None
+    if not error and not world.is_root:
+        address, port = plan["at"][world.rank]
+        try:
+            sock = socket.create_connection((address, port), timeout=CONNECT_SECONDS)
+            sock.sendall(f"{plan['token']} {world.rank}\n".encode())
+        except OSError as e:
+            error = f"rank {world.rank} (host {hosts[world.rank]['name']}) cannot reach rank 0's heartbeat at " \
+                    f"{address}:{port}: {e}"
+    errors = [e for e in world.control.allgather_json(error) if e]
+    peers: List[Peer] = []
+    if not errors and world.is_root:
+        try:
+            peers = _accept(listeners, plan["token"], hosts)
+        except OSError as e:
+            errors = [f"rank 0 heard no heartbeat connection from every rank: {e}"]
+    for listener in listeners.values():
+        listener.close()
+    verdict = world.control.bcast_bytes((errors[0] if errors else "").encode() if world.is_root else None).decode()
+    if verdict:
+        if world.is_root:
+            say_error(verdict)
+        else:
+            time.sleep(OTHERS_EXIT_AFTER)
+        set_exit_code(1)
+        raise SystemExit(1)
+    if not world.is_root:
+        peers = [Peer(0, hosts[0]["name"], sock, time.monotonic())]
+    heartbeat = Heartbeat(world, seconds, peers)
+    heartbeat.start()
+    return heartbeat
+
+
+def _listen(hosts: List[dict], listeners: Dict[str, socket.socket]) -> dict:
+    """Rank 0: one listening socket per address a rank reaches it at; the plan the ranks read."""
+    at: List[Optional[list]] = [None]
+    for host in hosts[1:]:
+        address = address_toward(hosts[0], host, envs.get("MLXDIST_RING_INTERFACE"))
+        if address not in listeners:
+            listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            listener.bind((address, 0))
+            listener.listen(len(hosts))
+            listeners[address] = listener
+        at.append([address, listeners[address].getsockname()[1]])
+    return {"token": secrets.token_hex(16), "at": at}
+
+
+def _accept(listeners: Dict[str, socket.socket], token: str, hosts: List[dict]) -> List[Peer]:
+    """Rank 0: every rank's connection, told apart by the hello line (the
+    ranks have connected and sent it already: the backlog holds them)."""
+    deadline = time.monotonic() + CONNECT_SECONDS
+    found: Dict[int, socket.socket] = {}
+    selector = selectors.DefaultSelector()
+    for listener in listeners.values():
+        selector.register(listener, selectors.EVENT_READ)
+    while len(found) < len(hosts) - 1:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            missing = sorted(set(range(1, len(hosts))) - set(found))
+            raise OSError(f"none from rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))}")
+        for key, _ in selector.select(timeout=left):
+            conn, _ = key.fileobj.accept()
+            rank = _hello(conn, token, min(5.0, max(0.1, deadline - time.monotonic())))
+            if rank is None or not 0 < rank < len(hosts) or rank in found:
+                conn.close()  # not one of ours
+                continue
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            found[rank] = conn
+    selector.close()
+    return [Peer(rank, hosts[rank]["name"], found[rank], time.monotonic()) for rank in sorted(found)]
+
+
+def _hello(conn: socket.socket, token: str, seconds: float) -> Optional[int]:
+    """The rank a new connection's ``<token> <rank>`` line names (None: not that)."""
+    conn.settimeout(seconds)
+    line = b""
+    try:
+        while b"\n" not in line and len(line) < 128:
+            chunk = conn.recv(128)
+            if not chunk:
+                return None
+            line += chunk
+    except OSError:
+        return None
+    words = line.split(b"\n", 1)[0].decode(errors="replace").split()
+    if len(words) != 2 or not secrets.compare_digest(words[0], token):
+        return None
+    if not (words[1].isascii() and words[1].isdigit()):
+        return None
+    return int(words[1])

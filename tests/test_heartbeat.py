@@ -1,0 +1,121 @@
+"""A lost rank noticed in seconds (runtime/heartbeat.py), under real mpirun:
+a rank stopped with SIGSTOP (a Mac asleep) during a generation of
+``mlxdist.run`` and while ``mlxdist.serve`` answers a request ends the job
+within the heartbeat plus 5 s, with one line naming the rank and its host;
+a rank whose main thread is busy for longer than the heartbeat is not lost;
+hostile ``--heartbeat`` values are one line."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from conftest import MPIRUN, ROOT, error_lines, kill_session, launch, mpirun_env
+from test_serve import PROMPTS, Server
+
+HEARTBEAT = 3.0
+LOST_RANK_1 = f"mlxdist: error: rank 1 (host {socket.gethostname()}) sent no heartbeat for {HEARTBEAT:.1f} s: lost"
+
+
+def rank_pids(session: int, module: str) -> list:
+    """The ranks' pids, in rank order, of the job whose launcher leads ``session``."""
+    out = subprocess.run(["ps", "-o", "pid=,args=", "-s", str(session)], capture_output=True, text=True).stdout
+    pids = [int(l.split()[0]) for l in out.splitlines()
+            if f"-m {module}" in l and "prterun" not in l and "mpirun" not in l]
+    ranks = {}
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = dict(v.split(b"=", 1) for v in f.read().split(b"\0") if b"=" in v)
+            ranks[int(env[b"OMPI_COMM_WORLD_RANK"])] = pid
+        except (OSError, KeyError):
+            pass
+    return [ranks[r] for r in sorted(ranks)]
+
+
+def test_a_stopped_rank_ends_a_generation_within_the_heartbeat(checkpoint):
+    """SIGSTOP of rank 1 while ``run`` generates 4,000 tokens: the job ends
+    non-zero within --heartbeat + 5 s (the watchdog would wait --timeout,
+    120 s), with the one line naming rank 1 and its host."""
+    cmd = [MPIRUN, "-np", "2", "--oversubscribe", "--bind-to", "none", "--stdin", "none", sys.executable, "-m",
+           "mlxdist.run", "--model", str(checkpoint("qwen3_moe")), "-p", "Hello", "-m", "4000",
+           "--heartbeat", str(HEARTBEAT)]
+    proc = subprocess.Popen(cmd, env=mpirun_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    try:
+        first = proc.stdout.read1(64)  # the first generated text: rank 1 is generating
+        assert first, proc.stderr.read().decode()[-3000:]
+        ranks = rank_pids(proc.pid, "mlxdist.run")
+        assert len(ranks) == 2
+        os.kill(ranks[1], signal.SIGSTOP)
+        stopped = time.monotonic()
+        threading.Thread(target=proc.stdout.read, daemon=True).start()  # a full pipe must not stall rank 0
+        proc.wait(60)
+        ended = time.monotonic() - stopped
+        stderr = proc.stderr.read().decode()
+        assert proc.returncode != 0
+        assert error_lines(stderr) == [LOST_RANK_1], stderr[-3000:]
+        assert ended < HEARTBEAT + 5, (ended, stderr[-3000:])
+    finally:
+        if proc.poll() is None:
+            kill_session(proc.pid)
+            proc.wait()
+
+
+def test_a_busy_rank_is_not_lost(checkpoint):
+    """Rank 1's main thread asleep for 2.5 x the heartbeat inside a forward
+    pass (MLXDIST_FAULT), rank 0 waiting on it in the exchange: both
+    heartbeat threads go on beating, and the generation ends as usual."""
+    proc = launch(2, ["--model", checkpoint("qwen3_moe"), "-p", "Hello", "-m", "6", "--heartbeat", str(HEARTBEAT)],
+                  env={"MLXDIST_FAULT": f"sleep:rank=1,layer=0,step=2,seconds={2.5 * HEARTBEAT}"}, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "heartbeat" not in proc.stderr and proc.stdout.strip()
+
+
+def test_a_stopped_rank_ends_the_server_within_the_heartbeat(checkpoint):
+    """SIGSTOP of rank 1 while a request decodes: the request gets 503 and
+    the job ends non-zero within --heartbeat + 5 s of the stop (the serving
+    watchdog would wait 10 x --timeout, 20 minutes), with the one line."""
+    s = Server(checkpoint("qwen3_moe"), extra=["--heartbeat", str(HEARTBEAT)])
+    try:
+        victim = s.ranks()[1]
+        got = {}
+
+        def ask():
+            got["answer"] = s.post("/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 4000})
+            got["at"] = time.monotonic()
+
+        asking = threading.Thread(target=ask, daemon=True)
+        asking.start()
+        time.sleep(3)
+        os.kill(victim, signal.SIGSTOP)
+        stopped = time.monotonic()
+        asking.join(60)
+        s.proc.wait(60)
+        ended = time.monotonic() - stopped
+        stderr = s.proc.stderr.read()
+        status, body = got["answer"]
+        assert status == 503 and body["error"]["code"] == 503, got
+        assert got["at"] - stopped < HEARTBEAT + 5 and ended < HEARTBEAT + 5, (got["at"] - stopped, ended)
+        assert s.proc.returncode != 0
+        assert error_lines(stderr) == [LOST_RANK_1], stderr[-3000:]
+    finally:
+        if s.proc.poll() is None:
+            kill_session(s.proc.pid)
+            s.proc.wait()
+
+
+@pytest.mark.parametrize("module", ["mlxdist.run", "mlxdist.serve"])
+def test_hostile_heartbeats_are_one_line(module):
+    """Not a number, not ASCII, too short, not finite, huge: one line, non-zero."""
+    for value in ["", "abc", "0.5", "-5", "nan", "inf", "1e400", "５", "x" * 10_000]:
+        proc = launch(0, ["--heartbeat", value], module=module, timeout=120)
+        assert proc.returncode != 0
+        errors = [l for l in proc.stderr.splitlines() if "error" in l]
+        assert len(errors) == 1 and "argument --heartbeat: the value must be a number of seconds of at least 1" \
+            in errors[0] and len(errors[0]) < 300, (value, proc.stderr[-2000:])
