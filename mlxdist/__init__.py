@@ -7,7 +7,7 @@
 """
 
 __version__ = "0.1.0"
-__all__ = ["init", "Cluster", "Result", "Piece", "Placement", "MlxdistError", "UserError", "LoadError"]
+__all__ = ["init", "Cluster", "Result", "Piece", "LoadOptions", "Placement", "MlxdistError", "UserError", "LoadError"]
 
 
 def __getattr__(name):
@@ -16,6 +16,10 @@ def __getattr__(name):
         from mlxdist import api
 
         return getattr(api, name)
+    if name == "LoadOptions":  # Cluster.load(options=...)
+        from mlxdist.config import LoadOptions
+
+        return LoadOptions
     if name == "Placement":
         from mlxdist.model.placement import Placement
 

@@ -86,3 +86,9 @@ def test_rank_0_refuses_before_sending():
         control.encode(Explode())
     with pytest.raises(ProtocolError, match="probe cannot be sent as JSON"):
         control.encode(ProbeCommand("profile", {"x": object()}))
+
+
+def test_load_options_are_public():
+    import mlxdist
+
+    assert mlxdist.LoadOptions is LoadOptions and "LoadOptions" in mlxdist.__all__
