@@ -22,6 +22,7 @@ process that ran while another was still loading or already done as if it
 had shared the machine, and reads up to a third higher on two CPU cores.
 """
 
+import argparse
 import json
 import os
 import statistics
@@ -33,6 +34,7 @@ from typing import Any, Dict, List, Optional
 import mlx.core as mx
 
 from mlxdist import envs
+from mlxdist.digits import arg_int
 from mlxdist.compat import never_stop_at_eos
 from mlxdist.runtime.world import default_backend
 from mlxdist.bench.harness import make_prompts, median_row, parse_args as _bench_args, versions
@@ -269,7 +271,7 @@ def _without_batches(argv: List[str]) -> List[str]:
 def _own_options(parser) -> None:
     """--mode and --replicas, for --help (main takes them out of argv before the harness parses)."""
     parser.add_argument("--mode", choices=MODES, default="single", help="Which mlx-lm contender.")
-    parser.add_argument("--replicas", type=int, default=2, help="--mode replicas: how many processes.")
+    parser.add_argument("--replicas", type=arg_int(1), default=2, help="--mode replicas: how many processes.")
 
 
 def main(argv=None) -> None:
@@ -284,7 +286,10 @@ def main(argv=None) -> None:
     replicas, start_line = 2, None
     if "--replicas" in argv:
         i = argv.index("--replicas")
-        replicas = int(argv[i + 1])
+        try:
+            replicas = arg_int(1)(argv[i + 1] if i + 1 < len(argv) else "")
+        except argparse.ArgumentTypeError as e:
+            raise SystemExit(f"--replicas: {e}") from None
         del argv[i : i + 2]
     if "--start-line" in argv:  # run_replicas's: FOLDER,INDEX,N
         i = argv.index("--start-line")
