@@ -21,7 +21,9 @@ The thread needs no MPI progress and no main thread: a rank busy in a long
 prefill or load still beats (MLX and mpi4py release the GIL while they
 wait), while a stopped process's thread stops with it. A peer whose
 connection closes (its process ended) goes silent; mpirun usually ends the
-job first. Once a rank is exiting (``ACTIVITY.phase``), nothing is judged.
+job first. Once a rank is exiting (``ACTIVITY.phase``), nothing is judged;
+a rank whose own thread was held up (stopped, then continued) hears its
+peers afresh before it judges them.
 In a fault-tolerant job (``--survive``, ``survival.py``) rank 0 leaves a lost
 rank other than 0 to Open MPI's failure detector and goes on.
 """
@@ -121,7 +123,7 @@ class Heartbeat:
         for peer in self.peers:
             peer.sock.setblocking(False)
             selector.register(peer.sock, selectors.EVENT_READ, peer)
-        next_beat = 0.0
+        next_beat, last_pass = 0.0, time.monotonic()
         while True:
             if time.monotonic() >= next_beat:
                 for peer in self.peers:
@@ -130,9 +132,13 @@ class Heartbeat:
             # Read before judging: beats that waited while this thread did not run are news.
             for key, _ in selector.select(timeout=max(0.0, next_beat - time.monotonic())):
                 self._read(selector, key.data)
+            now = time.monotonic()
+            if now - last_pass > self.seconds / 2:  # this process was stopped or starved: not the peers' silence
+                for peer in self.peers:
+                    peer.heard = max(peer.heard, now)
+            last_pass = now
             if ACTIVITY.phase == "exiting":
                 continue
-            now = time.monotonic()
             for peer in list(self.peers):
                 if now - peer.heard > self.seconds:
                     self._lost(selector, peer)
