@@ -39,10 +39,12 @@ def rank_pids(session: int, module: str) -> list:
 
 
 def test_a_stopped_rank_ends_a_generation_within_the_heartbeat(checkpoint):
-    """SIGSTOP of rank 1 while ``run`` generates 4,000 tokens: the job ends
-    non-zero within --heartbeat + 5 s (the watchdog would wait --timeout,
-    120 s), with the one line naming rank 1 and its host."""
-    cmd = [MPIRUN, "-np", "2", "--oversubscribe", "--bind-to", "none", "--stdin", "none", sys.executable, "-m",
+    """SIGSTOP of rank 1 of 3 while ``run`` generates 4,000 tokens: the job
+    ends non-zero within --heartbeat + 5 s (the watchdog would wait
+    --timeout, 120 s), with the one line naming rank 1 and its host from
+    each surviving rank (rank 0 hears it, rank 2 is told) and nothing from
+    rank 1 when the launcher continues it to stop it."""
+    cmd = [MPIRUN, "-np", "3", "--oversubscribe", "--bind-to", "none", "--stdin", "none", sys.executable, "-m",
            "mlxdist.run", "--model", str(checkpoint("qwen3_moe")), "-p", "Hello", "-m", "4000",
            "--heartbeat", str(HEARTBEAT)]
     proc = subprocess.Popen(cmd, env=mpirun_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -51,7 +53,7 @@ def test_a_stopped_rank_ends_a_generation_within_the_heartbeat(checkpoint):
         first = proc.stdout.read1(64)  # the first generated text: rank 1 is generating
         assert first, proc.stderr.read().decode()[-3000:]
         ranks = rank_pids(proc.pid, "mlxdist.run")
-        assert len(ranks) == 2
+        assert len(ranks) == 3
         os.kill(ranks[1], signal.SIGSTOP)
         stopped = time.monotonic()
         threading.Thread(target=proc.stdout.read, daemon=True).start()  # a full pipe must not stall rank 0
@@ -59,7 +61,7 @@ def test_a_stopped_rank_ends_a_generation_within_the_heartbeat(checkpoint):
         ended = time.monotonic() - stopped
         stderr = proc.stderr.read().decode()
         assert proc.returncode != 0
-        assert error_lines(stderr) == [LOST_RANK_1], stderr[-3000:]
+        assert error_lines(stderr) == [LOST_RANK_1] * 2, stderr[-3000:]
         assert ended < HEARTBEAT + 5, (ended, stderr[-3000:])
     finally:
         if proc.poll() is None:

@@ -23,7 +23,8 @@ wait), while a stopped process's thread stops with it. A peer whose
 connection closes (its process ended) goes silent; mpirun usually ends the
 job first. Once a rank is exiting (``ACTIVITY.phase``), nothing is judged;
 a rank whose own thread was held up (stopped, then continued) hears its
-peers afresh before it judges them.
+peers afresh before it judges them, and says nothing when the launcher
+then stops it (``watchdog.HELD_UP``).
 In a fault-tolerant job (``--survive``, ``survival.py``) rank 0 leaves a lost
 rank other than 0 to Open MPI's failure detector and goes on.
 """
@@ -43,7 +44,7 @@ from mlxdist import envs
 from mlxdist.digits import parse_number
 from mlxdist.errors import UserError, say_error
 from mlxdist.runtime.addresses import address_toward, describe_host
-from mlxdist.runtime.watchdog import ACTIVITY, run_on_fatal
+from mlxdist.runtime.watchdog import ACTIVITY, HELD_UP, run_on_fatal
 from mlxdist.runtime.world import World, set_exit_code
 
 DEFAULT_HEARTBEAT = 5.0
@@ -114,8 +115,11 @@ class Heartbeat:
         self.seconds = seconds
         self.interval = min(seconds / BEATS_PER_PERIOD, MAX_INTERVAL)
         self.peers = peers
+        self.last_pass = time.monotonic()  # when the thread last looked
+        self.held_up_at = -math.inf  # when it last found itself held up
 
     def start(self) -> None:
+        HELD_UP.append(self.held_up)
         threading.Thread(target=self._run, name="mlxdist-heartbeat", daemon=True).start()
 
     def _run(self) -> None:
@@ -123,7 +127,7 @@ class Heartbeat:
         for peer in self.peers:
             peer.sock.setblocking(False)
             selector.register(peer.sock, selectors.EVENT_READ, peer)
-        next_beat, last_pass = 0.0, time.monotonic()
+        next_beat = 0.0
         while True:
             if time.monotonic() >= next_beat:
                 for peer in self.peers:
@@ -133,15 +137,22 @@ class Heartbeat:
             for key, _ in selector.select(timeout=max(0.0, next_beat - time.monotonic())):
                 self._read(selector, key.data)
             now = time.monotonic()
-            if now - last_pass > self.seconds / 2:  # this process was stopped or starved: not the peers' silence
+            if now - self.last_pass > self.seconds / 2:  # this process was stopped or starved: not the peers' silence
+                self.held_up_at = now
                 for peer in self.peers:
                     peer.heard = max(peer.heard, now)
-            last_pass = now
+            self.last_pass = now
             if ACTIVITY.phase == "exiting":
                 continue
             for peer in list(self.peers):
                 if now - peer.heard > self.seconds:
                     self._lost(selector, peer)
+
+    def held_up(self) -> bool:
+        """Whether this process was held up (stopped, starved) for half the
+        heartbeat or more, now or within the last heartbeat."""
+        now = time.monotonic()
+        return now - self.last_pass > self.seconds / 2 or now - self.held_up_at < self.seconds
 
     def _read(self, selector: selectors.BaseSelector, peer: Peer) -> None:
         try:

@@ -89,6 +89,9 @@ WAITING = ("serving", "shares")
 # being stopped, e.g. the server's answer to a lost rank; given a moment to act.
 ON_FATAL: List[Callable[[], None]] = []
 FATAL_GRACE = 1.5  # seconds
+# Whether this process itself was just held up (stopped, then continued): then
+# the launcher's stop is about it, lost to the others, and it has nothing to report.
+HELD_UP: List[Callable[[], bool]] = []
 
 
 class Watchdog:
@@ -131,7 +134,8 @@ class Watchdog:
 
     def _on_signal(self, read_fd: int) -> None:
         os.read(read_fd, 1)
-        if ACTIVITY.phase != "exiting":  # a clean shutdown raced the launcher: nothing to report
+        # A clean shutdown raced the launcher, or this rank was the one lost: nothing to report.
+        if ACTIVITY.phase != "exiting" and not any(held_up() for held_up in HELD_UP):
             self.report("the job was stopped")
         run_on_fatal()
         os._exit(1)
