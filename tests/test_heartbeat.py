@@ -121,3 +121,15 @@ def test_hostile_heartbeats_are_one_line(module):
         errors = [l for l in proc.stderr.splitlines() if "error" in l]
         assert len(errors) == 1 and "argument --heartbeat: the value must be a number of seconds of at least 1" \
             in errors[0] and len(errors[0]) < 300, (value, proc.stderr[-2000:])
+
+
+def test_init_refuses_a_hostile_heartbeat_in_one_line():
+    """``init(heartbeat=)``: seconds, or None / 0 / "off" for none; anything else is one ``UserError``."""
+    from mlxdist.errors import UserError
+    from mlxdist.runtime.heartbeat import check_heartbeat
+
+    assert [check_heartbeat(v) for v in (5, 2.5, "7", None, 0, "off")] == [5.0, 2.5, 7.0, None, None, None]
+    for value in (True, 0.5, -1, float("nan"), float("inf"), "", "５", "1e400", [5], "x" * 10_000):
+        with pytest.raises(UserError) as refused:
+            check_heartbeat(value)
+        assert "\n" not in str(refused.value) and len(str(refused.value)) < 200, value
