@@ -40,9 +40,10 @@ SHAPES["gpt_oss-120b-widths-4bit"] = ("gpt_oss", {"quantize_bits": 4, "group_siz
 FLOAT32 = [n for n in SHAPES if n.endswith("-float32")]
 # name -> the world size at which mlx-lm's shard() cannot split it (auto's one line says why)
 UNSPLIT = {"gpt_oss-16-experts-4bit": 2, "gpt_oss-120b-widths-4bit": 4}
-# world size -> the checkpoints its launch loads: float32 on 2, 3 and 4 ranks, 4-bit on 2 (the
-# suite's time), gpt-oss-120b's widths on 4 (they divide by 2 and 3)
-RUNS = {2: [n for n in SHAPES if "120b" not in n], 3: FLOAT32, 4: FLOAT32 + ["gpt_oss-120b-widths-4bit"]}
+# world size -> the checkpoints its launch loads: float32 and 4-bit on 2, 3 and 4 ranks, the
+# 16-expert gpt_oss on 2 and 3, gpt-oss-120b's widths on 4 (they divide by 2 and 3)
+RUNS = {2: [n for n in SHAPES if "120b" not in n], 3: [n for n in SHAPES if "120b" not in n],
+        4: [n for n in SHAPES if "16-experts" not in n]}
 _KEEP = {"model_type", "quantization", "quantization_config", "text_config"}
 
 
