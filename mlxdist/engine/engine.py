@@ -95,6 +95,8 @@ class Engine:
     choice: Optional[Choice] = None  # auto: the latest choice and what it was chosen from
     on_choice: Optional[Callable[[Choice], None]] = None  # called where auto's choice changes (rank 0's --verbose)
     decision: Optional[Decision] = None  # auto: how it decided (stored, measured or fixed), as reported
+    # strategy -> its RootTokens, made once: a server's greedy requests then share one wrapped sampler
+    followers: Dict[str, Optional[RootTokens]] = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
         self.base_model = self.model
@@ -175,7 +177,9 @@ class Engine:
     def root_tokens(self) -> Optional[RootTokens]:
         """Under the strategy in use, what makes every rank sample rank 0's
         tokens (``token_stream.py``): None where each row has one sampling rank."""
-        return root_tokens(self.dispatcher, self.world.group)
+        if self.strategy not in self.followers:
+            self.followers[self.strategy] = root_tokens(self.dispatcher, self.world.group)
+        return self.followers[self.strategy]
 
     def observe(self, observer: Optional[Observer]) -> None:
         """Call ``observer`` at each boundary of every MoE layer (None: stop).
