@@ -127,7 +127,7 @@ class LaunchedServer(Server):
 
     def command(self, path, nranks, extra):
         return [MLX_LAUNCH, "--backend", "ring", "-n", str(nranks), "--", sys.executable, "-m", "mlxdist.serve",
-                "--model", str(path), "--port", str(self.port), "--api-key", KEY, *map(str, extra)]
+                "--model", str(path), "--port", "0", "--api-key", KEY, *map(str, extra)]
 
     NOT_RANKS = ("mlx.launch", "bash")
 

@@ -7,6 +7,8 @@ a lost rank."""
 import functools
 import json
 import os
+import queue
+import re
 import signal
 import socket
 import subprocess
@@ -25,10 +27,56 @@ KEY = "test-key-123"
 PROMPTS = [f"Request {i}: " + "tokens " * (i % 5) for i in range(8)]
 
 
+SERVING = re.compile(r"mlxdist: serving .* on http://\S+:(\d+) \(")
+
+
 def free_port() -> int:
+    """A port free now: only for a test that holds it itself (a server is
+    started with --port 0, or the job's own MPI connections may take it first)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+class _Prefixed:
+    """A process's stderr whose first lines were read already: ``read()`` gives them too."""
+
+    def __init__(self, seen: str, stream):
+        self.seen, self.stream = seen, stream
+
+    def read(self) -> str:
+        return self.seen + self.stream.read()
+
+
+def serving_port(proc: subprocess.Popen, deadline: float) -> int:
+    """The port of the 'serving ... on http://HOST:PORT' line on ``proc``'s
+    stderr (text mode), read up to that line; ``proc.stderr.read()`` still
+    gives every line. RuntimeError where the job ends or ``deadline`` (a
+    ``time.time()``) passes first."""
+    lines: "queue.Queue" = queue.Queue()
+
+    def read():
+        for line in proc.stderr:
+            lines.put(line)
+            if SERVING.search(line):
+                return
+        lines.put(None)  # its end
+
+    threading.Thread(target=read, daemon=True).start()
+    seen = []
+    while True:
+        try:
+            line = lines.get(timeout=max(0.0, deadline - time.time()))
+        except queue.Empty:
+            raise RuntimeError(f"server did not come up: {''.join(seen)[-4000:]}") from None
+        if line is None:
+            proc.wait(30)
+            raise RuntimeError(f"server exited: {''.join(seen)[-4000:]}")
+        seen.append(line)
+        found = SERVING.search(line)
+        if found:
+            proc.stderr = _Prefixed("".join(seen), proc.stderr)
+            return int(found.group(1))
 
 
 def launcher_rank_of(pid: int) -> int:
@@ -60,17 +108,17 @@ class Server:
     def command(self, path, nranks, extra):
         """The launch: mpirun, ``nranks`` ranks of ``mlxdist.serve``."""
         return [MPIRUN, "-np", str(nranks), "--oversubscribe", "--bind-to", "none", "--stdin", "none",
-                sys.executable, "-m", "mlxdist.serve", "--model", str(path), "--port", str(self.port),
+                sys.executable, "-m", "mlxdist.serve", "--model", str(path), "--port", "0",
                 "--api-key", KEY, "--max-concurrent", "16", *map(str, extra)]
 
     def _start(self, path, nranks, extra, env):
         self.model = path
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen(self.command(path, nranks, extra), env={**mpirun_env(), **env}, cwd=ROOT,
                                      stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      text=True, start_new_session=True)
         deadline = time.time() + 120
+        self.port = serving_port(self.proc, deadline)  # --port 0: the server binds a free port and says which
+        self.url = f"http://127.0.0.1:{self.port}"
         while time.time() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited: {self.proc.stderr.read()[-4000:]}")
@@ -201,6 +249,7 @@ def test_health_and_models(server):
     status, text = server.get("/health")
     health = json.loads(text)
     assert status == 200 and health["status"] == "ok"
+    assert health["port"] == server.port and health["ranks"] == 2  # --port 0: the port the system gave
     # how auto decided at load (docs/modes.md): the server's collective has nothing to decide
     decision = health["auto_decision"]
     assert decision["source"] == "fixed" and decision["strategies"] == ["collective"]

@@ -34,7 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress lines while the model loads")
     p.add_argument("--revision", default=None, help="A hub id's branch, tag or commit (default: main).")
     p.add_argument("--host", default="127.0.0.1", help="Address to bind (default 127.0.0.1; others need --api-key).")
-    p.add_argument("--port", type=arg_int(), default=8080)
+    p.add_argument("--port", type=arg_int(), default=8080,
+                   help="Port to listen on (default %(default)s; 0: one the system picks, said on standard error "
+                        "as 'serving ... on http://HOST:PORT' and in /health).")
     p.add_argument("--api-key", default=None,
                    help="Bearer token every request must carry (visible in the process list: prefer --api-key-file "
                         "or MLXDIST_API_KEY).")

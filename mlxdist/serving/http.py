@@ -190,12 +190,15 @@ class Handler(compat.APIHandler):
             super().do_GET()
 
     def handle_health_check(self):
-        """mlx-lm's status, and how ``auto`` decided at load (stored,
+        """mlx-lm's status, the port served (the one the system gave for
+        ``--port 0``), the ranks, and how ``auto`` decided at load (stored,
         measured or fixed: ``engine/decision.py``)."""
-        healthy = self.response_generator.is_healthy
-        decision = self.response_generator.model_provider.engine.decision
+        generator = self.response_generator
+        healthy = generator.is_healthy
+        decision = generator.model_provider.engine.decision
         report = decision.report() if decision is not None else None
         self._send_json(200 if healthy else 503, {"status": "ok" if healthy else "unavailable",
+                                                  "port": self.server.server_port, "ranks": generator.world.size,
                                                   "auto_decision": report})
 
     def do_POST(self):
