@@ -1,6 +1,6 @@
 """Options, environment variables and API keys checked at start: a value
 that cannot mean what it says is one line and a non-zero exit (or a 400),
-never noise, a traceback or a hang (mlxdist/digits.py, envs.py,
+never noise, a traceback or a hang (mlxdist/inputs/digits.py, envs.py,
 cli/api_key.py). Numbers are read in ASCII digits only, by one parser:
 Python's int() and float() take any Unicode digit (int("١") is 1)."""
 
@@ -153,7 +153,7 @@ def test_n_must_be_the_integer_one():
 # -- item 11: ASCII digits everywhere ------------------------------------------------------------
 
 def test_no_number_is_read_with_int_or_float_from_a_command_line():
-    """Every number a command line takes is read by mlxdist/digits.py (argparse's
+    """Every number a command line takes is read by mlxdist/inputs/digits.py (argparse's
     type=int and type=float take any Unicode digit, and float() "nan")."""
     offenders = [f"{p.relative_to(ROOT)}:{i}" for p in sorted((ROOT / "mlxdist").rglob("*.py"))
                  for i, line in enumerate(p.read_text().splitlines(), 1)
@@ -167,8 +167,9 @@ def test_numbers_in_other_digits_are_refused(tmp_path, monkeypatch, capsys):
     from mlxdist.cache.__main__ import main as cache_main
     from mlxdist.cli.place import build_parser as place_parser
     from mlxdist.cli.run import build_parser as run_parser
-    from mlxdist.cli.supervise import main as supervise_main, read_hostfile
-    from mlxdist.digits import parse_number
+    from mlxdist.cli.relaunch import read_hostfile
+    from mlxdist.cli.supervise import main as supervise_main
+    from mlxdist.inputs.digits import parse_number
     from mlxdist.model.budgets import parse_rank_memory
     from mlxdist.runtime import faults
 

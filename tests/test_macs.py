@@ -14,7 +14,7 @@ import pytest
 
 from conftest import ROOT, launch
 
-from mlxdist.cli.supervise import RankSlot, mpirun_command, open_mpi_prefix
+from mlxdist.cli.relaunch import RankSlot, mpirun_command, open_mpi_prefix
 
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "hostfiles/macs.txt"]
 

