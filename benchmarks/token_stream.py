@@ -25,7 +25,7 @@ PROMPT = "the weather today is"
 def measure(model: str, pairs: int, tokens: int) -> None:
     """Under mpirun: ``pairs`` pairs of generations, in alternating order."""
     import mlxdist
-    from mlxdist.executor import register_probe
+    from mlxdist.commands.executor import register_probe
 
     @register_probe("own_tokens")
     def own_tokens(executor, args):

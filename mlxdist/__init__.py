@@ -21,7 +21,7 @@ def __getattr__(name):
 
         return LoadOptions
     if name == "Placement":
-        from mlxdist.model.placement import Placement
+        from mlxdist.values.placement import Placement
 
         return Placement
     if name in ("MlxdistError", "UserError", "LoadError"):

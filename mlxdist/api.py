@@ -27,9 +27,9 @@ from mlxdist.engine import Engine
 from mlxdist.engine.speculative import DraftTally, drafter_name
 from mlxdist.engine.verify_width import START, VerifyWidths
 from mlxdist.errors import GenerationFailed, LoadError, UserError, failure_line, say_error
-from mlxdist.executor import PROBES, CommandExecutor
+from mlxdist.commands.executor import PROBES, CommandExecutor
 from mlxdist.runtime.world import World, abort, join, run_or_abort, set_exit_code
-from mlxdist.model.placement import Placement
+from mlxdist.values.placement import Placement
 from mlxdist.model.routing_file import RoutingStats
 from mlxdist.dispatch.stats import add_shares
 from mlxdist.engine.routing_record import RoutingRecorder

@@ -8,7 +8,7 @@ import argparse
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Union
 
-from mlxdist.digits import arg_int
+from mlxdist.inputs.digits import arg_int
 from mlxdist.dispatch import LAYOUTS, modes
 from mlxdist.errors import UserError
 from mlxdist.runtime import control
@@ -201,7 +201,7 @@ class GenerationParams:
 
 
 # The commands rank 0 broadcasts (runtime/control.py encodes and checks them),
-# each carried out by the CommandExecutor method of its name (executor.py).
+# each carried out by the CommandExecutor method of its name (commands/executor.py).
 
 @dataclass
 class LoadCommand(Command):

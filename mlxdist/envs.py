@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List
 
-from mlxdist.digits import parse_int, parse_number
+from mlxdist.inputs.digits import parse_int, parse_number
 from mlxdist.errors import BadVariable
 
 

@@ -26,13 +26,13 @@ PACKAGE = ROOT / "mlxdist"
 # The layers, bottom up: a unit may import from its own layer or below.
 # Entry points (the command lines, the shims, the tools) sit on top.
 LAYERS: list[set[str]] = [
-    {"mlxdist.envs", "mlxdist.errors", "mlxdist.digits", "mlxdist.arrays", "mlxdist.synth", "mlxdist.compat",
-     "mlxdist.json_input"},
-    {"mlxdist.runtime"},
+    {"mlxdist.envs", "mlxdist.errors", "mlxdist.inputs", "mlxdist.compat", "mlxdist.synth"},
+    {"mlxdist.runtime", "mlxdist.values"},
     {"mlxdist.dispatch"},
     {"mlxdist.model", "mlxdist.config"},
     {"mlxdist.engine"},
-    {"mlxdist.serving", "mlxdist.executor"},
+    {"mlxdist.serving"},
+    {"mlxdist.commands"},
     {"mlxdist.api"},
     {"mlxdist.cli", "mlxdist.bench", "mlxdist.run", "mlxdist.serve", "mlxdist.supervise", "mlxdist.place",
      "mlxdist.doctor", "mlxdist.cache", "mlxdist.launch", "mlxdist.front"},

@@ -110,7 +110,7 @@ def test_jaccl_environment_is_what_mlx_launch_builds(tmp_path):
         matrix.write_text(json.dumps(bad))
         with pytest.raises(RuntimeError, match=says):
             read_devices(str(matrix), 3)
-    matrix.write_text('[[null, "rdma_en5"')  # read as every JSON input is (json_input.py)
+    matrix.write_text('[[null, "rdma_en5"')  # read as every JSON input is (inputs/json_input.py)
     with pytest.raises(RuntimeError, match="MLXDIST_JACCL_DEVICES file .* is not JSON: Expecting"):
         read_devices(str(matrix), 3)
 

@@ -89,7 +89,7 @@ def test_a_refusal_names_the_rank_the_numbers_and_the_ways_out(flagship):
 
 def test_a_budget_by_hand_counts_expert_weights_only():
     from mlxdist.model.fit import ModelWeights, RankMemory, KvReserve, CacheCost, plan_fit
-    from mlxdist.model.placement import Placement
+    from mlxdist.values.placement import Placement
 
     weights = ModelWeights(10**9, {0: 0.5e9, 1: 0.5e9}, {0: 4, 1: 4})
     memory = [RankMemory(1, "x", "h0"), RankMemory(1, "x", "h1")]

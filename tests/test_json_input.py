@@ -1,4 +1,4 @@
-"""The one JSON reader every input shares (json_input.py): job-file lines,
+"""The one JSON reader every input shares (inputs/json_input.py): job-file lines,
 request bodies, placement, routing and device files, each at bounded cost.
 The inputs' own tests (test_jobs, test_hostile, test_placement) send the
 same kinds of text through the whole program."""
@@ -7,10 +7,10 @@ import time
 
 import pytest
 
-from mlxdist import json_input
+from mlxdist.inputs import json_input
 from mlxdist.cli.job_file import parse_json_line
 from mlxdist.errors import PlacementError, RequestError
-from mlxdist.model.placement import Placement
+from mlxdist.values.placement import Placement
 from mlxdist.serving.schema import RequestLimits, check_request
 
 

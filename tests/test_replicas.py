@@ -93,7 +93,7 @@ def test_a_lost_worker_with_replicas(checkpoint, tmp_path):
     from mlx_lm.utils import load_model
 
     from mlxdist.model.checkpoint import find_switch_sites
-    from mlxdist.model.placement import Placement
+    from mlxdist.values.placement import Placement
     from test_survival import SCRIPT, survive
 
     sys.path.insert(0, str(ROOT / "tests/scripts"))

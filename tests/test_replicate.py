@@ -113,7 +113,7 @@ def test_with_every_expert_everywhere_slots_go_by_position():
     import numpy as np
 
     from mlxdist.dispatch.ownership import LayerOwnership
-    from mlxdist.model.placement import Placement
+    from mlxdist.values.placement import Placement
 
     plan = Placement.even({0: 6}, 3).everywhere()
     assert plan.on_every_rank and plan.layers[0][0] == (0, 1, 2) and plan.layers[0][5] == (2, 0, 1)

@@ -176,16 +176,16 @@ def test_mlx_launch_refuses_what_needs_mpi_in_one_line(checkpoint):
 # The layers, bottom up; a module may import (at module level) only from its
 # own layer or below. Entry points (cli/, the shims, bench/) sit on top.
 LAYERS = [
-    {"mlxdist.envs", "mlxdist.errors", "mlxdist.digits", "mlxdist.arrays", "mlxdist.synth", "mlxdist.compat",
-     "mlxdist.json_input"},
-    {"mlxdist.runtime"},
+    {"mlxdist.envs", "mlxdist.errors", "mlxdist.inputs", "mlxdist.compat", "mlxdist.synth"},
+    {"mlxdist.runtime", "mlxdist.values"},
     {"mlxdist.dispatch"},
     {"mlxdist.model", "mlxdist.config"},
     {"mlxdist.engine"},
-    {"mlxdist.serving", "mlxdist.executor"},
+    {"mlxdist.serving"},
+    {"mlxdist.commands"},
     {"mlxdist.api"},
     {"mlxdist.cli", "mlxdist.bench", "mlxdist.run", "mlxdist.serve", "mlxdist.supervise", "mlxdist.place",
-     "mlxdist.doctor", "mlxdist.cache", "mlxdist.launch"},
+     "mlxdist.doctor", "mlxdist.cache", "mlxdist.launch", "mlxdist.front"},
 ]
 
 

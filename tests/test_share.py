@@ -21,7 +21,7 @@ def run_viewed(np_, view, args, timeout=180):
 
 
 def test_fingerprint_names_the_file_that_differs():
-    from mlxdist.executor import describe_mismatch
+    from mlxdist.commands.executor import describe_mismatch
 
     ref = {"mlxdist": "1", "files": {"config.json": "a", "tokenizer.json": "b", "model.safetensors": "c"}}
     other = {"mlxdist": "1", "files": {"config.json": "a", "tokenizer.json": "x"}}

@@ -17,7 +17,7 @@ from mlxdist.model.experts import padded_slots, run_experts
 from mlxdist.dispatch.wire import from_numpy, pack, to_numpy, unpack
 from mlxdist.model.checkpoint import CheckpointError, read_rows, read_safetensors_index
 from mlxdist.runtime.world import find_libmpi
-from mlxdist.model.placement import Placement, PlacementError, resolve_placement
+from mlxdist.values.placement import Placement, PlacementError, resolve_placement
 
 
 def test_even_placement_spreads_contiguous_blocks():
@@ -163,7 +163,7 @@ def test_finds_real_libmpi():
 
 
 def test_fingerprint_mismatch_names_what_differs():
-    from mlxdist.executor import describe_mismatch
+    from mlxdist.commands.executor import describe_mismatch
 
     ref = {"mlxdist": "1", "options": "a", "placement": "p"}
     assert describe_mismatch([ref, dict(ref)]) is None

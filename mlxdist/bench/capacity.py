@@ -17,7 +17,7 @@ import sys
 from typing import Any, Dict, List, Optional
 
 from mlxdist.bench.harness import random_prompts
-from mlxdist.digits import arg_int
+from mlxdist.inputs.digits import arg_int
 from mlxdist.model.checkpoint import text_config
 
 

@@ -37,7 +37,7 @@ from mlxdist.bench.harness import median_row, versions
 from mlxdist.bench.linkemu import PRESETS, EmulatedLink, link_env, measure, parse_link
 from mlxdist.errors import UserError
 from mlxdist.bench.report import plot, write_markdown
-from mlxdist.digits import arg_int, arg_number, is_digits
+from mlxdist.inputs.digits import arg_int, arg_number, is_digits
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -34,7 +34,7 @@ from typing import Any, Dict, List, Optional
 import mlx.core as mx
 
 from mlxdist import envs
-from mlxdist.digits import arg_int
+from mlxdist.inputs.digits import arg_int
 from mlxdist.compat import never_stop_at_eos
 from mlxdist.runtime.world import default_backend
 from mlxdist.bench.harness import make_prompts, median_row, parse_args as _bench_args, versions

@@ -27,7 +27,7 @@ from mlx_lm.generate import batch_generate, stream_generate
 import mlxdist
 from mlxdist.bench import probes  # noqa: F401  (registers no_eos)
 from mlxdist.compat import never_stop_at_eos
-from mlxdist.digits import arg_int
+from mlxdist.inputs.digits import arg_int
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:

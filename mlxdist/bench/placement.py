@@ -21,10 +21,10 @@ from typing import Any, Dict, List, Optional
 
 from mlxdist.bench.harness import bench_case, median_row, random_prompts, run_on_every_rank, versions
 from mlxdist.dispatch import DenseRanks, modes
-from mlxdist.digits import arg_int, arg_number
+from mlxdist.inputs.digits import arg_int, arg_number
 from mlxdist.model.balance import balanced, imbalance
 from mlxdist.model.checkpoint import text_config
-from mlxdist.model.placement import Placement
+from mlxdist.values.placement import Placement
 
 
 def recorded_counts(cluster, args) -> Dict[int, List[int]]:

@@ -37,7 +37,7 @@ import numpy as np
 
 from mlxdist.compat import never_stop_at_eos
 from mlxdist.dispatch import traffic
-from mlxdist.executor import CommandExecutor, register_probe
+from mlxdist.commands.executor import CommandExecutor, register_probe
 from mlxdist.model.switch import DistributedSwitch
 from mlxdist.runtime.world import World
 

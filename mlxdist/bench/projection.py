@@ -33,7 +33,7 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Dict, List, Optional
 
-from mlxdist.digits import arg_number
+from mlxdist.inputs.digits import arg_number
 
 __all__ = ["MODELS", "ModelShape", "expected_busiest", "project", "main"]
 

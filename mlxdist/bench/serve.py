@@ -26,7 +26,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from mlxdist.digits import arg_int, arg_number
+from mlxdist.inputs.digits import arg_int, arg_number
 from mlxdist.runtime.backends import free_port
 
 ROOT = Path(__file__).resolve().parents[2]

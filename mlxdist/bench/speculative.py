@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Union
 
 from mlxdist.config import AUTO_WIDTH, MAX_DRAFT_TOKENS
-from mlxdist.digits import arg_int, arg_int_or
+from mlxdist.inputs.digits import arg_int, arg_int_or
 
 PROMPT_KINDS = ("random", "repetitive")
 SELF = "self"  # --draft-model self: the benchmarked checkpoint drafts for itself

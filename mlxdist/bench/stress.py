@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 from mlxdist.bench.serve import Launched, _mpirun
-from mlxdist.digits import arg_int, arg_number
+from mlxdist.inputs.digits import arg_int, arg_number
 from mlxdist.runtime.backends import free_port
 
 KINDS = {"normal": 30, "stream": 15, "dropped": 10, "malformed": 25, "slow": 8, "oversized": 12}

@@ -21,8 +21,8 @@ import sys
 import time
 from typing import Any, Dict, List, Optional
 
-from mlxdist.digits import arg_int
-from mlxdist.executor import register_probe
+from mlxdist.inputs.digits import arg_int
+from mlxdist.commands.executor import register_probe
 from mlxdist.bench.harness import random_prompts
 from mlxdist.model.checkpoint import text_config
 

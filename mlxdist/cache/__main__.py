@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from mlxdist.digits import arg_int
+from mlxdist.inputs.digits import arg_int
 from mlxdist.model.share import drop, read_manifest, shares_root
 
 _KEY = re.compile(r"^[0-9a-f]{1,64}$")

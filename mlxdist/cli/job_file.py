@@ -16,10 +16,10 @@ import stat
 from dataclasses import dataclass
 from typing import Any, BinaryIO, Dict, Iterator, List, Optional, Tuple, Union
 
-from mlxdist import json_input
+from mlxdist.inputs import json_input
 from mlxdist.config import AUTO_WIDTH, GenerationParams
 from mlxdist.errors import UserError, one_line
-from mlxdist.json_input import MAX_DEPTH
+from mlxdist.inputs.json_input import MAX_DEPTH
 
 
 SAMPLING_KEYS = ("max_tokens", "temp", "top_p", "top_k", "min_p", "seed", "num_draft_tokens", "prompt_lookup_ngram")

@@ -14,11 +14,11 @@ import argparse
 import sys
 from typing import List, Optional
 
-from mlxdist.digits import arg_int
+from mlxdist.inputs.digits import arg_int
 from mlxdist.errors import UserError, say_error
 from mlxdist.model.balance import balanced, imbalance
 from mlxdist.model.budgets import parse_rank_memory
-from mlxdist.model.placement import Placement
+from mlxdist.values.placement import Placement
 from mlxdist.model.routing_file import RoutingStats
 
 

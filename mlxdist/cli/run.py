@@ -22,11 +22,11 @@ from mlxdist.config import (
     AUTO_SPLIT, AUTO_WIDTH, DEFAULT_MAX_TOKENS, EXPERT_SPLITS, KV_RESERVE_TOKENS, REPLICATE, GenerationParams,
     kv_reserve_tokens_arg,
 )
-from mlxdist.digits import arg_duration, arg_int, arg_int_or, arg_number
+from mlxdist.inputs.digits import arg_duration, arg_int, arg_int_or, arg_number
 from mlxdist.dispatch import DISPATCH_MODES, LAYOUTS, modes
 from mlxdist.errors import GenerationFailed, UserError, say_error
 from mlxdist.model.budgets import parse_rank_memory
-from mlxdist.model.placement import Placement
+from mlxdist.values.placement import Placement
 from mlxdist.runtime.heartbeat import DEFAULT_HEARTBEAT, arg_heartbeat
 from mlxdist.runtime.progress import set_quiet
 from mlxdist.runtime.watchdog import DEFAULT_TIMEOUT

@@ -12,7 +12,7 @@ from typing import List, Optional
 from mlxdist.cli.api_key import api_key
 from mlxdist.cli.run import RankZeroParser, add_host_flags, apply_host_flags, rank_memory_later, read_rank_memory
 from mlxdist.config import AUTO_SPLIT, EXPERT_SPLITS, KV_RESERVE_TOKENS, kv_reserve_tokens_arg
-from mlxdist.digits import arg_duration, arg_int, arg_number
+from mlxdist.inputs.digits import arg_duration, arg_int, arg_number
 from mlxdist.errors import UserError, say_error
 from mlxdist.runtime.heartbeat import DEFAULT_HEARTBEAT, arg_heartbeat
 from mlxdist.runtime.progress import set_quiet

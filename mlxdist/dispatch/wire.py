@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from mlxdist.arrays import from_numpy, to_numpy  # noqa: F401 - arrays travel as their bits
+from mlxdist.values.arrays import from_numpy, to_numpy  # noqa: F401 - arrays travel as their bits
 
 TAG_EXPERTS = 17  # rank 0 -> owner: rows to compute, or DONE
 TAG_RESULT = 18  # owner -> rank 0: the computed rows

@@ -17,7 +17,7 @@ import sys
 
 from mlxdist.cli.run import rank_memory_arg
 from mlxdist.config import KV_RESERVE_TOKENS, kv_reserve_tokens_arg
-from mlxdist.digits import arg_int, arg_number
+from mlxdist.inputs.digits import arg_int, arg_number
 from mlxdist.dispatch import DISPATCH_MODES
 from mlxdist.doctor import facts, links, report
 from mlxdist.doctor.fit import fit_problems

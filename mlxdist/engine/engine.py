@@ -35,7 +35,7 @@ from mlxdist.model.checkpoint import (
 )
 from mlxdist.model.experts import RankExperts
 from mlxdist.model.paging import PagingStats, expert_module
-from mlxdist.model.placement import Placement
+from mlxdist.values.placement import Placement
 from mlxdist.model.sources import CheckpointSources, load_lazy
 from mlxdist.model.switch import DistributedSwitch, MoEBlock, Observer
 from mlxdist.runtime import faults

@@ -38,7 +38,7 @@ from mlxdist.model.paging import PagingStats, capacity_for_budget, expert_module
 from mlxdist.model.balance import bytes_per_expert, check_rank_memory
 from mlxdist.model.fit import MARGIN, KvReserve, ModelWeights, RankMemory, cache_cost, check_fits, plan_fit
 from mlxdist.model.budgets import budgets_for_ranks
-from mlxdist.model.placement import Placement
+from mlxdist.values.placement import Placement
 from mlxdist.model.routing import RouterWeights, RoutingWeightsNotFound, activation_dtype, find_router_weights
 from mlxdist.model.sources import load_lazy
 from mlxdist.model.switch import DistributedSwitch, MoEBlock

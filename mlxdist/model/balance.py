@@ -31,7 +31,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from mlx.utils import tree_flatten
 
 from mlxdist.errors import PlacementError
-from mlxdist.model.placement import Owners, Placement, proportional_counts
+from mlxdist.values.placement import Owners, Placement, proportional_counts
 
 MAX_SWAPS = 10_000  # per layer: a bound, never reached in practice (each swap lowers a pair's maximum)
 

@@ -16,8 +16,8 @@ do not name is refused in one line naming the rank and its host.
 import ipaddress
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
-from mlxdist import json_input
-from mlxdist.digits import parse_number
+from mlxdist.inputs import json_input
+from mlxdist.inputs.digits import parse_number
 from mlxdist.errors import PlacementError
 
 Budgets = Union[List[float], Dict[str, float]]  # GB per rank, or GB by host name

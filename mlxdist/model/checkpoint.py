@@ -27,7 +27,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU, SwitchLinear, SwitchMLP
 
-from mlxdist.arrays import from_numpy
+from mlxdist.values.arrays import from_numpy
 from mlxdist.errors import CheckpointError, ModelNotFound, UserError, one_line
 from mlxdist.model.fingerprint import header_bytes
 

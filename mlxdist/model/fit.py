@@ -38,7 +38,7 @@ from mlxdist.config import KV_RESERVE_TOKENS, kv_reserve_tokens_arg
 from mlxdist.errors import UserError, one_line
 from mlxdist.model.balance import bytes_per_expert
 from mlxdist.model.checkpoint import find_switch_sites, nbytes, text_config
-from mlxdist.model.placement import Placement, resolve_placement
+from mlxdist.values.placement import Placement, resolve_placement
 
 MARGIN = 0.10  # of each rank's memory, kept free for activations, buffers and the system
 WIRED_SHARE = 0.90  # of a Mac's memory, the GPU wired limit suggested where Metal's figure is short
@@ -394,7 +394,7 @@ def table(configs: Sequence[Path], ranks: Sequence[int], gbs: Sequence[int], bit
 
 
 def main(argv=None) -> int:
-    from mlxdist.digits import arg_int, parse_int, parse_number
+    from mlxdist.inputs.digits import arg_int, parse_int, parse_number
     from mlxdist.errors import say_error
 
     p = argparse.ArgumentParser(prog="python -m mlxdist.model.fit", description=table.__doc__.split("\n")[0])

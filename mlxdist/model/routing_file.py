@@ -21,10 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Union
 
-from mlxdist import json_input
-from mlxdist.digits import is_digits
+from mlxdist.inputs import json_input
+from mlxdist.inputs.digits import is_digits
 from mlxdist.errors import UserError
-from mlxdist.model.placement import MAX_EXPERTS, write_json_atomic
+from mlxdist.values.placement import MAX_EXPERTS, write_json_atomic
 
 ROUTING_VERSION = 1
 KIND = "mlxdist-routing"

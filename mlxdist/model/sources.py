@@ -30,7 +30,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_unflatten
 
-from mlxdist.arrays import from_numpy, to_numpy
+from mlxdist.values.arrays import from_numpy, to_numpy
 from mlxdist.errors import CheckpointError
 from mlxdist.model.checkpoint import SwitchSite, TensorEntry, entry_dtype, read_rows, read_stacked, stacked_tensors
 from mlxdist.model.unreceived import refuse_unheld

@@ -39,7 +39,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-from mlxdist import envs, json_input
+from mlxdist import envs
+from mlxdist.inputs import json_input
 from mlxdist.errors import RankStartError
 from mlxdist.runtime.addresses import address_toward, describe_host, interfaces, same_host
 from mlxdist.runtime.plane import comm_allgather_json

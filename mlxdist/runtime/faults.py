@@ -31,7 +31,7 @@ import time
 from typing import Dict, List, Optional, Tuple
 
 from mlxdist import envs
-from mlxdist.digits import parse_int, parse_number
+from mlxdist.inputs.digits import parse_int, parse_number
 from mlxdist.errors import BadVariable
 
 

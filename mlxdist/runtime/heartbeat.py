@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Union
 
 from mlxdist import envs
-from mlxdist.digits import parse_number
+from mlxdist.inputs.digits import parse_number
 from mlxdist.errors import UserError, say_error
 from mlxdist.runtime.addresses import address_toward, describe_host
 from mlxdist.runtime.watchdog import ACTIVITY, HELD_UP, run_on_fatal

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
 from mlxdist import compat
-from mlxdist.digits import parse_int
+from mlxdist.inputs.digits import parse_int
 from mlxdist.errors import GenerationFailed, HeadersTooLarge, RankLost, RequestError, RequestTimeout
 from mlxdist.serving.connections import (
     DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_QUEUED, DEFAULT_MAX_QUEUED_CHARS,

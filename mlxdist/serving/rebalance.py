@@ -33,7 +33,7 @@ from mlxdist.dispatch.stats import add_shares, routing_share
 from mlxdist.engine import Engine
 from mlxdist.errors import MlxdistError, StepFailed, one_line
 from mlxdist.model.balance import balanced, imbalance
-from mlxdist.model.placement import Placement
+from mlxdist.values.placement import Placement
 from mlxdist.runtime import faults
 from mlxdist.runtime.agreement import exchange
 from mlxdist.runtime.watchdog import ACTIVITY

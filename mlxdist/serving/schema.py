@@ -18,10 +18,10 @@ import math
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, Optional, Tuple
 
-from mlxdist import json_input
-from mlxdist.digits import parse_int
+from mlxdist.inputs import json_input
+from mlxdist.inputs.digits import parse_int
 from mlxdist.errors import RequestError
-from mlxdist.json_input import MAX_DEPTH
+from mlxdist.inputs.json_input import MAX_DEPTH
 
 DEFAULT_MAX_DRAFT_TOKENS = 16  # tokens a request may have drafted per verifying forward (--max-draft-tokens)
 ROLES = ("system", "user", "assistant", "tool", "developer")
@@ -52,7 +52,7 @@ class RequestLimits:
 
     vocab_size: int
     context_length: Optional[int] = None
-    max_depth: int = MAX_DEPTH  # nesting of the JSON body, as every JSON input (json_input.py)
+    max_depth: int = MAX_DEPTH  # nesting of the JSON body, as every JSON input (inputs/json_input.py)
     max_prompt_chars: int = 1 << 20  # all the prompt's text together, before tokenising
     max_messages: int = 512
     max_stop: int = 16

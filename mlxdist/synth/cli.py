@@ -5,7 +5,7 @@ import argparse
 import json
 import math
 
-from mlxdist.digits import arg_int, arg_number
+from mlxdist.inputs.digits import arg_int, arg_number
 from mlxdist.synth.checkpoint import write_checkpoint, write_draft
 from mlxdist.synth.presets import PRESETS, TINY_MODELS, TINY_PREFIX
 from mlxdist.synth.weights import SKEW_ORDERS

@@ -17,7 +17,7 @@ import sys
 
 import mlxdist
 from mlxdist.errors import GenerationFailed, UserError
-from mlxdist.executor import register_probe
+from mlxdist.commands.executor import register_probe
 from mlxdist.model.balance import balanced
 from mlxdist.serving import rebalance as rebalance_module
 from mlxdist.serving.rebalance import Rebalancer

@@ -16,7 +16,7 @@ import mlx.core as mx
 import numpy as np
 
 import mlxdist
-from mlxdist.executor import register_probe
+from mlxdist.commands.executor import register_probe
 
 
 @register_probe("rchar")

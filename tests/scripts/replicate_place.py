@@ -13,7 +13,7 @@ import sys
 
 import mlxdist
 from mlxdist.errors import UserError
-from mlxdist.model.placement import Placement
+from mlxdist.values.placement import Placement
 
 
 def run(cluster, args) -> dict:

@@ -24,7 +24,7 @@ import paged_each
 import place_live
 import replicas_each
 import replicate_place
-from mlxdist.executor import register_probe
+from mlxdist.commands.executor import register_probe
 from mlxdist.model import grouped
 
 SCRIPTS = {"generate_each": generate_each, "default_each": default_each, "batch_each": batch_each,

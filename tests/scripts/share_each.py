@@ -19,8 +19,8 @@ import sys
 from pathlib import Path
 
 import mlxdist
-from mlxdist.executor import register_probe
-from mlxdist.model.placement import Placement
+from mlxdist.commands.executor import register_probe
+from mlxdist.values.placement import Placement
 
 
 def shifted(cluster, shift: str):

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, Optional
 
-from mlxdist.digits import arg_int
+from mlxdist.inputs.digits import arg_int
 from mlxdist.errors import UserError
 
 __all__ = ["PRESETS", "EmulatedLink", "build", "link_env", "measure", "measured_section", "parse_link"]

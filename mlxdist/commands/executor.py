@@ -26,7 +26,7 @@ from mlxdist.errors import (
     GenerationFailed, LoadError, MlxdistError, StepFailed, UserError, keep_traceback, one_line,
 )
 from mlxdist.model.fingerprint import differing_files
-from mlxdist.model.placement import Placement
+from mlxdist.values.placement import Placement
 from mlxdist.model.unreceived import explain
 from mlxdist.runtime import faults
 from mlxdist.runtime.agreement import exchange, failed_together

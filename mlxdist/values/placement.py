@@ -26,8 +26,8 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
-from mlxdist import json_input
-from mlxdist.digits import is_digits
+from mlxdist.inputs import json_input
+from mlxdist.inputs.digits import is_digits
 from mlxdist.errors import PlacementError
 
 PLACEMENT_VERSION = 2  # the newest version written (1: one owner per expert)

@@ -15,7 +15,7 @@ import re
 from pathlib import Path
 from typing import Any, Optional, Union
 
-from mlxdist.digits import parse_int
+from mlxdist.inputs.digits import parse_int
 from mlxdist.errors import one_line
 
 __all__ = ["MAX_DEPTH", "MAX_FILE_BYTES", "MAX_INT_DIGITS", "Unreadable", "first_unreadable", "nesting_depth",
