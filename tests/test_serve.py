@@ -250,6 +250,7 @@ def test_health_and_models(server):
     health = json.loads(text)
     assert status == 200 and health["status"] == "ok"
     assert health["port"] == server.port and health["ranks"] == 2  # --port 0: the port the system gave
+    assert health["pid"] == server.ranks()[0]  # rank 0, whose SIGINT stops the job
     # how auto decided at load (docs/modes.md): the server's collective has nothing to decide
     decision = health["auto_decision"]
     assert decision["source"] == "fixed" and decision["strategies"] == ["collective"]
@@ -278,6 +279,23 @@ def test_openai_client_chat_and_stream(server):
     assert streamed == chat.choices[0].message.content
     text = client.completions.create(model="default_model", prompt=PROMPTS[1], max_tokens=5, temperature=0)
     assert text.choices[0].text and text.usage.completion_tokens == 5
+
+
+def test_tools_refused_where_the_model_calls_none(server):
+    """This checkpoint's chat template names no tool format (mlx-lm finds no
+    tool parser): a request offering tools gets a 400 saying so, not an
+    answer whose calls would come back as text."""
+    from openai import BadRequestError, OpenAI
+
+    client = OpenAI(base_url=server.url + "/v1", api_key=KEY)
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    with pytest.raises(BadRequestError) as refused:
+        client.chat.completions.create(model="any", messages=[{"role": "user", "content": "Weather?"}],
+                                       tools=[tool], max_tokens=4)
+    error = refused.value.body
+    assert error["param"] == "tools" and "does not call tools" in error["message"], error
+    assert client.chat.completions.create(model="any", messages=[{"role": "user", "content": "Weather?"}], tools=[],
+                                          max_tokens=2).choices[0].message.role == "assistant"
 
 
 def test_logprobs(server):

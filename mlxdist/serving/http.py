@@ -12,6 +12,7 @@ import hmac
 import io
 import json
 import logging
+import os
 import time
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
@@ -191,14 +192,16 @@ class Handler(compat.APIHandler):
 
     def handle_health_check(self):
         """mlx-lm's status, the port served (the one the system gave for
-        ``--port 0``), the ranks, and how ``auto`` decided at load (stored,
+        ``--port 0``), rank 0's process id (whose SIGINT stops the job
+        cleanly), the ranks, and how ``auto`` decided at load (stored,
         measured or fixed: ``engine/decision.py``)."""
         generator = self.response_generator
         healthy = generator.is_healthy
         decision = generator.model_provider.engine.decision
         report = decision.report() if decision is not None else None
         self._send_json(200 if healthy else 503, {"status": "ok" if healthy else "unavailable",
-                                                  "port": self.server.server_port, "ranks": generator.world.size,
+                                                  "port": self.server.server_port, "pid": os.getpid(),
+                                                  "ranks": generator.world.size,
                                                   "auto_decision": report})
 
     def do_POST(self):
