@@ -27,6 +27,7 @@ from mlxdist.serving.connections import (
 from mlxdist.serving.lockstep import HANDLER_STATUS
 from mlxdist.serving.schema import RequestLimits, check_request, error_body
 from mlxdist.serving.templates import render
+from mlxdist.serving.tokenize import TOKENIZE_PATH, count_tokens
 
 
 
@@ -235,6 +236,9 @@ class Handler(compat.APIHandler):
             return
         if not self._answering():
             return
+        if self.path == TOKENIZE_PATH:
+            self._tokenize(raw)
+            return
         if self.path in COMPLETION_PATHS:
             try:
                 body, chars = check_request(raw, self.settings.limits)
@@ -256,6 +260,16 @@ class Handler(compat.APIHandler):
             super().do_POST()
         finally:
             self.rfile = connection  # the connection's next request (keep-alive)
+
+    def _tokenize(self, raw: bytes) -> None:
+        """``/tokenize`` (``tokenize.py``): a body the schema passes, counted; nothing generated."""
+        try:
+            body, _ = check_request(raw, self.settings.limits)
+            answer = count_tokens(self.response_generator, body)
+        except RequestError as e:
+            self._refuse(e.status, str(e), "invalid_request_error" if e.status < 500 else "server_error", e.param)
+            return
+        self._send_json(200, answer)
 
     def _render_own_template(self, body: Dict[str, Any]) -> Optional[str]:
         """The prompt text of a request that brings its own chat template
