@@ -22,6 +22,7 @@ from mlxdist.serving.connections import (
     DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_BODY, DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_HEADERS,
     DEFAULT_MAX_QUEUED, DEFAULT_MAX_QUEUED_CHARS, DEFAULT_REQUEST_TIMEOUT, HTTPServer,
 )
+from mlxdist.serving.prompt_cache import DEFAULT_PROMPT_CACHE_BYTES, prompt_cache_bytes_arg
 from mlxdist.serving.schema import DEFAULT_MAX_DRAFT_TOKENS
 from mlxdist.config import MAX_DRAFT_TOKENS
 
@@ -82,6 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "refused with 400 (default %(default)s, at most " + str(MAX_DRAFT_TOKENS) + ").")
     p.add_argument("--prefill-step-size", type=arg_int(), default=2048)
     p.add_argument("--prompt-concurrency", type=arg_int(), default=8, help="Prompts prefilled together.")
+    p.add_argument("--prompt-cache-bytes", type=prompt_cache_bytes_arg, default=DEFAULT_PROMPT_CACHE_BYTES,
+                   metavar="BYTES",
+                   help="KV caches of finished requests each rank keeps for later requests that extend them, in "
+                        "bytes (K, M, G, T: powers of 1,024; 0: none; default 8G; docs/serving.md)")
     p.add_argument("--chat-template", default="", help="A chat template to use instead of the tokenizer's.")
     p.add_argument("--allow-request-templates", action="store_true",
                    help="Let a request bring its own chat template (chat_template_kwargs.chat_template), rendered "
@@ -91,7 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_host_flags(p)
     p.add_argument("--dispatch", choices=("collective", "dp"), default="collective",
                    help="collective: every rank decodes every sequence (exact); dp: each rank a share of the live "
-                        "sequences (not bit-exact; no prompt cache, no top_logprobs)")
+                        "sequences, a request going to the rank that holds its prompt's start (not bit-exact; "
+                        "no top_logprobs)")
     p.add_argument("--expert-split", choices=[s for s in EXPERT_SPLITS if s != AUTO_SPLIT], default="whole",
                    help="Experts whole on one rank each, or cut in width over the ranks (not bit-exact).")
     p.add_argument("--record-routing", metavar="FILE", default=None,

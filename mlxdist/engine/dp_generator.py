@@ -9,17 +9,19 @@ every rank (the tokens are gathered), so every rank's loop stays identical
 and rank 0 answers its clients. Prefill and decode run in lockstep as in a
 ``--dispatch dp`` batch; requests join at the next step and leave at once.
 
-Not carried over from mlx-lm's generator: its prompt cache (a sequence's KV
-cache lives on one rank, so the server keeps none) and top log-probabilities
-(each rank gathers only the chosen token's).
+The prompt cache is per rank: a sequence's KV cache lives on the rank that
+decoded it, is handed back when it ends (``TokenResponse.prompt_cache``, on
+that rank alone) and brought by a later request routed there
+(``serving/dp_prompt_cache.py``: the ``Routed`` its ``caches`` carry). Not
+carried over from mlx-lm's generator: top log-probabilities (each rank
+gathers only the chosen token's).
 """
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 from mlx_lm.generate_utils import BatchStats
-from mlx_lm.models.cache import LRUPromptCache
 from mlx_lm.sample_utils import greedy_sampler
 
 from mlxdist.config import GenerationParams
@@ -65,6 +67,7 @@ class DataParallelBatchGenerator:
         self.seed = seed  # every rank's: each request's draws are keyed by it and the request's uid
         params = GenerationParams(prefill_step_size=prefill_step_size, completion_batch_size=completion_batch_size)
         self.gen = DataParallelGeneration(engine, engine.data_parallel, params)
+        self.gen.keep_caches = True
         self.limit = completion_batch_size
         self.waiting: List[Sequence] = []
         self.next_uid = 0
@@ -73,15 +76,24 @@ class DataParallelBatchGenerator:
     def insert_segments(self, segments: List[List[List[int]]], max_tokens: Optional[List[int]] = None,
                         caches=None, all_tokens=None, samplers=None, logits_processors=None,
                         stop_sequences=None) -> List[int]:
-        """Queue prompts (given as segments; no prompt cache: each is whole); their uids."""
+        """Queue prompts: each is ``all_tokens[i]`` (the tokens its cache
+        holds, none without one) then its segments' tokens; ``caches[i]``, a
+        ``Routed`` (the server's prompt cache) or None, says its rank and, on
+        that rank, brings the cache. Their uids."""
         uids = []
         for i, segs in enumerate(segments):
             stop = stop_sequences[i] if stop_sequences else None
+            routed = caches[i] if caches else None
+            head = list(all_tokens[i]) if all_tokens else []
+            if head and (routed is None or (routed.rank == self.engine.world.rank and routed.cache is None)):
+                raise ValueError(f"a prompt with {len(head)} cached tokens came without its cache")
             self.waiting.append(Sequence(
-                self.next_uid, [t for seg in segs for t in seg], (max_tokens or [128] * len(segments))[i],
+                self.next_uid, head + [t for seg in segs for t in seg], (max_tokens or [128] * len(segments))[i],
                 sampler=keyed(samplers[i], self.seed, self.next_uid) if samplers else None,
                 processors=list((logits_processors[i] if logits_processors else None) or []),
-                stop=stop.matcher() if stop is not None else None))
+                stop=stop.matcher() if stop is not None else None,
+                rank=routed.rank if routed is not None else None, cached=len(head),
+                cache=routed.cache if routed is not None else None))
             uids.append(self.next_uid)
             self.next_uid += 1
         return uids
@@ -97,8 +109,19 @@ class DataParallelBatchGenerator:
         if not live:
             return [], []
         events = gen.absorb(gen.start_step(greedy_sampler))
-        return [], [TokenResponse(e.seq.index, e.token, ChosenLogprob(e.token, e.logprob), e.finish_reason, [],
-                                  e.seq.prompt + e.seq.tokens) for e in events]
+        responses = [TokenResponse(e.seq.index, e.token, ChosenLogprob(e.token, e.logprob), e.finish_reason,
+                                   e.seq.final_cache, e.seq.prompt + e.seq.tokens) for e in events]
+        for e in events:
+            e.seq.final_cache = None  # the response's now
+        return [], responses
+
+    def loads(self) -> List[int]:
+        """Every rank's sequences, live or waiting for it (the same on every rank)."""
+        counts = [len(seqs) for seqs in self.gen.live]
+        for s in self.waiting:
+            if s.rank is not None:
+                counts[s.rank] += 1
+        return counts
 
     def remove(self, uids: List[int], return_prompt_caches: bool = False) -> Dict[int, Any]:
         self.waiting = [s for s in self.waiting if s.index not in uids]
@@ -110,29 +133,24 @@ class DataParallelBatchGenerator:
 
     @property
     def prompt_cache_nbytes(self) -> int:
-        return 0
+        """Bytes of this rank's live KV caches."""
+        return sum(c.nbytes for c in self.gen.local.cache)
 
     def close(self) -> None:
         self.waiting = []
         self.gen.drop([s.index for seqs in self.gen.live for s in seqs])
 
 
-def make_batch_generator(engine, seed: int):
+def make_batch_generator(engine, seed: int, on_made: Optional[Callable[[DataParallelBatchGenerator], None]] = None):
     """A factory with ``BatchGenerator``'s signature for mlx-lm's server:
     the data-parallel generator over ``engine``, its requests' sampling
-    keyed by ``seed`` (the same on every rank) and their uids."""
+    keyed by ``seed`` (the same on every rank) and their uids; ``on_made``
+    is told of each generator made (the prompt cache reads its loads)."""
 
     def factory(model, *, completion_batch_size: int = 32, prefill_step_size: int = 2048, **_) -> Any:
-        return DataParallelBatchGenerator(engine, completion_batch_size, prefill_step_size, seed)
+        generator = DataParallelBatchGenerator(engine, completion_batch_size, prefill_step_size, seed)
+        if on_made is not None:
+            on_made(generator)
+        return generator
 
     return factory
-
-
-class NoPromptCache(LRUPromptCache):
-    """The server's prompt cache in dp: nothing kept (a sequence's KV cache is one rank's)."""
-
-    def fetch_nearest_cache(self, model: Any, tokens: List[int]):
-        return None, tokens
-
-    def insert_cache(self, *args, **kwargs) -> None:
-        pass

@@ -8,9 +8,12 @@ rank, ``dispatch/replicas.py``, they exchange nothing). Every rank runs this sam
 loop on the same prompts, so every rank knows every rank's rows for every
 forward pass and the collectives line up:
 
-    admit     waiting sequences join the rank with the fewest live ones
-              (up to ``completion_batch_size`` live in all)
-    prefill   the joiners' prompts (all but the last token) in chunks, with
+    admit     waiting sequences join the rank they were routed to (the
+              server's prompt cache: ``serving/dp_prompt_cache.py``), else
+              the rank with the fewest live ones (up to
+              ``completion_batch_size`` live in all)
+    prefill   the joiners' prompts (all but the last token, and but the
+              tokens already in a cache the sequence brings) in chunks, with
               mlx-lm's PromptProcessingBatch; a rank with fewer chunks, or
               none, serves its experts in the others' chunks
     decode    one token for every live sequence; the sampled tokens and their
@@ -48,6 +51,10 @@ class Sequence:
     sampler: Optional[Callable] = None  # its own (the server's requests); None: the generation's
     processors: List[Callable] = field(default_factory=list)  # mlx-lm logits processors
     stop: Optional[Any] = None  # a matcher of mlx-lm's StopSequences (the server's stop words)
+    rank: Optional[int] = None  # the rank it was routed to (every rank's the same); None: the least loaded
+    cached: int = 0  # leading prompt tokens whose KV cache the sequence brings (on ``rank``: in ``cache``)
+    cache: Optional[List] = None  # on its rank: mlx-lm's per-layer cache of ``prompt[:cached]``, until prefilled
+    final_cache: Optional[List] = None  # on its rank, once ended (with keep_caches): its KV cache, per layer
 
 
 @dataclass
@@ -99,6 +106,7 @@ class DataParallelGeneration:
         self.live: List[List[Sequence]] = [[] for _ in range(self.world.size)]  # every rank's, as all see them
         self.local = LocalBatch()
         self.kv_bytes = 0
+        self.keep_caches = False  # the server's: an ended sequence's KV cache is kept in ``final_cache``
 
     # -- forward passes ----------------------------------------------------
     def _idle_forward(self) -> None:
@@ -121,7 +129,7 @@ class DataParallelGeneration:
         sequence whose prompt is done moves to the rank's decoding batch
         (every rank derives the same order and rows for every rank)."""
         step = self.params.prefill_step_size
-        todo = [[len(s.prompt) - 1 for s in j] for j in joiners]  # tokens each still has to prefill
+        todo = [[len(s.prompt) - 1 - s.cached for s in j] for j in joiners]  # tokens each still has to prefill
         chunks = [[-(-n // step) for n in t] for t in todo]  # ceil: forward passes each takes part in
         passes = max((max(c, default=0) for c in chunks), default=0)
         for c in range(passes):
@@ -133,7 +141,9 @@ class DataParallelGeneration:
         rank = self.world.rank
         mine, mine_chunks = joiners[rank], chunks[rank]
         if mine:
-            caches = [make_prompt_cache(self.model, self.params.max_kv_size) for _ in mine]
+            caches = [s.cache if s.cached else make_prompt_cache(self.model, self.params.max_kv_size) for s in mine]
+            for s in mine:
+                s.cache = None  # now the batch's
             none = [None] * len(mine)  # per-sequence lists its split() filters; sampling is ours
             batch = PromptProcessingBatch(self.model, [s.index for s in mine], caches, prefill_step_size=step,
                                           samplers=list(none), logits_processors=list(none))
@@ -147,7 +157,7 @@ class DataParallelGeneration:
                 break
             active = [i for i in in_batch if mine_chunks[i] > c]
             if active:
-                batch.prompt([mine[i].prompt[:-1][c * step:(c + 1) * step] for i in active])
+                batch.prompt([mine[i].prompt[mine[i].cached:-1][c * step:(c + 1) * step] for i in active])
             else:
                 self._idle_forward()
         self.live = [live + [j[i] for i in sorted(range(len(j)), key=lambda i: k[i])]
@@ -231,6 +241,10 @@ class DataParallelGeneration:
         rank's caches and next tokens (all ranks drop the same ones)."""
         local = self.local
         keep = [i for i, s in enumerate(local.seqs) if s.finish_reason is None]
+        if self.keep_caches:
+            for i, s in enumerate(local.seqs):
+                if s.finish_reason not in (None, "cancelled"):
+                    s.final_cache = [c.extract(i) for c in local.cache]
         if len(keep) < len(local.seqs):
             if keep:
                 for c in local.cache:
@@ -290,14 +304,16 @@ class DataParallelGeneration:
         return DPResult(seqs, stats, self.kv_bytes)
 
     def admit(self, waiting: List[Sequence], limit: int, stats: BatchStats) -> List[Sequence]:
-        """Waiting sequences join the ranks with the fewest live ones, up to
-        ``limit`` live in all, and their prompts are prefilled; the joiners,
-        in the order they left ``waiting``."""
+        """Waiting sequences join the rank they were routed to, else the
+        rank with the fewest live ones, up to ``limit`` live in all, and
+        their prompts are prefilled; the joiners, in the order they left
+        ``waiting``."""
         joiners: List[List[Sequence]] = [[] for _ in range(self.world.size)]
         admitted: List[Sequence] = []
         load = [len(live) for live in self.live]
         while waiting and sum(load) < limit:
-            rank = min(range(self.world.size), key=lambda r: (load[r], r))
+            routed = waiting[0].rank
+            rank = routed if routed is not None else min(range(self.world.size), key=lambda r: (load[r], r))
             admitted.append(waiting.pop(0))
             joiners[rank].append(admitted[-1])
             load[rank] += 1

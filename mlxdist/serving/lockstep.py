@@ -137,6 +137,7 @@ class LockstepResponseGenerator(compat.ResponseGenerator):
     def __init__(self, model_provider, prompt_cache, world: World):
         self.world = world
         self.rebalancer = None  # set by serve() where --rebalance-every asks for it (rebalance.py)
+        self.single_prompt_cache = None  # set by serve() under dp: the prompt cache of a request served alone
         self._stop_requested = False
         self._failed = False
         self.failures = 0  # generation loops that failed and were entered again
@@ -223,7 +224,13 @@ class LockstepResponseGenerator(compat.ResponseGenerator):
         engine = self.model_provider.engine
         engine.use(engine.strategy_for(1))  # one sequence on every rank: the exact strategy, also under dp
         self.model_provider.model = engine.model
-        return super()._serve_single(request, stream)
+        if self.single_prompt_cache is None:
+            return super()._serve_single(request, stream)
+        batched, self.prompt_cache = self.prompt_cache, self.single_prompt_cache  # this thread's alone
+        try:
+            return super()._serve_single(request, stream)
+        finally:
+            self.prompt_cache = batched
 
     def _run_generate(self):
         """mlx-lm's generation loop, entered again after a failure that is

@@ -17,14 +17,49 @@ kept. A request equal to a whole key gets the entry less its last token, so
 that one token is computed (mlx-lm would hand the loop an empty prompt).
 
 Every rank runs the same requests in the same order (``lockstep.py``), so
-every rank keeps and cuts the same entries.
+every rank keeps and cuts the same entries (under ``--dispatch dp`` each rank
+keeps its own sequences': ``dp_prompt_cache.py``).
+
+The cache is bounded in bytes, on each rank (``--prompt-cache-bytes``,
+mlx-lm's ``LRUPromptCache(max_bytes=)``: the least recently stored entries
+go first) and in entries (mlx-lm's 10). The default, 8 GiB, keeps one long
+agent conversation of the models this serves: Qwen3-235B-A22B's KV cache
+takes 188 KiB a token (94 layers x 2 x 4 heads x 128 x 2 bytes), so 8 GiB is
+44,000 tokens; gpt-oss-120b's 72 KiB (116,000 tokens); and it is a few per
+cent of a 128-512 GB Mac beside its share of the weights. 0 keeps nothing.
 """
 
+import argparse
+import re
 from typing import Any, List, Optional, Tuple
 
 from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
 
-__all__ = ["AlignedPromptCache", "held_tokens"]
+__all__ = ["AlignedPromptCache", "held_tokens", "prompt_cache_bytes_arg", "DEFAULT_PROMPT_CACHE_BYTES",
+           "MAX_PROMPT_CACHE_BYTES", "PROMPT_CACHE_ENTRIES"]
+
+DEFAULT_PROMPT_CACHE_BYTES = 8 << 30
+MAX_PROMPT_CACHE_BYTES = 1 << 44  # 16 TiB: more than any machine holds
+PROMPT_CACHE_ENTRIES = 10  # mlx-lm's server's --prompt-cache-size
+_BYTES = re.compile(r"([0-9]{1,20})([KMGT]i?B?)?\Z")
+_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def prompt_cache_bytes_arg(text: str) -> int:
+    """An argparse type for ``--prompt-cache-bytes``: a number of bytes in
+    ASCII digits, optionally with K, M, G or T (powers of 1,024; ``8G``,
+    ``512MiB``), from 0 (no prompt cache) to ``MAX_PROMPT_CACHE_BYTES``."""
+    found = _BYTES.match(text) if isinstance(text, str) else None
+    if not found:
+        raise argparse.ArgumentTypeError(f"takes bytes in ASCII digits, optionally with K, M, G or T (8G, 512M), "
+                                         f"not {text!r:.40}")
+    value = int(found.group(1)) * (_UNITS[found.group(2)[0]] if found.group(2) else 1)
+    if value > MAX_PROMPT_CACHE_BYTES:
+        raise argparse.ArgumentTypeError(f"the value must be at most {MAX_PROMPT_CACHE_BYTES} (16T), not {text!r:.40}")
+    return value
+
+
+prompt_cache_bytes_arg.__name__ = "bytes"  # argparse names the type in its messages
 
 
 def held_tokens(cache: List[Any]) -> Optional[int]:

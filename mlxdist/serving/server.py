@@ -44,7 +44,7 @@ from mlxdist.serving.connections import (
 from mlxdist.serving.connections import DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_QUEUED, DEFAULT_MAX_QUEUED_CHARS
 from mlxdist.serving.http import make_handler
 from mlxdist.serving.isolation import guard_tokenizer, guarded_factories
-from mlxdist.serving.prompt_cache import AlignedPromptCache
+from mlxdist.serving.prompt_cache import DEFAULT_PROMPT_CACHE_BYTES, PROMPT_CACHE_ENTRIES, AlignedPromptCache
 from mlxdist.serving.rebalance import Rebalancer
 from mlxdist.serving.lockstep import LockstepResponseGenerator
 from mlxdist.serving.schema import DEFAULT_MAX_DRAFT_TOKENS, RequestLimits
@@ -60,7 +60,7 @@ def lm_server_args(options: Dict[str, Any]) -> argparse.Namespace:
         temp=options["temp"], top_p=options["top_p"], top_k=0, min_p=0.0, max_tokens=options["max_tokens"],
         chat_template_args={}, decode_concurrency=options["max_concurrent"],
         prompt_concurrency=options["prompt_concurrency"], prefill_step_size=options["prefill_step_size"],
-        prompt_cache_size=10, prompt_cache_bytes=None, kv_bits=None, kv_group_size=64,
+        prompt_cache_size=PROMPT_CACHE_ENTRIES, prompt_cache_bytes=None, kv_bits=None, kv_group_size=64,
         quantized_kv_start=0, pipeline=False, allowed_origins=list(options.get("allow_origin") or []),
         log_level=options["log_level"],
     )
@@ -132,18 +132,24 @@ def serve(executor, options: Dict[str, Any]) -> None:
     cli_args = lm_server_args(options)
     engine = executor.engine
     provider = EngineModelProvider(cli_args, engine)
-    prompt_cache = AlignedPromptCache(cli_args.prompt_cache_size)  # exact under --draft-model too
+    cache_bytes = options.get("prompt_cache_bytes", DEFAULT_PROMPT_CACHE_BYTES)  # kept entries, on each rank
+    prompt_cache = AlignedPromptCache(cli_args.prompt_cache_size, cache_bytes)  # exact under --draft-model too
     # Per-sequence failures end their sequence alone; where every rank samples a
     # sequence (not dp's batches), every rank takes rank 0's tokens.
     loop_names = guarded_factories(lambda: None if engine.data_parallel is not None else engine.root_tokens())
     single_names = guarded_factories(engine.root_tokens)  # _serve_single: the exact strategy, every rank
     if engine.data_parallel is not None:  # each rank its own sequences
-        from mlxdist.engine.dp_generator import NoPromptCache, make_batch_generator
+        from mlxdist.engine.dp_generator import make_batch_generator
+        from mlxdist.serving.dp_prompt_cache import NoPromptCache, RoutingPromptCache
 
         # every rank's sequences draw from keys of their own (engine/sampling.py), under one seed
         seed = world.control.allgather_json(random.randrange(2**63) if world.is_root else None)[0]
-        loop_names["BatchGenerator"] = make_batch_generator(engine, seed)
-        prompt_cache = NoPromptCache(cli_args.prompt_cache_size)
+        prompt_cache = RoutingPromptCache(world, cli_args.prompt_cache_size, cache_bytes)  # each rank its own
+
+        def read_loads(generator) -> None:
+            prompt_cache.loads = generator.loads
+
+        loop_names["BatchGenerator"] = make_batch_generator(engine, seed, read_loads)
     # The watchdog guards serving: a rank that stops taking part stops the loop's
     # shared messages and steps on every rank. One step may be a long prefill,
     # so the deadline is the prefill one (--timeout x PREFILL_FACTOR).
@@ -151,6 +157,8 @@ def serve(executor, options: Dict[str, Any]) -> None:
     ACTIVITY.beat("serving-http")
     ACTIVITY.progress()
     generator = generator_class(loop_names, single_names)(provider, prompt_cache, world)
+    if engine.data_parallel is not None:  # one request served alone runs on every rank, in no rank's batch
+        generator.single_prompt_cache = NoPromptCache(cli_args.prompt_cache_size)
     if options.get("rebalance_every"):
         generator.rebalancer = Rebalancer(world, engine, options["rebalance_every"],
                                           options.get("rebalance_replicas", 0), engine.options.rank_memory_gb)
