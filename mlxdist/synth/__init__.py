@@ -7,6 +7,7 @@ mlx-lm's ``sanitize`` turns into its own on load: per-expert tensors
     tokenizer.py   the byte-level BPE tokenizer every checkpoint carries
     weights.py     random parameters, skewed routers, the output head, mxfp4 experts
     layouts.py     safetensors shards and the hub layouts (HUB_LAYOUTS)
+    toolcall.py    a model that answers a tool-offering prompt with a known tool call (--tool-call)
     checkpoint.py  write_checkpoint, write_draft, default_checkpoint
     cli.py         python -m mlxdist.synth (__main__.py)
 """

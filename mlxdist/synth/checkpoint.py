@@ -19,6 +19,7 @@ from mlxdist import envs
 from mlxdist.synth.layouts import HUB_LAYOUTS, check_hub_layout, save_weights
 from mlxdist.synth.presets import fix_layer_lists, preset_config
 from mlxdist.synth.tokenizer import printable_rows, write_tokenizer
+from mlxdist.synth.toolcall import TOOL_RESIDUAL_SCALE, check_tool_call, fit_tool_call_head
 from mlxdist.synth.weights import (LAYER_RE, RESIDUAL_RE, quantize_experts_mxfp4, random_param, shape_output_head,
                                    skew_routers)
 
@@ -39,7 +40,8 @@ def write_checkpoint(
     skew_order: str = "random",
     layout: str = "mlx",
     mxfp4_experts: bool = False,
-    residual_scale: float = 1.0,
+    residual_scale: Optional[float] = None,
+    tool_call: bool = False,
 ) -> Path:
     """Write a random-weight checkpoint of ``preset`` in mlx-lm layout, or
     in the model's hub layout (``layout="hub"``, ``HUB_LAYOUTS``).
@@ -60,13 +62,17 @@ def write_checkpoint(
     residual stream (its attention's and MLPs' output projections): well
     under 1, the next token hangs on the current one's embedding, and a
     draft cut from the model (``write_draft``) agrees with it by
-    construction. The same arguments in either layout give the same weights
-    once mlx-lm has loaded them.
+    construction (default 1; ``TOOL_RESIDUAL_SCALE`` with ``tool_call``).
+    ``tool_call``: a tokenizer with Qwen3's tool-call tokens and template,
+    and an output head fitted so that greedy decoding after a prompt that
+    offers ``WEATHER_TOOL`` answers ``TOOL_CALL_TEXT`` (``toolcall.py``),
+    checked with mlx-lm once written. The same arguments in either layout
+    give the same weights once mlx-lm has loaded them.
 
     Returns:
         Path: The checkpoint directory.
     """
-    from mlx_lm.utils import quantize_model, save_config, save_model
+    from mlx_lm.utils import load_tokenizer, quantize_model, save_config, save_model
 
     from mlxdist.compat import model_classes as _get_classes
 
@@ -82,7 +88,9 @@ def write_checkpoint(
 
     model_class, args_class = _get_classes(config)
     model = model_class(args_class.from_dict(config))
-    write_tokenizer(path, vocab_size=config["vocab_size"])
+    if residual_scale is None:
+        residual_scale = TOOL_RESIDUAL_SCALE if tool_call else 1.0
+    write_tokenizer(path, vocab_size=config["vocab_size"], tool_calls=tool_call)
     keep_rows = printable_rows(path, config["vocab_size"])
     mx.random.seed(seed)
     params = {k: random_param(k, v) for k, v in tree_flatten(model.parameters())}
@@ -91,6 +99,10 @@ def write_checkpoint(
     if residual_scale != 1.0:
         params = {k: v * residual_scale if RESIDUAL_RE.search(k) else v for k, v in params.items()}
     shape_output_head(params, keep_rows)
+    if tool_call:  # fitted in float32, in which MLX's CPU runs every model
+        model.update(tree_unflatten(list(params.items())))
+        fit_tool_call_head(model, load_tokenizer(path))
+        params = dict(tree_flatten(model.parameters()))
     params = [(k, v.astype(getattr(mx, dtype))) for k, v in params.items()]
     model.update(tree_unflatten(params))
     del params
@@ -111,6 +123,8 @@ def write_checkpoint(
     else:
         save_model(path, model)
     save_config(config, path / "config.json")
+    if tool_call:
+        check_tool_call(path)
     return path
 
 

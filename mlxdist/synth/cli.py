@@ -37,14 +37,20 @@ def main() -> None:
                         help="Quantize the experts alone to mxfp4 (gpt-oss's form; implied by --layout hub there).")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="Override a config value (JSON), e.g. --set num_local_experts=64.")
-    parser.add_argument("--residual-scale", type=arg_number(), default=1.0,
+    parser.add_argument("--residual-scale", type=arg_number(), default=None,
                         help="Scale what each block adds to the residual stream: well under 1 (0.01), the next token "
-                             "hangs on the current one's embedding, and a --draft-of cut agrees with the model.")
+                             "hangs on the current one's embedding, and a --draft-of cut agrees with the model "
+                             "(default 1; 0.01 with --tool-call).")
+    parser.add_argument("--tool-call", action="store_true",
+                        help="A model that calls a tool: Qwen3's tool-call tokens and chat template, and greedy "
+                             "decoding after a prompt offering get_weather answers <tool_call>{\"name\":"
+                             "\"get_weather\",\"arguments\":{\"city\":\"Paris\"}}</tool_call> (checked with "
+                             "mlx-lm once written).")
     parser.add_argument("--draft-of", metavar="TARGET",
                         help="Write a speculative-decoding draft cut from the checkpoint TARGET instead: its first "
                              "--layers layers (default 1), embedding, norm, head and tokenizer.")
     args = parser.parse_args()
-    if not math.isfinite(args.residual_scale):
+    if args.residual_scale is not None and not math.isfinite(args.residual_scale):
         parser.error(f"--residual-scale must be a finite number, not {args.residual_scale}")
     if args.draft_of:
         layers = 1 if args.layers is None else args.layers
@@ -64,19 +70,23 @@ def main() -> None:
             overrides[key] = json.loads(value)
         except json.JSONDecodeError:
             overrides[key] = value
-    path = write_checkpoint(
-        args.out_dir,
-        args.preset,
-        quantize_bits=args.bits,
-        group_size=args.group_size,
-        seed=args.seed,
-        overrides=overrides,
-        dtype=args.dtype,
-        router_skew=args.skew,
-        skew_order=args.skew_order,
-        layout=args.layout,
-        mxfp4_experts=args.mxfp4_experts,
-        residual_scale=args.residual_scale,
-    )
+    try:
+        path = write_checkpoint(
+            args.out_dir,
+            args.preset,
+            quantize_bits=args.bits,
+            group_size=args.group_size,
+            seed=args.seed,
+            overrides=overrides,
+            dtype=args.dtype,
+            router_skew=args.skew,
+            skew_order=args.skew_order,
+            layout=args.layout,
+            mxfp4_experts=args.mxfp4_experts,
+            residual_scale=args.residual_scale,
+            tool_call=args.tool_call,
+        )
+    except ValueError as e:  # a preset, layout or option this writer cannot honour
+        parser.error(str(e))
     size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
     print(f"Wrote {args.preset} to {path} ({size / 2**20:.1f} MiB of weights)")

@@ -1,6 +1,10 @@
 """The synthetic checkpoints' tokenizer: a byte-level BPE of ``TOKENIZER_VOCAB``
 ids trained on a short built-in corpus, with a chat template, and which of
-its ids decode to whole printable text."""
+its ids decode to whole printable text. With ``tool_calls``, Qwen3's way of
+calling tools: ``<tool_call>`` and ``</tool_call>`` as tokens of their own
+(added, not special), a chat template that offers the tools and renders
+calls and their results (from which mlx-lm picks its ``json_tools``
+parser), and JSON in the corpus."""
 
 import json
 from pathlib import Path
@@ -11,6 +15,7 @@ import mlx.core as mx
 TOKENIZER_VOCAB = 512
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 BOS_ID, EOS_ID = 0, 2
+TOOL_TOKENS = ["<tool_call>", "</tool_call>"]  # ids 3 and 4 of a tool-calling tokenizer
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -18,6 +23,54 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+
+# Qwen3's template cut to what these checkpoints need (no thinking): the tools offered in the
+# system turn, an assistant's calls as <tool_call> JSON, tool results in a user turn.
+TOOL_CHAT_TEMPLATE = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments "
+    "within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\"name\": <function-name>, \"arguments\": "
+    "<args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+    "{%- elif messages[0].role == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'system' and loop.first %}"
+    "{%- elif message.role == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message.role + '\\n' }}"
+    "{%- if message.content %}{{- message.content }}{%- endif %}"
+    "{%- for tool_call in message.tool_calls or [] %}"
+    "{%- if tool_call.function %}{%- set tool_call = tool_call.function %}{%- endif %}"
+    "{%- if message.content or not loop.first %}{{- '\\n' }}{%- endif %}"
+    "{{- '<tool_call>\\n{\"name\": \"' + tool_call.name + '\", \"arguments\": ' }}"
+    "{%- if tool_call.arguments is string %}{{- tool_call.arguments }}{%- else %}{{- tool_call.arguments | tojson }}"
+    "{%- endif %}"
+    "{{- '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+# JSON as tool calls write it, so that the merges of a tool-calling tokenizer hold its pieces.
+TOOL_CORPUS = """\
+{"name":"get_weather","arguments":{"city":"Paris"}}
+{"name":"get_time","arguments":{"city":"Lima","zone":"local"}}
+{"name":"get_weather","arguments":{"city":"Oslo","unit":"celsius"}}
+{"type":"function","function":{"name":"get_weather","parameters":{"city":"string"}}}
+{"name":"get_news","arguments":{"city":"Rome","topic":"weather"}}
+{"name":"set_alarm","arguments":{"time":"9:30","name":"wake"}}
+"""
 
 CORPUS = """\
 The morning was cold and clear, and the river moved slowly past the old stone bridge.
@@ -48,13 +101,15 @@ want to know what will happen next, and whether the hero will find the way back 
 """
 
 
-def write_tokenizer(path: Union[str, Path], vocab_size: Optional[int] = None) -> None:
+def write_tokenizer(path: Union[str, Path], vocab_size: Optional[int] = None, tool_calls: bool = False) -> None:
     """Train a byte-level BPE tokenizer on the built-in corpus and save it.
 
     Writes ``tokenizer.json``, ``tokenizer_config.json`` and
     ``special_tokens_map.json``. The vocabulary has ``TOKENIZER_VOCAB`` entries;
     a larger ``vocab_size`` pads it with unreachable ``<|reserved_N|>`` tokens
-    so that every id a model can emit still decodes.
+    so that every id a model can emit still decodes. ``tool_calls``: Qwen3's
+    tool-call tokens (``TOOL_TOKENS``, ids 3 and 4), ``TOOL_CHAT_TEMPLATE``
+    and ``TOOL_CORPUS`` in the training text.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -65,14 +120,17 @@ def write_tokenizer(path: Union[str, Path], vocab_size: Optional[int] = None) ->
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=TOKENIZER_VOCAB,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=SPECIAL_TOKENS + (TOOL_TOKENS if tool_calls else []),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(CORPUS.splitlines(keepends=True), trainer)
+    corpus = CORPUS + (TOOL_CORPUS if tool_calls else "")
+    tok.train_from_iterator(corpus.splitlines(keepends=True), trainer)
     if tok.get_vocab_size() != TOKENIZER_VOCAB:
         raise RuntimeError(f"Trained vocab has {tok.get_vocab_size()} tokens.")
     content = json.loads(tok.to_str())
+    for added in content["added_tokens"]:
+        added["special"] = added["content"] not in TOOL_TOKENS  # as Qwen3's: decoded, never skipped
     vocab = content["model"]["vocab"]
     for i in range(TOKENIZER_VOCAB, vocab_size or 0):
         vocab[f"<|reserved_{i}|>"] = i
@@ -89,7 +147,7 @@ def write_tokenizer(path: Union[str, Path], vocab_size: Optional[int] = None) ->
         "add_prefix_space": False,
         "clean_up_tokenization_spaces": False,
         "model_max_length": 131072,
-        "chat_template": CHAT_TEMPLATE,
+        "chat_template": TOOL_CHAT_TEMPLATE if tool_calls else CHAT_TEMPLATE,
     }
     with open(path / "tokenizer_config.json", "w") as f:
         json.dump(tokenizer_config, f, indent=2)
