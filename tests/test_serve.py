@@ -281,6 +281,23 @@ def test_openai_client_chat_and_stream(server):
     assert text.choices[0].text and text.usage.completion_tokens == 5
 
 
+def test_tools_refused_where_the_model_calls_none(server):
+    """This checkpoint's chat template names no tool format (mlx-lm finds no
+    tool parser): a request offering tools gets a 400 saying so, not an
+    answer whose calls would come back as text."""
+    from openai import BadRequestError, OpenAI
+
+    client = OpenAI(base_url=server.url + "/v1", api_key=KEY)
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    with pytest.raises(BadRequestError) as refused:
+        client.chat.completions.create(model="any", messages=[{"role": "user", "content": "Weather?"}],
+                                       tools=[tool], max_tokens=4)
+    error = refused.value.body
+    assert error["param"] == "tools" and "does not call tools" in error["message"], error
+    assert client.chat.completions.create(model="any", messages=[{"role": "user", "content": "Weather?"}], tools=[],
+                                          max_tokens=2).choices[0].message.role == "assistant"
+
+
 def test_logprobs(server):
     """mlx-lm's form: choices[0].logprobs.content, one {id, logprob} per token."""
     body = completion(server, PROMPTS[1], max_tokens=5, logprobs=True)

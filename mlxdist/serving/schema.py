@@ -61,6 +61,7 @@ class RequestLimits:
     max_tools: int = 128
     max_context_size: int = 1 << 16  # repetition / presence / frequency context sizes
     images: bool = False  # the model reads images (mlxdist serves text models: every image part is refused)
+    tool_calls: bool = False  # mlx-lm found a tool parser for the model's chat template: tools may be offered
     allow_request_templates: bool = False  # chat_template_kwargs.chat_template, rendered on rank 0 (templates.py)
     max_template_chars: int = 64 << 10
     max_draft_tokens: int = DEFAULT_MAX_DRAFT_TOKENS  # a request's num_draft_tokens (--max-draft-tokens)
@@ -142,6 +143,9 @@ def check_fields(body: Dict[str, Any], limits: RequestLimits) -> int:
     if tools is not None and not (isinstance(tools, list) and len(tools) <= limits.max_tools
                                   and all(isinstance(t, dict) for t in tools)):
         raise RequestError(f"tools must be a list of at most {limits.max_tools} objects", "tools")
+    if tools and not limits.tool_calls:
+        raise RequestError("tools: this model does not call tools (mlx-lm finds no tool parser for its chat "
+                           "template), so a call could not come back as tool_calls", "tools")
     return _check_prompt(body, limits)
 
 
@@ -317,9 +321,13 @@ def _check_tool_calls(calls: Iterable[Any], i: int) -> None:
     if not isinstance(calls, list):
         raise RequestError(f"messages[{i}].tool_calls must be a list", "messages")
     for call in calls:
-        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(call, dict):  # mlx-lm reads each with .get
+            raise RequestError(f"messages[{i}].tool_calls: each call must be an object", "messages")
+        function = call.get("function")
         if function is not None and not isinstance(function, dict):
             raise RequestError(f"messages[{i}].tool_calls: function must be an object", "messages")
+        if not isinstance((function or {}).get("name", ""), str):  # templates join it to text
+            raise RequestError(f"messages[{i}].tool_calls: function.name must be a string", "messages")
         arguments = (function or {}).get("arguments")
         if isinstance(arguments, str):
             try:

@@ -170,6 +170,7 @@ def serve(executor, options: Dict[str, Any]) -> None:
     ON_FATAL.append(generator.fail)
     _keep_ctrl_c_from_the_watchdog()
     limits = RequestLimits(vocab_size=engine.vocab_size, context_length=engine.context_length,
+                           tool_calls=engine.tokenizer.has_tool_calling,
                            allow_request_templates=bool(options.get("allow_request_templates")),
                            max_draft_tokens=options.get("max_draft_tokens", DEFAULT_MAX_DRAFT_TOKENS))
     handler = make_handler(options.get("api_key"), options["max_body_bytes"], limits,
