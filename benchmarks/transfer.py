@@ -1,4 +1,4 @@
-"""Throughput of sending a rank its share (``model/transfer.py``: a file's
+"""Throughput of sending a rank its share (``ship/transfer.py``: a file's
 pages sent, checksummed on both sides, received into a sparse file) beside a plain
 mpi4py ``Send``/``Recv`` of the same bytes from memory to memory, in the same
 job. Rounds alternate the two; prints one JSON line with each round's GB/s
@@ -31,7 +31,7 @@ def main() -> None:
     args = p.parse_args()
     from mpi4py import MPI
 
-    from mlxdist.model.transfer import FolderFiles, MpiLink, recv_spans, send_spans
+    from mlxdist.ship.transfer import FolderFiles, MpiLink, recv_spans, send_spans
 
     comm = MPI.COMM_WORLD
     is_root = comm.Get_rank() == 0

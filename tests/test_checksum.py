@@ -1,4 +1,4 @@
-"""The checksum of sent and cached bytes (mlxdist/model/checksum.py): XXH3's
+"""The checksum of sent and cached bytes (mlxdist/ship/checksum.py): XXH3's
 64-bit hash, the same however the bytes are cut, and changed by the damage it is for."""
 
 import numpy as np
@@ -6,7 +6,7 @@ import pytest
 
 import xxhash
 
-from mlxdist.model.checksum import Checksum, checksum
+from mlxdist.ship.checksum import Checksum, checksum
 
 BLOCK = 4096
 

@@ -122,7 +122,7 @@ def test_loading_leaves_mlx_core_as_it_is(checkpoint):
 
     import mlx.core as mx
 
-    from mlxdist.model.checkpoint import read_safetensors_index
+    from mlxdist.ship.locate import read_safetensors_index
     from mlxdist.model.sources import load_lazy
 
     load, stack = mx.load, mx.stack
@@ -139,7 +139,8 @@ def test_mlx_core_stays_as_it_is_during_a_load(checkpoint):
 
     import mlx.core as mx
 
-    from mlxdist.model.checkpoint import find_switch_sites, read_safetensors_index
+    from mlxdist.model.checkpoint import find_switch_sites
+    from mlxdist.ship.locate import read_safetensors_index
     from mlxdist.model.sources import load_lazy
 
     load, stack = mx.load, mx.stack

@@ -32,12 +32,12 @@ _RUNS = {}
 
 @pytest.fixture(scope="module")
 def hub(checkpoint):
-    """The checkpoints, each file hashed once here (model/content_hash.py), as a load after the first finds them:
+    """The checkpoints, each file hashed once here (ship/content_hash.py), as a load after the first finds them:
     what a rank reads at load is then its share only."""
     import os
     import time
 
-    from mlxdist.model.fingerprint import checkpoint_digests
+    from mlxdist.ship.fingerprint import checkpoint_digests
 
     paths = {arch: checkpoint(arch, layout="hub", overrides=OVERRIDES[arch]) for arch in ARCHS}
     past = time.time() - 3600  # older than content_hash.RACY: the identity is kept
@@ -114,7 +114,8 @@ def test_experts_that_sanitize_computes_are_read_for_the_owned_experts_only(tmp_
     from mlx_lm.utils import load_model
 
     from mlxdist.errors import UserError
-    from mlxdist.model.checkpoint import find_switch_sites, read_safetensors_index
+    from mlxdist.model.checkpoint import find_switch_sites
+    from mlxdist.ship.locate import read_safetensors_index
     from mlxdist.model.sources import slice_experts
     from mlxdist.model.paging import PagingStats, expert_module
     from mlxdist.model.sources import load_lazy

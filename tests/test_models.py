@@ -189,7 +189,8 @@ def test_what_the_block_reads_from_its_expert_module_stays_whole(checkpoints):
 
     from mlxdist.config import LoadOptions
     from mlxdist.engine import load_engine
-    from mlxdist.model.checkpoint import find_switch_sites, read_safetensors_index
+    from mlxdist.model.checkpoint import find_switch_sites
+    from mlxdist.ship.locate import read_safetensors_index
     from mlxdist.model.sources import slice_experts
     from mlxdist.model.switch import DistributedSwitch
     from mlxdist.runtime.world import World

@@ -98,7 +98,7 @@ def _share_steps(np_, path, steps, view, tmp_path, launcher=None, timeout=240):
 
 def _files_bytes(path) -> int:
     """Bytes of the model's files that are not weights (config, tokenizer): part of every rank's share."""
-    from mlxdist.model.fingerprint import is_weight_file, used_files
+    from mlxdist.ship.fingerprint import is_weight_file, used_files
 
     return sum(f.stat().st_size for f in used_files(path) if not is_weight_file(f.name))
 
@@ -215,8 +215,8 @@ def test_under_mlx_launch_ring_four_ranks_the_shares_are_relayed(checkpoint, tmp
 
 
 def test_cache_lists_and_removes_shares(tmp_path, monkeypatch):
-    """python -m mlxdist.cache on a share written by model/share.py."""
-    from mlxdist.model.share import Share
+    """python -m mlxdist.cache on a share written by ship/share.py."""
+    from mlxdist.ship.share import Share
 
     env = {"MLXDIST_CACHE": str(tmp_path)}
     monkeypatch.setenv("MLXDIST_CACHE", str(tmp_path))
@@ -278,7 +278,7 @@ def test_progress_on_a_terminal_is_a_tqdm_bar(checkpoint):
 def test_receiving_a_share_holds_two_chunks_at_most(checkpoint, tmp_path):
     """A share of ~100 MB (six chunks): the receiving rank's resident memory grows by at most its two chunk
     buffers while it receives (Linux's peak resident set, reset before the transfer)."""
-    from mlxdist.model.transfer import CHUNK
+    from mlxdist.ship.transfer import CHUNK
 
     path = checkpoint("qwen3_moe", overrides=dict(hidden_size=256, num_experts=32, moe_intermediate_size=512,
                                                   num_hidden_layers=4))
@@ -291,7 +291,7 @@ def test_receiving_a_share_holds_two_chunks_at_most(checkpoint, tmp_path):
 
 
 def test_routes_along_the_ring_where_only_neighbours_talk():
-    from mlxdist.model.transfer import Link, hops, ring_order
+    from mlxdist.ship.transfer import Link, hops, ring_order
 
     class Ring(Link):
         neighbours_only = True
@@ -315,7 +315,7 @@ def test_a_chunk_thread_that_fails_is_raised_not_waited_for():
     the caller, waiting for that thread's next buffer, raises its error (it used to wait forever)."""
     import threading
 
-    from mlxdist.model.transfer import _pipelined
+    from mlxdist.ship.transfer import _pipelined
 
     def failing(buf, pieces):
         raise MemoryError("the chunk thread")

@@ -47,7 +47,7 @@ def _cache(env, *args):
 
 
 def test_the_cache_tool_lists_and_removes_a_damaged_cache_exactly(tmp_path, monkeypatch):
-    from mlxdist.model.share import Share
+    from mlxdist.ship.share import Share
 
     env = {"MLXDIST_CACHE": str(tmp_path)}
     monkeypatch.setenv("MLXDIST_CACHE", str(tmp_path))
@@ -83,7 +83,7 @@ def test_the_cache_tool_lists_and_removes_a_damaged_cache_exactly(tmp_path, monk
 
 def test_a_manifest_of_any_wrong_shape_is_damage(tmp_path, monkeypatch):
     """Share.open drops each, with one warning naming what is wrong, and opens empty."""
-    from mlxdist.model.share import MANIFEST, Share
+    from mlxdist.ship.share import MANIFEST, Share
 
     monkeypatch.setenv("MLXDIST_CACHE", str(tmp_path))
     Share.open("e5", 1).write_files({"config.json": "x", "model.safetensors": "y"}, None,

@@ -1,4 +1,4 @@
-"""A checkpoint is known by the hash of all of its bytes (model/content_hash.py),
+"""A checkpoint is known by the hash of all of its bytes (ship/content_hash.py),
 kept beside each file's size, inode and times: a file changed in place where a
 sample of it would not show is noticed by the share cache, by the check that
 the ranks hold one copy, and by the doctor."""
@@ -101,7 +101,7 @@ def test_ranks_whose_copies_differ_outside_the_samples_are_refused_and_the_docto
 def test_an_unchanged_file_is_hashed_once_and_any_change_is_seen(tmp_path, monkeypatch):
     """The identity is kept while the file's size, inode and times stay; a write in place whose modification time
     is set back is seen (its change time moved); a file written within RACY seconds is not kept."""
-    from mlxdist.model import content_hash
+    from mlxdist.ship import content_hash
 
     monkeypatch.setenv("MLXDIST_CACHE", str(tmp_path / "cache"))
     hashed = []
@@ -128,7 +128,7 @@ def test_a_hub_blob_is_known_by_its_name_until_it_changes(tmp_path, monkeypatch)
     hashed (SHA-256) and no longer matches the name."""
     import hashlib
 
-    from mlxdist.model import content_hash
+    from mlxdist.ship import content_hash
 
     monkeypatch.setenv("MLXDIST_CACHE", str(tmp_path / "cache"))
     data = os.urandom(1 << 20)

@@ -15,7 +15,8 @@ from mlxdist.dispatch import LayerOwnership
 from mlxdist.dispatch.base import ExpertBatch
 from mlxdist.model.experts import padded_slots, run_experts
 from mlxdist.dispatch.wire import from_numpy, pack, to_numpy, unpack
-from mlxdist.model.checkpoint import CheckpointError, read_rows, read_safetensors_index
+from mlxdist.model.checkpoint import CheckpointError, read_rows
+from mlxdist.ship.locate import read_safetensors_index
 from mlxdist.runtime.world import find_libmpi
 from mlxdist.values.placement import Placement, PlacementError, resolve_placement
 

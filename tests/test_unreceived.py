@@ -1,5 +1,5 @@
 """Every byte a rank reads of a shipped share was received, or the read is
-refused (mlxdist/model/unreceived.py): a share whose transfer stopped part
+refused (mlxdist/ship/unreceived.py): a share whose transfer stopped part
 way (a hole in a dense tensor) is asked for again, and mlx-lm's own lazy
 load of it fails in one line instead of reading zeros."""
 
@@ -16,11 +16,12 @@ def share_with_a_hole(checkpoint, tmp_path, monkeypatch):
     """Rank 1's share of the whole of qwen3_moe, as a transfer interrupted inside one dense tensor leaves it: every
     range before that tensor received and recorded, half of the tensor's bytes written but not recorded (the
     transfer stopped before its checksum), nothing after it. Yields (share, the tensor's name, the checkpoint)."""
-    from mlxdist.engine.fetch import _pack_files
-    from mlxdist.model import checkpoint as ckpt
-    from mlxdist.model.checksum import checksum
-    from mlxdist.model.fingerprint import checkpoint_digests, content_key, header_bytes, is_weight_file
-    from mlxdist.model.share import Share
+    from mlxdist.ship.fetch import _pack_files
+    from mlxdist.ship import held
+    from mlxdist.ship.checksum import checksum
+    from mlxdist.ship.fingerprint import checkpoint_digests, content_key, header_bytes, is_weight_file
+    from mlxdist.ship.locate import read_safetensors_index
+    from mlxdist.ship.share import Share
 
     monkeypatch.setenv("MLXDIST_CACHE", str(tmp_path / "cache"))
     path = checkpoint("qwen3_moe")
@@ -31,7 +32,7 @@ def share_with_a_hole(checkpoint, tmp_path, monkeypatch):
                                       for n in names},
                       {n: (path / n).stat().st_size for n in names if is_weight_file(n)})
     assert _pack_files(path, digests)  # what the source sends is what was written above
-    index = ckpt.read_safetensors_index(path)
+    index = read_safetensors_index(path)
     entries = sorted(index.items(), key=lambda kv: (kv[1].file.name, kv[1].offset))
     cut = next(i for i, (name, _) in enumerate(entries) if name == "model.embed_tokens.weight")
     for name, entry in entries[:cut + 1]:
@@ -48,14 +49,15 @@ def share_with_a_hole(checkpoint, tmp_path, monkeypatch):
     try:
         yield share, "model.embed_tokens.weight", path
     finally:
-        for name in list(ckpt._HELD):
+        for name in list(held._HELD):
             if share.folder in name.parents:
-                del ckpt._HELD[name]
+                del held._HELD[name]
 
 
 def test_a_hole_is_asked_for_again_and_mlxdist_reads_refuse_it(share_with_a_hole):
     from mlxdist.errors import CheckpointError
-    from mlxdist.model.checkpoint import check_held, read_safetensors_index
+    from mlxdist.ship.held import check_held
+    from mlxdist.ship.locate import read_safetensors_index
 
     share, name, path = share_with_a_hole
     entry = read_safetensors_index(path)[name]
@@ -68,9 +70,9 @@ def test_a_hole_is_asked_for_again_and_mlxdist_reads_refuse_it(share_with_a_hole
 def test_mlx_lm_never_reads_a_hole(share_with_a_hole):
     """mlx-lm's load_model (lazy, through mlxdist's load_lazy) of the share: a tensor the share holds reads as the
     checkpoint's; the one it lacks fails when evaluated, and the load's error is one line."""
-    from mlxdist.model.checkpoint import read_safetensors_index
+    from mlxdist.ship.locate import read_safetensors_index
     from mlxdist.model.sources import load_lazy
-    from mlxdist.model.unreceived import explain
+    from mlxdist.ship.unreceived import explain
     from mlxdist.errors import CheckpointError, one_line
 
     share, name, path = share_with_a_hole
@@ -92,9 +94,9 @@ def test_mlx_lm_never_reads_a_hole(share_with_a_hole):
 
 
 def test_a_folder_that_is_no_share_reads_as_before(checkpoint, tmp_path):
-    from mlxdist.model.checkpoint import read_safetensors_index
+    from mlxdist.ship.locate import read_safetensors_index
     from mlxdist.model.sources import load_lazy
-    from mlxdist.model.unreceived import explain
+    from mlxdist.ship.unreceived import explain
 
     path = tmp_path / "copy"
     shutil.copytree(checkpoint("qwen3_moe"), path)

@@ -167,7 +167,8 @@ def aggregate(trials: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
 def model_shape(model: str, rows: List[Dict[str, Any]]):
     """What the traffic model needs (links.Shape), from the checkpoint's
     config and the mlxdist rows (MoE layer count, activation dtype)."""
-    from mlxdist.model.checkpoint import resolve_model_path, text_config
+    from mlxdist.model.checkpoint import text_config
+    from mlxdist.ship.locate import resolve_model_path
     from mlxdist.bench.links import Shape
 
     try:

@@ -101,7 +101,7 @@ def load(model: str, mode: str, backend: str):
     from mlx_lm import load as mlx_load
     from mlx_lm.utils import sharded_load
 
-    from mlxdist.model.checkpoint import resolve_model_path
+    from mlxdist.ship.locate import resolve_model_path
 
     path = resolve_model_path(model)
     group = _group(mode, backend)

@@ -1,1 +1,1 @@
-"""The shares of models this host keeps (``model/share.py``): listing and removing them."""
+"""The shares of models this host keeps (``ship/share.py``): listing and removing them."""

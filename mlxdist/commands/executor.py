@@ -25,9 +25,9 @@ from mlxdist.engine import Engine, load_engine
 from mlxdist.errors import (
     GenerationFailed, LoadError, MlxdistError, StepFailed, UserError, keep_traceback, one_line,
 )
-from mlxdist.model.fingerprint import differing_files
+from mlxdist.ship.fingerprint import differing_files
 from mlxdist.values.placement import Placement
-from mlxdist.model.unreceived import explain
+from mlxdist.ship.unreceived import explain
 from mlxdist.runtime import faults
 from mlxdist.runtime.agreement import exchange, failed_together
 from mlxdist.runtime.world import World

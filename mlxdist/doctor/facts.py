@@ -106,7 +106,7 @@ def cache_folder() -> Path:
 
 def model_facts(model: str) -> Dict[str, Any]:
     """The model's folder on this rank, its weight bytes, each used file's
-    content identity (as a load reads them, ``model/fingerprint.py``) and
+    content identity (as a load reads them, ``ship/fingerprint.py``) and
     their digest as a fingerprint, or why it is missing."""
     folder = Path(model).expanduser()
     if not folder.is_dir():
@@ -115,7 +115,7 @@ def model_facts(model: str) -> Dict[str, Any]:
 
             folder = Path(snapshot_download(model, local_files_only=True))
         except Exception:  # noqa: BLE001 - any failure means: not here
-            from mlxdist.model.checkpoint import is_hub_id  # mlx-lm's imports: only where needed
+            from mlxdist.ship.locate import is_hub_id
 
             if is_hub_id(model):  # as the load reads it: rank 0 downloads what no rank has
                 from huggingface_hub import constants
@@ -126,10 +126,10 @@ def model_facts(model: str) -> Dict[str, Any]:
     config = folder / "config.json"
     if not config.is_file():
         return {"present": False, "where": f"{folder} has no config.json"}
-    from mlxdist.model.fingerprint import checkpoint_digests, content_key, hub_revision
+    from mlxdist.ship.fingerprint import checkpoint_digests, content_key, hub_revision
 
     weights = sum(w.stat().st_size for w in folder.glob("*.safetensors"))  # a dangling link: the probe fails
-    files = checkpoint_digests(folder)  # the load's own identities (model/content_hash.py)
+    files = checkpoint_digests(folder)  # the load's own identities (ship/content_hash.py)
     return {"present": True, "name": model, "where": str(folder), "weights_gb": weights / 1e9,
             "fingerprint": content_key(files)[:12], "files": files, "revision": hub_revision(folder),
             "free_disk_gb": free_disk_gb(folder)}

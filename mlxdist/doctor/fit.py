@@ -41,7 +41,8 @@ def fit_problems(world, ranks: List[Dict[str, Any]], args) -> List[str]:
 def _lines(path: Path, memory, args) -> List[str]:
     from mlxdist.dispatch import modes
     from mlxdist.model.budgets import budgets_for_ranks
-    from mlxdist.model.checkpoint import check_config, find_switch_sites, read_safetensors_index
+    from mlxdist.model.checkpoint import find_switch_sites
+    from mlxdist.ship.locate import check_config, read_safetensors_index
     from mlxdist.errors import UserError
     from mlxdist.model.fit import KvReserve, ModelWeights, budget_fit, cache_cost, plan_fit
     from mlxdist.model.paging import capacity_for_budget

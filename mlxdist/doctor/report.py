@@ -3,7 +3,7 @@
 from typing import Any, Dict, List, Optional, Sequence
 
 from mlxdist.doctor.links import hosts_differ
-from mlxdist.model.fingerprint import describe_copies
+from mlxdist.ship.fingerprint import describe_copies
 
 VERSIONED = ("python", "mlx", "mlx-lm", "mlxdist", "mpi4py")
 

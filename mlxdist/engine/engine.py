@@ -30,9 +30,8 @@ from mlxdist.engine.speculative import drafter, load_draft
 from mlxdist.engine.token_stream import RootTokens, root_tokens
 from mlxdist.errors import StepFailed, UserError, one_line
 from mlxdist.model.balance import bytes_per_expert, check_rank_memory
-from mlxdist.model.checkpoint import (
-    find_switch_sites, nbytes, read_safetensors_index, resolve_model_path, restack_experts, text_config,
-)
+from mlxdist.model.checkpoint import find_switch_sites, nbytes, restack_experts, text_config
+from mlxdist.ship.locate import read_safetensors_index, resolve_model_path
 from mlxdist.model.experts import RankExperts
 from mlxdist.model.paging import PagingStats, expert_module
 from mlxdist.values.placement import Placement
@@ -84,7 +83,7 @@ class Engine:
     memory_by_rank: List[Dict[str, int]] = field(default_factory=list)
     fingerprint: Dict[str, Any] = field(default_factory=dict)
     model_path: Optional[Path] = None  # the folder this rank loaded from (its own copy or its share)
-    located: Any = None  # where each rank's model comes from (engine/fetch.py's Located)
+    located: Any = None  # where each rank's model comes from (ship/fetch.py's Located)
     kv_bytes: Optional[int] = None  # this rank's largest KV cache in the last dp generation
     strategy: str = ""  # the strategy the switches use now
     capacity: Optional[int] = None  # experts resident per layer here (--expert-capacity or --memory-budget)
@@ -345,7 +344,7 @@ class Engine:
         and evaluated, nothing in use changed (a rank holding only its share
         is first sent the experts new to it)."""
         if self.located is not None:  # a rank holding only its share is sent the experts new to it
-            from mlxdist.engine.fetch import fetch_share, rank_spans
+            from mlxdist.ship.fetch import fetch_share, rank_spans
 
             if fetch_share(self.world, self.located, lambda: rank_spans(self.world, self.options, sources,
                                                                         list(sites.values()), plan)):

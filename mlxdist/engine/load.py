@@ -29,11 +29,12 @@ from mlxdist.engine.decision import Recalled, recall, settle, usable
 from mlxdist.engine.engine import Engine, Split
 from mlxdist.engine.split_probe import dense_linear_bytes, measure_split_inputs
 from mlxdist.errors import UserError, one_line
-from mlxdist.engine.fetch import Located, fetch_share, locate_model, rank_spans
+from mlxdist.ship.fetch import Located, fetch_share, locate_model, rank_spans
 from mlxdist.model.checkpoint import (
-    check_config, find_switch_sites, hidden_size, nbytes, read_safetensors_index,
-    split_experts_by_width, split_shared_by_width, switch_extras, text_config, width_refusal,
+    find_switch_sites, hidden_size, nbytes, split_experts_by_width, split_shared_by_width, switch_extras,
+    text_config, width_refusal,
 )
+from mlxdist.ship.locate import check_config, read_safetensors_index
 from mlxdist.model.paging import PagingStats, capacity_for_budget, expert_module
 from mlxdist.model.balance import bytes_per_expert, check_rank_memory
 from mlxdist.model.fit import MARGIN, KvReserve, ModelWeights, RankMemory, cache_cost, check_fits, plan_fit
@@ -158,7 +159,7 @@ def load_engine(world: World, options: LoadOptions) -> Engine:
 def _read_again(lazy: _Lazy) -> _Lazy:
     """``lazy`` with mlx-lm's lazy model read again, the rest kept: read
     before this rank's share grew, it refuses what the share holds now
-    (``model/unreceived.py``)."""
+    (``ship/unreceived.py``)."""
     fresh = _read_lazy(lazy.path)
     return replace(lazy, index=fresh.index, model=fresh.model, config=fresh.config, sources=fresh.sources,
                    sites=fresh.sites)
@@ -440,7 +441,7 @@ def _reading_stage(world: World, plan, sites, by_width: bool) -> Stage:
 
 def _fingerprint(options: LoadOptions, located: Located, plan, world: World) -> Dict[str, Any]:
     """What this rank loaded, as digests the executor compares over the ranks
-    (``model/fingerprint.py``): one per checkpoint file, the hub revision, the
+    (``ship/fingerprint.py``): one per checkpoint file, the hub revision, the
     options and placement, the versions and the device."""
     options_seen = {**asdict(options), "model": None, "placement": None}  # paths may differ per rank
     return {

@@ -89,7 +89,7 @@ def load_draft(path: str, vocab_size: int) -> nn.Module:
     refused in one line where its vocabulary differs from the model's."""
     from mlx_lm import load
 
-    from mlxdist.model.checkpoint import resolve_model_path
+    from mlxdist.ship.locate import resolve_model_path
 
     try:
         folder = resolve_model_path(path)

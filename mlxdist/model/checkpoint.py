@@ -16,7 +16,6 @@ beside quantized ones; it also takes no list of rows, which a placement that
 is not contiguous needs.
 """
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
@@ -28,8 +27,9 @@ from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU, SwitchLinear, SwitchMLP
 
 from mlxdist.values.arrays import from_numpy
-from mlxdist.errors import CheckpointError, ModelNotFound, UserError, one_line
-from mlxdist.model.fingerprint import header_bytes
+from mlxdist.errors import CheckpointError, UserError
+from mlxdist.ship.held import check_held
+from mlxdist.ship.locate import TensorEntry
 
 SWITCH_TYPES = (SwitchGLU, SwitchMLP)
 PROJECTION_TYPES = (SwitchLinear, QuantizedSwitchLinear)
@@ -44,46 +44,6 @@ _DTYPES = {
     "I8": (np.int8, mx.int8),
     "I64": (np.int64, mx.int64),
 }
-
-
-def resolve_model_path(model: str, revision: Optional[str] = None) -> Path:
-    """A local folder, or a hub id (at ``revision``: a branch, tag or
-    commit; None: main) fetched into the hub cache by mlx-lm's own
-    resolution (its file patterns)."""
-    from mlxdist.compat import download as _download
-
-    path = Path(model).expanduser()
-    if path.exists():
-        if revision is not None:
-            raise ModelNotFound(f"--revision is for hub ids; {path} is a local folder")
-        if not (path / "config.json").is_file():
-            raise ModelNotFound(f"{path} has no config.json: not an mlx-lm model folder")
-        return path
-    if not is_hub_id(model):
-        raise ModelNotFound(f"model path {model} does not exist")
-    try:
-        return _download(model, revision=revision)
-    except Exception as e:
-        raise ModelNotFound(f"cannot fetch {model!r} from the Hugging Face hub: {_hub_reason(e, revision)}") from None
-
-
-def _hub_reason(e: Exception, revision: Optional[str]) -> str:
-    """Why a hub download failed, in a few words: the hub's own message for a
-    missing repo or revision begins with a bare "404 Client Error."."""
-    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
-
-    if isinstance(e, GatedRepoError):
-        return "the repo is gated: accept its terms on the hub, then log in (hf auth login)"
-    if isinstance(e, RepositoryNotFoundError):
-        return "the hub has no such repo, or it is private (log in with hf auth login)"
-    if isinstance(e, RevisionNotFoundError):
-        return f"the repo has no revision {revision or 'main'!r}"
-    return one_line(e)
-
-
-def is_hub_id(model: str) -> bool:
-    """Whether ``model``, not found as a folder, reads as a hub id ("org/name")."""
-    return not model.startswith((".", "/", "~")) and model.count("/") == 1
 
 
 def text_config(config: Dict[str, Any]) -> Dict[str, Any]:
@@ -104,50 +64,6 @@ def hidden_size(config: Dict[str, Any], model: nn.Module) -> int:
             return module.weight.shape[1]
     raise UserError(f"cannot tell the hidden size of {config.get('model_type')}: no hidden_size in its config "
                     f"and no expert projection back ({', '.join(FROM_HIDDEN)})")
-
-
-def check_config(path: Path) -> None:
-    """Raise ``CheckpointError`` unless ``config.json`` is JSON."""
-    try:
-        json.loads((path / "config.json").read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path / 'config.json'} is not valid JSON ({e})") from None
-
-
-@dataclass(frozen=True)
-class TensorEntry:
-    file: Path
-    dtype: str
-    shape: Tuple[int, ...]
-    offset: int  # absolute byte offset of the tensor's data in the file
-    nbytes: int = 0  # bytes of the tensor's data
-
-    @property
-    def end(self) -> int:
-        """The absolute byte offset just past the tensor's data."""
-        return self.offset + self.nbytes
-
-
-def read_safetensors_index(model_path: Path) -> Dict[str, TensorEntry]:
-    """Name -> where its bytes are, from the headers of every weight file."""
-    entries = {}
-    for file in sorted(model_path.glob("model*.safetensors")):
-        head = header_bytes(file)  # its length capped, its bytes all there
-        try:
-            header = json.loads(head[8:])
-            if not isinstance(header, dict):
-                raise ValueError(f"a JSON {type(header).__name__} where the header's object should be")
-            size = file.stat().st_size
-            for name, info in header.items():
-                if name == "__metadata__":
-                    continue
-                start, end = info["data_offsets"]
-                if len(head) + end > size:
-                    raise CheckpointError(f"{file} is truncated (tensor {name} ends past the file)")
-                entries[name] = TensorEntry(file, info["dtype"], tuple(info["shape"]), len(head) + start, end - start)
-        except (OSError, ValueError, KeyError, TypeError) as e:  # JSONDecodeError and UnicodeDecodeError among them
-            raise CheckpointError(f"{file} is not a valid safetensors file ({one_line(e)})") from None
-    return entries
 
 
 def entry_dtype(entry: TensorEntry) -> Optional[mx.Dtype]:
@@ -190,50 +106,6 @@ def _read_pieces(pieces: List[Tuple[TensorEntry, int]], dtype: str, piece_shape:
         for f in files.values():
             f.close()
     return from_numpy(out.reshape((len(pieces),) + tuple(piece_shape)), mx_dtype)
-
-
-# A rank that holds only its share of a checkpoint (model/share.py) registers, per file of its
-# share, the byte ranges it holds: a read outside them would read a hole (zeros) and is refused.
-_HELD: Dict[Path, List[Tuple[int, int]]] = {}
-
-
-def register_held(file: Path, ranges: List[Tuple[int, int]]) -> None:
-    """Only ``ranges`` (sorted, disjoint [start, end)) of ``file`` may be read from now on."""
-    _HELD[Path(file)] = sorted(ranges)
-
-
-def any_share() -> bool:
-    """Whether this process reads from a share (``register_held`` was called)."""
-    return bool(_HELD)
-
-
-def is_share_file(file: Path) -> bool:
-    """Whether ``file`` is a weight file of a share registered with ``register_held``."""
-    return Path(file) in _HELD
-
-
-def holds(file: Path, start: int, length: int) -> bool:
-    """Whether bytes ``start..start + length`` of ``file`` may be read: any
-    file that is no share's, and a share's ranges it holds."""
-    ranges = _HELD.get(Path(file))
-    if ranges is None or length == 0:
-        return True
-    end, at = start + length, start
-    for s, e in ranges:
-        if s <= at < e:
-            at = e
-            if at >= end:
-                return True
-    return False
-
-
-def check_held(file: Path, start: int, length: int) -> None:
-    """Raise ``CheckpointError`` where ``file`` is part of a share that lacks these bytes."""
-    if holds(file, start, length):
-        return
-    end = start + length
-    raise CheckpointError(f"{file} is this rank's share of the model, which lacks bytes {start}..{end} "
-                          f"(experts it did not hold at load: load again to fetch them)")
 
 
 @dataclass

@@ -32,8 +32,9 @@ from mlx.utils import tree_unflatten
 
 from mlxdist.values.arrays import from_numpy, to_numpy
 from mlxdist.errors import CheckpointError
-from mlxdist.model.checkpoint import SwitchSite, TensorEntry, entry_dtype, read_rows, read_stacked, stacked_tensors
-from mlxdist.model.unreceived import refuse_unheld
+from mlxdist.model.checkpoint import SwitchSite, entry_dtype, read_rows, read_stacked, stacked_tensors
+from mlxdist.ship.locate import TensorEntry
+from mlxdist.ship.unreceived import refuse_unheld
 
 _NUMPY = {mx.float32: np.float32, mx.float16: np.float16, mx.bfloat16: np.uint16, mx.uint32: np.uint32,
           mx.int32: np.int32, mx.uint8: np.uint8, mx.int8: np.int8, mx.int64: np.int64, mx.uint16: np.uint16}
@@ -101,7 +102,7 @@ class CheckpointSources:
         """The stored tensors ``expert_source`` reads the site's experts from,
         using nothing up: (entry, expert) for a tensor of one expert, (entry,
         None) for one whose rows are the experts. Experts that ``sanitize``
-        computes from other tensors are not here (``model/share_needs.py``
+        computes from other tensors are not here (``ship/share_needs.py``
         finds them by name)."""
         experts, out = site.num_experts, []
         for name, value, entry in stacked_tensors(site, self.index):
@@ -158,7 +159,7 @@ def load_lazy(path: Path, index: Dict[str, TensorEntry]) -> Tuple[nn.Module, Dic
     ``mx.stack`` its ``sanitize`` runs and the name each tensor was loaded
     as, so that a stacked expert tensor can be rebuilt from its owned
     experts' inputs alone. From a share, a tensor it does not hold whole
-    fails when evaluated (``model/unreceived.py``).
+    fails when evaluated (``ship/unreceived.py``).
 
     A lazy array does not tell its inputs, so the stacks are recorded where
     they are made: mlx-lm builds the model through ``get_model_classes``,

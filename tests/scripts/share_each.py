@@ -36,7 +36,7 @@ def shifted(cluster, shift: str):
 @register_probe("damage")
 def damage(executor, args) -> None:
     """On rank ``args["rank"]`` (a probe runs on every rank)."""
-    from mlxdist.model.share import MANIFEST, shares_root
+    from mlxdist.ship.share import MANIFEST, shares_root
 
     rank = executor.world.rank
     if rank != args["rank"]:
@@ -58,7 +58,7 @@ def break_share(executor, args) -> None:
     digests a number), ``file`` (the rank's folder a file), ``link`` (a symbolic link to a copy of the folder)."""
     import shutil
 
-    from mlxdist.model.share import MANIFEST, shares_root
+    from mlxdist.ship.share import MANIFEST, shares_root
 
     rank = executor.world.rank
     if rank != args["rank"]:

@@ -5,17 +5,17 @@ only. Two steps of LOAD, each called by every rank at the same point:
    copy of its own (the folder, or the hub id in its hub cache; nothing is
    downloaded yet) and the ranks gather what they found. With no copy
    anywhere and a hub id, rank 0 downloads it. The ranks holding a copy must
-   hold the same one (file digests, ``model/fingerprint.py``); the lowest of
+   hold the same one (file digests, ``ship/fingerprint.py``); the lowest of
    them is the source. A rank without a copy uses its cached share
-   (``model/share.py``): if the share lacks the model's files (config,
+   (``ship/share.py``): if the share lacks the model's files (config,
    tokenizer files, the weight files' headers), the source sends them.
 2. ``fetch_share`` (once the placement and the mode say what each rank
    reads). Each rank without a copy works out the byte ranges it reads
-   (``model/share_needs.py``), checks those its share holds, and asks for
+   (``ship/share_needs.py``), checks those its share holds, and asks for
    the rest; the source streams each rank its ranges in bounded chunks
-   (``model/transfer.py``), checked by a checksum (XXH3, ``model/checksum.py``), written into the share.
+   (``ship/transfer.py``), checked by a checksum (XXH3, ``ship/checksum.py``), written into the share.
    A lazy model read from the share before it grew is read again: it
-   refused what the share lacked then (``model/unreceived.py``).
+   refused what the share lacked then (``ship/unreceived.py``).
 
 Where only neighbours can talk (MLX's ``ring`` and ``jaccl-ring``), the
 files and each share go forward along the ring from the source, the ranks
@@ -35,13 +35,13 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
 from mlxdist.errors import ModelNotFound, NotInHubCache, UserError, one_line
-from mlxdist.model.checkpoint import check_config, is_hub_id, read_safetensors_index, resolve_model_path
-from mlxdist.model.fingerprint import (
+from mlxdist.ship.locate import check_config, is_hub_id, read_safetensors_index, resolve_model_path
+from mlxdist.ship.fingerprint import (
     checkpoint_digests, content_key, describe_copies, header_bytes, hub_revision, is_weight_file,
 )
-from mlxdist.model.share import Share, check_disk
-from mlxdist.model.share_needs import Spans, share_spans, span_bytes
-from mlxdist.model import transfer
+from mlxdist.ship.share import Share, check_disk
+from mlxdist.ship.share_needs import Spans, share_spans, span_bytes
+from mlxdist.ship import transfer
 from mlxdist.runtime.agreement import exchange
 from mlxdist.runtime.memory import reset_rss_peak, rss_now, rss_peak
 from mlxdist.runtime.progress import Stage, say
@@ -126,7 +126,7 @@ def locate_model(world: World, model: str, revision: Optional[str]) -> Located:
             at = route.index(world.rank)
             error = _relaying(lambda: transfer.relay_blob(link, route[at - 1], route[at + 1])) or error
     exchange(world, None, error)
-    if located.share is not None:  # until its share is fetched, what it lacks is refused (model/unreceived.py)
+    if located.share is not None:  # until its share is fetched, what it lacks is refused (ship/unreceived.py)
         located.share.guard()
     return located
 
@@ -134,7 +134,7 @@ def locate_model(world: World, model: str, revision: Optional[str]) -> Located:
 def fetch_share(world: World, located: Located, spans: Callable[[], Spans]) -> bool:
     """Step 2 (see the module's docstring): ``spans()`` says what this rank
     reads. Returns whether this rank's share grew: a lazy model read from it
-    before (``model/unreceived.py`` refused what it lacked then) is stale."""
+    before (``ship/unreceived.py`` refused what it lacked then) is stale."""
     if located.everyone_holds:
         return False
     missing, error = {}, None
@@ -172,7 +172,7 @@ def fetch_share(world: World, located: Located, spans: Callable[[], Spans]) -> b
 
 def rank_spans(world: World, options, sources, sites, plan) -> Spans:
     """The byte ranges of the checkpoint this rank reads under ``plan`` with
-    ``options`` (``model/share_needs.py``): p2p's workers alone run no dense
+    ``options`` (``ship/share_needs.py``): p2p's workers alone run no dense
     layer; experts cut in width read every tensor."""
     from mlxdist.dispatch import LayerOwnership, modes
 

@@ -3,7 +3,7 @@ was sent, kept on its disk so that the next load reads it locally.
 
 One folder per checkpoint content and rank,
 ``<MLXDIST_CACHE>/shares/<content key>/rank<r>/`` (the key digests the
-sender's file digests, ``model/fingerprint.py``), holding
+sender's file digests, ``ship/fingerprint.py``), holding
 
 - the checkpoint's non-weight files (config, tokenizer files), whole;
 - each weight file as a *sparse* safetensors file of the original's size and
@@ -11,7 +11,7 @@ sender's file digests, ``model/fingerprint.py``), holding
   no disk), so that every reader of the checkpoint (offset reads, mlx-lm's
   lazy ``mx.load``, ``sanitize``) works on it unchanged;
 - ``share.json``: the sender's digests and revision, each weight file's
-  size, and the ranges held with a checksum of each (``model/checksum.py``).
+  size, and the ranges held with a checksum of each (``ship/checksum.py``).
 
 Before a load uses a range it is read again and checked against its checksum: a
 damaged range is dropped and fetched again. A damaged share (a manifest that
@@ -30,12 +30,12 @@ from typing import Dict, List, Optional, Tuple
 
 from mlxdist import envs
 from mlxdist.errors import UserError
-from mlxdist.model.checkpoint import register_held
-from mlxdist.model.checksum import Checksum, checksum
-from mlxdist.model.content_hash import matches
-from mlxdist.model.fingerprint import is_weight_file
-from mlxdist.model.share_needs import Spans, merge, subtract
-from mlxdist.model.transfer import FolderFiles
+from mlxdist.ship.held import register_held
+from mlxdist.ship.checksum import Checksum, checksum
+from mlxdist.ship.content_hash import matches
+from mlxdist.ship.fingerprint import is_weight_file
+from mlxdist.ship.share_needs import Spans, merge, subtract
+from mlxdist.ship.transfer import FolderFiles
 
 MANIFEST = "share.json"
 VERSION = 3  # 1 kept CRC-32s, 2 a Fletcher-style sum: such a share is dropped and sent again

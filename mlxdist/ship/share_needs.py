@@ -1,6 +1,6 @@
 """Which bytes of a checkpoint one rank reads: its share, as byte ranges
 ``[start, end)`` per weight file, so that a rank without its own copy can be
-sent exactly those (``engine/fetch.py``).
+sent exactly those (``ship/fetch.py``).
 
 - its experts: the rows of stacked tensors it owns, or whole per-expert
   tensors (what ``CheckpointSources.stored_experts`` names; experts that
@@ -17,16 +17,19 @@ Notation: E experts in a layer.
 
 import re
 from collections import defaultdict
-from typing import Dict, Iterable, List, Set, Tuple
+from typing import TYPE_CHECKING, Dict, Iterable, List, Set, Tuple
 
-from mlxdist.model.checkpoint import SwitchSite, TensorEntry
+from mlxdist.ship.locate import TensorEntry
+
+if TYPE_CHECKING:  # a hint only: the model layer reads the checkpoint that shipping delivers
+    from mlxdist.model.checkpoint import SwitchSite
 
 Spans = Dict[str, List[Tuple[int, int]]]  # weight file name -> sorted, disjoint [start, end)
 
 _EXPERT_NAME = re.compile(r"(?:^|\.)experts\.([0-9]+)\.")  # [0-9]: \d takes any Unicode digit
 
 
-def share_spans(index: Dict[str, TensorEntry], sources, sites: List[SwitchSite], owned: Dict[int, List[int]],
+def share_spans(index: Dict[str, TensorEntry], sources, sites: List["SwitchSite"], owned: Dict[int, List[int]],
                 dense: bool, whole: bool) -> Spans:
     """The byte ranges of ``index``'s files that a rank owning ``owned``
     (layer -> expert ids) reads; ``dense``: it runs the dense weights;

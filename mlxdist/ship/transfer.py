@@ -1,6 +1,6 @@
 """Sending byte ranges of files from one rank to another over the job's own
 link, in bounded chunks: what a rank without the model is sent
-(``engine/fetch.py``).
+(``ship/fetch.py``).
 
 The ranges are one stream cut into chunks of ``CHUNK`` bytes (the last one
 shorter); both sides cut it alike, so no chunk carries a header. Each side
@@ -9,7 +9,7 @@ this one is on the wire, on the receiver a thread writes the last chunk
 while the next arrives (the messages themselves stay on the calling thread:
 MPI is entered from one thread at a time).
 The sender sends a checksum of every range after the data
-(``model/checksum.py``); the receiver computes its own, on a third thread
+(``ship/checksum.py``); the receiver computes its own, on a third thread
 while the chunk is written (writing into new pages of a file and
 checksumming are the two costliest passes over the bytes: one after the
 other they held a receiver to about 2 GB/s), and refuses a range whose
@@ -35,7 +35,7 @@ from typing import Callable, Iterator, List, Optional, Tuple
 import numpy as np
 
 from mlxdist.errors import UserError
-from mlxdist.model.checksum import Checksum
+from mlxdist.ship.checksum import Checksum
 
 CHUNK = 16 << 20  # bytes per message
 # MLX backends whose send/recv reach the two neighbours of a rank only ("[ring] Send only supported to direct
@@ -228,7 +228,7 @@ def recv_spans(link: Link, src: int, files, spans: List[Span], progress: Progres
                chunk: int = CHUNK) -> List[int]:
     """Receive ``spans`` from ``src`` into ``files`` (``FolderFiles``-like:
     ``write(name, offset, view)`` puts ``view`` in the file). Returns the checksum of each span
-    (``model/checksum.py``), after checking them against the sender's
+    (``ship/checksum.py``), after checking them against the sender's
     (``UserError`` naming the first that differs). A thread writes each
     chunk, and another checksums it, while the next one arrives."""
     plan = list(chunks(spans, chunk))

@@ -1,11 +1,11 @@
 """What a checkpoint is, as identities every rank can compare: one per file
 that mlx-lm uses (the files its hub download fetches: config, tokenizer
 files, chat template, weights), each a hash of all of the file's bytes
-(``model/content_hash.py``: kept beside the file's size, inode and times,
+(``ship/content_hash.py``: kept beside the file's size, inode and times,
 so a file is read whole once, and again only when it changes), and the hub
 revision the folder is a snapshot of.
 
-A rank that holds only its share of a checkpoint (``model/share.py``)
+A rank that holds only its share of a checkpoint (``ship/share.py``)
 reports the identities of the copy it was sent from.
 """
 
@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 from mlxdist.errors import CheckpointError
-from mlxdist.model.content_hash import identity
+from mlxdist.ship.content_hash import identity
 
 WEIGHT_PATTERN = "model*.safetensors"
 # mlx-lm's own hub download patterns (mlx_lm.utils.DEFAULT_ALLOW_PATTERNS): what it reads from a model folder.

@@ -1,9 +1,9 @@
 """No hole of a share reaches mlx-lm: what ``mx.load`` gives mlx-lm from a
-share's weight file (``model/share.py``).
+share's weight file (``ship/share.py``).
 
 A share's weight file is sparse: the bytes its rank was not sent read as
 zeros. mlxdist's own offset reads check the ranges held
-(``checkpoint.check_held``), but mlx-lm's ``load_model`` calls ``mx.load``
+(``held.check_held``), but mlx-lm's ``load_model`` calls ``mx.load``
 on the whole file and evaluates whatever the model keeps (dense tensors,
 experts that ``sanitize`` builds): a tensor it evaluates from a hole would
 silently be zeros. So every tensor of a share file that the share does not
@@ -25,8 +25,8 @@ from typing import Callable, Dict
 import mlx.core as mx
 
 from mlxdist.errors import CheckpointError
-from mlxdist.model.checkpoint import any_share, holds, is_share_file
-from mlxdist.model.fingerprint import header_bytes
+from mlxdist.ship.held import any_share, holds, is_share_file
+from mlxdist.ship.fingerprint import header_bytes
 
 FOLDER = "unreceived"  # beside a share's files
 MLX_READ_FAILED = "[read] Unable to read from file"
