@@ -194,7 +194,13 @@ def _check_on_rank_0(args: argparse.Namespace) -> int:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    """``python -m mlxdist.serve``."""
+    """``python -m mlxdist.serve``; with ``--ranks N``, the front, which
+    starts the rank job itself (``mlxdist/front/``)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if any(a == "--ranks" or a.startswith("--ranks=") or a in ("-h", "--help") for a in argv):  # its --help: both
+        from mlxdist.front import main as front
+
+        return front(argv)
     args = build_parser().parse_args(argv)
     apply_host_flags(args)
     set_quiet(args.quiet)

@@ -14,7 +14,7 @@ Any answer the rank server gives (its 4xx included) is returned as it is.
 """
 
 import contextlib
-from typing import Any, AsyncIterator, Dict, Mapping, Optional
+from typing import Any, AsyncIterator, Dict, Mapping, Optional, Union
 
 import httpx
 
@@ -24,6 +24,7 @@ from mlxdist.front.errors import DEFAULT_RETRY_AFTER, Unavailable
 # hop-by-hop headers) is the front's own business.
 FORWARDED_HEADERS = ("content-type", "accept", "user-agent")
 _CONNECT_TIMEOUT = 5.0
+Body = Union[Dict[str, Any], bytes]  # a JSON object, or its bytes as the client sent them
 
 
 class Upstream:
@@ -48,7 +49,7 @@ class Upstream:
         return base.rstrip("/") + path
 
     def _headers(self, headers: Optional[Mapping[str, str]]) -> Dict[str, str]:
-        out = _forwarded(headers)
+        out = {"content-type": "application/json", **_forwarded(headers)}
         token = getattr(self.job, "api_key", None)
         if token:
             out["authorization"] = f"Bearer {token}"
@@ -67,25 +68,24 @@ class Upstream:
         except httpx.TransportError as e:
             raise self._unavailable(e) from None
 
-    async def post(self, path: str, body: Dict[str, Any], headers: Optional[Mapping[str, str]] = None
-                   ) -> httpx.Response:
+    async def post(self, path: str, body: Body, headers: Optional[Mapping[str, str]] = None) -> httpx.Response:
         """The rank server's whole answer to ``POST path`` with JSON ``body``
-        (its status, headers and body, read whole)."""
+        (a dict, or bytes sent as they are) (its status, headers and body, read whole)."""
         url = self._url(path)
         try:
-            return await self.client.post(url, json=body, headers=self._headers(headers))
+            return await self.client.post(url, headers=self._headers(headers), **_content(body))
         except httpx.TransportError as e:
             raise self._unavailable(e) from None
 
     @contextlib.asynccontextmanager
-    async def stream(self, path: str, body: Dict[str, Any], headers: Optional[Mapping[str, str]] = None
+    async def stream(self, path: str, body: Body, headers: Optional[Mapping[str, str]] = None
                      ) -> AsyncIterator[httpx.Response]:
         """The rank server's answer to ``POST path``, its body not read yet:
         ``aiter_lines()`` gives the SSE lines. Raises ``Unavailable`` on
         entry (not serving, no connection) and from the iteration (the
         connection dropped mid-answer)."""
         url = self._url(path)
-        request = self.client.build_request("POST", url, json=body, headers=self._headers(headers))
+        request = self.client.build_request("POST", url, headers=self._headers(headers), **_content(body))
         try:
             response = await self.client.send(request, stream=True)
         except httpx.TransportError as e:
@@ -129,6 +129,12 @@ class _Guarded:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._response, name)
+
+
+def _content(body: Body) -> Dict[str, Any]:
+    if isinstance(body, (bytes, bytearray)):
+        return {"content": bytes(body)}
+    return {"json": body}
 
 
 def _forwarded(headers: Optional[Mapping[str, str]]) -> Dict[str, str]:

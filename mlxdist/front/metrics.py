@@ -1,0 +1,82 @@
+"""The front's ``/metrics``, in Prometheus' text format (prometheus_client):
+what it answered and the job's state, read at each scrape.
+
+    mlxdist_requests_total{path, status}        requests answered
+    mlxdist_prompt_tokens_total, mlxdist_completion_tokens_total
+                                                tokens, from the answers' usage
+    mlxdist_time_to_first_token_seconds         a stream's first token (histogram)
+    mlxdist_request_seconds                     a request's whole answer (histogram)
+    mlxdist_requests_queued                     forwarded, no byte of the answer yet
+    mlxdist_requests_running                    forwarded, not finished
+    mlxdist_ranks_alive                         ranks of the job while it serves, else 0
+    mlxdist_recoveries_total                    restarts of the job on the survivors
+    mlxdist_serving                             1 while the job serves
+"""
+
+from typing import Any, Dict, Optional
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+SERVING_STATES = ("ok", "degraded")
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class FrontMetrics:
+    """One front's metrics, in a registry of its own; ``job`` has
+    ``state``, ``ranks`` and may have ``recoveries``."""
+
+    def __init__(self, job: Any):
+        self.registry = CollectorRegistry()
+        self.requests = Counter("mlxdist_requests", "Requests answered, by path and HTTP status.",
+                                ["path", "status"], registry=self.registry)
+        self.prompt_tokens = Counter("mlxdist_prompt_tokens", "Prompt tokens of answered requests (their usage).",
+                                     registry=self.registry)
+        self.completion_tokens = Counter("mlxdist_completion_tokens",
+                                         "Tokens generated for answered requests (their usage).",
+                                         registry=self.registry)
+        self.first_token = Histogram("mlxdist_time_to_first_token_seconds",
+                                     "Seconds from a stream's request to its first token.",
+                                     buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.latency = Histogram("mlxdist_request_seconds", "Seconds from a request to the end of its answer.",
+                                 buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.queued = Gauge("mlxdist_requests_queued", "Requests forwarded to the job with no byte of answer yet.",
+                            registry=self.registry)
+        self.running = Gauge("mlxdist_requests_running", "Requests forwarded to the job and not finished.",
+                             registry=self.registry)
+        self.registry.register(_JobCollector(job))
+
+    def count_usage(self, usage: Optional[Dict[str, Any]]) -> None:
+        """Add an answer's ``usage`` (prompt and completion tokens) where it has one."""
+        if not isinstance(usage, dict):
+            return
+        for key, counter in (("prompt_tokens", self.prompt_tokens), ("completion_tokens", self.completion_tokens)):
+            value = usage.get(key)
+            if type(value) is int and value >= 0:
+                counter.inc(value)
+
+    def text(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _JobCollector:
+    """The job's state at scrape time."""
+
+    def __init__(self, job: Any):
+        self.job = job
+
+    def collect(self):
+        serving = getattr(self.job, "state", "stopped") in SERVING_STATES
+        alive = GaugeMetricFamily("mlxdist_ranks_alive", "Ranks of the job while it serves (0 while it does not).")
+        alive.add_metric([], float(getattr(self.job, "ranks", 0) or 0) if serving else 0.0)
+        yield alive
+        up = GaugeMetricFamily("mlxdist_serving", "1 while the rank job serves, else 0.")
+        up.add_metric([], 1.0 if serving else 0.0)
+        yield up
+        recoveries = CounterMetricFamily("mlxdist_recoveries", "Restarts of the job on the ranks left after a loss.")
+        recoveries.add_metric([], float(getattr(self.job, "recoveries", 0) or 0))
+        yield recoveries
+
+    def describe(self):
+        return []

@@ -1,0 +1,426 @@
+"""The front (python -m mlxdist.serve --ranks 2): one process holding the
+port, FastAPI on uvicorn, starting the rank job itself under real mpirun and
+forwarding to it. One front for the module: 503 with Retry-After before the
+job serves, greedy answers equal to mlx-lm's, streams passed through, the
+official openai client, the API key, Host and Content-Type checks, CORS,
+hostile bodies, a request trickled in (408), the connection cap, a reader
+that does not read (cut), /metrics, /health, and last a rank killed
+mid-stream (the stream ends with an error; 503 while the job recovers)."""
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from conftest import ROOT, mlx_lm_loaded, mpirun_env
+from test_hostile import HOSTILE_BODIES, HOSTILE_RAW, error_shaped, raw_request
+from test_limits import parse_reply, trickle
+from test_serve import KEY, PROMPTS, alone, launcher_rank_of
+
+FRONT_LINE = re.compile(r"mlxdist: front on http://127\.0\.0\.1:(\d+) ")
+CAP = 8
+REQUEST_TIMEOUT = 4
+WRITE_TIMEOUT = 3
+ORIGIN = "http://ok.example"
+EOS = 2  # the synthetic tokenizer's <|im_end|>: kept from ending the long streams
+
+
+class Front:
+    """``python -m mlxdist.serve --ranks 2`` on ``path``, its stderr collected."""
+
+    def __init__(self, path, extra=()):
+        self.model = path
+        cmd = [sys.executable, "-m", "mlxdist.serve", "--ranks", "2", "--model", str(path), "--port", "0",
+               "--api-key", KEY, "--max-concurrent", "16", *map(str, extra)]
+        self.proc = subprocess.Popen(cmd, env=mpirun_env(), cwd=ROOT, stdin=subprocess.DEVNULL,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                     start_new_session=True)
+        self.lines = []
+        self._port_seen = threading.Event()
+        threading.Thread(target=self._read, daemon=True).start()
+        if not self._port_seen.wait(60):
+            self.kill()
+            raise RuntimeError("the front said no port:\n" + self.stderr())
+        self.port = int(FRONT_LINE.search(self.stderr()).group(1))
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def _read(self):
+        for line in self.proc.stderr:
+            self.lines.append(line)
+            if FRONT_LINE.search(line):
+                self._port_seen.set()
+
+    def stderr(self) -> str:
+        return "".join(self.lines)
+
+    def request(self, method, path, body=None, key=KEY, headers=None, timeout=120):
+        """(status, headers, text) of one request."""
+        data = None if body is None else (body if isinstance(body, bytes) else json.dumps(body).encode())
+        req = urllib.request.Request(self.url + path, data=data, method=method)
+        req.add_header("Content-Type", "application/json")
+        if key:
+            req.add_header("Authorization", f"Bearer {key}")
+        for name, value in (headers or {}).items():
+            req.add_header(name, value)
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                return r.status, r.headers, r.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, e.headers, e.read().decode()
+
+    def post(self, path, body, **kw):
+        status, headers, text = self.request("POST", path, body, **kw)
+        return status, headers, json.loads(text) if text.startswith("{") else text
+
+    def health(self):
+        status, headers, text = self.request("GET", "/health", timeout=10)
+        return status, headers, json.loads(text)
+
+    def wait_for(self, states, timeout=240):
+        """/health once its status is one of ``states``."""
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            assert self.proc.poll() is None, self.stderr()[-4000:]
+            try:
+                got = self.health()
+                if got[2]["status"] in states:
+                    return got
+            except OSError:
+                pass
+            time.sleep(0.3)
+        raise AssertionError(f"/health never said {states}:\n{self.stderr()[-4000:]}")
+
+    def metrics(self):
+        from prometheus_client.parser import text_string_to_metric_families
+
+        status, _, text = self.request("GET", "/metrics")
+        assert status == 200, text
+        return {s.name + json.dumps(s.labels, sort_keys=True): s.value
+                for family in text_string_to_metric_families(text) for s in family.samples}
+
+    def rank_pids(self):
+        """Pids of the job's ranks, in rank order (their command lines name
+        this front's checkpoint; the launcher's own processes have no rank)."""
+        pids = []
+        for entry in os.listdir("/proc"):
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    args = f.read().split(b"\0")
+            except OSError:
+                continue
+            if b"mlxdist.serve" in args and str(self.model).encode() in args and b"--ranks" not in args \
+                    and launcher_rank_of(int(entry)) >= 0:
+                pids.append(int(entry))
+        return sorted(pids, key=launcher_rank_of)
+
+    def stop(self) -> int:
+        """Ctrl-C: the front stops its job, then itself."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(90)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        return self.proc.returncode
+
+    def kill(self):
+        from conftest import kill_session
+
+        for pid in self.rank_pids():
+            kill_session(os.getsid(pid))
+        kill_session(self.proc.pid)
+        self.proc.wait(30)
+
+
+@pytest.fixture(scope="module")
+def front(checkpoint):
+    """The front, and what it answered before its job served (the job takes
+    seconds to start its ranks: the first answers cannot come from it)."""
+    f = Front(checkpoint("qwen3_moe"), ["--request-timeout", REQUEST_TIMEOUT, "--idle-timeout", "60",
+                                        "--max-connections", CAP, "--write-timeout", WRITE_TIMEOUT,
+                                        "--allow-origin", ORIGIN])
+    try:
+        f.before = {"chat": f.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}),
+                    "health": f.health()}
+        f.wait_for(("ok",))
+    except BaseException:
+        f.kill()
+        raise
+    yield f
+    if f.proc.poll() is None:
+        f.kill()
+
+
+def test_503_with_retry_after_before_the_job_serves(front):
+    status, headers, body = front.before["chat"]
+    assert status == 503 and headers["Retry-After"] == "5", (status, body)
+    assert body["error"]["type"] == "server_error" and "loading" in body["error"]["message"], body
+    status, headers, health = front.before["health"]
+    assert status == 503 and health["status"] == "starting" and headers["Retry-After"], health
+
+
+def test_health_once_serving(front):
+    status, _, health = front.health()
+    assert status == 200 and health["status"] == "ok", health
+    assert health["ranks"] == 2 and health["hosts"] == ["localhost", "localhost"]
+    assert health["port"] == front.port and health["last_recovery"] is None
+
+
+def test_greedy_answers_equal_mlx_lm(front, checkpoint):
+    import mlx.core as mx
+    from mlx_lm.generate import stream_generate
+
+    path = checkpoint("qwen3_moe")
+    status, _, body = front.post("/v1/completions", {"prompt": PROMPTS[3], "max_tokens": 12})
+    assert status == 200 and body["choices"][0]["text"] == alone(path, PROMPTS[3], 12), body
+    model, tokenizer = mlx_lm_loaded(str(path))
+    messages = [{"role": "user", "content": "Say something"}]
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    expected = "".join(r.text for r in stream_generate(model, tokenizer, mx.array(prompt), max_tokens=10))
+    status, _, body = front.post("/v1/chat/completions", {"messages": messages, "max_tokens": 10})
+    assert status == 200 and body["choices"][0]["message"]["content"] == expected, body
+    assert body["usage"]["completion_tokens"] == 10 and body["usage"]["prompt_tokens"] == len(prompt)
+
+
+def test_streams_pass_through(front, checkpoint):
+    """Line by line as the rank server sends them, ending with [DONE]; the
+    usage the front asked for to count tokens is not passed on unasked."""
+    status, headers, text = front.request("POST", "/v1/completions", {"prompt": PROMPTS[3], "max_tokens": 12,
+                                                                       "stream": True})
+    assert status == 200 and headers["Content-Type"].startswith("text/event-stream")
+    events = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+    assert "".join(e["choices"][0]["text"] for e in events) == alone(checkpoint("qwen3_moe"), PROMPTS[3], 12)
+    assert events[-1]["choices"][0]["finish_reason"] == "length" and text.rstrip().endswith("data: [DONE]")
+    assert not any("usage" in e for e in events), text
+    _, _, text = front.request("POST", "/v1/completions", {"prompt": PROMPTS[3], "max_tokens": 3, "stream": True,
+                                                           "stream_options": {"include_usage": True}})
+    usage = [json.loads(line[6:])["usage"] for line in text.splitlines() if '"usage"' in line]
+    assert usage and usage[0]["completion_tokens"] == 3, text
+
+
+def test_the_openai_client(front):
+    from openai import AuthenticationError, OpenAI
+
+    client = OpenAI(base_url=front.url + "/v1", api_key=KEY)
+    messages = [{"role": "user", "content": "Say something"}]
+    chat = client.chat.completions.create(model="any", messages=messages, max_tokens=6, temperature=0)
+    assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens == 6
+    chunks = list(client.chat.completions.create(model="any", messages=messages, max_tokens=6, temperature=0,
+                                                 stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == chat.choices[0].message.content
+    assert client.models.list().data[0].id == str(front.model)
+    with pytest.raises(AuthenticationError):
+        OpenAI(base_url=front.url + "/v1", api_key="wrong").models.list()
+
+
+def test_bodies_that_are_not_json_are_refused(front):
+    """A cross-site form or fetch posts text/plain (no preflight): refused
+    before anything runs, as are bodies that do not parse."""
+    before = front.metrics()['mlxdist_prompt_tokens_total{}']
+    body = json.dumps({"prompt": "Hi", "max_tokens": 2}).encode()
+    for kind in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x"):
+        head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\n"
+                f"Content-Type: {kind}\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+        status, answer = parse_reply(raw_request(front.port, head, body))
+        assert status == 415 and error_shaped(status, answer), (kind, answer)
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode()
+    status, answer = parse_reply(raw_request(front.port, head, body))
+    assert status == 415 and error_shaped(status, answer), answer
+    assert front.metrics()['mlxdist_prompt_tokens_total{}'] == before  # nothing ran
+
+
+def test_hostile_bodies_are_openai_shaped_4xx(front):
+    """test_hostile's bodies through the front: each refused by the front or
+    the rank server behind it, in OpenAI's shape; the job keeps serving."""
+    for body in [*HOSTILE_BODIES, *HOSTILE_RAW]:
+        path = "/v1/chat/completions" if isinstance(body, dict) and "messages" in body else "/v1/completions"
+        status, _, answer = front.post(path, body)
+        assert error_shaped(status, answer), (body if isinstance(body, dict) else body[:60], status, answer)
+    status, answer = parse_reply(raw_request(front.port, b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n"
+                                             b"Content-Type: application/json\r\nAuthorization: Bearer " + KEY.encode()
+                                             + b"\r\nContent-Length: 99999999\r\n\r\n"))
+    assert status == 413 and error_shaped(status, answer), answer
+    assert front.health()[0] == 200
+
+
+def test_host_must_name_the_front(front):
+    """DNS rebinding: a page of evil.example whose name now points at
+    127.0.0.1 sends Host: evil.example; the front does not answer it."""
+    body = json.dumps({"prompt": "Hi", "max_tokens": 2}).encode()
+    for host in (b"evil.example", b"evil.example:%d" % front.port, b"127.0.0.1.evil.example", b"localhost.evil"):
+        head = (b"POST /v1/completions HTTP/1.1\r\nHost: " + host + b"\r\nAuthorization: Bearer " + KEY.encode()
+                + b"\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body))
+        status, answer = parse_reply(raw_request(front.port, head, body))
+        assert status == 421 and error_shaped(status, answer), (host, answer)
+    for host in (b"localhost:%d" % front.port, b"127.0.0.1", b"LOCALHOST"):
+        head = b"GET /health HTTP/1.1\r\nHost: " + host + b"\r\nAuthorization: Bearer " + KEY.encode() + b"\r\n\r\n"
+        assert parse_reply(raw_request(front.port, head))[0] == 200, host
+
+
+def test_cors_as_the_rank_server_answers_it(front):
+    status, headers, _ = front.request("OPTIONS", "/v1/completions", headers={
+        "Origin": ORIGIN, "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization"})
+    assert status == 200 and headers["Access-Control-Allow-Origin"] == ORIGIN
+    status, headers, _ = front.request("GET", "/v1/models", headers={"Origin": "http://other.example"})
+    assert status == 200 and "Access-Control-Allow-Origin" not in headers
+    status, headers, _ = front.request("GET", "/v1/models", headers={"Origin": ORIGIN})
+    assert headers["Access-Control-Allow-Origin"] == ORIGIN
+
+
+def test_a_request_trickled_in_is_cut_off_at_its_deadline(front):
+    body = json.dumps({"prompt": "Hi", "max_tokens": 2}).encode()
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: %d\r\n" % len(body))
+    reply, seconds = trickle(front.port, b"", head + b"X-Pad: " + b"a" * 60 + b"\r\n\r\n" + body, 0.3)
+    status, answer = parse_reply(reply)
+    assert status == 408 and error_shaped(status, answer), reply[:300]
+    assert REQUEST_TIMEOUT - 0.5 < seconds < REQUEST_TIMEOUT + 3, seconds
+
+
+def test_slow_and_half_open_clients_at_the_cap_do_not_lock_out_a_complete_request(front, checkpoint):
+    held = []
+    try:
+        for i in range(CAP):
+            c = socket.create_connection(("127.0.0.1", front.port))
+            if i % 2 == 0:
+                c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+            held.append(c)
+        time.sleep(0.5)
+        for prompt in PROMPTS[:3]:
+            status, _, body = front.post("/v1/completions", {"prompt": prompt, "max_tokens": 6})
+            assert status == 200 and body["choices"][0]["text"] == alone(checkpoint("qwen3_moe"), prompt, 6), body
+        c = held[0]  # sending the longest: shed for the first request, told why
+        c.settimeout(5)
+        status, answer = parse_reply(c.recv(65536))
+        assert status == 503 and answer["error"]["type"] == "server_error", answer
+    finally:
+        for c in held:
+            c.close()
+
+
+def _running(front) -> float:
+    return front.metrics()["mlxdist_requests_running{}"]
+
+
+def test_a_reader_that_does_not_read_is_cut(front):
+    """A stream of 3,000 tokens whose client reads nothing: once the answer
+    has waited --write-timeout on it, the connection is cut (the job stops
+    generating it); the client gets no [DONE]."""
+    body = json.dumps({"prompt": PROMPTS[2], "max_tokens": 3000, "stream": True,
+                       "logit_bias": {str(EOS): -100}}).encode()
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.connect(("127.0.0.1", front.port))
+    try:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                  b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        deadline = time.time() + 60
+        while _running(front) < 1:
+            assert time.time() < deadline, "the stream never started"
+            time.sleep(0.5)
+        started = time.time()
+        while _running(front) > 0:
+            assert time.time() < started + 300, "a reader that reads nothing held its stream for 300 s"
+            time.sleep(1)
+        s.settimeout(10)
+        got = b""
+        try:
+            while True:
+                chunk = s.recv(65536)
+                if not chunk:
+                    break
+                got += chunk
+        except ConnectionResetError:
+            pass
+        assert got.startswith(b"HTTP/1.1 200") and b"data: " in got and b"[DONE]" not in got, got[-300:]
+        assert got.count(b"data: ") < 3000
+    finally:
+        s.close()
+    status, _, body = front.post("/v1/completions", {"prompt": "Hi", "max_tokens": 2})
+    assert status == 200, body
+
+
+def test_metrics_parse(front):
+    m = front.metrics()
+    assert m['mlxdist_requests_total{"path": "/v1/completions", "status": "200"}'] >= 3
+    assert m['mlxdist_requests_total{"path": "/v1/completions", "status": "415"}'] >= 3
+    assert m["mlxdist_completion_tokens_total{}"] >= 12 + 10 + 12 and m["mlxdist_prompt_tokens_total{}"] > 0
+    assert m["mlxdist_time_to_first_token_seconds_count{}"] >= 2
+    assert m["mlxdist_ranks_alive{}"] == 2 and m["mlxdist_serving{}"] == 1 and m["mlxdist_recoveries_total{}"] == 0
+    assert m["mlxdist_requests_queued{}"] == 0 and m["mlxdist_requests_running{}"] == 0
+
+
+def test_a_rank_lost_mid_stream(front):
+    """kill -9 of rank 1 while a stream is under way: the stream ends with a
+    chunk whose finish_reason is "error" and an error event (never [DONE]);
+    requests get 503 with Retry-After while the job recovers; then the front
+    serves again on the rank left (degraded)."""
+    body = json.dumps({"prompt": PROMPTS[4], "max_tokens": 3000, "stream": True,
+                       "logit_bias": {str(EOS): -100}}).encode()
+    with socket.create_connection(("127.0.0.1", front.port), timeout=60) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                  b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        got = b""
+        while got.count(b"data: ") < 3:
+            got += s.recv(65536)
+        ranks = front.rank_pids()
+        assert len(ranks) == 2, ranks
+        os.kill(ranks[1], signal.SIGKILL)
+        while True:
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            got += chunk
+    events = [json.loads(line[6:]) for line in got.decode().splitlines() if line.startswith("data: {")]
+    assert b"[DONE]" not in got
+    assert events[-1].get("error") is not None and events[-1]["error"]["type"] == "server_error", events[-2:]
+    assert events[-2]["choices"][0]["finish_reason"] == "error", events[-2:]
+    status, headers, health = front.wait_for(("recovering", "starting"), timeout=30)
+    assert status == 503 and headers["Retry-After"], health
+    status, headers, answer = front.post("/v1/completions", {"prompt": "Hi", "max_tokens": 2})
+    assert status == 503 and headers["Retry-After"] and answer["error"]["type"] == "server_error", answer
+    status, _, health = front.wait_for(("degraded",), timeout=240)
+    assert status == 200 and health["ranks"] == 1 and health["last_recovery"]["lost_rank"] == 1, health
+    status, _, body = front.post("/v1/completions", {"prompt": "Hi", "max_tokens": 2})
+    assert status == 200, body
+    assert front.metrics()["mlxdist_recoveries_total{}"] == 1
+
+
+def test_the_front_stops_cleanly(front):
+    assert front.stop() == 0, front.stderr()[-3000:]
+    assert "Traceback" not in front.stderr(), front.stderr()[-3000:]
+    assert not front.rank_pids()
+
+
+def test_hostile_front_options_are_one_line(checkpoint, tmp_path):
+    """Before any job starts: one line, status 2."""
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    cases = [(["--allowed-hosts", ""], "--allowed-hosts"), (["--allowed-hosts", "a, ,b"], "--allowed-hosts"),
+             (["--write-timeout", "0"], "positive"), (["--retry-after", "0"], "at least 1"),
+             (["--retry-after", "99999"], "--retry-after"), (["--ranks", "0"], "at least 1"),
+             (["--ranks", "x"], "--ranks"), (["--launcher", "ssh"], "--launcher"),
+             (["--port", str(busy.getsockname()[1])], "cannot listen"), (["--host", "0.0.0.0"], "--api-key"),
+             (["--min-ranks", "3"], "--min-ranks")]
+    try:
+        for extra, said in cases:
+            args = ["--ranks", "2", "--model", str(checkpoint("qwen3_moe")), "--port", "0", *extra]
+            env = {k: v for k, v in mpirun_env().items() if k != "MLXDIST_API_KEY"}
+            proc = subprocess.run([sys.executable, "-m", "mlxdist.serve", *args], capture_output=True, text=True,
+                                  timeout=60, cwd=ROOT, env=env)
+            lines = [l for l in proc.stderr.splitlines() if l.strip()]
+            assert proc.returncode == 2 and "Traceback" not in proc.stderr, (extra, proc.stderr)
+            assert said in proc.stderr and len([l for l in lines if "error" in l]) == 1, (extra, proc.stderr)
+    finally:
+        busy.close()
