@@ -26,7 +26,7 @@ from typing import Any, Dict, List, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxdist.synth.tokenizer import BOS_ID, EOS_ID, SPECIAL_TOKENS
+from mlxdist.synth.tokenizer import EOS_ID, SPECIAL_TOKENS
 
 WEATHER_TOOL: Dict[str, Any] = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city now.",
@@ -44,7 +44,7 @@ def script_tokens(tokenizer, text: str, excluded: Sequence[int]) -> List[int]:
     ``text`` (``tokenizer``: a TokenizerWrapper); the longest pieces first.
     ValueError where the vocabulary has no such spelling."""
     pieces: Dict[str, int] = {}
-    for token_id in range(len(tokenizer._tokenizer)):
+    for token_id in range(len(tokenizer.get_vocab())):
         if token_id not in excluded:
             pieces.setdefault(tokenizer.decode([token_id]), token_id)
     pieces.pop("", None)
@@ -111,7 +111,7 @@ def fit_tool_call_head(model: nn.Module, tokenizer) -> None:
     TokenizerWrapper, written with ``tool_calls``."""
     prompt = tool_prompt(tokenizer)
     special = [tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS]
-    script = script_tokens(tokenizer, TOOL_CALL_TEXT, [prompt[-1], BOS_ID, EOS_ID, *special])
+    script = script_tokens(tokenizer, TOOL_CALL_TEXT, [prompt[-1], *special])
     head_path = _head_path(model)
     hidden = _head_inputs(model, head_path, prompt + script)[len(prompt) - 1:]  # [n, D]: s_0 .. s_n
     targets = mx.array(script + [EOS_ID])
