@@ -1,7 +1,7 @@
 """What a user chooses: the load options LOAD carries and the generation
 parameters GENERATE carries, each checked on rank 0 before any rank acts;
 and the typed commands that carry them (and the others) to every rank.
-The dispatch modes themselves and ``auto``'s rule are in ``dispatch/modes.py``.
+The dispatch modes themselves are in ``dispatch/modes.py``, ``auto``'s rule in ``decide/rule.py``.
 """
 
 import argparse
@@ -53,7 +53,7 @@ class LoadOptions:
     expert_capacity: Optional[int] = None  # experts resident per layer and rank; the rest paged in (paging.py)
     memory_budget_gb: Optional[float] = None  # weight bytes a rank may hold: sets its expert capacity (paging.py)
     # "whole": each expert on one rank; "width": every expert cut over the ranks; "auto": under
-    # --dispatch auto, the one dispatch/splitcost.py weighs cheaper at load where nothing needs whole
+    # --dispatch auto, the one decide/splitcost.py weighs cheaper at load where nothing needs whole
     # experts (else whole); the engine's options hold the cut taken
     expert_split: str = AUTO_SPLIT
     record_routing: bool = False  # count routed slots per expert for the routing file (--record-routing)

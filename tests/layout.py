@@ -31,6 +31,7 @@ LAYERS: list[set[str]] = [
     {"mlxdist.dispatch"},
     {"mlxdist.config", "mlxdist.ship"},
     {"mlxdist.model"},
+    {"mlxdist.decide"},
     {"mlxdist.engine"},
     {"mlxdist.serving"},
     {"mlxdist.commands"},

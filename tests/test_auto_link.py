@@ -3,7 +3,7 @@ job on the same two ranks, once over the bare transport and once through the
 link emulator (mlxdist/bench/linkemu, 50 ms a collective), chooses
 differently, and --verbose says what it measured and why.
 
-The model's reading (dispatch/linkcost.py): a batch of one sequence per rank
+The model's reading (decide/linkcost.py): a batch of one sequence per rank
 with the experts spread (--replicate never) runs dp on a fast link (each rank
 runs half the rows) and collective on the slow one (one all_sum per MoE layer
 where dp runs an all_gather and an all_sum); with every expert on every rank
@@ -19,7 +19,7 @@ import re
 import pytest
 
 from mlxdist.bench.linkemu import EmulatedLink, link_env
-from mlxdist.dispatch.linkcost import LOCAL
+from mlxdist.decide.linkcost import LOCAL
 
 from conftest import launch
 

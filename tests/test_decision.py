@@ -1,4 +1,4 @@
-"""auto's stored decision (engine/decision.py): the file read back exactly,
+"""auto's stored decision (decide/decision.py): the file read back exactly,
 every damaged or hostile file refused with a reason (never an exception),
 the key, and --exact's checks; then, under mpirun, the default launched
 twice with one seed (the second reuses the decision: the same text), and
@@ -15,10 +15,9 @@ import pytest
 
 from mlxdist.bench.linkemu import EmulatedLink, link_env
 from mlxdist.config import LoadOptions
-from mlxdist.dispatch import modes, traffic
-from mlxdist.dispatch.linkcost import AutoInputs, DenseCost, LinkCost
-from mlxdist.dispatch.splitcost import ExpertWork, choose_split
-from mlxdist.engine import decision
+from mlxdist.decide import decision, rule, traffic
+from mlxdist.decide.linkcost import AutoInputs, DenseCost, LinkCost
+from mlxdist.decide.splitcost import ExpertWork, choose_split
 from mlxdist.errors import UserError
 
 from conftest import ROOT, last_json, launch
@@ -50,8 +49,8 @@ def test_a_decision_reads_back_bit_for_bit():
     assert back == split and back.describe() == split.describe()
     for b in (1, 2, 3, 4, 8, 32, 64):
         loaded = ["collective", "collective-tp", "replicas"]
-        assert (modes.auto_choice(loaded, b, 2, "mpi", "whole", inputs)
-                == modes.auto_choice(loaded, b, 2, "mpi", "whole", INPUTS))
+        assert (rule.auto_choice(loaded, b, 2, "mpi", "whole", inputs)
+                == rule.auto_choice(loaded, b, 2, "mpi", "whole", INPUTS))
 
 
 def hostile_bodies():
@@ -159,7 +158,7 @@ def test_exact_runs_where_every_batch_can_be_exact(dispatch):
     options = LoadOptions("m", dispatch=dispatch, exact=True)
     options.validate()
     assert not options.may_replicate and not options.may_cut_in_width
-    assert modes.strategies(dispatch, False, "mpi", True, everywhere=False, exact=True) == [
+    assert rule.strategies(dispatch, False, "mpi", True, everywhere=False, exact=True) == [
         "collective" if dispatch == "auto" else dispatch]
 
 

@@ -1,13 +1,13 @@
-"""auto's cost model (dispatch/linkcost.py, modes.auto_choice) as plain
+"""auto's cost model (decide/linkcost.py, rule.auto_choice) as plain
 functions: on a link as fast as one host's it is the rule measured there
-(modes.auto_strategy); a dearer link moves it to the strategy that puts
+(rule.auto_strategy); a dearer link moves it to the strategy that puts
 less on the wire per step, by the measured latency and bandwidth."""
 
 import pytest
 
-from mlxdist.dispatch import modes
-from mlxdist.dispatch.linkcost import LOCAL, AutoInputs, DenseCost, LinkCost, estimate
-from mlxdist.dispatch.traffic import Shape
+from mlxdist.decide import rule as auto_rule
+from mlxdist.decide.linkcost import LOCAL, AutoInputs, DenseCost, LinkCost, estimate
+from mlxdist.decide.traffic import Shape
 
 TINY = Shape(hidden=64, top_k=4, layers=3, moe_layers=3, itemsize=4)  # the tests' qwen3_moe
 QWEN3_30B = Shape(hidden=2048, top_k=8, layers=48, moe_layers=48, itemsize=2)
@@ -18,11 +18,11 @@ SLOW = LinkCost(50e-3, 1 / 1000e9)  # tests/test_auto_link.py's emulated link
 
 
 def loaded(split: str, backend: str, shardable: bool = True, everywhere: bool = False):
-    return modes.strategies("auto", split == "width", backend, shardable, everywhere)
+    return auto_rule.strategies("auto", split == "width", backend, shardable, everywhere)
 
 
 def choose(batch, ranks, backend, split, link, dense=DENSE[1], shape=TINY, shardable=True, everywhere=False):
-    return modes.auto_choice(loaded(split, backend, shardable, everywhere), batch, ranks, backend, split,
+    return auto_rule.auto_choice(loaded(split, backend, shardable, everywhere), batch, ranks, backend, split,
                              AutoInputs(link, dense, shape))
 
 
@@ -36,7 +36,7 @@ def test_on_a_fast_link_it_is_the_rule_measured_on_one_host(backend, split, shar
             for ranks in (2, 3, 4):
                 for batch in range(1, 8 * ranks + 3):
                     names = loaded(split, backend, shardable, everywhere)
-                    rule = modes.auto_strategy(batch, ranks, backend, split, modes.row_strategy(names))
+                    rule = auto_rule.auto_strategy(batch, ranks, backend, split, auto_rule.row_strategy(names))
                     expect = rule if rule in names else names[0]
                     got = choose(batch, ranks, backend, split, link, dense, shardable=shardable,
                                  everywhere=everywhere)
@@ -96,7 +96,7 @@ def test_estimates_follow_the_traffic_model():
 
 def test_the_choice_says_what_it_was_chosen_from():
     inputs = AutoInputs(SLOW, DENSE[1], TINY)
-    text = modes.auto_choice(["collective", "dp"], 2, 2, "mpi", "whole", inputs).describe()
+    text = auto_rule.auto_choice(["collective", "dp"], 2, 2, "mpi", "whole", inputs).describe()
     assert text.startswith("auto: b = 2 on 2 ranks runs collective; per step: collective ")
     assert "dp " in text and "6 collectives" in text
     assert "50000 us per collective" in inputs.describe()
@@ -135,11 +135,11 @@ def test_one_sequence_runs_alone_where_the_link_costs_more_than_splitting_saves(
     names = loaded("whole", "mpi", everywhere=True)
     for link, expect in ((FAST[1], "collective-tp"), (LOCAL, "collective-tp"), (TEN_GBE, "replicas"),
                          (tb5, "replicas")):
-        got = modes.auto_choice(names, 1, 2, "mpi", "whole", inputs(link))
+        got = auto_rule.auto_choice(names, 1, 2, "mpi", "whole", inputs(link))
         assert got.strategy == expect, got.describe()
-    got = modes.auto_choice(names, 3, 4, "mpi", "whole", inputs(TEN_GBE))
+    got = auto_rule.auto_choice(names, 3, 4, "mpi", "whole", inputs(TEN_GBE))
     alone, rule = (next(e for e in got.estimates if e.strategy == s) for s in ("replicas", "collective-tp"))
     assert got.strategy == "replicas" and alone.wire == 0 and alone.collectives == 0
     assert alone.experts == pytest.approx(48 * 8 * 3e-6) and rule.experts == pytest.approx(48 * 8 * 3 / 4 * 3e-6)
     cheap_alone = AutoInputs(LOCAL, DenseCost(0.0, 1e-3), QWEN3_30B)  # running alone does less work here
-    assert modes.auto_choice(names, 3, 4, "mpi", "whole", cheap_alone).strategy == "collective-tp"
+    assert auto_rule.auto_choice(names, 3, 4, "mpi", "whole", cheap_alone).strategy == "collective-tp"

@@ -1,5 +1,5 @@
 """The product's shape, checked: every environment variable registered, no
-dispatch-mode name decided outside dispatch/ and the argument parsers, one
+dispatch-mode name decided outside dispatch/, decide/ and the argument parsers, one
 error hierarchy, the dispatch interface complete, and mlx.launch running one
 job (real mlx.launch on localhost)."""
 
@@ -74,7 +74,8 @@ def test_envs_reads_types_and_defaults(monkeypatch):
 
 
 # A mode's name compared (==, !=, in) or used as a dict key anywhere outside
-# dispatch/ and the parsers is a decision that belongs to the interface.
+# dispatch/, decide/ (auto's rule) and the parsers is a decision that belongs
+# to the interface.
 _MODE = r"""["'](?:auto|collective|collective-tp|p2p|dp)["']"""
 _DECISION = re.compile(rf"(==|!=|\bin\b)\s*\(?{_MODE}|{_MODE}\s*(==|!=|\bin\b)|\[{_MODE}\]")
 
@@ -83,7 +84,7 @@ def test_no_mode_name_decides_outside_dispatch():
     offenders = []
     for path in _modules():
         rel = path.relative_to(PACKAGE)
-        if rel.parts[0] == "dispatch":
+        if rel.parts[0] in ("dispatch", "decide"):
             continue
         for lineno, line in enumerate(path.read_text().splitlines(), 1):
             if "add_argument" in line or "choices=" in line:
@@ -181,6 +182,7 @@ LAYERS = [
     {"mlxdist.dispatch"},
     {"mlxdist.config", "mlxdist.ship"},
     {"mlxdist.model"},
+    {"mlxdist.decide"},
     {"mlxdist.engine"},
     {"mlxdist.serving"},
     {"mlxdist.commands"},

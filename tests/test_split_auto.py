@@ -1,6 +1,6 @@
 """--expert-split auto (the default) under real mpirun: at load the ranks
-weigh whole experts against experts cut in width (dispatch/splitcost.py,
-from what engine/split_probe.py measures on them) where nothing needs whole
+weigh whole experts against experts cut in width (decide/splitcost.py,
+from what decide/split_probe.py measures on them) where nothing needs whole
 experts, --verbose prints both cuts' estimated steps, and the cut taken is
 the one loaded, on every rank alike; where something needs whole experts or
 the experts cannot be cut, it keeps them whole and says why."""
@@ -11,7 +11,7 @@ import re
 import pytest
 
 from mlxdist.config import LoadOptions
-from mlxdist.dispatch.splitcost import BATCHES
+from mlxdist.decide.splitcost import BATCHES
 
 from conftest import launch
 

@@ -1,4 +1,4 @@
-"""--expert-split auto's rule (dispatch/splitcost.py) and the load it weighs
+"""--expert-split auto's rule (decide/splitcost.py) and the load it weighs
 (engine/split_probe.busiest_load) as plain functions: whole experts leave
 the busiest rank over the mean share of a step's slots; width wins where its
 narrow products cost what their bytes say and splits the dense part for one
@@ -8,10 +8,10 @@ experts win; near ties keep whole."""
 
 import pytest
 
-from mlxdist.dispatch.linkcost import LOCAL, AutoInputs, DenseCost, LinkCost
-from mlxdist.dispatch.splitcost import BATCHES, TIE, ExpertWork, choose_split
-from mlxdist.dispatch.traffic import Shape
-from mlxdist.engine.split_probe import busiest_load
+from mlxdist.decide.linkcost import LOCAL, AutoInputs, DenseCost, LinkCost
+from mlxdist.decide.splitcost import BATCHES, TIE, ExpertWork, choose_split
+from mlxdist.decide.traffic import Shape
+from mlxdist.decide.split_probe import busiest_load
 
 QWEN3_30B = Shape(hidden=2048, top_k=8, layers=48, moe_layers=48, itemsize=2)
 DENSE = DenseCost(fixed=4e-3, per_row=2e-5, split=0.8)

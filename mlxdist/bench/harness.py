@@ -26,7 +26,8 @@ import mlx.core as mx
 from mlxdist.bench import probes  # noqa: F401  (registers the probes, on every rank)
 from mlxdist.bench import speculative
 from mlxdist.inputs.digits import arg_int
-from mlxdist.dispatch import DISPATCH_MODES, DenseRanks, modes, traffic
+from mlxdist.dispatch import DISPATCH_MODES, DenseRanks, modes
+from mlxdist.decide import traffic
 from mlxdist.config import AUTO_SPLIT, EXPERT_SPLITS, REPLICATE
 from mlxdist.model.checkpoint import text_config
 from mlxdist.runtime.world import BACKENDS

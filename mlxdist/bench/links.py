@@ -1,5 +1,5 @@
 """Generation tok/s projected over a link between machines, from what each
-strategy puts on the wire per decode step (``dispatch/traffic.py``).
+strategy puts on the wire per decode step (``decide/traffic.py``).
 
 A projection adds, per layer, hops x latency + bytes / bandwidth to the step
 time measured on one machine (where the ranks' exchange is loopback, small
@@ -9,7 +9,7 @@ against these links): a model, not a measurement.
 from dataclasses import dataclass
 from typing import Dict, Optional
 
-from mlxdist.dispatch.traffic import WIDTH_STRATEGIES, Shape, collectives, traffic  # noqa: F401 (re-exported)
+from mlxdist.decide.traffic import WIDTH_STRATEGIES, Shape, collectives, traffic  # noqa: F401 (re-exported)
 
 
 @dataclass(frozen=True)

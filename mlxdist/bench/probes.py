@@ -36,7 +36,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlxdist.compat import never_stop_at_eos
-from mlxdist.dispatch import traffic
+from mlxdist.decide import traffic
 from mlxdist.commands.executor import CommandExecutor, register_probe
 from mlxdist.model.switch import DistributedSwitch
 from mlxdist.runtime.world import World

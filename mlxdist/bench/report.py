@@ -179,7 +179,7 @@ def markdown(result: Dict[str, Any]) -> str:
                   f"max |logprob diff| {r['vs_exact']['max_logprob_diff']:.2e} before it" for r in close]
     chosen = [r for r in result["results"] if r.get("link_choice")]
     if chosen:
-        lines += ["", "What `auto` measured at load and chose from (`dispatch/linkcost.py`, docs/modes.md):", ""]
+        lines += ["", "What `auto` measured at load and chose from (`decide/linkcost.py`, docs/modes.md):", ""]
         for measured in dict.fromkeys(r["link_choice"]["measured"] for r in chosen):
             lines += [f"- {measured}:"] + [f"  - {r['link_choice']['choice']}" for r in chosen
                                            if r["link_choice"]["measured"] == measured]

@@ -10,7 +10,8 @@ width, S = T * K slots, E experts in the layer.
       y             = dispatcher.combine(y_local, handle)      # [.., K, D], every slot
 
 The interface (``base.py``) declares every hook and what each strategy is;
-``modes.py`` holds the modes a user picks and ``auto``'s rule. One strategy
+``modes.py`` holds the modes a user picks (``auto``'s rule is in
+``mlxdist/decide/``). One strategy
 per module, built by name in ``make_dispatcher``:
 
     collective     collective.py    all ranks run the dense model; one all_sum per layer
@@ -22,11 +23,11 @@ per module, built by name in ``make_dispatcher``:
 ``auto`` holds both collective and dp (with experts cut in width on MPI,
 collective-tp too; where every rank has room for the whole model, replicas
 in place of dp) and picks per batch the one whose step costs the least
-over the link measured at load (``modes.auto_choice``, ``linkcost.py``).
+over the link measured at load (``decide/rule.py``'s ``auto_choice``).
 
 ``ownership.py`` holds the per-layer expert-to-rank map, ``stats.py`` the
-counters, ``wire.py`` the p2p message format, ``traffic.py`` what each
-strategy puts on the wire per step. With one rank every strategy
+counters, ``wire.py`` the p2p message format (what each strategy puts on the
+wire per step is ``decide/traffic.py``). With one rank every strategy
 is an identity: the expert module sees the layer's input as is.
 """
 

@@ -18,11 +18,12 @@ import numpy as np
 from mlx_lm.generate import BatchResponse, GenerationResponse, generation_stream, stream_generate
 
 from mlxdist.config import GenerationParams, LoadOptions
+from mlxdist.decide import rule
 from mlxdist.dispatch import DenseRanks, Dispatcher, LayerOwnership, RowDispatcher, modes
-from mlxdist.dispatch.linkcost import AutoInputs, Choice
-from mlxdist.dispatch.splitcost import SplitChoice
+from mlxdist.decide.linkcost import AutoInputs, Choice
+from mlxdist.decide.splitcost import SplitChoice
 from mlxdist.engine.batch import batch_generate
-from mlxdist.engine.decision import Decision
+from mlxdist.decide.decision import Decision
 from mlxdist.engine.dp_schedule import DataParallelGeneration
 from mlxdist.engine.replicas import generate_own_share
 from mlxdist.engine.sampling import sequence_samplers
@@ -120,13 +121,13 @@ class Engine:
 
     def strategy_for(self, batch: int) -> str:
         """The loaded strategy that runs a generation of ``batch`` sequences:
-        from the link measured at load where there is one (``modes.auto_choice``),
-        else ``modes.choose``. The same on every rank: its inputs are agreed."""
+        from the link measured at load where there is one (``rule.auto_choice``),
+        else ``rule.choose``. The same on every rank: its inputs are agreed."""
         loaded = list(self.dispatchers)
         if self.auto_inputs is None or len(loaded) < 2:
-            return modes.choose(self.options.dispatch, loaded, batch, self.world.size, self.world.backend,
+            return rule.choose(self.options.dispatch, loaded, batch, self.world.size, self.world.backend,
                                 self.options.expert_split)
-        choice = modes.auto_choice(loaded, batch, self.world.size, self.world.backend, self.options.expert_split,
+        choice = rule.auto_choice(loaded, batch, self.world.size, self.world.backend, self.options.expert_split,
                                    self.auto_inputs)
         changed = self.choice is None or choice.strategy != self.choice.strategy
         self.choice = choice

@@ -21,13 +21,14 @@ from mlx_lm.utils import load_tokenizer
 
 from mlxdist import __version__, envs
 from mlxdist.config import AUTO_SPLIT, LoadOptions
+from mlxdist.decide import rule
 from mlxdist.dispatch import DenseRanks, LayerOwnership, make_dispatcher, modes
-from mlxdist.dispatch.linkcost import AutoInputs, LinkCost
-from mlxdist.dispatch.splitcost import choose_split
-from mlxdist.engine.costs import measure_auto_inputs, model_shape, split_bytes
-from mlxdist.engine.decision import Recalled, recall, settle, usable
+from mlxdist.decide.linkcost import AutoInputs, LinkCost
+from mlxdist.decide.splitcost import choose_split
+from mlxdist.decide.costs import measure_auto_inputs, model_shape, split_bytes
+from mlxdist.decide.decision import Recalled, recall, settle, usable
 from mlxdist.engine.engine import Engine, Split
-from mlxdist.engine.split_probe import dense_linear_bytes, measure_split_inputs
+from mlxdist.decide.split_probe import dense_linear_bytes, measure_split_inputs
 from mlxdist.errors import UserError, one_line
 from mlxdist.ship.fetch import Located, fetch_share, locate_model, rank_spans
 from mlxdist.model.checkpoint import (
@@ -230,7 +231,7 @@ def _replicates(world: World, options: LoadOptions, lazy: _Lazy, found: List[Ran
 def _recall(world: World, options: LoadOptions, located: Located, plan: Placement) -> Optional[Recalled]:
     """Where ``auto`` may measure (more than one rank, not --exact, rank 0
     without MLXDIST_AUTO_LINK=local): its stored decision's key, and rank
-    0's stored decision (``engine/decision.py``); else None."""
+    0's stored decision (``decide/decision.py``); else None."""
     if world.size == 1 or options.exact or not modes.mode(options.dispatch).measures_link:
         return None
     if _link_wanted(world) == "local":
@@ -247,8 +248,8 @@ def _expert_split(world: World, options: LoadOptions, lazy: _Lazy, plan: Placeme
     where every rank holds every expert (replicas for batches, collective-tp
     for one sequence), where memories differ (whole experts fill each as it
     has room), where the experts cannot be cut in width, and where rank 0
-    has MLXDIST_AUTO_LINK=local; else the cut ``dispatch/splitcost.py``
-    weighs cheaper from what the ranks measure here (``engine/split_probe.py``),
+    has MLXDIST_AUTO_LINK=local; else the cut ``decide/splitcost.py``
+    weighs cheaper from what the ranks measure here (``decide/split_probe.py``),
     or the one ``recalled`` holds from an earlier load."""
     if options.expert_split != AUTO_SPLIT:
         return options, None
@@ -310,19 +311,19 @@ def _strategies(world: World, options: LoadOptions, lazy: _Lazy, by_width: bool,
     rank: replicas in place of dp), and each MoE block class's router
     weights where one of them needs them (under ``auto``, a model whose
     blocks cannot be read runs without dp)."""
-    strategies = modes.strategies(options.dispatch, by_width, world.backend, lazy.split is not None,
+    strategies = rule.strategies(options.dispatch, by_width, world.backend, lazy.split is not None,
                                   everywhere=plan.on_every_rank, exact=options.exact)
     strategies = strategies if world.size > 1 else strategies[:1]  # one rank: every strategy is the identity
-    if lazy.unsplit is not None and world.is_root and modes.splits_dense(modes.strategies(
+    if lazy.unsplit is not None and world.is_root and rule.splits_dense(rule.strategies(
             options.dispatch, by_width, world.backend, True, everywhere=plan.on_every_rank, exact=options.exact)):
         print(f"mlxdist: note: auto runs one sequence as collective, not split by mlx-lm's shard() (collective-tp): "
               f"{lazy.unsplit}", file=sys.stderr, flush=True)
     routers: Dict[type, RouterWeights] = {}
-    if modes.uses_router_weights(strategies):
+    if rule.uses_router_weights(strategies):
         try:
             routers = _find_routing_weights(lazy.model, lazy.sites, lazy.config)
         except UserError as e:  # auto: blocks dp cannot read run collective for every batch
-            strategies = modes.without_router_weights(options.dispatch, strategies, e)
+            strategies = rule.without_router_weights(options.dispatch, strategies, e)
     return strategies, routers
 
 
@@ -346,7 +347,7 @@ def _dispatchers(world: World, options: LoadOptions, lazy: _Lazy, strategies: Li
 def _measure_for_auto(world: World, options: LoadOptions, lazy: _Lazy, dispatchers: Dict[str, Any],
                       routers: Dict[type, RouterWeights], twin: Optional[nn.Module],
                       link: Optional[LinkCost], recalled: Optional[Recalled] = None) -> Optional[AutoInputs]:
-    """What ``auto`` chooses from besides b and N (``engine/costs.py``),
+    """What ``auto`` chooses from besides b and N (``decide/costs.py``),
     where it has a choice: ``recalled``'s, stored at an earlier load, else
     measured here, on every rank, agreed; None (its rule on one host's
     link) where rank 0 has MLXDIST_AUTO_LINK=local. ``link``: the link as

@@ -195,7 +195,7 @@ class Handler(compat.APIHandler):
         """mlx-lm's status, the port served (the one the system gave for
         ``--port 0``), rank 0's process id (whose SIGINT stops the job
         cleanly), the ranks, and how ``auto`` decided at load (stored,
-        measured or fixed: ``engine/decision.py``)."""
+        measured or fixed: ``decide/decision.py``)."""
         generator = self.response_generator
         healthy = generator.is_healthy
         decision = generator.model_provider.engine.decision

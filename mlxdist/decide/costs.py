@@ -1,5 +1,5 @@
 """What a decode step costs on this cluster, measured once at load for
-``auto`` (``dispatch/linkcost.py`` chooses from it).
+``auto`` (``decide/linkcost.py`` chooses from it).
 
     link   the ranks time MLX ``all_sum``s on the dispatch's group and on
            mlx-lm's generation stream, as a decode step runs them: ``CHAIN``
@@ -29,8 +29,8 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.generate import generation_stream
 
-from mlxdist.dispatch import traffic
-from mlxdist.dispatch.linkcost import AutoInputs, DenseCost, LinkCost, row_bytes
+from mlxdist.decide import traffic
+from mlxdist.decide.linkcost import AutoInputs, DenseCost, LinkCost, row_bytes
 from mlxdist.errors import one_line
 from mlxdist.model.checkpoint import hidden_size
 from mlxdist.runtime import faults

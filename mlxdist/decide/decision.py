@@ -37,10 +37,10 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from mlxdist import __version__, envs
 from mlxdist.config import LoadOptions
-from mlxdist.dispatch import traffic
-from mlxdist.dispatch.linkcost import AutoInputs, DenseCost, LinkCost
+from mlxdist.decide import traffic
+from mlxdist.decide.linkcost import AutoInputs, DenseCost, LinkCost
 from mlxdist.dispatch.modes import STRATEGIES
-from mlxdist.dispatch.splitcost import BATCHES, CUTS, SplitChoice
+from mlxdist.decide.splitcost import BATCHES, CUTS, SplitChoice
 from mlxdist.runtime.agreement import exchange
 from mlxdist.runtime.world import World
 

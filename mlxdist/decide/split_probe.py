@@ -1,5 +1,5 @@
 """What ``--expert-split auto`` chooses from, measured at load before a byte
-of the experts is read (``dispatch/splitcost.py`` chooses):
+of the experts is read (``decide/splitcost.py`` chooses):
 
     experts  each rank times the expert products of one MoE layer as mlx-lm
              runs them (its switch layers' own ``__call__``: ``gather_qmm`` /
@@ -13,7 +13,7 @@ of the experts is read (``dispatch/splitcost.py`` chooses):
              are built; a step touching more is timed on that many with as
              many slots per expert, and scaled by the experts it touches (a
              product's cost is its expert's weights, read once);
-    link     ``engine/costs.py``'s all_sum rounds;
+    link     ``decide/costs.py``'s all_sum rounds;
     dense    not yet loaded, so estimated from its bytes: the dense linear
              layers' bytes times the seconds per byte the probe's experts
              took at one row and per row beyond it; the share ``shard()``
@@ -30,10 +30,10 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from mlxdist.dispatch import traffic
-from mlxdist.dispatch.linkcost import AutoInputs, DenseCost
-from mlxdist.dispatch.splitcost import BATCHES, ExpertWork
-from mlxdist.engine.costs import ROWS, fastest, link_cost, link_rounds
+from mlxdist.decide import traffic
+from mlxdist.decide.linkcost import AutoInputs, DenseCost
+from mlxdist.decide.splitcost import BATCHES, ExpertWork
+from mlxdist.decide.costs import ROWS, fastest, link_cost, link_rounds
 from mlxdist.model.balance import bytes_per_expert
 from mlxdist.model.checkpoint import FROM_HIDDEN, SwitchSite, hidden_axis, projections
 from mlxdist.errors import one_line

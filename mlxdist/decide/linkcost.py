@@ -1,5 +1,5 @@
 """``auto``'s cost model: which loaded strategy runs a decode step the
-cheapest over the link the ranks measured at load (``engine/costs.py``).
+cheapest over the link the ranks measured at load (``decide/costs.py``).
 
 Notation: b sequences in the batch, N ranks, L layers (L_moe of them MoE).
 Per decode step and rank, for each candidate strategy s:
@@ -22,7 +22,7 @@ one all_sum of [b, K, D] per MoE layer; dp: an all_gather of [b/N, D] and an
 all_sum of [b, D] per MoE layer; collective-tp: two all_sums of [b, D] in
 every layer); replicas run none.
 
-Today's thresholds stay as they were measured (``modes.auto_strategy``):
+Today's thresholds stay as they were measured (``rule.auto_strategy``):
 ``dp`` and replicas are candidates from ``AUTO_DP_ROWS_PER_RANK`` rows per
 rank (replicas from one), and ties go to the fast-link choice. Those
 thresholds were measured on ranks of one host, whose collectives cost what
@@ -43,7 +43,7 @@ rank chooses alike.
 from dataclasses import dataclass, replace
 from typing import List, Sequence, Tuple
 
-from mlxdist.dispatch import traffic
+from mlxdist.decide import traffic
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ For each cut and each batch b in ``BATCHES``, a decode step is estimated as
                    + moe_layers x experts(cut, b)
 
 where ``experts(cut, b)`` is the busiest rank's expert work in one MoE layer,
-timed on this cluster at load (``engine/split_probe.py``): whole, the slots
+timed on this cluster at load (``decide/split_probe.py``): whole, the slots
 of b rows that land on the experts of the rank that got the most, at full
 width; width, every slot of the b rows at 1/N of the width. Whole experts
 leave that rank well over the mean share at b = 1 (K slots over N ranks),
@@ -26,8 +26,8 @@ paged, and fitted to unequal memories).
 from dataclasses import dataclass
 from typing import Dict, Tuple
 
-from mlxdist.dispatch import modes
-from mlxdist.dispatch.linkcost import AutoInputs
+from mlxdist.decide import rule
+from mlxdist.decide.linkcost import AutoInputs
 
 __all__ = ["BATCHES", "TIE", "ExpertWork", "SplitChoice", "choose_split"]
 
@@ -69,10 +69,10 @@ def choose_split(inputs: AutoInputs, work: ExpertWork, ranks: int, backend: str,
     steps: Dict[str, Dict[int, float]] = {}
     strategies: Dict[str, Dict[int, str]] = {}
     for cut in CUTS:
-        loaded = modes.strategies("auto", cut == "width", backend, shardable)
+        loaded = rule.strategies("auto", cut == "width", backend, shardable)
         steps[cut], strategies[cut] = {}, {}
         for b in BATCHES:
-            choice = modes.auto_choice(loaded, b, ranks, backend, cut, inputs)
+            choice = rule.auto_choice(loaded, b, ranks, backend, cut, inputs)
             steps[cut][b] = choice.estimates[0].total + inputs.shape.moe_layers * work.seconds[cut][b]
             strategies[cut][b] = choice.strategy
     worst = {}
