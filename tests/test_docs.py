@@ -56,6 +56,7 @@ RUN = {
 PARSE = {
     ("README.md", "launch/mpirun -np 2 python -m mlxdist.serve"): "a server waits for requests until stopped (tests/test_serve.py)",
     ("docs/serving.md", "launch/mpirun -np 2 python -m mlxdist.serve"): "a server waits for requests until stopped (tests/test_serve.py)",
+    ("docs/serving.md", "python -m mlxdist.serve --ranks 2"): "the front serves until stopped (tests/test_front.py)",
     ("docs/api.md", "launch/mpirun -np 2 python -m mlxdist.run --model DIR -p \"Hello\" --backend ring"): "the ring backend on one host: tests/test_backends.py",
     ("docs/launchers.md", "launch/mpirun -np 2 python -m mlxdist.run --model DIR -p \"Hello\" --backend ring"): "the ring backend on one host: tests/test_backends.py",
     ("docs/api.md", "launch/mpirun -np 2 python -m mlxdist.run --model M --jobs"): "README's job-file command (run there)",
@@ -247,8 +248,12 @@ def _parsers():
     from mlxdist.cli.place import build_parser as place
     from mlxdist.cli.run import build_parser as run
     from mlxdist.cli.serve import build_parser as serve
+    from mlxdist.front.settings import build_front_parser as front
 
-    return {"mlxdist.run": run().parse_args, "mlxdist.serve": serve().parse_args,
+    def serve_args(argv):  # --ranks: the front's options too
+        return (front() if "--ranks" in argv else serve()).parse_args(argv)
+
+    return {"mlxdist.run": run().parse_args, "mlxdist.serve": serve_args,
             "mlxdist.place": place().parse_args, "mlxdist.bench": bench_args}
 
 
