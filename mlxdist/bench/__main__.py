@@ -8,6 +8,7 @@ maintainer runs, one module per command.
     serve          the HTTP server under concurrent clients (serve.py)
     capacity       expert paging under a memory budget (capacity.py)
     survival       generation through a lost rank (survival.py)
+    recovery       a served model through a lost rank: detection, serving again, growing back (recovery.py)
     placement      even, balanced and replicated placements side by side (placement.py)
     link           what an emulated link (compare --link) adds to MPI calls, measured (linkemu/)
     project        large MoE models on 2 and 4 Macs, projected from shapes and link costs (projection.py)
@@ -21,7 +22,7 @@ import sys
 COMMANDS = {
     "run": "harness", "compare": "compare", "mlxlm": "mlxlm", "one-rank": "one_rank", "serve": "serve",
     "capacity": "capacity", "survival": "survival", "placement": "placement", "link": "linkemu",
-    "project": "projection", "stress": "stress",
+    "project": "projection", "stress": "stress", "recovery": "recovery",
 }
 
 

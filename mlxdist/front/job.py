@@ -220,6 +220,12 @@ class RankJob:
         return len(self._plan.slots) if self._plan else 0
 
     @property
+    def launcher_pid(self) -> Optional[int]:
+        """The process id of the running start's launcher (its session holds every local rank)."""
+        launch = self._launch
+        return launch.proc.pid if launch is not None and launch.proc.poll() is None else None
+
+    @property
     def hosts(self) -> List[str]:
         """Each rank's host, in rank order."""
         return [s.host for s in self._plan.slots] if self._plan else []
