@@ -1,13 +1,14 @@
-"""Serving through a lost rank (front/job.py's RankJob, front/recovery.py) and
-a job file through one (python -m mlxdist.supervise), under real mpirun on
-this machine.
+"""Serving through a lost rank (python -m mlxdist.serve --ranks 3: the
+front, front/job.py's RankJob, front/recovery.py) and a job file through
+one (python -m mlxdist.supervise), under real mpirun on this machine.
 
-One job of 3 ranks takes its faults in sequence: rank 1 stopped (SIGSTOP, a
-sleeping Mac) while a plain request and a stream are live; the job grows
-back to 3 once rank 1's host answers; then rank 2 killed (kill -9). Each
-time: no request waits more than the heartbeat plus 5 s without an answer,
-the stream ends with an error event, the job serves again on the 2 ranks
-left within 60 s, and greedy answers equal mlx-lm's alone."""
+One front of 3 ranks takes its faults in sequence: rank 1 stopped (SIGSTOP,
+a sleeping Mac) while a plain request and a stream are live; the front grows
+back to 3 at a quiet moment (not while a stream is live); then rank 2 killed
+(kill -9). Each time: no request waits more than the heartbeat plus 5 s
+without an answer (503 with Retry-After meanwhile), the stream ends with an
+error event, a client told 503 is answered once it retries, the front serves
+again on the 2 ranks left within 60 s, and greedy answers equal mlx-lm's."""
 
 import json
 import os
@@ -17,15 +18,15 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 
 import pytest
 
 from conftest import ROOT, mpirun_env
-from test_serve import alone, launcher_rank_of
+from test_front import EOS, Front
+from test_serve import KEY, alone, launcher_rank_of
 
 HEARTBEAT = 5.0
+REGROW_EVERY = 8.0
 ANSWERED_WITHIN = HEARTBEAT + 5
 SERVING_AGAIN_WITHIN = 60.0
 PROMPT = "Request 3: tokens tokens"
@@ -40,71 +41,39 @@ def wait_for(predicate, timeout: float, what: str) -> float:
     return time.monotonic() - start
 
 
-def in_state(job, *states):
-    """A predicate: the job is in one of ``states``; AssertionError once it has stopped by itself."""
-    def check():
-        assert job.state != "stopped" or "stopped" in states, f"the job stopped: {job.error}"
-        return job.state in states
-    return check
-
-
-def rank_pids(job):
-    """The job's rank processes by rank (its launcher's session, the launcher's rank in their environment)."""
-    sid = job.launcher_pid
-    out = subprocess.run(["ps", "-A", "-o", "pid=,args="], capture_output=True, text=True).stdout
-    pids = []
-    for line in out.splitlines():
-        pid = int(line.split()[0])
-        try:
-            if os.getsid(pid) == sid and "-m mlxdist.serve" in line and "prterun" not in line and "mpirun" not in line:
-                pids.append(pid)
-        except OSError:
-            continue
-    return sorted(pids, key=launcher_rank_of)
-
-
-def post(job, body, timeout=120):
-    """(status, body) of a POST to the job's rank server; (None, reason) where the connection failed."""
-    req = urllib.request.Request(job.base_url + "/v1/completions", data=json.dumps(body).encode(), method="POST",
-                                 headers={"Content-Type": "application/json",
-                                          "Authorization": f"Bearer {job.api_key}"})
+def status_of(front):
+    """/health's status (None where the front did not answer in time)."""
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
-    except OSError as e:
-        return None, repr(e)
-
-
-def greedy(job, max_tokens=8):
-    status, body = post(job, {"prompt": PROMPT, "max_tokens": max_tokens})
-    assert status == 200, (status, body)
-    return body["choices"][0]["text"]
+        return front.health()[2]["status"]
+    except OSError:
+        return None
 
 
 class Live:
-    """A long plain request and a long stream, each in a thread of its own,
-    with when each got its answer or its end."""
+    """A long plain request and a long stream through the front, each in a
+    thread of its own, with when each got its answer or its end."""
 
-    def __init__(self, job):
+    def __init__(self, front):
         self.plain, self.stream, self.events = {}, {}, []
-        url, key = job.base_url, job.api_key
-        threading.Thread(target=self._plain, args=(job,), daemon=True).start()
-        threading.Thread(target=self._stream, args=(url, key), daemon=True).start()
+        threading.Thread(target=self._plain, args=(front,), daemon=True).start()
+        threading.Thread(target=self._stream, args=(front,), daemon=True).start()
         wait_for(lambda: len(self.events) >= 2, 60, "stream events")
 
-    def _plain(self, job):
-        self.plain["answer"] = post(job, {"prompt": PROMPT, "max_tokens": 4000})
+    def _plain(self, front):
+        try:
+            self.plain["answer"] = front.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 3000,
+                                                                  "logit_bias": {str(EOS): -100}})
+        except OSError as e:
+            self.plain["answer"] = (None, None, repr(e))
         self.plain["at"] = time.monotonic()
 
-    def _stream(self, url, key):
+    def _stream(self, front):
         import httpx
 
-        body = {"prompt": PROMPT, "max_tokens": 4000, "stream": True}
+        body = {"prompt": PROMPT, "max_tokens": 3000, "stream": True, "logit_bias": {str(EOS): -100}}
         try:
-            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120,
-                              headers={"Authorization": f"Bearer {key}"}) as r:
+            with httpx.stream("POST", front.url + "/v1/completions", json=body, timeout=120,
+                              headers={"Authorization": f"Bearer {KEY}"}) as r:
                 for line in r.iter_lines():
                     if line.startswith("data: "):
                         self.events.append(line[6:])
@@ -113,65 +82,89 @@ class Live:
         self.stream["at"] = time.monotonic()
 
 
-def check_fault(job, victim_rank, sig, full_ranks):
-    """``sig`` to the job's rank ``victim_rank`` with a plain request and a
-    stream live: both answered within the heartbeat + 5 s, the job serving
-    again (degraded, on one rank fewer) within 60 s, greedy as mlx-lm."""
-    victim = rank_pids(job)[victim_rank]
-    live = Live(job)
+def check_fault(front, victim_rank, sig, expected):
+    """``sig`` to rank ``victim_rank`` with a plain request and a stream
+    live: both answered within the heartbeat + 5 s (503; an error event
+    after a chunk whose finish_reason is "error"), a request meanwhile 503
+    with Retry-After at once and answered once it retries after recovery,
+    the front serving again (degraded, one rank fewer) within 60 s of the
+    fault, greedy as mlx-lm. The victim's pid."""
+    victim = front.rank_pids()[victim_rank]
+    live = Live(front)
     os.kill(victim, sig)
     hit = time.monotonic()
-    noticed = wait_for(in_state(job, "recovering"), ANSWERED_WITHIN, "recovering state")
-    wait_for(lambda: "at" in live.plain and "at" in live.stream, ANSWERED_WITHIN + 2, "answer to the live requests")
-    status, body = live.plain["answer"]
-    assert status == 503 or status is None, (status, str(body)[:500])  # 503, or the job's end under it
+    wait_for(lambda: status_of(front) in ("recovering", "starting"), ANSWERED_WITHIN, "recovering")
+    asked = time.monotonic()
+    status, headers, body = front.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 8})
+    assert status == 503 and int(headers["Retry-After"]) >= 1 and body["error"]["code"] == 503, (status, body)
+    assert time.monotonic() - asked < 5  # answered at once, not held
+    wait_for(lambda: "at" in live.plain and "at" in live.stream, ANSWERED_WITHIN + 2, "answers to the live requests")
     assert live.plain["at"] - hit < ANSWERED_WITHIN and live.stream["at"] - hit < ANSWERED_WITHIN
-    last = live.events[-1]
-    assert last != "[DONE]" and ('"error"' in last or last.startswith("connection:")), live.events[-3:]
-    again = wait_for(in_state(job, "ok", "degraded"), SERVING_AGAIN_WITHIN, "serving again")
-    assert job.state == "degraded" and job.ranks == full_ranks - 1, (job.state, job.ranks)
-    record = job.last_recovery
+    assert live.plain["answer"][0] == 503, live.plain["answer"]
+    events = [json.loads(e) for e in live.events if e.startswith("{")]
+    assert "[DONE]" not in live.events and events[-1].get("error") is not None, live.events[-3:]
+    assert events[-2]["choices"][0]["finish_reason"] == "error", live.events[-3:]
+    while True:  # the client that was told 503 retries after Retry-After
+        time.sleep(int(headers["Retry-After"]))
+        status, headers, body = front.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 8})
+        if status != 503:
+            break
+        assert time.monotonic() - hit < SERVING_AGAIN_WITHIN, "not serving again within 60 s"
+    assert status == 200 and body["choices"][0]["text"] == expected, body
+    status, _, health = front.health()
+    assert status == 200 and health["status"] == "degraded" and health["ranks"] == 2, health
+    record = health["last_recovery"]
     assert record["lost_rank"] == victim_rank and record["serving_again_after_s"] < SERVING_AGAIN_WITHIN, record
-    return victim, noticed, again
+    return victim, record
 
 
-def test_a_serving_job_survives_a_stopped_and_a_killed_rank(checkpoint):
-    """Failed before: no RankJob; a rank server that loses a rank ends for good."""
-    from mlxdist.front.job import JobSpec, RankJob
+def hold_growth_with_a_live_stream(front):
+    """Growing back waits for a quiet moment: while a stream is live, past
+    --regrow-every, the front stays degraded."""
+    import httpx
 
+    body = {"prompt": PROMPT, "max_tokens": 3000, "stream": True, "logit_bias": {str(EOS): -100}}
+    with httpx.stream("POST", front.url + "/v1/completions", json=body, timeout=120,
+                      headers={"Authorization": f"Bearer {KEY}"}) as r:
+        lines = r.iter_lines()
+        next(line for line in lines if line.startswith("data: "))
+        time.sleep(REGROW_EVERY + 4)
+        assert status_of(front) == "degraded"
+        next(lines)  # still streaming
+
+
+def test_the_front_serves_through_a_stopped_and_a_killed_rank(checkpoint):
+    """python -m mlxdist.serve --ranks 3: rank 1 stopped (a Mac asleep),
+    the front grows back to 3 once it answers, then rank 2 killed. Failed
+    before: no front; the rank server that loses a rank ends for good."""
     path = checkpoint("qwen3_moe")
     expected = alone(path, PROMPT, 8)
-    job = RankJob(JobSpec(3, ["--model", str(path), "--max-concurrent", "4"], heartbeat=HEARTBEAT,
-                          regrow_every=8.0, env=mpirun_env()))
-    job.start()
+    front = Front(path, ["--heartbeat", HEARTBEAT, "--regrow-every", REGROW_EVERY], ranks=3)
     try:
-        wait_for(in_state(job, "ok"), 180, "serving")
-        assert job.ranks == 3 and job.hosts == ["localhost"] * 3 and job.last_recovery is None
-        assert greedy(job) == expected
+        front.wait_for(("ok",))
+        status, body = front.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 8})[::2]
+        assert status == 200 and body["choices"][0]["text"] == expected, body
 
         # (a) rank 1 stopped: the heartbeat names it
-        victim, _, _ = check_fault(job, 1, signal.SIGSTOP, 3)
-        record = job.last_recovery
+        victim, record = check_fault(front, 1, signal.SIGSTOP, expected)
         assert record["detected_after_s"] == HEARTBEAT and record["host"] == socket.gethostname(), record
-        assert greedy(job) == expected
-        with job.request():  # a live request holds the growth back
-            time.sleep(10)
-            assert job.state == "degraded"
+        hold_growth_with_a_live_stream(front)
         try:
             os.kill(victim, signal.SIGCONT)  # mpirun ended it; a stopped Mac wakes up
         except ProcessLookupError:
             pass
-        wait_for(in_state(job, "ok"), 90, "growing back")
-        assert job.ranks == 3 and job.regrown_at is not None
-        assert greedy(job) == expected
+        status, _, health = front.wait_for(("ok",), timeout=REGROW_EVERY + 90)
+        assert health["ranks"] == 3 and len(front.rank_pids()) == 3, health
+        assert front.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 8})[2]["choices"][0]["text"] == expected
 
         # (c) rank 2 killed: the launcher says so at once
-        check_fault(job, 2, signal.SIGKILL, 3)
-        assert job.last_recovery["detected_after_s"] == 0.0 and job.recoveries == 2
-        assert greedy(job) == expected
-    finally:
-        job.stop_blocking()
-    assert job.state == "stopped" and job.base_url is None
+        _, record = check_fault(front, 2, signal.SIGKILL, expected)
+        assert record["detected_after_s"] == 0.0, record
+        assert front.metrics()["mlxdist_recoveries_total{}"] == 2
+    except BaseException:
+        front.kill()
+        raise
+    assert front.stop() == 0, front.stderr()[-3000:]
 
 
 def test_supervise_restarts_a_job_file_after_a_stopped_rank(checkpoint, tmp_path):
@@ -186,7 +179,7 @@ def test_supervise_restarts_a_job_file_after_a_stopped_rank(checkpoint, tmp_path
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         wait_for(lambda: out.exists() and out.read_text().count("\n") >= 2, 180, "first results")
-        ranks = sorted((p for p in _session_ranks(proc.pid)), key=launcher_rank_of)
+        ranks = _session_pids(proc.pid, "mlxdist.run")
         os.kill(ranks[1], signal.SIGSTOP)
         _, stderr = proc.communicate(timeout=300)
     finally:
@@ -199,17 +192,18 @@ def test_supervise_restarts_a_job_file_after_a_stopped_rank(checkpoint, tmp_path
     assert sorted(ids) == sorted(f"j{i}" for i in range(40)), ids
 
 
-def _session_ranks(sid):
+def _session_pids(sid, module):
+    """The rank processes of ``python -m MODULE`` in session ``sid``, by rank."""
     out = subprocess.run(["ps", "-A", "-o", "pid=,args="], capture_output=True, text=True).stdout
     found = []
     for line in out.splitlines():
         pid = int(line.split()[0])
         try:
-            if os.getsid(pid) == sid and "-m mlxdist.run" in line and "prterun" not in line and "mpirun" not in line:
+            if os.getsid(pid) == sid and f"-m {module}" in line and "prterun" not in line and "mpirun" not in line:
                 found.append(pid)
         except OSError:
             continue
-    return found
+    return sorted(found, key=launcher_rank_of)
 
 
 def test_hostile_job_options_are_one_line(capsys):
