@@ -2,8 +2,9 @@
 top-level module of ``mlxdist/`` with its line count, and the import arrows
 between them, function-level imports included.
 
-    python tests/layout.py            # this checkout's mlxdist/
+    python tests/layout.py              # this checkout's mlxdist/
     python tests/layout.py DIR/mlxdist  # another copy's
+    python tests/layout.py --doc        # without line counts, as docs/architecture.md holds it
 
 prints the picture ``docs/architecture.md`` holds (tests/test_shape.py checks
 that it is the current one). An arrow that runs up a layer is marked ``UP``;
@@ -38,6 +39,19 @@ LAYERS: list[set[str]] = [
     {"mlxdist.api"},
     {"mlxdist.cli", "mlxdist.bench", "mlxdist.run", "mlxdist.serve", "mlxdist.supervise", "mlxdist.place",
      "mlxdist.doctor", "mlxdist.cache", "mlxdist.launch", "mlxdist.front"},
+]
+LAYER_NAMES = [
+    "foundations (errors, variables, mlx-lm's private names, text read from outside, test checkpoints)",
+    "the job's ranks and control plane; value types",
+    "the exchange between ranks (dispatchers)",
+    "the options a load takes; how the model reaches every rank",
+    "the model on one rank",
+    "auto's decisions",
+    "generation",
+    "the server on every rank",
+    "what every rank does with each command",
+    "the Python API",
+    "entry points and tools",
 ]
 
 
@@ -103,8 +117,8 @@ def unit(module: str) -> str:
 
 
 def layer(module: str) -> int:
-    if module == "mlxdist":  # the package's __init__: the bottom layer (it must stay cheap)
-        return 0
+    if module == "mlxdist":  # the package's __init__: the public names, re-exported lazily (a facade on
+        return len(LAYERS) - 1  # top; nothing imports it by name: importing any module imports it)
     for i, names in enumerate(LAYERS):
         if unit(module) in names:
             return i
@@ -162,8 +176,10 @@ def top_level_modules() -> list[str]:
     return sorted(p.name for p in PACKAGE.glob("*.py"))
 
 
-def picture() -> str:
-    """The layout as text: units by layer with line counts, their arrows, the marks."""
+def picture(counts: bool = True) -> str:
+    """The layout as text: units by layer (with their line counts where
+    ``counts``), their arrows, the marks. ``docs/architecture.md`` holds it
+    without the counts, which change with every edit."""
     graph = module_graph()
     arrows = unit_graph(graph)
     units: dict[str, int] = {}
@@ -175,13 +191,14 @@ def picture() -> str:
     for a, b in arrows:
         unit_deps.setdefault(a, set()).add(b)
     in_circle = {frozenset(c) for c in circles(unit_deps)}
-    lines = [f"mlxdist/: {len(units)} units, {sum(units.values())} lines, "
-             f"{len(top_level_modules())} top-level modules ({', '.join(top_level_modules())})", ""]
+    top = top_level_modules()
+    lines = [f"mlxdist/: {len(units)} units" + (f", {sum(units.values())} lines" if counts else "")
+             + f", {len(top)} top-level modules ({', '.join(top)})", ""]
     up = 0
     circled = 0
     for i in range(len(LAYERS) - 1, -1, -1):
         members = sorted(u for u in units if layer(u) == i)
-        lines.append(f"layer {i}")
+        lines.append(f"layer {i}: {LAYER_NAMES[i]}")
         for u in members:
             short = u.removeprefix("mlxdist.")
             kind = "/" if (PACKAGE / short).is_dir() else ".py"
@@ -195,7 +212,8 @@ def picture() -> str:
                     marks.append("CIRCLE")
                     circled += 1
                 targets.append(b.removeprefix("mlxdist.") + (f" [{' '.join(marks)}]" if marks else ""))
-            lines.append(f"  {short + kind:<16} {units[u]:>5}  -> {', '.join(targets) if targets else '-'}")
+            size = f" {units[u]:>5}" if counts else ""
+            lines.append(f"  {short + kind:<14}{size}  -> {', '.join(targets) if targets else '-'}")
     lines.append("")
     module_circles = circles(graph)
     lines.append(f"{len(arrows)} arrows between units, {up} up a layer, {circled} in a circle; "
@@ -209,6 +227,9 @@ def picture() -> str:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1:  # another copy of the package, e.g. one `git archive` wrote
-        PACKAGE = Path(sys.argv[1]).resolve()
-    sys.stdout.write(picture())
+    args = sys.argv[1:]
+    doc = "--doc" in args  # the picture docs/architecture.md holds: no line counts
+    rest = [a for a in args if a != "--doc"]
+    if rest:  # another copy of the package, e.g. one `git archive` wrote
+        PACKAGE = Path(rest[0]).resolve()
+    sys.stdout.write(picture(counts=not doc))

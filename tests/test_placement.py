@@ -13,7 +13,8 @@ import pytest
 
 from conftest import error_lines, last_json, launch, mlx_lm_loaded
 from mlxdist.errors import PlacementError, UserError
-from mlxdist.model.balance import balanced, check_rank_memory, imbalance
+from mlxdist.model.balance import balanced, imbalance
+from mlxdist.model.fit import check_rank_memory
 from mlxdist.model.budgets import budgets_for_ranks, parse_rank_memory
 from mlxdist.values.placement import Placement
 from mlxdist.model.routing_file import RoutingStats

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+import layout
 from conftest import ROOT, error_lines, mpirun_env
 
 PACKAGE = ROOT / "mlxdist"
@@ -174,69 +175,49 @@ def test_mlx_launch_refuses_what_needs_mpi_in_one_line(checkpoint):
     assert proc.stdout.strip() == "", proc.stdout
 
 
-# The layers, bottom up; a module may import (at module level) only from its
-# own layer or below. Entry points (cli/, the shims, bench/) sit on top.
-LAYERS = [
-    {"mlxdist.envs", "mlxdist.errors", "mlxdist.inputs", "mlxdist.compat", "mlxdist.synth"},
-    {"mlxdist.runtime", "mlxdist.values"},
-    {"mlxdist.dispatch"},
-    {"mlxdist.config", "mlxdist.ship"},
-    {"mlxdist.model"},
-    {"mlxdist.decide"},
-    {"mlxdist.engine"},
-    {"mlxdist.serving"},
-    {"mlxdist.commands"},
-    {"mlxdist.api"},
-    {"mlxdist.cli", "mlxdist.bench", "mlxdist.run", "mlxdist.serve", "mlxdist.supervise", "mlxdist.place",
-     "mlxdist.doctor", "mlxdist.cache", "mlxdist.launch", "mlxdist.front"},
-]
+# The layers are tests/layout.py's (python tests/layout.py draws them). Every
+# import counts, function-level ones too; type-only ones (under TYPE_CHECKING)
+# do not. The arrows that may close a circle or run up a layer, and why:
+ALLOWED_ARROWS = {
+    ("mlxdist.errors", "mlxdist.envs"): "keep_traceback reads MLXDIST_DEBUG and MLXDIST_LOG_DIR through the one "
+                                        "registry (envs.py), which reports a bad value with errors.BadVariable: "
+                                        "one registry and one error hierarchy, each checked above",
+    ("mlxdist.cli.serve", "mlxdist.front"): "serve --ranks N hands its command line to the front, which reads "
+                                            "serve's own parser so that both take the same options",
+}
 
 
-def _layer(module: str) -> int:
-    if module == "mlxdist":  # the package's __init__: the bottom layer only (it must stay cheap)
-        return 0
-    for i, names in enumerate(LAYERS):
-        if any(module == n or module.startswith(n + ".") for n in names):
-            return i
-    raise AssertionError(f"{module} is in no layer of tests/test_shape.py")
-
-
-def _module_imports():
-    """{module: {mlxdist modules it imports at module level}} (function-level imports excluded)."""
-    graph = {}
-    for path in _modules():
-        rel = path.relative_to(ROOT).with_suffix("")
-        name = ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
-        deps = set()
-        for node in ast.parse(path.read_text()).body:
-            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("mlxdist"):
-                for alias in node.names:  # a submodule by name, else a name of the module
-                    sub = PACKAGE.parent / f"{node.module}.{alias.name}".replace(".", "/")
-                    deps.add(f"{node.module}.{alias.name}" if sub.with_suffix(".py").exists() or sub.is_dir()
-                             else node.module)
-            elif isinstance(node, ast.Import):
-                deps.update(a.name for a in node.names if a.name.startswith("mlxdist"))
-        graph[name] = deps - {name, "mlxdist"}
+def _graph_without_allowed_arrows():
+    graph = layout.module_graph()
+    for module, dep in ALLOWED_ARROWS:
+        assert dep in graph.get(module, ()), f"{module} -> {dep} is allowed but no longer there: drop it"
+        graph[module] = graph[module] - {dep}
     return graph
 
 
 def test_layers_import_only_downwards_and_no_circles():
-    graph = _module_imports()
-    upward = [f"{m} -> {d}" for m, deps in graph.items() for d in deps if _layer(d) > _layer(m)]
+    graph = _graph_without_allowed_arrows()
+    upward = [f"{m} -> {d}" for m, deps in graph.items() for d in deps if layout.layer(d) > layout.layer(m)]
     assert not upward, "imports that run up a layer: " + ", ".join(sorted(upward))
-    state = {}
+    circles = layout.circles(graph)
+    assert not circles, "import circles: " + "; ".join(" <-> ".join(c) for c in circles)
 
-    def visit(module, trail):
-        if state.get(module) == "done":
-            return
-        assert state.get(module) != "open", "import circle: " + " -> ".join(trail + [module])
-        state[module] = "open"
-        for dep in sorted(graph.get(module, ())):
-            visit(dep, trail + [module])
-        state[module] = "done"
 
-    for module in sorted(graph):
-        visit(module, [])
+def test_function_level_imports_count():
+    """The graph reads every import statement, not the module's body alone."""
+    graph = layout.module_graph()
+    assert "mlxdist.envs" in graph["mlxdist.errors"]  # keep_traceback's, inside the function
+
+
+def test_at_most_twelve_top_level_modules():
+    top = layout.top_level_modules()
+    assert len(top) <= 12, f"{len(top)} modules at mlxdist/'s top level: {', '.join(top)}"
+
+
+def test_the_layout_picture_in_the_docs_is_the_codes():
+    """docs/architecture.md holds what python tests/layout.py --doc prints."""
+    assert "```\n" + layout.picture(counts=False) + "```\n" in (ROOT / "docs" / "architecture.md").read_text(), \
+        "docs/architecture.md's layout is stale: put python tests/layout.py --doc in its place"
 
 
 def test_mlx_launch_runs_a_job_file_as_mpirun_does(checkpoint, tmp_path):

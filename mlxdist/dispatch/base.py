@@ -20,11 +20,11 @@ a mode's name:
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from enum import Enum
 from typing import Any, Callable, Dict, Optional, Tuple
 
 import mlx.core as mx
 
+from mlxdist.dispatch.declared import Combine, DenseRanks
 from mlxdist.dispatch.ownership import LayerOwnership
 from mlxdist.dispatch.stats import ExchangeStats
 
@@ -36,18 +36,6 @@ class ExpertBatch:
     x: mx.array  # [.., D] rows
     inds: mx.array  # [.., k] local expert ids (positions in this rank's stack)
     total_slots: int = 0  # slots of the whole layer when this is a subset of them; 0: all of them
-
-
-class Combine(str, Enum):
-    SLOTS = "slots"  # [.., K, D]: every slot, as one process's expert module returns them
-    TOKENS = "tokens"  # [.., D]: each token's router-weighted sum over its experts
-    BLOCKS = "blocks"  # whole MoE blocks exchanged (experts cut in width)
-
-
-class DenseRanks(str, Enum):
-    ALL = "all"  # every rank runs the dense model on every token
-    ROOT = "root"  # rank 0 alone; the other ranks hold experts only
-    OWN = "own"  # each rank its own sequences (data-parallel attention)
 
 
 # ``experts(layer, batch) -> [s, k, D]`` (None: this rank holds none of the layer's)

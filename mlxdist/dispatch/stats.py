@@ -16,6 +16,8 @@ from typing import Any, Callable, Dict, Iterable, List, Optional
 import mlx.core as mx
 import numpy as np
 
+from mlxdist.dispatch.declared import DenseRanks
+
 # fields that are not counters: left out of ``as_dict`` and kept by ``reset``
 _NOT_COUNTERS = ("collect_expert_load", "record_routing", "routing", "routing_host", "on_count")
 
@@ -120,8 +122,6 @@ def routing_share(dispatchers: Iterable[Any], rank: int) -> Dict[int, np.ndarray
     every token, or rank 0 alone does, rank 0's count is the whole; where
     each rank routes its own sequences (``DenseRanks.OWN``), each rank's is
     its part."""
-    from mlxdist.dispatch.base import DenseRanks
-
     share: Dict[int, np.ndarray] = {}
     for dispatcher in dispatchers:
         if rank != 0 and dispatcher.dense_ranks is not DenseRanks.OWN:

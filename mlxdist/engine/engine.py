@@ -30,7 +30,8 @@ from mlxdist.engine.sampling import sequence_samplers
 from mlxdist.engine.speculative import drafter, load_draft
 from mlxdist.engine.token_stream import RootTokens, root_tokens
 from mlxdist.errors import StepFailed, UserError, one_line
-from mlxdist.model.balance import bytes_per_expert, check_rank_memory
+from mlxdist.model.balance import bytes_per_expert
+from mlxdist.model.fit import check_rank_memory
 from mlxdist.model.checkpoint import find_switch_sites, nbytes, restack_experts, text_config
 from mlxdist.ship.locate import read_safetensors_index, resolve_model_path
 from mlxdist.model.experts import RankExperts

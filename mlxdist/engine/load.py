@@ -37,8 +37,10 @@ from mlxdist.model.checkpoint import (
 )
 from mlxdist.ship.locate import check_config, read_safetensors_index
 from mlxdist.model.paging import PagingStats, capacity_for_budget, expert_module
-from mlxdist.model.balance import bytes_per_expert, check_rank_memory
-from mlxdist.model.fit import MARGIN, KvReserve, ModelWeights, RankMemory, cache_cost, check_fits, plan_fit
+from mlxdist.model.balance import bytes_per_expert
+from mlxdist.model.fit import (
+    MARGIN, KvReserve, ModelWeights, RankMemory, cache_cost, check_fits, check_rank_memory, plan_fit,
+)
 from mlxdist.model.budgets import budgets_for_ranks
 from mlxdist.values.placement import Placement
 from mlxdist.model.routing import RouterWeights, RoutingWeightsNotFound, activation_dtype, find_router_weights

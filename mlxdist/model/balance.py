@@ -167,16 +167,3 @@ def bytes_per_expert(sites) -> Dict[int, float]:
         stacked = [v for _, v in tree_flatten(site.module.parameters()) if v.ndim and v.shape[0] == site.num_experts]
         sizes[site.layer] = sum(v.nbytes for v in stacked) / site.num_experts
     return sizes
-
-
-def check_rank_memory(placement: Placement, rank: int, budget_gb: float, expert_bytes: Dict[int, float],
-                      capacity: Optional[int] = None) -> float:
-    """The GB of expert weights ``rank`` keeps resident under ``placement``
-    (per layer: the experts it holds, or at most ``capacity`` of them when
-    paging); raises ``UserError`` with ``model/fit.py``'s refusal when that
-    exceeds its ``--rank-memory`` ``budget_gb``."""
-    from mlxdist.model.fit import budget_fit, check_fits  # fit.py reads this module's bytes_per_expert
-
-    fit = budget_fit(placement, rank, budget_gb, expert_bytes, capacity)
-    check_fits([fit])
-    return fit.experts / 1e9

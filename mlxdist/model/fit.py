@@ -393,6 +393,17 @@ def table(configs: Sequence[Path], ranks: Sequence[int], gbs: Sequence[int], bit
     return "\n".join(lines)
 
 
+def check_rank_memory(placement: Placement, rank: int, budget_gb: float, expert_bytes: Dict[int, float],
+                      capacity: Optional[int] = None) -> float:
+    """The GB of expert weights ``rank`` keeps resident under ``placement``
+    (per layer: the experts it holds, or at most ``capacity`` of them when
+    paging); raises ``UserError`` with ``check_fits``'s refusal when that
+    exceeds its ``--rank-memory`` ``budget_gb``."""
+    fit = budget_fit(placement, rank, budget_gb, expert_bytes, capacity)
+    check_fits([fit])
+    return fit.experts / 1e9
+
+
 def main(argv=None) -> int:
     from mlxdist.inputs.digits import arg_int, parse_int, parse_number
     from mlxdist.errors import say_error
