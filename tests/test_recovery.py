@@ -235,3 +235,31 @@ def test_hostile_job_options_are_one_line(capsys):
 
     with pytest.raises(UserError, match="not --heartbeat off"):
         JobSpec.from_settings(Settings)
+
+
+def test_the_survivors_are_planned_as_supervise_plans_them(tmp_path):
+    """The loss read from the job's words (the heartbeat's line: its host and
+    silence; the launcher's report: none), the lost slot dropped, budgets
+    kept per survivor, and rank 0 kept on this machine (the front reaches
+    it on loopback): another local rank takes its place, none is an error."""
+    from mlxdist.cli.relaunch import RankSlot
+    from mlxdist.errors import UserError
+    from mlxdist.front.recovery import Plan, read_loss, survivors_plan
+
+    here = socket.gethostname()
+    slots = [RankSlot(here, 4.0), RankSlot("mac-b", 1.0), RankSlot(here, 2.0)]
+    said = f"mlxdist: error: rank 0 (host {here}) sent no heartbeat for 5.0 s: lost\n"
+    loss = read_loss(said, slots, 100.0)
+    assert (loss.ranks, loss.hosts, loss.silent_s) == ([0], [here], 5.0)
+    assert loss.record(112.5)["serving_again_after_s"] == 17.5 and loss.record(112.5)["detected_after_s"] == 5.0
+    plan = survivors_plan(Plan(slots, ["--model", "M", "--rank-memory", "4,1,2"]), loss, 1, None, str(tmp_path))
+    assert plan.slots == [RankSlot(here, 2.0), RankSlot("mac-b", 1.0)]
+    assert plan.serve_args == ["--model", "M", "--rank-memory", "2,1"]
+    killed = "prterun noticed that process rank 2 with PID 1 on node x exited on\nsignal 9 (Killed).\n"
+    assert read_loss(killed, slots, 100.0).silent_s == 0.0
+    assert read_loss("mlxdist: error: cannot load M\nexited with non-zero status", slots, 100.0) is None
+    with pytest.raises(UserError, match="no rank is left on this machine"):
+        survivors_plan(Plan(slots[:2], []), read_loss(said, slots[:2], 100.0), 1, None, str(tmp_path))
+    with pytest.raises(UserError, match=r"only 1 rank would remain \(--min-ranks 2\)"):
+        survivors_plan(Plan(slots[:2], []), read_loss(killed.replace("rank 2", "rank 1"), slots[:2], 1.0), 2, None,
+                       str(tmp_path))

@@ -21,6 +21,7 @@ true``, or ``ssh H true`` for ``mlx.launch``), at most once every
 """
 
 import json
+import socket
 import subprocess
 import sys
 import tempfile
@@ -84,6 +85,12 @@ def survivors_plan(plan: Plan, loss: Loss, min_ranks: int, routing: Optional[str
     placement is written under ``scratch``). ``UserError`` where fewer than
     ``min_ranks`` would remain or the plan cannot be made."""
     survivors = [s for r, s in enumerate(plan.slots) if r not in loss.ranks]
+    here = next((i for i, s in enumerate(survivors) if runs_here(s.host)), None)
+    if survivors and here is None:
+        raise UserError("no rank is left on this machine, where rank 0 must run (the front reaches its server on "
+                        "loopback)")
+    if here:  # rank 0 was lost: another rank of this machine takes its place (mpirun fills --host in order)
+        survivors.insert(0, survivors.pop(here))
     if len(survivors) < min_ranks:
         raise UserError(f"only {len(survivors)} rank{'s' if len(survivors) != 1 else ''} would remain "
                         f"(--min-ranks {min_ranks})")
@@ -92,6 +99,14 @@ def survivors_plan(plan: Plan, loss: Loss, min_ranks: int, routing: Optional[str
     except OSError as e:
         raise UserError(f"cannot plan the job again for {len(survivors)} ranks: {e}") from None
     return Plan(survivors, args, changed)
+
+
+def runs_here(host: str) -> bool:
+    """Whether a rank on ``host`` runs on this machine (``localhost``, or this machine's name)."""
+    if is_local(host):
+        return True
+    name = socket.gethostname().lower()
+    return host.lower() in (name, name.split(".")[0], name.split(".")[0] + ".local")
 
 
 def launch_command(launcher: str, program: str, plan: Plan, hostfile: Optional[str], scratch: str,
