@@ -24,13 +24,13 @@ import typing
 import pytest
 
 from conftest import ROOT, kill_session, mpirun_env
-from mlxdist.front.messages import AnswerFailed, AnthropicAnswer
+from mlxdist.front.messages import AnthropicAnswer
 from mlxdist.front.messages_schema import IGNORED as MESSAGES_IGNORED, CountTokensRequest, MessagesRequest
 from mlxdist.front.responses import ResponsesAnswer
 from mlxdist.front.responses_schema import IGNORED as RESPONSES_IGNORED, REFUSED, ResponsesRequest
 from mlxdist.front.store import ResponseStore
 from mlxdist.front.translate import (
-    Finish, Keepalive, StopMatcher, Text, ToolCall, UpstreamError, Usage, anthropic_to_chat, chat_events,
+    AnswerFailed, Finish, Keepalive, StopMatcher, Text, ToolCall, UpstreamError, Usage, anthropic_to_chat, chat_events,
     read_body, responses_to_chat,
 )
 
@@ -262,3 +262,308 @@ def test_every_field_the_clients_send_is_read_or_ignored():
     for typed in (response_create_params.ResponseCreateParamsNonStreaming,
                   response_create_params.ResponseCreateParamsStreaming):
         assert _client_fields(typed) - known(ResponsesRequest, (*RESPONSES_IGNORED, *REFUSED)) == set()
+
+
+# --- served: one front at np 2 --------------------------------------------------------------------------------------
+
+class Front:
+    """``python -m mlxdist.serve --ranks 2`` on ``path``: the front, which starts the rank job itself."""
+
+    def __init__(self, path, log, extra=()):
+        self.log = log
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "mlxdist.serve", "--ranks", "2", "--model", str(path), "--port", "0",
+             "--api-key", KEY, "--heartbeat", "30", *map(str, extra)],
+            env=mpirun_env(), cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            stderr=open(log, "w"), text=True, start_new_session=True)
+        import httpx
+
+        self.url = None
+        deadline = time.time() + 300
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the front exited: {self.said()}")
+            found = re.search(r"front on (http://[\d.]+:\d+)", self.said())
+            self.url = found.group(1) if found else None
+            if self.url is None:
+                time.sleep(0.5)
+                continue
+            try:
+                health = httpx.get(self.url + "/health", headers={"authorization": f"Bearer {KEY}"}, timeout=5)
+                if health.json().get("status") == "ok":
+                    return
+            except (httpx.HTTPError, ValueError):
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"the front's rank job did not start serving: {self.said()}")
+
+    def said(self) -> str:
+        with open(self.log) as f:
+            return f.read()[-3000:]
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(2)  # Ctrl-C: the front stops its job
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                kill_session(self.proc.pid)
+                self.proc.wait()
+        return self.proc.returncode
+
+
+@pytest.fixture(scope="module")
+def front(checkpoint, tmp_path_factory):
+    """A front on a checkpoint that writes text."""
+    served = Front(checkpoint("qwen3_moe"), tmp_path_factory.mktemp("front") / "stderr")
+    yield served
+    served.stop()
+
+
+@pytest.fixture(scope="module")
+def tool_front(checkpoint, tmp_path_factory):
+    """A front on a checkpoint that calls get_weather (synth --tool-call)."""
+    served = Front(checkpoint("qwen3_moe", tool_call=True), tmp_path_factory.mktemp("tool-front") / "stderr")
+    yield served
+    served.stop()
+
+
+def _clients(front):
+    from anthropic import Anthropic
+    from openai import OpenAI
+
+    return (Anthropic(base_url=front.url, api_key=KEY, max_retries=0),
+            OpenAI(base_url=front.url + "/v1", api_key=KEY, max_retries=0))
+
+
+@pytest.fixture(scope="module")
+def clients(front):
+    return _clients(front)
+
+
+@pytest.fixture(scope="module")
+def tool_clients(tool_front):
+    return _clients(tool_front)
+
+
+def _weather_tools():
+    from mlxdist.synth.toolcall import WEATHER_TOOL
+
+    function = WEATHER_TOOL["function"]
+    anthropic = [{"name": function["name"], "description": function["description"],
+                  "input_schema": function["parameters"]}]
+    responses = [{"type": "function", "name": function["name"], "description": function["description"],
+                  "parameters": function["parameters"], "strict": False}]
+    return WEATHER_TOOL, anthropic, responses
+
+
+CONVERSATION = [{"role": "user", "content": "Tell me about the river."},
+                {"role": "assistant", "content": "It moved slowly past the bridge."},
+                {"role": "user", "content": "And the boat?"}]
+SYSTEM = "You are a careful storyteller."
+
+
+def _chat(openai_client, messages, max_tokens, **kw):
+    answer = openai_client.chat.completions.create(model="any", messages=messages, max_tokens=max_tokens,
+                                                   temperature=0, **kw)
+    return answer
+
+
+def test_messages_answer_as_chat_completions(clients):
+    """The same conversation through /v1/messages, plain and streamed, gives
+    chat completions' greedy text, its stop reason and its token counts."""
+    anthropic, openai = clients
+    chat = _chat(openai, [{"role": "system", "content": SYSTEM}, *CONVERSATION], 12)
+    text, finish = chat.choices[0].message.content or "", chat.choices[0].finish_reason
+    plain = anthropic.messages.create(model="claude-any", max_tokens=12, system=SYSTEM, messages=CONVERSATION,
+                                      extra_body={"temperature": 0})  # as older clients send it
+    assert [b.type for b in plain.content] == ["text"] and plain.content[0].text == text
+    assert plain.stop_reason == {"length": "max_tokens", "stop": "end_turn"}[finish]
+    assert plain.usage.output_tokens == chat.usage.completion_tokens
+    cached = plain.usage.cache_read_input_tokens
+    assert cached is not None and plain.usage.input_tokens + cached == chat.usage.prompt_tokens
+    assert cached > 0  # the same prompt a moment ago: mlx-lm's prompt cache, counted
+    kinds = []
+    with anthropic.messages.stream(model="claude-any", max_tokens=12, system=[{"type": "text", "text": SYSTEM}],
+                                   messages=CONVERSATION) as stream:
+        for event in stream:
+            kinds.append(event.type)
+        streamed = stream.get_final_message()
+    assert streamed.content[0].text == text and streamed.stop_reason == plain.stop_reason
+    assert streamed.usage.output_tokens == chat.usage.completion_tokens
+    assert kinds[0] == "message_start" and kinds[-1] == "message_stop" and "content_block_delta" in kinds
+    count = anthropic.messages.count_tokens(model="claude-any", system=SYSTEM, messages=CONVERSATION)
+    assert count.input_tokens == chat.usage.prompt_tokens
+    silent = anthropic.messages.create(model="claude-any", max_tokens=0, system=SYSTEM, messages=CONVERSATION)
+    assert (silent.content, silent.stop_reason, silent.usage.output_tokens) == ([], "max_tokens", 0)
+
+
+def test_messages_stop_sequence(clients):
+    """A stop sequence met in the text: the text before it, stop_reason
+    stop_sequence naming it, in both forms."""
+    anthropic, openai = clients
+    text = _chat(openai, CONVERSATION, 16).choices[0].message.content
+    stop = text[3:6]
+    before = text[:text.index(stop)]
+    plain = anthropic.messages.create(model="m", max_tokens=16, messages=CONVERSATION, stop_sequences=[stop, "\x01"])
+    assert (plain.content[0].text if plain.content else "") == before
+    assert (plain.stop_reason, plain.stop_sequence) == ("stop_sequence", stop)
+    assert plain.usage.output_tokens > 0 and plain.usage.input_tokens > 0
+    with anthropic.messages.stream(model="m", max_tokens=16, messages=CONVERSATION, stop_sequences=[stop]) as s:
+        streamed = s.get_final_message()
+    assert "".join(b.text for b in streamed.content) == before and streamed.stop_sequence == stop
+
+
+def test_messages_tool_call_and_result(tool_clients):
+    """The checkpoint's call comes back as a tool_use block (plain and
+    streamed, with input_json_delta); sent back with a tool_result, the
+    next turn equals chat completions of the same conversation."""
+    from mlxdist.synth.toolcall import TOOL_CALL, TOOL_CALL_MESSAGES
+
+    anthropic, openai = tool_clients
+    chat_tool, tools, _ = _weather_tools()
+    plain = anthropic.messages.create(model="m", max_tokens=64, messages=TOOL_CALL_MESSAGES, tools=tools)
+    assert plain.stop_reason == "tool_use"
+    uses = [b for b in plain.content if b.type == "tool_use"]
+    assert [(u.name, u.input) for u in uses] == [(TOOL_CALL["name"], TOOL_CALL["arguments"])] and uses[0].id
+    deltas = []
+    with anthropic.messages.stream(model="m", max_tokens=64, messages=TOOL_CALL_MESSAGES, tools=tools) as stream:
+        for event in stream:
+            if event.type == "content_block_delta" and event.delta.type == "input_json_delta":
+                deltas.append(event.delta.partial_json)
+        streamed = stream.get_final_message()
+    assert json.loads("".join(deltas)) == TOOL_CALL["arguments"]
+    assert [(b.name, b.input) for b in streamed.content if b.type == "tool_use"] == [(u.name, u.input) for u in uses]
+
+    result = "18 C, sunny"
+    turn = anthropic.messages.create(model="m", max_tokens=64, tools=tools, messages=[
+        *TOOL_CALL_MESSAGES,
+        {"role": "assistant", "content": [{"type": "tool_use", "id": uses[0].id, "name": uses[0].name,
+                                           "input": uses[0].input}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": uses[0].id, "content": result}]}])
+    chat = _chat(openai, [*TOOL_CALL_MESSAGES,
+                          {"role": "assistant", "content": "", "tool_calls": [
+                              {"id": uses[0].id, "type": "function", "function": {
+                                  "name": uses[0].name, "arguments": json.dumps(uses[0].input)}}]},
+                          {"role": "tool", "tool_call_id": uses[0].id, "content": result}], 64, tools=[chat_tool])
+    message = chat.choices[0].message
+    assert "".join(b.text for b in turn.content if b.type == "text") == (message.content or "")
+    assert [(b.name, b.input) for b in turn.content if b.type == "tool_use"] == [
+        (c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls or []]
+    assert turn.usage.input_tokens + (turn.usage.cache_read_input_tokens or 0) == chat.usage.prompt_tokens
+
+
+def _output_text(events):
+    return "".join(e.delta for e in events if e.type == "response.output_text.delta")
+
+
+def test_responses_answer_as_chat_completions(clients):
+    """/v1/responses, plain and streamed, gives chat completions' greedy
+    text; previous_response_id continues a stored conversation as if it
+    were sent whole; store: false keeps nothing."""
+    _, openai = clients
+    first_turn = CONVERSATION[:1]
+    chat = _chat(openai, [{"role": "system", "content": SYSTEM}, *first_turn], 10)
+    plain = openai.responses.create(model="any", instructions=SYSTEM, input=first_turn[0]["content"],
+                                    max_output_tokens=10, temperature=0)
+    assert plain.output_text == chat.choices[0].message.content
+    assert plain.status == ("incomplete" if chat.choices[0].finish_reason == "length" else "completed")
+    assert plain.usage.input_tokens == chat.usage.prompt_tokens
+    assert plain.usage.output_tokens == chat.usage.completion_tokens
+    events = list(openai.responses.create(model="any", instructions=SYSTEM, input=first_turn, max_output_tokens=10,
+                                          temperature=0, stream=True))
+    assert _output_text(events) == plain.output_text
+    assert events[0].type == "response.created" and events[-1].type == f"response.{plain.status}"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+
+    follow = {"role": "user", "content": "And the boat?"}
+    chained = openai.responses.create(model="any", previous_response_id=plain.id, input=[follow], max_output_tokens=10)
+    whole = _chat(openai, [*first_turn, {"role": "assistant", "content": plain.output_text}, follow], 10)
+    assert chained.output_text == whole.choices[0].message.content  # the instructions were the first turn's own
+    unstored = openai.responses.create(model="any", input="Hello", max_output_tokens=2, store=False)
+    from openai import BadRequestError
+
+    with pytest.raises(BadRequestError) as refused:
+        openai.responses.create(model="any", previous_response_id=unstored.id, input="Again", max_output_tokens=2)
+    assert refused.value.body["param"] == "previous_response_id"
+
+
+def test_responses_tool_call_and_output(tool_clients):
+    """The call as a function_call item (plain, and streamed with its
+    arguments' events); its output sent back, with previous_response_id or
+    the whole conversation, gives chat completions' next turn."""
+    from mlxdist.synth.toolcall import TOOL_CALL, TOOL_CALL_MESSAGES
+
+    _, openai = tool_clients
+    chat_tool, _, tools = _weather_tools()
+    plain = openai.responses.create(model="any", input=TOOL_CALL_MESSAGES, tools=tools, max_output_tokens=64)
+    calls = [item for item in plain.output if item.type == "function_call"]
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [(TOOL_CALL["name"], TOOL_CALL["arguments"])]
+    events = list(openai.responses.create(model="any", input=TOOL_CALL_MESSAGES, tools=tools, max_output_tokens=64,
+                                          stream=True))
+    done = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert [json.loads(e.arguments) for e in done] == [TOOL_CALL["arguments"]]
+    assert events[-1].type == "response.completed"
+
+    output = {"type": "function_call_output", "call_id": calls[0].call_id, "output": "18 C, sunny"}
+    chained = openai.responses.create(model="any", previous_response_id=plain.id, input=[output], tools=tools,
+                                      max_output_tokens=64)
+    whole = openai.responses.create(model="any", tools=tools, max_output_tokens=64, store=False, input=[
+        *TOOL_CALL_MESSAGES, {"type": "function_call", "call_id": calls[0].call_id, "name": calls[0].name,
+                              "arguments": calls[0].arguments}, output])
+    chat = _chat(openai, [*TOOL_CALL_MESSAGES, {"role": "assistant", "content": "", "tool_calls": [
+        {"id": calls[0].call_id, "type": "function", "function": {"name": calls[0].name, "arguments": calls[0].arguments}}]},
+        {"role": "tool", "tool_call_id": calls[0].call_id, "content": "18 C, sunny"}], 64, tools=[chat_tool])
+    expected = [(c.function.name, c.function.arguments) for c in chat.choices[0].message.tool_calls or []]
+    for answer in (chained, whole):
+        assert answer.output_text == (chat.choices[0].message.content or "")
+        assert [(i.name, i.arguments) for i in answer.output if i.type == "function_call"] == expected
+        assert answer.usage.input_tokens == chat.usage.prompt_tokens
+
+
+def _post(front, path, raw, headers=None):
+    import httpx
+
+    headers = {"content-type": "application/json", "authorization": f"Bearer {KEY}", **(headers or {})}
+    return httpx.post(front.url + path, content=raw, headers=headers, timeout=120)
+
+
+def test_keys_and_hostile_bodies(front):
+    """x-api-key or the bearer token; without either a 401 in each API's
+    shape; hostile bodies a 4xx with one line, in Anthropic's error shape
+    on /v1/messages and OpenAI's on /v1/responses."""
+    ok = json.dumps({"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]}).encode()
+    assert _post(front, "/v1/messages", ok, {"authorization": "", "x-api-key": KEY}).status_code == 200
+    wrong = _post(front, "/v1/messages", ok, {"authorization": "", "x-api-key": "nope"})
+    assert wrong.status_code == 401 and wrong.json()["error"]["type"] == "authentication_error"
+    assert _post(front, "/v1/responses", b'{"input": "Hi"}', {"authorization": ""}).json()["error"]["code"] == 401
+
+    deep = b'{"model": "m", "max_tokens": 2, "messages": ' + b"[" * 70 + b"]" * 70 + b"}"
+    messages_cases = [
+        (ok, {"content-type": "text/plain"}, 415, "must be JSON"),
+        (b"{" + b" " * (5 << 20) + b"}", {}, 413, "exceeds the limit"),
+        (deep, {}, 400, "nests deeper than 64"),
+        (b'{"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": [{"type": "video"}]}]}', {}, 400,
+         "type 'video' is not read here"),
+        (ok[:-1] + b', "frobnicate": 1}', {}, 400, "frobnicate: unknown field"),
+        (ok.replace(b'"max_tokens": 2', b'"max_tokens": 99999999'), {}, 400, "max_tokens must be in"),
+        (ok.replace(b'"max_tokens": 2', b'"max_tokens": -1'), {}, 400, "max_tokens"),
+        (ok.replace(b'"Hi"', b'"\\ud800"'), {}, 400, "lone surrogate"),
+    ]
+    for raw, headers, status, says in messages_cases:
+        answer = _post(front, "/v1/messages", raw, headers)
+        body = answer.json()
+        assert answer.status_code == status and body["type"] == "error", (says, answer.text[:300])
+        assert says in body["error"]["message"] and "\n" not in body["error"]["message"], (says, body)
+    responses_cases = [
+        (b'{"input": [{"type": "computer_call_output", "call_id": "c"}]}', 400, "not read here"),
+        (b'{"input": "x", "max_output_tokens": "9"}', 400, "max_output_tokens"),
+        (b'{"input": "x", "background": true}', 400, "background"),
+        (b'{"input": "x", "tools": [{"type": "file_search"}]}', 400, "is not run here"),
+    ]
+    for raw, status, says in responses_cases:
+        answer = _post(front, "/v1/responses", raw)
+        error = answer.json()["error"]
+        assert answer.status_code == status and says in error["message"], (says, answer.text[:300])
+    assert _post(front, "/v1/messages", ok).status_code == 200  # and it still answers

@@ -24,25 +24,15 @@ from pydantic import ValidationError
 from mlxdist.front.errors import Unavailable
 from mlxdist.front.messages_schema import CountTokensRequest, MessagesRequest, first_error
 from mlxdist.front.translate import (
-    Event, Finish, Keepalive, Reasoning, Text, ToolCall, UpstreamError, Usage, anthropic_to_chat,
-    arguments_object, chat_events, read_body,
+    CHAT_PATH, TOKENIZE_PATH, AnswerFailed, Event, Finish, Keepalive, Reasoning, Text, ToolCall, UpstreamError,
+    Usage, anthropic_to_chat, arguments_object, chat_events, read_request, upstream_refusal,
 )
+from mlxdist.serving.connections import DEFAULT_MAX_BODY
 
-CHAT_PATH = "/v1/chat/completions"
-TOKENIZE_PATH = "/tokenize"
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "stop_sequence": "stop_sequence"}
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 408: "timeout_error", 413: "request_too_large", 429: "rate_limit_error",
-               503: "overloaded_error", 529: "overloaded_error"}
-
-
-class AnswerFailed(Exception):
-    """The rank server refused or failed the answer: HTTP ``status``, its reason."""
-
-    def __init__(self, message: str, status: int, retry_after: Optional[int] = None):
-        super().__init__(message)
-        self.status = status
-        self.retry_after = retry_after
+               404: "not_found_error", 408: "timeout_error", 413: "request_too_large", 415: "invalid_request_error",
+               429: "rate_limit_error", 503: "overloaded_error", 529: "overloaded_error"}
 
 
 def error_body(message: str, status: int) -> Dict[str, Any]:
@@ -139,7 +129,8 @@ class AnthropicAnswer:
         out = []
         if self.open != kind:
             out += self._close()
-            self.blocks.append({"type": kind, field: ""} if kind == "text" else {"type": kind, field: "", "signature": ""})
+            block = {"type": kind, field: ""}
+            self.blocks.append(block if kind == "text" else {**block, "signature": ""})
             self.open = kind
             out.append(_sse("content_block_start", {"type": "content_block_start", "index": len(self.blocks) - 1,
                                                     "content_block": dict(self.blocks[-1])}))
@@ -173,46 +164,37 @@ class AnthropicAnswer:
         return out
 
 
-async def _read(request: Request, model: type) -> Any:
-    """The request body as ``model``, or ``AnswerFailed`` (400) with one line."""
+async def _read(request: Request, model: type, max_body: int) -> Any:
+    """The request body as ``model``, or ``AnswerFailed`` (4xx) with one line."""
+    body = await read_request(request, max_body)
     try:
-        parsed = model.model_validate(read_body(await request.body()))
-    except ValueError as e:
-        raise AnswerFailed(first_error(e) if isinstance(e, ValidationError) else str(e), 400) from None
+        parsed = model.model_validate(body)
+    except ValidationError as e:
+        raise AnswerFailed(first_error(e), 400) from None
     unknown = parsed.unknown_field()
     if unknown is not None:
         raise AnswerFailed(f"{unknown[:60]}: unknown field", 400)
     return parsed
 
 
-async def _upstream_error(response: Any) -> AnswerFailed:
-    """The rank server's refusal (an OpenAI-shaped body) as ``AnswerFailed``."""
-    raw = await response.aread()
-    try:
-        message = json.loads(raw)["error"]["message"]
-    except (ValueError, KeyError, TypeError):
-        message = raw.decode("utf-8", "replace")[:200] or f"the rank server answered {response.status_code}"
-    retry = response.headers.get("retry-after")
-    return AnswerFailed(str(message), response.status_code, int(retry) if retry and retry.isdigit() else None)
-
-
 async def count_prompt(upstream: Any, body: Dict[str, Any]) -> int:
     """Tokens of a chat body's prompt (messages, tools) or text (``prompt``), counted by the rank server."""
     response = await upstream.post(TOKENIZE_PATH, body)
     if response.status_code != 200:
-        raise await _upstream_error(response)
+        raise await upstream_refusal(response)
     return int(response.json()["count"])
 
 
-def router(upstream: Any) -> APIRouter:
-    """The routes of Anthropic's Messages API over ``upstream`` (``front.upstream.Upstream``)."""
+def router(upstream: Any, max_body: int = DEFAULT_MAX_BODY) -> APIRouter:
+    """The routes of Anthropic's Messages API over ``upstream``
+    (``front.upstream.Upstream``), taking bodies of at most ``max_body`` bytes."""
     routes = APIRouter()
 
     @routes.post("/v1/messages")
     async def create_message(request: Request) -> Response:
         stack = contextlib.AsyncExitStack()
         try:
-            parsed = await _read(request, MessagesRequest)
+            parsed = await _read(request, MessagesRequest, max_body)
             try:
                 chat = anthropic_to_chat(parsed)
             except ValueError as e:
@@ -221,7 +203,7 @@ def router(upstream: Any) -> APIRouter:
                                      thinking=parsed.thinking is not None and parsed.thinking.type != "disabled")
             response = await stack.enter_async_context(upstream.stream(CHAT_PATH, chat, request.headers))
             if response.status_code != 200:
-                raise await _upstream_error(response)
+                raise await upstream_refusal(response)
             events = chat_events(response.aiter_lines(), parsed.stop_sequences or ())
             if not parsed.stream:
                 async for event in events:
@@ -244,7 +226,7 @@ def router(upstream: Any) -> APIRouter:
     @routes.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request) -> Response:
         try:
-            parsed = await _read(request, CountTokensRequest)
+            parsed = await _read(request, CountTokensRequest, max_body)
             probe = MessagesRequest.model_validate({**parsed.model_dump(exclude_none=True), "max_tokens": 1})
             chat = anthropic_to_chat(probe)
             return JSONResponse({"input_tokens": await count_prompt(upstream, {

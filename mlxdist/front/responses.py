@@ -26,13 +26,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
 from mlxdist.front.errors import Unavailable, refusal
-from mlxdist.front.messages import CHAT_PATH, AnswerFailed, _upstream_error
 from mlxdist.front.messages_schema import first_error
 from mlxdist.front.responses_schema import ResponsesRequest
 from mlxdist.front.store import ResponseStore
 from mlxdist.front.translate import (
-    Event, Finish, Keepalive, Text, ToolCall, UpstreamError, Usage, chat_events, read_body, responses_to_chat,
+    CHAT_PATH, AnswerFailed, Event, Finish, Keepalive, Text, ToolCall, UpstreamError, Usage, chat_events,
+    read_request, responses_to_chat, upstream_refusal,
 )
+from mlxdist.serving.connections import DEFAULT_MAX_BODY
 
 
 def _new_id(prefix: str) -> str:
@@ -184,8 +185,10 @@ def error_response(message: str, status: int, param: Optional[str] = None,
     return JSONResponse(refusal(message, status, param), status_code=status, headers=headers)
 
 
-def router(upstream: Any, store: ResponseStore) -> APIRouter:
-    """The route of OpenAI's Responses API over ``upstream`` (``front.upstream.Upstream``), keeping responses in ``store``."""
+def router(upstream: Any, store: ResponseStore, max_body: int = DEFAULT_MAX_BODY) -> APIRouter:
+    """The route of OpenAI's Responses API over ``upstream``
+    (``front.upstream.Upstream``), keeping responses in ``store``, taking
+    bodies of at most ``max_body`` bytes."""
     routes = APIRouter()
 
     @routes.post("/v1/responses")
@@ -193,7 +196,7 @@ def router(upstream: Any, store: ResponseStore) -> APIRouter:
         stack = contextlib.AsyncExitStack()
         try:
             try:
-                parsed = ResponsesRequest.model_validate(read_body(await request.body()))
+                parsed = ResponsesRequest.model_validate(await read_request(request, max_body))
             except ValidationError as e:
                 raise AnswerFailed(first_error(e), 400) from None
             unknown = parsed.unknown_field()
@@ -210,7 +213,7 @@ def router(upstream: Any, store: ResponseStore) -> APIRouter:
             answer = ResponsesAnswer(parsed)
             response = await stack.enter_async_context(upstream.stream(CHAT_PATH, chat, request.headers))
             if response.status_code != 200:
-                raise await _upstream_error(response)
+                raise await upstream_refusal(response)
             events = chat_events(response.aiter_lines())
             if not parsed.stream:
                 async for event in events:

@@ -31,6 +31,54 @@ MAX_PROMPT_CHARS = 1 << 20  # as the rank server's RequestLimits.max_prompt_char
 
 # --- requests ---------------------------------------------------------------------------------------------------
 
+class AnswerFailed(Exception):
+    """A request refused, or an answer the rank server refused or failed:
+    HTTP ``status``, the reason, and ``Retry-After`` seconds where it has them."""
+
+    def __init__(self, message: str, status: int, retry_after: Optional[int] = None):
+        super().__init__(message)
+        self.status = status
+        self.retry_after = retry_after
+
+
+CHAT_PATH = "/v1/chat/completions"
+TOKENIZE_PATH = "/tokenize"  # the rank server's token count (serving/tokenize.py)
+
+
+async def upstream_refusal(response: Any) -> AnswerFailed:
+    """The rank server's refusal (an OpenAI-shaped body, read here) as ``AnswerFailed``."""
+    raw = await response.aread()
+    try:
+        message = json.loads(raw)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        message = raw.decode("utf-8", "replace")[:200] or f"the rank server answered {response.status_code}"
+    retry = response.headers.get("retry-after")
+    return AnswerFailed(str(message), response.status_code, int(retry) if retry and retry.isdigit() else None)
+
+
+async def read_request(request: Any, max_body: int) -> Dict[str, Any]:
+    """A request's JSON body (``read_body``), read up to ``max_body`` bytes:
+    a larger one (by its Content-Length, else as it arrives) is a 413, a
+    body sent as anything but JSON a 415, as the front's OpenAI routes
+    answer them."""
+    kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if kind != "application/json":
+        raise AnswerFailed(f"the request body must be JSON, sent with Content-Type: application/json, not "
+                           f"{kind[:60]!r}" if kind else "Content-Type: application/json is required", 415)
+    length = request.headers.get("content-length", "").strip(" \t")
+    if length.isascii() and length.isdigit() and len(length) < 20 and int(length) > max_body:
+        raise AnswerFailed(f"request body of {int(length)} bytes exceeds the limit of {max_body}", 413)
+    raw = bytearray()
+    async for chunk in request.stream():
+        raw += chunk
+        if len(raw) > max_body:
+            raise AnswerFailed(f"request body exceeds the limit of {max_body} bytes", 413)
+    try:
+        return read_body(bytes(raw))
+    except ValueError as e:
+        raise AnswerFailed(str(e), 400) from None
+
+
 def read_body(raw: bytes) -> Dict[str, Any]:
     """A request body as the rank server reads one (``json_input``): strict
     UTF-8, nesting at most ``MAX_DEPTH``, numbers Python can hold, no lone
@@ -161,7 +209,8 @@ def responses_to_chat(request: Any, history: Sequence[Dict[str, Any]] = ()) -> T
             role = "system" if item.role == "developer" else item.role  # chat templates know "system"
             conversation.append({"role": role, "content": part_text(item.content, f"input[{i}]")})
         elif isinstance(item, FunctionCallItem):
-            call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
+            function = {"name": item.name, "arguments": item.arguments}
+            call = {"id": item.call_id, "type": "function", "function": function}
             _check_arguments(item.arguments, f"input[{i}].arguments")
             last = conversation[-1] if conversation else None
             if last is not None and last["role"] == "assistant":  # the calls of one turn: one assistant message
