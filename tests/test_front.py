@@ -369,7 +369,8 @@ def test_a_rank_lost_mid_stream(front):
                        "logit_bias": {str(EOS): -100}}).encode()
     with socket.create_connection(("127.0.0.1", front.port), timeout=60) as s:
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                  b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+                  b"Connection: close\r\nAuthorization: Bearer " + KEY.encode()
+                  + b"\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
         got = b""
         while got.count(b"data: ") < 3:
             got += s.recv(65536)

@@ -27,7 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
 from mlxdist.errors import RequestError
-from mlxdist.front.errors import Unavailable, refusal
+from mlxdist.front.errors import DEFAULT_RETRY_AFTER, Unavailable, refusal
 from mlxdist.front.limits import Guard
 from mlxdist.front.metrics import CONTENT_TYPE, SERVING_STATES, FrontMetrics
 from mlxdist.front.upstream import Upstream
@@ -74,7 +74,7 @@ def make_app(settings: Any, job: Any, upstream: Optional[Upstream] = None) -> An
                     metrics.count_usage(json.loads(answer.content).get("usage"))
                 except (ValueError, AttributeError):
                     pass
-            return _passed_on(answer)
+            return _passed_on(answer, retry_after=settings.retry_after)
         return await _stream(request.url.path, raw, request.headers, usage_added, upstream, metrics, started, job)
 
     for path in COMPLETION_PATHS:
@@ -82,7 +82,7 @@ def make_app(settings: Any, job: Any, upstream: Optional[Upstream] = None) -> An
 
     @app.get("/v1/models", include_in_schema=False)
     async def models():
-        return _passed_on(await upstream.get("/v1/models"))
+        return _passed_on(await upstream.get("/v1/models"), retry_after=settings.retry_after)
 
     @app.get("/health", include_in_schema=False)
     async def health():
@@ -188,7 +188,7 @@ async def _stream(path: str, raw: bytes, headers, usage_added: bool, upstream: U
             await context.__aexit__(None, None, None)
             live.__exit__(None, None, None)
             metrics.queued.dec()
-            return _passed_on(answer, body)
+            return _passed_on(answer, body, upstream.retry_after)
     except BaseException:
         live.__exit__(None, None, None)
         metrics.queued.dec()
@@ -264,12 +264,12 @@ def _finish_chunk(last: Dict[str, Any], path: str) -> bytes:
     return f"data: {json.dumps(chunk)}\n\n".encode()
 
 
-def _passed_on(answer, body: Optional[bytes] = None) -> Response:
+def _passed_on(answer, body: Optional[bytes] = None, retry_after: int = DEFAULT_RETRY_AFTER) -> Response:
     """The rank server's answer as the front's: status, body and type (and
     ``Retry-After`` on a 503)."""
     headers = {"Retry-After": answer.headers["retry-after"]} if "retry-after" in answer.headers else {}
     if answer.status_code == 503 and not headers:
-        headers = {"Retry-After": "5"}
+        headers = {"Retry-After": str(retry_after)}
     return Response(answer.content if body is None else body, answer.status_code, headers=headers,
                     media_type=answer.headers.get("content-type", "application/json"))
 

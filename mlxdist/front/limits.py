@@ -20,6 +20,7 @@ protocol (h11) with deadlines, and the checks made before any route runs.
 
 import json
 import logging
+import socket
 from typing import Any, Callable, Optional
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -67,8 +68,6 @@ class FrontProtocol(H11Protocol):
         self.opened_at = self.loop.time()
         sock = transport.get_extra_info("socket")
         if sock is not None:
-            import socket
-
             try:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER)
             except OSError:
