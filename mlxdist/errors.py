@@ -53,8 +53,8 @@ class PlacementError(UserError, ValueError):
 
 class StepFailed(UserError):
     """A shared step (a load, a placement, a gathered command) failed on at
-    least one rank: raised on every rank at the same exchange
-    (``runtime/agreement.py``'s ``exchange``), so none waits for another."""
+    least one rank: raised on every rank at the same agreement
+    (``runtime/agreement.py``'s ``agree``), so none waits for another."""
 
 
 class LoadError(StepFailed):

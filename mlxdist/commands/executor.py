@@ -29,7 +29,7 @@ from mlxdist.ship.fingerprint import differing_files
 from mlxdist.values.placement import Placement
 from mlxdist.ship.unreceived import explain
 from mlxdist.runtime import faults
-from mlxdist.runtime.agreement import exchange, failed_together
+from mlxdist.runtime.agreement import agree, failed_together
 from mlxdist.runtime.world import World
 from mlxdist.runtime.watchdog import ACTIVITY
 
@@ -112,9 +112,9 @@ class CommandExecutor:
 
     def load(self, command: LoadCommand) -> Engine:
         """LOAD on every rank; raises ``LoadError`` on every rank if any
-        failed. A failure the ranks agreed on inside the load (``exchange``)
+        failed. A failure the ranks agreed on inside the load (``agree``)
         ends it on every rank at once; one of this rank's own is sent at the
-        load's last exchange, which meets the others at whichever exchange
+        load's last agreement, which meets the others at whichever agreement
         they are in."""
         self.unload()
         engine, error = None, None
@@ -122,7 +122,7 @@ class CommandExecutor:
             engine = load_engine(self.world, command.options)
             if self.world.lost:
                 engine.adopt(self.world.lost)
-        except StepFailed as e:  # every rank raised it at the same exchange
+        except StepFailed as e:  # every rank raised it at the same agreement
             raise LoadError(str(e)) from None
         except Exception as e:  # a corrupt file fails deep inside mlx or tokenizers
             e = explain(e)  # a read of bytes a share was not sent
@@ -130,7 +130,7 @@ class CommandExecutor:
             if not isinstance(e, MlxdistError):
                 path = keep_traceback(self.world.rank)
                 error += f" (traceback: {path})" if path else ""
-        reports = exchange(self.world, engine and {"memory": engine.memory, "fingerprint": engine.fingerprint},
+        reports = agree(self.world, engine and {"memory": engine.memory, "fingerprint": engine.fingerprint},
                            error, raises=LoadError)
         mismatch = describe_mismatch([r["fingerprint"] for r in reports])
         if mismatch:
@@ -278,7 +278,7 @@ class CommandExecutor:
             json.dumps(value)  # fails here, on this rank, rather than inside the gather
         except Exception as e:  # noqa: BLE001 - every rank hears of it below
             value, error = None, one_line(e)
-        return exchange(self.world, value, error, failed=f"{op} failed: ")
+        return agree(self.world, value, error, failed=f"{op} failed: ")
 
     def serve_http(self, command: ServeCommand) -> None:
         """SERVE on every rank: the OpenAI-compatible server (``serving/server.py``)."""

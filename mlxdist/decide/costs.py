@@ -16,9 +16,9 @@
 
 Each rank keeps its fastest round of each: a link's own cost is its best
 round, and ranks sharing cores only add to it. The ranks then agree on the
-largest figure of any rank (``exchange``), so every rank chooses from the
+largest figure of any rank (``agree``), so every rank chooses from the
 same numbers; a rank whose timing of the dense layers fails still joins the
-exchange, and every rank raises its one line.
+agreement, and every rank raises its one line.
 """
 
 import time
@@ -34,7 +34,7 @@ from mlxdist.decide.linkcost import AutoInputs, DenseCost, LinkCost, row_bytes
 from mlxdist.errors import one_line
 from mlxdist.model.checkpoint import hidden_size
 from mlxdist.runtime import faults
-from mlxdist.runtime.agreement import exchange
+from mlxdist.runtime.agreement import agree
 from mlxdist.runtime.world import World
 
 __all__ = ["fastest", "link_cost", "link_rounds", "measure_auto_inputs", "model_shape", "split_bytes"]
@@ -68,7 +68,7 @@ def measure_auto_inputs(world: World, model: nn.Module, shape: traffic.Shape, dt
         (one, many), linear_bytes = _dense_rounds(model, dtype)
     except Exception as e:  # noqa: BLE001 - anything mlx raises: reported by every rank below
         error = one_line(e)
-    reports = exchange(world, [small, step, one, many], error, failed="auto could not time the dense layers: ")
+    reports = agree(world, [small, step, one, many], error, failed="auto could not time the dense layers: ")
     small, step, one, many = [max(column) for column in zip(*reports)]
     link = link_cost(small, step, world.size, shape) if link is None else link
     per_row = max(0.0, many - one) / (ROWS - 1)

@@ -17,7 +17,7 @@ experts: ``splitcost.SplitChoice``) is written by rank 0, the first time, to
 and read at every later load with the same key instead of measuring
 (``--remeasure``, or MLXDIST_REMEASURE=1 on rank 0: measure, decide and
 write again). Rank 0 alone reads and
-writes it; every rank takes rank 0's through ``exchange``, so the ranks never
+writes it; every rank takes rank 0's through ``agree``, so the ranks never
 decide from files of their own. A file that cannot be read, or does not hold
 a decision of this key in this shape, is ignored with one warning line on
 rank 0 and the load measures again.
@@ -41,7 +41,7 @@ from mlxdist.decide import traffic
 from mlxdist.decide.linkcost import AutoInputs, DenseCost, LinkCost
 from mlxdist.dispatch.modes import STRATEGIES
 from mlxdist.decide.splitcost import BATCHES, CUTS, SplitChoice
-from mlxdist.runtime.agreement import exchange
+from mlxdist.runtime.agreement import agree
 from mlxdist.runtime.world import World
 
 __all__ = ["Decision", "Recalled", "decision_key", "decisions_root", "parse", "recall", "settle", "usable"]
@@ -105,7 +105,7 @@ def recall(world: World, options: LoadOptions, digests: Dict[str, str], revision
            libraries: str, device: str) -> Recalled:
     """Every rank, at the same point of a load: the key (from every rank's
     host name) and rank 0's stored decision, unless ``options.remeasure``."""
-    hosts = exchange(world, socket.gethostname())
+    hosts = agree(world, socket.gethostname())
     key = decision_key(options, digests, revision, placement, hosts, world.backend, device, libraries)
     path = decisions_root() / f"{key}.json"
     clean = None
@@ -121,7 +121,7 @@ def recall(world: World, options: LoadOptions, digests: Dict[str, str], revision
                 why = str(e)
         if why is not None:
             _warn(f"ignoring the stored auto decision {path}: {why}; measuring again")
-    clean = exchange(world, clean)[0]  # rank 0's, on every rank
+    clean = agree(world, clean)[0]  # rank 0's, on every rank
     if clean is None:
         return Recalled(key, path)
     inputs, split = parse(clean, key)

@@ -38,7 +38,7 @@ from mlxdist.model.balance import bytes_per_expert
 from mlxdist.model.checkpoint import FROM_HIDDEN, SwitchSite, hidden_axis, projections
 from mlxdist.errors import one_line
 from mlxdist.runtime import faults
-from mlxdist.runtime.agreement import exchange
+from mlxdist.runtime.agreement import agree
 from mlxdist.runtime.world import World
 
 __all__ = ["busiest_load", "dense_linear_bytes", "measure_split_inputs"]
@@ -70,7 +70,7 @@ def measure_split_inputs(world: World, site: SwitchSite, owners: List[int], shap
     """The link, the dense work and the busiest rank's expert work for each
     cut and batch (see the module's docstring), agreed by every rank. A
     rank whose own probe fails still joins the link's collectives and the
-    exchange of figures, so every rank raises the same one line."""
+    agreement on the figures, so every rank raises the same one line."""
     runs: List[Tuple[str, int, float, float]] = []
     for cut in ("whole", "width"):
         for b in BATCHES:
@@ -83,7 +83,7 @@ def measure_split_inputs(world: World, site: SwitchSite, owners: List[int], shap
     except Exception as e:  # noqa: BLE001 - anything mlx raises: reported by every rank below
         error = f"{one_line(e)} (--expert-split whole or width skips it)"
     small, step = link_rounds(world, shape, dtype)
-    reports = exchange(world, [small, step, *times], error, failed="--expert-split auto could not time the experts: ")
+    reports = agree(world, [small, step, *times], error, failed="--expert-split auto could not time the experts: ")
     small, step, *times = [max(column) for column in zip(*reports)]
     work: Dict[str, Dict[int, float]] = {"whole": {}, "width": {}}
     for (cut, b, _, _), t in zip(runs, times):

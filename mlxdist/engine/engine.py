@@ -40,7 +40,7 @@ from mlxdist.values.placement import Placement
 from mlxdist.model.sources import CheckpointSources, load_lazy
 from mlxdist.model.switch import DistributedSwitch, MoEBlock, Observer
 from mlxdist.runtime import faults
-from mlxdist.runtime.agreement import exchange
+from mlxdist.runtime.agreement import agree
 from mlxdist.runtime.world import World
 
 __all__ = ["Engine"]
@@ -319,15 +319,15 @@ class Engine:
             self._check_placement(plan, sites)
         except Exception as e:  # noqa: BLE001 - every rank hears of it below
             error = one_line(e)
-        exchange(self.world, None, error)
+        agree(self.world, None, error)
         prepared, error = {}, None
         try:
             prepared = self._prepare(plan, sites, sources)
-        except StepFailed:  # a fetch's exchange inside agreed on it: every rank raised there, none exchanges again
+        except StepFailed:  # a fetch's agreement inside failed: every rank raised there, none agrees again
             raise
         except Exception as e:  # noqa: BLE001 - every rank hears of it below; the prepared modules are dropped
             error = f"cannot prepare the new placement: {one_line(e)}"
-        exchange(self.world, None, error)
+        agree(self.world, None, error)
         for switch in self.switches:
             layer = switch.ownership.layer
             switch.ownership, switch.experts = prepared[layer]

@@ -3,8 +3,8 @@ module is replaced by a ``DistributedSwitch`` holding this rank's experts
 (``model/switch.py``); then only what this rank runs is evaluated (read
 from disk). Every rank's fingerprint of what it loaded is compared by the
 executor, so ranks that loaded different things never generate together.
-Every exchange of the load carries each rank's error beside its value
-(``runtime/agreement.py``'s ``exchange``): a failure on one rank, anywhere
+Every agreement of the load carries each rank's error beside its value
+(``runtime/agreement.py``'s ``agree``): a failure on one rank, anywhere
 in the load, ends it on every rank with the same line.
 """
 
@@ -48,7 +48,7 @@ from mlxdist.model.sources import load_lazy
 from mlxdist.model.switch import DistributedSwitch, MoEBlock
 from mlxdist.model.tensor_parallel import own_bytes, shard_dense, shard_lazily, tensor_parallel_twin
 from mlxdist.runtime import faults
-from mlxdist.runtime.agreement import exchange
+from mlxdist.runtime.agreement import agree
 from mlxdist.runtime.control import PROTOCOL_VERSION
 from mlxdist.runtime.memory import set_wired_limit
 from mlxdist.runtime.progress import Stage, say
@@ -191,7 +191,7 @@ def _placement(world: World, options: LoadOptions, lazy: _Lazy) -> Tuple[LoadOpt
     checked by ``model/fit.py``'s ``plan_fit``, as the doctor checks it,
     from the memory every rank found and the model's own KV cache: a plan
     that cannot fit is refused on every rank before a byte is read."""
-    memory = [RankMemory.from_json(m) for m in exchange(world, RankMemory.here(world.rank).to_json())]
+    memory = [RankMemory.from_json(m) for m in agree(world, RankMemory.here(world.rank).to_json())]
     if options.rank_memory_gb is not None:  # per rank as given, per host by the ranks' host names
         options = replace(options, rank_memory_gb=budgets_for_ranks(options.rank_memory_gb, [m.host for m in memory]))
     weights = ModelWeights.of(lazy.model, lazy.sites)
@@ -293,7 +293,7 @@ def _split_copy(world: World, options: LoadOptions, lazy: _Lazy) -> Tuple[Option
     if world.size == 1 or not modes.mode(options.dispatch).measures_link:
         return None, None
     split, refusal = shard_lazily(lazy.path, world, lazy.config)
-    refusal = next(filter(None, exchange(world, refusal)), None)
+    refusal = next(filter(None, agree(world, refusal)), None)
     if refusal is None:
         return split, None
     return None, refusal if hasattr(lazy.model, "shard") else None
@@ -301,7 +301,7 @@ def _split_copy(world: World, options: LoadOptions, lazy: _Lazy) -> Tuple[Option
 
 def _link_wanted(world: World) -> str:
     """Rank 0's MLXDIST_AUTO_LINK, on every rank: measure the link for auto, or take one host's."""
-    wanted = exchange(world, envs.get("MLXDIST_AUTO_LINK"))[0]
+    wanted = agree(world, envs.get("MLXDIST_AUTO_LINK"))[0]
     if wanted not in ("measure", "local"):
         raise UserError(f"MLXDIST_AUTO_LINK takes measure or local, not {wanted!r:.40}")
     return wanted

@@ -21,7 +21,7 @@ from mlx_lm.generate_utils import BatchStats
 
 from mlxdist.engine.batch import batch_generate
 from mlxdist.errors import one_line
-from mlxdist.runtime.agreement import exchange
+from mlxdist.runtime.agreement import agree
 from mlxdist.runtime.watchdog import ACTIVITY
 
 __all__ = ["generate_own_share"]
@@ -51,7 +51,7 @@ def generate_own_share(engine, prompts: List[List[int]], max_tokens: List[int], 
                         "generation_tokens": s.generation_tokens, "generation_steps": s.generation_steps,
                         "decode_time": s.decode_time, "wall_time": s.wall_time, "peak_memory": s.peak_memory}
     ACTIVITY.beat("shares")  # a rank done first waits here for as long as the others decode: not a hang
-    shares = exchange(world, {"tokens": tokens, "logprobs": logprobs, "counters": counters}, error,
+    shares = agree(world, {"tokens": tokens, "logprobs": logprobs, "counters": counters}, error,
                       failed="generation failed: ")
     token_ids: List[List[int]] = [[] for _ in prompts]
     picked: List[List[float]] = [[] for _ in prompts]

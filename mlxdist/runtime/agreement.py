@@ -15,11 +15,11 @@ every rank's). The failing rank asks them, outside the collectives, within
 
 Steps that are not forward passes (a load, a placement, a control command,
 the server's rebalancing) agree instead on the message their ranks already
-exchange at that step (``exchange``): each rank's value with its error
-beside it. A rank whose own work raised between two exchanges sends its
-error at the next one it reaches, and the others, wherever that finds them,
-read it there: every exchange of a step has the same shape, so the ranks
-leave the step together. Work that ends in a collective of MLX's (a timing
+share at that step (``agree``): each rank's value with its error beside it.
+A rank whose own work raised between two agreements sends its error at the
+next one it reaches, and the others, wherever that finds them, read it
+there: every agreement of a step has the same shape, so the ranks leave the
+step together. Work that ends in a collective of MLX's (a timing
 of the link, a transfer) catches its own errors first and still joins it;
 see docs/failures.md.
 """
@@ -48,7 +48,7 @@ def failed_together(world: World, error: BaseException) -> str:
     return describe_errors(messages)
 
 
-def exchange(world: World, value: Any, error: Optional[str] = None, failed: str = "",
+def agree(world: World, value: Any, error: Optional[str] = None, failed: str = "",
              raises: type = StepFailed) -> List[Any]:
     """Every rank's ``value`` (JSON-able), gathered on every rank, with this
     rank's ``error`` (one line, or None) beside it. Where any rank's is set,

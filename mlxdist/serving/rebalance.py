@@ -35,7 +35,7 @@ from mlxdist.errors import MlxdistError, StepFailed, one_line
 from mlxdist.model.balance import balanced, imbalance
 from mlxdist.values.placement import Placement
 from mlxdist.runtime import faults
-from mlxdist.runtime.agreement import exchange
+from mlxdist.runtime.agreement import agree
 from mlxdist.runtime.watchdog import ACTIVITY
 from mlxdist.runtime.world import World
 
@@ -77,7 +77,7 @@ class Rebalancer:
         except Exception as e:  # noqa: BLE001 - carried on the gather below
             error = one_line(e)
         try:
-            shares = exchange(world, share, error)
+            shares = agree(world, share, error)
         except StepFailed as e:  # on every rank alike
             return self._not_placed(str(e))
         totals = add_shares(shares)

@@ -23,7 +23,7 @@ between passing each chunk on (``transfer.hops``); in ring order, so each
 rank has its own before it passes on the later ones'.
 
 Every step ends with the ranks agreeing (``runtime/agreement.py``'s
-``exchange``): an error on any rank is raised on every rank, so no rank waits
+``agree``): an error on any rank is raised on every rank, so no rank waits
 for a message that will never come. Where every
 rank holds a copy, step 1 is one gather and step 2 nothing.
 """
@@ -42,7 +42,7 @@ from mlxdist.ship.fingerprint import (
 from mlxdist.ship.share import Share, check_disk
 from mlxdist.ship.share_needs import Spans, share_spans, span_bytes
 from mlxdist.ship import transfer
-from mlxdist.runtime.agreement import exchange
+from mlxdist.runtime.agreement import agree
 from mlxdist.runtime.memory import reset_rss_peak, rss_now, rss_peak
 from mlxdist.runtime.progress import Stage, say
 from mlxdist.runtime.world import World
@@ -102,7 +102,7 @@ def locate_model(world: World, model: str, revision: Optional[str]) -> Located:
             need_files = not located.share.has_files(located.digests)
         except Exception as e:  # noqa: BLE001 - every rank hears of it below
             error = one_line(e)
-    wants = exchange(world, need_files, error)
+    wants = agree(world, need_files, error)
     link = transfer.link_for(world)
     blob = b""  # where the files cannot be packed, an empty message: each receiver waits for one
     if world.rank == source and any(wants):
@@ -125,7 +125,7 @@ def locate_model(world: World, model: str, revision: Optional[str]) -> Located:
         elif world.rank in route:
             at = route.index(world.rank)
             error = _relaying(lambda: transfer.relay_blob(link, route[at - 1], route[at + 1])) or error
-    exchange(world, None, error)
+    agree(world, None, error)
     if located.share is not None:  # until its share is fetched, what it lacks is refused (ship/unreceived.py)
         located.share.guard()
     return located
@@ -144,7 +144,7 @@ def fetch_share(world: World, located: Located, spans: Callable[[], Spans]) -> b
             check_disk(located.share.folder, span_bytes(missing), f"rank {world.rank}'s share of the model")
         except Exception as e:  # noqa: BLE001
             error = one_line(e)
-    asks = exchange(world, [[n, s, e] for n, ranges in missing.items() for s, e in ranges], error)
+    asks = agree(world, [[n, s, e] for n, ranges in missing.items() for s, e in ranges], error)
     link = transfer.link_for(world)
     for r in transfer.ring_order(world.size, located.source):
         wanted = [tuple(x) for x in asks[r]]
@@ -163,7 +163,7 @@ def fetch_share(world: World, located: Located, spans: Callable[[], Spans]) -> b
         elif world.rank in route:
             at = route.index(world.rank)
             error = _relaying(lambda: transfer.relay_spans(link, route[at - 1], route[at + 1], wanted)) or error
-    exchange(world, None, error)
+    agree(world, None, error)
     if located.share is None:
         return False
     located.share.guard()
@@ -198,7 +198,7 @@ def _receive(located: Located, link, spans, src: int) -> Optional[str]:
     share = located.share
     before = rss_now()
     reset_rss_peak()
-    try:  # recording the ranges too: a full disk there is this step's error, not a skipped exchange
+    try:  # recording the ranges too: a full disk there is this step's error, not a skipped agreement
         with transfer.FolderFiles(share.folder, "r+b") as files:
             sums = transfer.recv_spans(link, src, files, spans)  # the stream drained even where it raises
         for (name, start, end), value in zip(spans, sums):
