@@ -253,6 +253,24 @@ def test_hostile_bodies_are_openai_shaped_4xx(front):
     assert front.health()[0] == 200
 
 
+def test_headers_are_bounded_and_protocol_errors_are_openai_json(front):
+    """As the rank server (test_limits): 32 KiB of headers or 64 lines at
+    most, whatever the key (431); what is no HTTP request a 400, an unknown
+    method or path a 405 or 404, each OpenAI-shaped."""
+    many = b"".join(b"X-H%d: %s\r\n" % (i, b"v" * 1000) for i in range(40))
+    lines = b"".join(b"X-H%d: v\r\n" % i for i in range(70))
+    for extra in (many, lines):
+        head = b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer nope\r\n" + extra
+        status, answer = parse_reply(raw_request(front.port, head + b"Content-Length: 2\r\n\r\n", b"{}"))
+        assert status == 431 and error_shaped(status, answer), answer
+    for line, expected in ((b"HELLO", 400), (b"GET /v1/models HTTP/1.1 x", 400), (b"BREW /v1/completions HTTP/1.1", 405),
+                           (b"GET /v1/nothing HTTP/1.1", 404)):
+        status, answer = parse_reply(raw_request(front.port, line + b"\r\nHost: localhost\r\nAuthorization: Bearer "
+                                                 + KEY.encode() + b"\r\n\r\n"))
+        assert status == expected and error_shaped(status, answer), (line, status, answer)
+    assert front.health()[0] == 200
+
+
 def test_host_must_name_the_front(front):
     """DNS rebinding: a page of evil.example whose name now points at
     127.0.0.1 sends Host: evil.example; the front does not answer it."""

@@ -7,6 +7,8 @@ protocol (h11) with deadlines, and the checks made before any route runs.
 - ``request_timeout``: a connection has that long to send its whole request,
   headers and body; past it the front answers 408 (nothing, where the client
   sent nothing) and closes;
+- ``max_header_bytes``, ``max_headers``: a request line and headers past
+  either are answered 431, read no further;
 - ``max_connections``: past it, a complete request takes the place of the
   connection that has been sending its request the longest (answered 503);
   where every connection is being answered, the new request is answered 503
@@ -23,6 +25,7 @@ import logging
 import socket
 from typing import Any, Callable, Optional
 
+import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from mlxdist.front.errors import refusal
@@ -61,6 +64,7 @@ class FrontProtocol(H11Protocol):
         self.received = False
         self.answering = False
         self._write_deadline: Optional[Any] = None
+        self._head: Optional[bytearray] = bytearray()  # the request line and headers so far (None: whole)
         self._request_deadline: Optional[Any] = None
 
     def connection_made(self, transport) -> None:
@@ -80,7 +84,22 @@ class FrontProtocol(H11Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.received = self.received or bool(data)
+        if self._head is not None and self.conn.their_state is h11.IDLE:
+            self._head += data
+            end = self._head.find(b"\r\n\r\n")
+            head = self._head if end < 0 else self._head[:end]
+            settings = self.settings
+            if len(head) > settings.max_header_bytes or head.count(b"\n") > settings.max_headers:
+                self.refuse(431, f"request headers too large: more than {settings.max_header_bytes} bytes or "
+                                 f"{settings.max_headers} lines")
+                return
+            if end >= 0:
+                self._head = None  # whole: the next request's head is counted after this answer
         super().data_received(data)
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to bytes that are no HTTP request, in OpenAI's shape."""
+        self.refuse(400, "not an HTTP/1.1 request this server reads")
 
     def connection_lost(self, exc) -> None:
         for timer in (self._write_deadline, self._request_deadline):
@@ -89,7 +108,7 @@ class FrontProtocol(H11Protocol):
         super().connection_lost(exc)
 
     def on_response_complete(self) -> None:
-        self.answering, self.received = False, False
+        self.answering, self.received, self._head = False, False, bytearray()
         super().on_response_complete()
         self._arm_request_deadline()  # a kept-alive connection's next request has its own
 

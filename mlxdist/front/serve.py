@@ -79,7 +79,7 @@ async def serve(settings: FrontSettings, listening: socket.socket, job: Any) -> 
     app = make_app(settings, job)
     config = uvicorn.Config(app, http=front_protocol(settings), lifespan="off", access_log=False,
                             log_level="warning", timeout_keep_alive=int(max(1, settings.idle_timeout)),
-                            h11_max_incomplete_event_size=settings.max_header_bytes, server_header=False,
+                            h11_max_incomplete_event_size=settings.max_header_bytes + (4 << 10), server_header=False,
                             proxy_headers=False, timeout_graceful_shutdown=_GRACEFUL_SHUTDOWN_S)
     server = _Server(config)
     server.never_served = False

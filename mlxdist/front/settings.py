@@ -50,6 +50,7 @@ class FrontSettings:
     max_connections: int
     max_body: int
     max_header_bytes: int
+    max_headers: int
     request_timeout: float
     idle_timeout: float
     write_timeout: float
@@ -105,7 +106,7 @@ def read_settings(argv: List[str]) -> FrontSettings:
     return FrontSettings(
         host=args.host, port=args.port, api_key=args.api_key, allowed_hosts=allowed_hosts(args.allowed_hosts, args.host),
         allow_origins=tuple(args.allow_origin), max_connections=args.max_connections, max_body=args.max_body_bytes,
-        max_header_bytes=args.max_header_bytes, request_timeout=args.request_timeout,
+        max_header_bytes=args.max_header_bytes, max_headers=args.max_headers, request_timeout=args.request_timeout,
         idle_timeout=args.idle_timeout, write_timeout=args.write_timeout, retry_after=args.retry_after,
         ranks=args.ranks, hostfile=args.hostfile, launcher=args.launcher,
         rank_argv=rank_argv(p, argv, args.max_connections), min_ranks=args.min_ranks, no_regrow=args.no_regrow,
