@@ -213,6 +213,36 @@ def test_responses_request_as_chat_and_answer_events():
         {"id": "call_9", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Lima"}'}}]}]
 
 
+def test_a_job_lost_mid_answer_ends_each_stream_in_its_shape():
+    """The rank job dropping the stream (``Unavailable`` from the upstream's
+    lines) ends an Anthropic stream with an ``error`` event and a Responses
+    stream with ``response.failed``, after what was already sent."""
+    import contextlib
+
+    from mlxdist.front import messages, responses
+    from mlxdist.front.errors import Unavailable
+
+    async def lost():
+        yield Text("Hi")
+        raise Unavailable("the rank job stopped answering (ReadError)")
+
+    async def drain(stream):
+        return [out async for out in stream]
+
+    anthropic = asyncio.run(drain(messages._stream(AnthropicAnswer("m"), lost(), contextlib.AsyncExitStack(),
+                                                   None, {})))
+    assert _sse_types(anthropic)[-2:] == ["content_block_delta", "error"]
+    error = json.loads(anthropic[-1].split("data: ", 1)[1])
+    assert error["error"]["type"] == "overloaded_error" and "stopped answering" in error["error"]["message"]
+    request = ResponsesRequest.model_validate({"input": "Hi"})
+    store = ResponseStore(4)
+    answer = ResponsesAnswer(request)
+    out = asyncio.run(drain(responses._stream(answer, lost(), contextlib.AsyncExitStack(), store, request, [])))
+    assert _sse_types(out)[-1] == "response.failed" and len(store) == 0
+    failed = json.loads(out[-1].split("data: ", 1)[1])["response"]
+    assert failed["status"] == "failed" and "stopped answering" in failed["error"]["message"]
+
+
 @pytest.mark.parametrize("body, says", [
     ({"input": [{"type": "input_image", "image_url": "x"}]}, "type 'input_image' is not read here"),
     ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, "reads text only"),

@@ -14,8 +14,7 @@ naming it.
 
 from typing import Any, Dict, List, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
-from typing_extensions import Annotated
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 MAX_MESSAGES = 512  # as the rank server's RequestLimits
 MAX_TOOLS = 128
@@ -70,9 +69,10 @@ class RedactedThinkingBlock(_Block):
     data: str
 
 
-Block = Annotated[Union[TextBlock, ToolUseBlock, ToolResultBlock, ThinkingBlock, RedactedThinkingBlock],
-                  Field(discriminator="type")]
-BLOCK_TYPES = ("text", "tool_use", "tool_result", "thinking", "redacted_thinking")
+Block = Union[TextBlock, ToolUseBlock, ToolResultBlock, ThinkingBlock, RedactedThinkingBlock]
+BLOCKS = {"text": TextBlock, "tool_use": ToolUseBlock, "tool_result": ToolResultBlock, "thinking": ThinkingBlock,
+          "redacted_thinking": RedactedThinkingBlock}
+BLOCK_TYPES = tuple(BLOCKS)
 
 
 class Message(BaseModel):
@@ -157,7 +157,7 @@ def parse_blocks(content: Union[str, List[Dict[str, Any]]], where: str) -> List[
             raise ValueError(f"{where}.content[{i}]: a block of type {str(kind)[:40]!r} is not read here "
                              f"(known: {', '.join(BLOCK_TYPES)}; this server's model reads text only)")
         try:
-            blocks.append(_BLOCK_ADAPTER.validate_python(raw))
+            blocks.append(BLOCKS[kind].model_validate(raw))
         except ValidationError as e:
             raise ValueError(first_error(e, f"{where}.content[{i}]")) from None
     return blocks
@@ -180,5 +180,3 @@ def first_error(error: Any, prefix: str = "") -> str:
         message = "required"
     return f"{where}: {message}" if where else message
 
-
-_BLOCK_ADAPTER = TypeAdapter(Block)

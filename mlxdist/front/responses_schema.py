@@ -15,8 +15,7 @@ naming it.
 
 from typing import Any, Dict, List, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
-from typing_extensions import Annotated
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from mlxdist.front.messages_schema import MAX_MESSAGES, MAX_NAME_CHARS, MAX_TOOLS, first_error
 
@@ -66,9 +65,9 @@ class ReasoningItem(_Item):
     type: Literal["reasoning"]
 
 
-Item = Annotated[Union[MessageItem, FunctionCallItem, FunctionCallOutputItem, ReasoningItem],
-                 Field(discriminator="type")]
-ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
+ITEMS = {"message": MessageItem, "function_call": FunctionCallItem, "function_call_output": FunctionCallOutputItem,
+         "reasoning": ReasoningItem}
+ITEM_TYPES = tuple(ITEMS)
 PART_TYPES = ("input_text", "output_text", "text", "refusal")
 
 
@@ -124,7 +123,7 @@ class ResponsesRequest(BaseModel):
                 raise ValueError(f"input[{i}]: an item of type {str(kind)[:40]!r} is not read here "
                                  f"(known: {', '.join(ITEM_TYPES)})")
             try:
-                items.append(_ITEM_ADAPTER.validate_python({**raw, "type": kind}))
+                items.append(ITEMS[kind].model_validate({**raw, "type": kind}))
             except ValidationError as e:
                 raise ValueError(first_error(e, f"input[{i}]")) from None
         return items
@@ -164,5 +163,3 @@ def part_text(content: Union[str, List[Dict[str, Any]]], where: str) -> str:
         text.append(value)
     return "".join(text)
 
-
-_ITEM_ADAPTER = TypeAdapter(Item)
