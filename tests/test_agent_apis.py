@@ -30,8 +30,8 @@ from mlxdist.front.responses import ResponsesAnswer
 from mlxdist.front.responses_schema import IGNORED as RESPONSES_IGNORED, REFUSED, ResponsesRequest
 from mlxdist.front.store import ResponseStore
 from mlxdist.front.translate import (
-    AnswerFailed, Finish, Keepalive, StopMatcher, Text, ToolCall, UpstreamError, Usage, anthropic_to_chat, chat_events,
-    read_body, responses_to_chat,
+    AnswerFailed, Finish, Keepalive, Reasoning, StopMatcher, Text, ToolCall, UpstreamError, Usage, anthropic_to_chat,
+    chat_events, read_body, responses_to_chat,
 )
 
 KEY = "agent-key-123"
@@ -168,6 +168,15 @@ def test_anthropic_answer_events():
     with pytest.raises(AnswerFailed):
         answer.add(UpstreamError("lost", 503))
 
+    thinking = AnthropicAnswer("claude", thinking=True)  # the request enabled thinking: reasoning is shown
+    out = [e for event in (Reasoning("Hm"), Text("Hi"), Finish("stop")) for e in thinking.add(event)] + thinking.end()
+    deltas = [json.loads(e.split("data: ", 1)[1]).get("delta", {}).get("type") for e in out]
+    assert [d for d in deltas if d] == ["thinking_delta", "signature_delta", "text_delta"]
+    assert thinking.message()["content"] == [{"type": "thinking", "thinking": "Hm", "signature": ""},
+                                             {"type": "text", "text": "Hi"}]
+    plain = AnthropicAnswer("claude")  # not enabled: not shown, as a model without thinking
+    assert plain.add(Reasoning("Hm")) == [] and plain.message()["stop_reason"] == "end_turn"
+
 
 def test_responses_request_as_chat_and_answer_events():
     request = ResponsesRequest.model_validate({
@@ -193,12 +202,14 @@ def test_responses_request_as_chat_and_answer_events():
 
     answer = ResponsesAnswer(request)
     out = answer.start()
-    for event in [Text("It"), Text(" is"), ToolCall("call_9", "get_weather", '{"city": "Lima"}'), Finish("tool_calls"),
-                  Usage(30, 9, 12)]:
+    for event in [Reasoning("Hm"), Reasoning("m."), Text("It"), Text(" is"),
+                  ToolCall("call_9", "get_weather", '{"city": "Lima"}'), Finish("tool_calls"), Usage(30, 9, 12)]:
         out += answer.add(event)
     out += answer.end()
     assert _sse_types(out) == [
-        "response.created", "response.in_progress", "response.output_item.added", "response.content_part.added",
+        "response.created", "response.in_progress", "response.output_item.added", "response.reasoning_text.delta",
+        "response.reasoning_text.delta", "response.reasoning_text.done", "response.output_item.done",
+        "response.output_item.added", "response.content_part.added",
         "response.output_text.delta", "response.output_text.delta", "response.output_text.done",
         "response.content_part.done", "response.output_item.done", "response.output_item.added",
         "response.function_call_arguments.delta", "response.function_call_arguments.done",
@@ -206,8 +217,9 @@ def test_responses_request_as_chat_and_answer_events():
     numbers = [json.loads(e.split("data: ", 1)[1])["sequence_number"] for e in out]
     assert numbers == list(range(len(out)))
     final = answer.response()
-    assert [item["type"] for item in final["output"]] == ["message", "function_call"]
-    assert final["output"][0]["content"][0]["text"] == "It is" and final["output"][1]["call_id"] == "call_9"
+    assert [item["type"] for item in final["output"]] == ["reasoning", "message", "function_call"]
+    assert final["output"][0]["content"] == [{"type": "reasoning_text", "text": "Hmm."}]
+    assert final["output"][1]["content"][0]["text"] == "It is" and final["output"][2]["call_id"] == "call_9"
     assert final["usage"]["input_tokens_details"] == {"cached_tokens": 12} and final["status"] == "completed"
     assert answer.messages() == [{"role": "assistant", "content": "It is", "tool_calls": [
         {"id": "call_9", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Lima"}'}}]}]

@@ -9,7 +9,8 @@ A streamed answer is the Responses event sequence, each event numbered
 output item ``response.output_item.added``, for a message
 ``response.content_part.added``, ``response.output_text.delta``...,
 ``response.output_text.done``, ``response.content_part.done``, for a
-function call ``response.function_call_arguments.delta`` / ``.done``;
+function call ``response.function_call_arguments.delta`` / ``.done``, for
+the model's reasoning ``response.reasoning_text.delta`` / ``.done``;
 ``response.output_item.done``; then ``response.completed`` (or
 ``response.incomplete`` at ``max_output_tokens``, ``response.failed`` when
 the rank job fails mid-answer).
@@ -30,7 +31,7 @@ from mlxdist.front.messages_schema import first_error
 from mlxdist.front.responses_schema import ResponsesRequest
 from mlxdist.front.store import ResponseStore
 from mlxdist.front.translate import (
-    CHAT_PATH, AnswerFailed, Event, Finish, Keepalive, Text, ToolCall, UpstreamError, Usage, chat_events,
+    CHAT_PATH, AnswerFailed, Event, Finish, Keepalive, Reasoning, Text, ToolCall, UpstreamError, Usage, chat_events,
     read_request, responses_to_chat, upstream_refusal,
 )
 from mlxdist.serving.connections import DEFAULT_MAX_BODY
@@ -52,6 +53,7 @@ class ResponsesAnswer:
         self.created_at = int(time.time())
         self.output: List[Dict[str, Any]] = []
         self.open_message: Optional[Dict[str, Any]] = None
+        self.open_reasoning: Optional[Dict[str, Any]] = None
         self.finish: Optional[Finish] = None
         self.usage: Optional[Usage] = None
         self.sequence = 0
@@ -79,12 +81,14 @@ class ResponsesAnswer:
             self.usage = event
         elif isinstance(event, Text):
             return self._text(event.text)
+        elif isinstance(event, Reasoning):
+            return self._reasoning(event.text)
         elif isinstance(event, ToolCall):
             return self._call(event)
         return []
 
     def end(self) -> List[str]:
-        out = self._close_message()
+        out = self._close_reasoning() + self._close_message()
         status = self.status()
         out.append(self._event(f"response.{status}", response=self.response(status)))
         return out
@@ -132,8 +136,33 @@ class ResponsesAnswer:
             message["tool_calls"] = calls
         return [message]
 
+    def _reasoning(self, text: str) -> List[str]:
+        """The model's reasoning (mlx-lm's, between its think tags) as a reasoning item's text."""
+        out = self._close_message()
+        if self.open_reasoning is None:
+            self.open_reasoning = {"id": _new_id("rs"), "type": "reasoning", "summary": [], "status": "in_progress",
+                                   "content": [{"type": "reasoning_text", "text": ""}]}
+            self.output.append(self.open_reasoning)
+            out.append(self._event("response.output_item.added", output_index=len(self.output) - 1,
+                                   item=dict(self.open_reasoning, content=[])))
+        self.open_reasoning["content"][0]["text"] += text
+        out.append(self._event("response.reasoning_text.delta", item_id=self.open_reasoning["id"],
+                               output_index=len(self.output) - 1, content_index=0, delta=text))
+        return out
+
+    def _close_reasoning(self) -> List[str]:
+        item = self.open_reasoning
+        if item is None:
+            return []
+        self.open_reasoning = None
+        index = self.output.index(item)
+        item["status"] = "completed"
+        return [self._event("response.reasoning_text.done", item_id=item["id"], output_index=index, content_index=0,
+                            text=item["content"][0]["text"]),
+                self._event("response.output_item.done", output_index=index, item=item)]
+
     def _text(self, text: str) -> List[str]:
-        out = []
+        out = self._close_reasoning()
         if self.open_message is None:
             self.open_message = {"id": _new_id("msg"), "type": "message", "status": "in_progress",
                                  "role": "assistant", "content": []}
@@ -164,7 +193,7 @@ class ResponsesAnswer:
                 self._event("response.output_item.done", output_index=index, item=message)]
 
     def _call(self, call: ToolCall) -> List[str]:
-        out = self._close_message()
+        out = self._close_reasoning() + self._close_message()
         item = {"id": _new_id("fc"), "type": "function_call", "status": "completed",
                 "call_id": call.id or _new_id("call"), "name": call.name, "arguments": call.arguments}
         self.output.append(item)
