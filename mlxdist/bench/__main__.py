@@ -14,6 +14,7 @@ maintainer runs, one module per command.
     project        large MoE models on 2 and 4 Macs, projected from shapes and link costs (projection.py)
     stress         many mixed requests (normal, streamed, dropped, malformed, slow, oversized) against one
                    server, each checked, memory and ranks watched (stress.py)
+    turns          time to first token of a conversation's turn 1 and turn 2, per server mode (turns.py)
 """
 
 import importlib
@@ -22,7 +23,7 @@ import sys
 COMMANDS = {
     "run": "harness", "compare": "compare", "mlxlm": "mlxlm", "one-rank": "one_rank", "serve": "serve",
     "capacity": "capacity", "survival": "survival", "placement": "placement", "link": "linkemu",
-    "project": "projection", "stress": "stress", "recovery": "recovery",
+    "project": "projection", "stress": "stress", "recovery": "recovery", "turns": "turns",
 }
 
 
