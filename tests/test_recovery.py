@@ -263,3 +263,30 @@ def test_the_survivors_are_planned_as_supervise_plans_them(tmp_path):
     with pytest.raises(UserError, match=r"only 1 rank would remain \(--min-ranks 2\)"):
         survivors_plan(Plan(slots[:2], []), read_loss(killed.replace("rank 2", "rank 1"), slots[:2], 1.0), 2, None,
                        str(tmp_path))
+
+
+def test_the_front_serves_through_a_pulled_cable(hosts, checkpoint):
+    """(b) on network-namespace hosts: the front on host0 at --ranks 3 over
+    host0, host1, host2; host2's cable pulled with a plain request and a
+    stream live (both answered within the heartbeat + 5 s, 503 meanwhile),
+    serving again on host0 and host1 within 60 s with mlx-lm's greedy text,
+    not growing back while host2 does not answer, growing back once its
+    cable is in again (tests/scripts/front_link.py, run on host0)."""
+    path = checkpoint("qwen3_moe")
+    expected = alone(path, "Request 3: tokens tokens", 8)
+    script = ROOT / "tests/scripts/front_link.py"
+    try:
+        got = hosts.on(0, [sys.executable, script, path, hosts.hostfile([0, 1, 2]), hosts.switch,
+                           f"{hosts.prefix}v2", expected, KEY], timeout=600)
+    finally:
+        hosts.link(2, up=True)
+        for ns in hosts.namespaces[:3]:  # whatever the front left there (nothing, where it stopped cleanly)
+            for pid in subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split():
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+    assert got.returncode == 0, (got.stdout[-2000:], got.stderr[-6000:])
+    times = json.loads(got.stdout.strip().splitlines()[-1])
+    print("seconds from the pull (and from the plug, for growing back):", times)
+    assert times["serving_again"] < SERVING_AGAIN_WITHIN, times

@@ -1,0 +1,128 @@
+"""Run on host0 of tests/netns.py's hosts (test_recovery.py): the front at
+--ranks 3 over host0, host1 and host2; host2's cable pulled while a plain
+request and a stream are live, then plugged back in. Raises AssertionError
+on the first thing that is not as it should be; prints one JSON line of
+the times measured (seconds from the pull).
+
+    python front_link.py MODEL HOSTFILE SWITCH_NS VETH EXPECTED_TEXT KEY
+"""
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+HEARTBEAT, REGROW_EVERY = 5.0, 8.0
+PROMPT = "Request 3: tokens tokens"
+EOS = 2
+
+
+def main() -> None:
+    model, hostfile, switch, veth, expected, key = sys.argv[1:7]
+    front = subprocess.Popen([sys.executable, "-m", "mlxdist.serve", "--ranks", "3", "--hostfile", hostfile,
+                              "--model", model, "--port", "0", "--api-key", key, "--heartbeat", str(HEARTBEAT),
+                              "--regrow-every", str(REGROW_EVERY)], stdin=subprocess.DEVNULL,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    said, port = [], []
+
+    def read():
+        for line in front.stderr:
+            said.append(line)
+            found = re.search(r"mlxdist: front on http://127\.0\.0\.1:(\d+) ", line)
+            if found:
+                port.append(int(found.group(1)))
+
+    threading.Thread(target=read, daemon=True).start()
+    try:
+        times = run(port, key, expected, switch, veth)
+    except BaseException:
+        sys.stderr.write("".join(said)[-6000:])
+        front.kill()
+        raise
+    front.send_signal(signal.SIGINT)
+    assert front.wait(90) == 0, "".join(said)[-3000:]
+    print(json.dumps(times))
+
+
+def call(url, key, path, body=None, timeout=120):
+    """(status, headers, parsed body) of one request; status None where the connection failed."""
+    req = urllib.request.Request(url + path, data=None if body is None else json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.headers, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, e.headers, json.loads(e.read() or b"{}")
+    except OSError as e:
+        return None, None, repr(e)
+
+
+def wait(predicate, timeout, what):
+    start = time.monotonic()
+    while not predicate():
+        assert time.monotonic() - start < timeout, f"no {what} within {timeout} s"
+        time.sleep(0.1)
+    return time.monotonic()
+
+
+def run(port, key, expected, switch, veth):
+    wait(lambda: port, 120, "front line")
+    url = f"http://127.0.0.1:{port[0]}"
+    state = lambda: (call(url, key, "/health", timeout=10)[2] or {}).get("status")  # noqa: E731
+    wait(lambda: state() == "ok", 300, "serving on 3 ranks")
+    greedy = {"prompt": PROMPT, "max_tokens": 8}
+    assert call(url, key, "/v1/completions", greedy)[2]["choices"][0]["text"] == expected
+    live, events = {}, []
+
+    def plain():
+        live["plain"] = call(url, key, "/v1/completions", {**greedy, "max_tokens": 3000,
+                                                            "logit_bias": {str(EOS): -100}})
+        live["plain_at"] = time.monotonic()
+
+    def stream():
+        req = urllib.request.Request(url + "/v1/completions", data=json.dumps(
+            {**greedy, "max_tokens": 3000, "stream": True, "logit_bias": {str(EOS): -100}}).encode(),
+            headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}"})
+        try:
+            with urllib.request.urlopen(req, timeout=120) as r:
+                for line in r:
+                    if line.startswith(b"data: "):
+                        events.append(line[6:].decode().strip())
+        except OSError as e:
+            events.append(f"connection: {e!r}")
+        live["stream_at"] = time.monotonic()
+
+    threading.Thread(target=plain, daemon=True).start()
+    threading.Thread(target=stream, daemon=True).start()
+    wait(lambda: len(events) >= 2, 120, "stream events")
+    subprocess.run(["ip", "-n", switch, "link", "set", veth, "down"], check=True)
+    pulled = time.monotonic()
+    times = {"recovering": wait(lambda: state() in ("recovering", "starting"), HEARTBEAT + 5, "recovering") - pulled}
+    status, headers, body = call(url, key, "/v1/completions", greedy, timeout=10)
+    assert status == 503 and headers["Retry-After"], (status, body)
+    times["answered"] = wait(lambda: "plain_at" in live and "stream_at" in live, HEARTBEAT + 7, "live answers") - pulled
+    assert live["plain_at"] - pulled < HEARTBEAT + 5 and live["stream_at"] - pulled < HEARTBEAT + 5, times
+    assert live["plain"][0] == 503, live["plain"]
+    assert events[-1].startswith("{") and json.loads(events[-1]).get("error"), events[-3:]
+    times["serving_again"] = wait(lambda: state() == "degraded", 60, "serving on 2 ranks") - pulled
+    status, _, health = call(url, key, "/health")
+    assert health["ranks"] == 2 and health["hosts"] == ["host0", "host1"], health
+    assert health["last_recovery"]["lost_rank"] == 2 and health["last_recovery"]["host"] == "host2", health
+    assert call(url, key, "/v1/completions", greedy)[2]["choices"][0]["text"] == expected
+    time.sleep(REGROW_EVERY + 25)  # host2 does not answer: no growing back
+    assert state() == "degraded"
+    subprocess.run(["ip", "-n", switch, "link", "set", veth, "up"], check=True)
+    plugged = time.monotonic()
+    times["grown_back_after_plug"] = wait(lambda: state() == "ok", REGROW_EVERY + 120, "growing back") - plugged
+    assert call(url, key, "/health")[2]["ranks"] == 3
+    assert call(url, key, "/v1/completions", greedy)[2]["choices"][0]["text"] == expected
+    return {k: round(v, 2) for k, v in times.items()}
+
+
+if __name__ == "__main__":
+    main()
