@@ -295,11 +295,15 @@ def test_cors_as_the_rank_server_answers_it(front):
     assert headers["Access-Control-Allow-Origin"] == ORIGIN
 
 
-def test_a_request_trickled_in_is_cut_off_at_its_deadline(front):
-    body = json.dumps({"prompt": "Hi", "max_tokens": 2}).encode()
+@pytest.mark.parametrize("part", ["headers", "body"])
+def test_a_request_trickled_in_is_cut_off_at_its_deadline(front, part):
+    """One byte every 0.3 s, of the headers or of the body: 408 at --request-timeout."""
+    body = json.dumps({"prompt": "Hi", "max_tokens": 2}).encode() + b" " * 200
     head = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-            b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: %d\r\n" % len(body))
-    reply, seconds = trickle(front.port, b"", head + b"X-Pad: " + b"a" * 60 + b"\r\n\r\n" + body, 0.3)
+            b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: %d\r\n" % len(body)
+            + b"X-Pad: " + b"a" * 60 + b"\r\n\r\n")
+    prefix, trickled = (b"", head + body) if part == "headers" else (head, body)
+    reply, seconds = trickle(front.port, prefix, trickled, 0.3)
     status, answer = parse_reply(reply)
     assert status == 408 and error_shaped(status, answer), reply[:300]
     assert REQUEST_TIMEOUT - 0.5 < seconds < REQUEST_TIMEOUT + 3, seconds

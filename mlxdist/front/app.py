@@ -24,6 +24,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, StrictBool, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.middleware.cors import CORSMiddleware
 
 from mlxdist.errors import RequestError
@@ -152,10 +153,13 @@ async def _read_request(request: Request, max_body: int) -> Tuple[bytes, bool, b
         if declared > max_body:
             raise RequestError(f"request body of {declared} bytes exceeds the limit of {max_body}", None, 413)
     raw = bytearray()
-    async for chunk in request.stream():
-        raw += chunk
-        if len(raw) > max_body:
-            raise RequestError(f"request body exceeds the limit of {max_body} bytes", None, 413)
+    try:
+        async for chunk in request.stream():
+            raw += chunk
+            if len(raw) > max_body:
+                raise RequestError(f"request body exceeds the limit of {max_body} bytes", None, 413)
+    except ClientDisconnect:  # gone, or cut at --request-timeout (limits.py): no one to answer
+        raise RequestError("the client left before its request arrived whole", None, 408) from None
     raw = bytes(raw)
     try:
         body = json_input.parse(raw, max_body)

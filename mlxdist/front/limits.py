@@ -119,7 +119,9 @@ class FrontProtocol(H11Protocol):
 
     def _request_late(self) -> None:
         self._request_deadline = None
-        if self.answering or self.transport.is_closing():
+        if self.transport.is_closing() or self.conn.their_state is h11.DONE:  # the request is whole
+            return
+        if self.cycle is not None and self.cycle.response_started:
             return
         if self.received:
             self.refuse(408, f"the request did not arrive whole within {self.settings.request_timeout:g} s")
