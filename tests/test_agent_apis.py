@@ -608,4 +608,20 @@ def test_keys_and_hostile_bodies(front):
         answer = _post(front, "/v1/responses", raw)
         error = answer.json()["error"]
         assert answer.status_code == status and says in error["message"], (says, answer.text[:300])
-    assert _post(front, "/v1/messages", ok).status_code == 200  # and it still answers
+    tools = [{"name": "get_weather", "input_schema": {"type": "object"}}]
+    refused = _post(front, "/v1/messages", ok[:-1] + b', "tools": ' + json.dumps(tools).encode() + b"}")
+    assert refused.status_code == 400 and "does not call tools" in refused.json()["error"]["message"]
+    refused = _post(front, "/v1/responses", b'{"input": "x", "tools": [{"type": "function", "name": "f"}]}')
+    assert refused.status_code == 400 and "does not call tools" in refused.json()["error"]["message"]
+
+    def prompt_tokens_counted():
+        import httpx
+
+        text = httpx.get(front.url + "/metrics", headers={"authorization": f"Bearer {KEY}"}, timeout=30).text
+        return float(re.search(r"^mlxdist_prompt_tokens_total (\S+)$", text, re.M).group(1))
+
+    before = prompt_tokens_counted()
+    answered = _post(front, "/v1/messages", ok)  # and it still answers, its tokens counted in /metrics
+    assert answered.status_code == 200
+    usage = answered.json()["usage"]
+    assert prompt_tokens_counted() - before == usage["input_tokens"] + usage.get("cache_read_input_tokens", 0)

@@ -25,7 +25,7 @@ from mlxdist.front.errors import Unavailable
 from mlxdist.front.messages_schema import CountTokensRequest, MessagesRequest, first_error
 from mlxdist.front.translate import (
     CHAT_PATH, TOKENIZE_PATH, AnswerFailed, Event, Finish, Keepalive, Reasoning, Text, ToolCall, UpstreamError,
-    Usage, anthropic_to_chat, arguments_object, chat_events, read_request, upstream_refusal,
+    Usage, anthropic_to_chat, arguments_object, chat_events, counted, live_request, read_request, upstream_refusal,
 )
 from mlxdist.serving.connections import DEFAULT_MAX_BODY
 
@@ -201,10 +201,12 @@ def router(upstream: Any, max_body: int = DEFAULT_MAX_BODY) -> APIRouter:
                 raise AnswerFailed(str(e), 400) from None
             answer = AnthropicAnswer(parsed.model, silent=parsed.max_tokens == 0,
                                      thinking=parsed.thinking is not None and parsed.thinking.type != "disabled")
+            stack.enter_context(live_request(upstream))
             response = await stack.enter_async_context(upstream.stream(CHAT_PATH, chat, request.headers))
             if response.status_code != 200:
                 raise await upstream_refusal(response)
-            events = chat_events(response.aiter_lines(), parsed.stop_sequences or ())
+            events = counted(chat_events(response.aiter_lines(), parsed.stop_sequences or ()),
+                             getattr(request.app.state, "metrics", None))
             if not parsed.stream:
                 async for event in events:
                     answer.add(event)

@@ -32,7 +32,7 @@ from mlxdist.front.responses_schema import ResponsesRequest
 from mlxdist.front.store import ResponseStore
 from mlxdist.front.translate import (
     CHAT_PATH, AnswerFailed, Event, Finish, Keepalive, Reasoning, Text, ToolCall, UpstreamError, Usage, chat_events,
-    read_request, responses_to_chat, upstream_refusal,
+    counted, live_request, read_request, responses_to_chat, upstream_refusal,
 )
 from mlxdist.serving.connections import DEFAULT_MAX_BODY
 
@@ -240,10 +240,11 @@ def router(upstream: Any, store: ResponseStore, max_body: int = DEFAULT_MAX_BODY
                                           f"the last {store.capacity})", 400, "previous_response_id")
             conversation, chat = responses_to_chat(parsed, history)
             answer = ResponsesAnswer(parsed)
+            stack.enter_context(live_request(upstream))
             response = await stack.enter_async_context(upstream.stream(CHAT_PATH, chat, request.headers))
             if response.status_code != 200:
                 raise await upstream_refusal(response)
-            events = chat_events(response.aiter_lines())
+            events = counted(chat_events(response.aiter_lines()), getattr(request.app.state, "metrics", None))
             if not parsed.stream:
                 async for event in events:
                     answer.add(event)

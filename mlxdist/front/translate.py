@@ -16,9 +16,10 @@ known. The stream is closed at the match, which ends the sequence on every
 rank.
 """
 
+import contextlib
 import json
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, AsyncIterator, ContextManager, Dict, List, Optional, Sequence, Tuple, Union
 
 from mlxdist.inputs import json_input
 from mlxdist.front.messages_schema import (
@@ -388,6 +389,21 @@ async def chat_events(lines: AsyncIterator[str], stop_sequences: Sequence[str] =
     if rest:
         yield Text(rest)
     yield finish or Finish("stop")
+
+
+async def counted(events: AsyncIterator[Event], metrics: Any) -> AsyncIterator[Event]:
+    """``events``, their usage added to the front's ``metrics`` (``front/metrics.py``) where there are some."""
+    async for event in events:
+        if isinstance(event, Usage) and metrics is not None:
+            metrics.count_usage({"prompt_tokens": event.prompt_tokens, "completion_tokens": event.completion_tokens})
+        yield event
+
+
+def live_request(upstream: Any) -> ContextManager[Any]:
+    """The job's ``request()`` scope where it has one: the job grows back
+    only while no request is live (``front/job.py``)."""
+    request = getattr(getattr(upstream, "job", None), "request", None)
+    return request() if request is not None else contextlib.nullcontext()
 
 
 def arguments_object(arguments: str) -> Dict[str, Any]:
