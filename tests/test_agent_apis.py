@@ -311,7 +311,7 @@ def test_every_field_the_clients_send_is_read_or_ignored():
 class Front:
     """``python -m mlxdist.serve --ranks 2`` on ``path``: the front, which starts the rank job itself."""
 
-    def __init__(self, path, log, extra=()):
+    def __init__(self, path, log, extra=()):  # extra: the rank server's options
         self.log = log
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "mlxdist.serve", "--ranks", "2", "--model", str(path), "--port", "0",
@@ -368,6 +368,14 @@ def tool_front(checkpoint, tmp_path_factory):
     """A front on a checkpoint that calls get_weather (synth --tool-call)."""
     served = Front(checkpoint("qwen3_moe", tool_call=True), tmp_path_factory.mktemp("tool-front") / "stderr")
     yield served
+    served.stop()
+
+
+@pytest.fixture(scope="module")
+def dp_clients(checkpoint, tmp_path_factory):
+    """Clients of a front whose rank job runs --dispatch dp."""
+    served = Front(checkpoint("qwen3_moe"), tmp_path_factory.mktemp("dp-front") / "stderr", ["--dispatch", "dp"])
+    yield _clients(served)
     served.stop()
 
 
@@ -439,6 +447,24 @@ def test_messages_answer_as_chat_completions(clients):
     assert count.input_tokens == chat.usage.prompt_tokens
     silent = anthropic.messages.create(model="claude-any", max_tokens=0, system=SYSTEM, messages=CONVERSATION)
     assert (silent.content, silent.stop_reason, silent.usage.output_tokens) == ([], "max_tokens", 0)
+
+
+def test_dp_answers_as_chat_completions(dp_clients):
+    """Under --dispatch dp too: Messages and Responses, plain and streamed,
+    give chat completions' greedy text; a repeated conversation's prompt is
+    read from the rank that holds it (cache_read_input_tokens, cached_tokens)."""
+    anthropic, openai = dp_clients
+    chat = _chat(openai, [{"role": "system", "content": SYSTEM}, *CONVERSATION], 10)
+    text = chat.choices[0].message.content or ""
+    plain = anthropic.messages.create(model="m", max_tokens=10, system=SYSTEM, messages=CONVERSATION)
+    assert "".join(b.text for b in plain.content) == text and plain.usage.cache_read_input_tokens > 0
+    with anthropic.messages.stream(model="m", max_tokens=10, system=SYSTEM, messages=CONVERSATION) as stream:
+        assert "".join(stream.text_stream) == text
+    answer = openai.responses.create(model="m", instructions=SYSTEM, input=CONVERSATION, max_output_tokens=10)
+    assert answer.output_text == text and answer.usage.input_tokens_details.cached_tokens > 0
+    events = openai.responses.create(model="m", instructions=SYSTEM, input=CONVERSATION, max_output_tokens=10,
+                                     stream=True)
+    assert _output_text(list(events)) == text
 
 
 def test_messages_stop_sequence(clients):
