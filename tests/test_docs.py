@@ -76,6 +76,7 @@ SKIP = {
     ("docs/modes.md", "python -m mlxdist.run --dispatch auto|"): "a synopsis of options, not a command",
     ("docs/api.md", "python -m mlxdist.place ROUTING.json"): "a synopsis; docs/placement.md's pipeline runs it",
     ("docs/failures.md", "python -m mlxdist.supervise --ranks 3"): "a synopsis; tests/test_supervise.py restarts on fewer ranks",
+    ("docs/failures.md", "python -m mlxdist.serve --ranks 3"): "a synopsis; tests/test_recovery.py loses ranks under it",
     ("docs/launchers.md", "mlx.launch --backend ring -n 2"): "its second line starts a server that waits for requests; the first is docs/api.md's, run there",
     ("docs/launchers.md", "mlx.launch --backend jaccl"): "several Macs with RDMA",
     ("docs/launchers.md", "MLXDIST_JACCL_DEVICES=hosts.json"): "several Macs with RDMA",
