@@ -18,6 +18,7 @@ printed too with ``MLXDIST_DEBUG=1``).
       RoutingWeightsNotFound     a MoE block whose router weights dp cannot find
       RankLost                   a rank was lost while serving
       GenerationFailed           the server's generation loop failed under a request
+      AnswerFailed               an agent API's answer the front cannot give (its HTTP status)
 """
 
 import os
@@ -111,6 +112,17 @@ class RankLost(MlxdistError, RuntimeError):
 
 class GenerationFailed(MlxdistError, RuntimeError):
     """The server's generation loop failed while a request was in flight (its HTTP 500)."""
+
+
+class AnswerFailed(MlxdistError, RuntimeError):
+    """An answer the front's agent APIs cannot give (``front/translate.py``):
+    its request refused, or the rank server's refusal or failure; HTTP
+    ``status``, and ``retry_after`` seconds where the rank server gave them."""
+
+    def __init__(self, message: str, status: int, retry_after: Optional[int] = None):
+        super().__init__(message)
+        self.status = status
+        self.retry_after = retry_after
 
 
 def one_line(e: BaseException) -> str:

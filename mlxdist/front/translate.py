@@ -21,6 +21,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, ContextManager, Dict, List, Optional, Sequence, Tuple, Union
 
+from mlxdist.errors import AnswerFailed
 from mlxdist.inputs import json_input
 from mlxdist.front.messages_schema import (
     MessagesRequest, RedactedThinkingBlock, TextBlock, ThinkingBlock, ToolResultBlock, ToolUseBlock, Tool,
@@ -31,16 +32,6 @@ MAX_PROMPT_CHARS = 1 << 20  # as the rank server's RequestLimits.max_prompt_char
 
 
 # --- requests ---------------------------------------------------------------------------------------------------
-
-class AnswerFailed(Exception):
-    """A request refused, or an answer the rank server refused or failed:
-    HTTP ``status``, the reason, and ``Retry-After`` seconds where it has them."""
-
-    def __init__(self, message: str, status: int, retry_after: Optional[int] = None):
-        super().__init__(message)
-        self.status = status
-        self.retry_after = retry_after
-
 
 CHAT_PATH = "/v1/chat/completions"
 TOKENIZE_PATH = "/tokenize"  # the rank server's token count (serving/tokenize.py)
