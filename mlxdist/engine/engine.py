@@ -34,7 +34,9 @@ from mlxdist.model.balance import bytes_per_expert
 from mlxdist.model.fit import check_rank_memory
 from mlxdist.model.checkpoint import find_switch_sites, nbytes, restack_experts, text_config
 from mlxdist.ship.locate import read_safetensors_index, resolve_model_path
+from mlxdist.model import head_split
 from mlxdist.model.experts import RankExperts
+from mlxdist.model.head_split import HeadSplit
 from mlxdist.model.paging import PagingStats, expert_module
 from mlxdist.values.placement import Placement
 from mlxdist.model.sources import CheckpointSources, load_lazy
@@ -98,9 +100,12 @@ class Engine:
     decision: Optional[Decision] = None  # auto: how it decided (stored, measured or fixed), as reported
     # strategy -> its RootTokens, made once: a server's greedy requests then share one wrapped sampler
     followers: Dict[str, Optional[RootTokens]] = field(default_factory=dict, repr=False)
+    head_split: Optional[HeadSplit] = field(default=None, repr=False)  # long chunks' attention split by heads
 
     def __post_init__(self):
         self.base_model = self.model
+        if self.model is not None:
+            self.head_split = head_split.install(self.model, self.world.group)
         self.use(next(iter(self.dispatchers)))
         if self.options.draft_model and self.runs_dense:
             self.draft_model = load_draft(self.options.draft_model, self.vocab_size)
@@ -118,6 +123,10 @@ class Engine:
             self.model = self.split_model if split else self.base_model
             for switch in self.switches:
                 switch.dispatcher = self.dispatchers[strategy]
+            if self.head_split is not None:  # every rank runs the same rows with every head
+                dispatcher = self.dispatchers[strategy]
+                self.head_split.on = (dispatcher.dense_ranks is DenseRanks.ALL and not dispatcher.splits_attention
+                                      and self.model is self.base_model)
         return self.dispatcher
 
     def strategy_for(self, batch: int) -> str:

@@ -5,7 +5,7 @@ the cost of starting the ranks. Prints {"steps": [each step's result]}.
     python several.py STEPS_FILE
 
 STEPS_FILE: a JSON list of steps, each {"script": S, "args": [...],
-"grouped": G}: S one of generate_each, default_each, batch_each,
+"grouped": G}: S one of generate_each, default_each, batch_each, long_prompt_each,
 paged_each, replicas_each or place_live, run as ``S.run(cluster, args)`` (args: its
 command line); G (optional): MLXDIST_GROUPED_EXPERTS's value for this step
 on every rank ("1": every expert call grouped, as the variable set at the
@@ -19,6 +19,7 @@ import sys
 import batch_each
 import default_each
 import generate_each
+import long_prompt_each
 import mlxdist
 import paged_each
 import place_live
@@ -29,7 +30,7 @@ from mlxdist.model import grouped
 
 SCRIPTS = {"generate_each": generate_each, "default_each": default_each, "batch_each": batch_each,
            "paged_each": paged_each, "replicas_each": replicas_each, "place_live": place_live,
-           "replicate_place": replicate_place}
+           "replicate_place": replicate_place, "long_prompt_each": long_prompt_each}
 AT_LAUNCH = grouped.OVERRIDE
 
 
