@@ -25,7 +25,8 @@ from mlxdist.front.errors import Unavailable
 from mlxdist.front.messages_schema import CountTokensRequest, MessagesRequest, first_error
 from mlxdist.front.translate import (
     CHAT_PATH, TOKENIZE_PATH, AnswerFailed, Event, Finish, Keepalive, Reasoning, Text, ToolCall, UpstreamError,
-    Usage, anthropic_to_chat, arguments_object, chat_events, counted, live_request, read_request, upstream_refusal,
+    Usage, anthropic_to_chat, arguments_object, chat_events, close, counted, live_request, read_request,
+    upstream_refusal,
 )
 from mlxdist.serving.connections import DEFAULT_MAX_BODY
 
@@ -271,4 +272,4 @@ async def _stream(answer: AnthropicAnswer, events: AsyncIterator[Event], stack: 
     except Unavailable as e:
         yield _sse("error", error_body(str(e), 503))
     finally:
-        await stack.aclose()
+        await close(stack)

@@ -32,7 +32,7 @@ from mlxdist.front.responses_schema import ResponsesRequest
 from mlxdist.front.store import ResponseStore
 from mlxdist.front.translate import (
     CHAT_PATH, AnswerFailed, Event, Finish, Keepalive, Reasoning, Text, ToolCall, UpstreamError, Usage, chat_events,
-    counted, live_request, read_request, responses_to_chat, upstream_refusal,
+    close, counted, live_request, read_request, responses_to_chat, upstream_refusal,
 )
 from mlxdist.serving.connections import DEFAULT_MAX_BODY
 
@@ -293,4 +293,4 @@ async def _stream(answer: ResponsesAnswer, events: AsyncIterator[Event], stack: 
         for out in answer.fail(str(e)):
             yield out
     finally:
-        await stack.aclose()
+        await close(stack)

@@ -21,6 +21,8 @@ import json
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, ContextManager, Dict, List, Optional, Sequence, Tuple, Union
 
+import anyio
+
 from mlxdist.errors import AnswerFailed
 from mlxdist.inputs import json_input
 from mlxdist.front.messages_schema import (
@@ -388,6 +390,14 @@ async def counted(events: AsyncIterator[Event], metrics: Any) -> AsyncIterator[E
         if isinstance(event, Usage) and metrics is not None:
             metrics.count_usage({"prompt_tokens": event.prompt_tokens, "completion_tokens": event.completion_tokens})
         yield event
+
+
+async def close(stack: contextlib.AsyncExitStack) -> None:
+    """Close ``stack`` (the rank server's stream, the live request) even
+    from a task cancelled because its client left: the rank server then
+    sees its connection close and ends the sequence on every rank."""
+    with anyio.CancelScope(shield=True):
+        await stack.aclose()
 
 
 def live_request(upstream: Any) -> ContextManager[Any]:
