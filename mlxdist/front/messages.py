@@ -172,9 +172,9 @@ async def _read(request: Request, model: type, max_body: int) -> Any:
         parsed = model.model_validate(body)
     except ValidationError as e:
         raise AnswerFailed(first_error(e), 400) from None
-    unknown = parsed.unknown_field()
-    if unknown is not None:
-        raise AnswerFailed(f"{unknown[:60]}: unknown field", 400)
+    refused = parsed.refused_field()
+    if refused is not None:
+        raise AnswerFailed(refused, 400)
     return parsed
 
 

@@ -116,7 +116,7 @@ class Metadata(BaseModel):
 
 class CountTokensRequest(BaseModel):
     """``/v1/messages/count_tokens``: what the prompt is made of. Extra
-    fields are kept aside for ``unknown_field`` (``IGNORED`` pass)."""
+    fields are kept aside for ``refused_field`` (``IGNORED`` pass)."""
 
     model_config = ConfigDict(extra="allow", strict=True)
 
@@ -127,10 +127,10 @@ class CountTokensRequest(BaseModel):
     tool_choice: Optional[ToolChoice] = None
     thinking: Optional[Thinking] = None
 
-    def unknown_field(self) -> Optional[str]:
-        """The first field sent that is neither read nor in ``IGNORED``."""
+    def refused_field(self) -> Optional[str]:
+        """Why a field sent is refused (the first neither read nor in ``IGNORED``), or None."""
         unknown = sorted(set(self.model_extra or ()) - set(IGNORED))
-        return unknown[0] if unknown else None
+        return f"{unknown[0][:60]}: unknown field" if unknown else None
 
 
 class MessagesRequest(CountTokensRequest):

@@ -228,9 +228,9 @@ def router(upstream: Any, store: ResponseStore, max_body: int = DEFAULT_MAX_BODY
                 parsed = ResponsesRequest.model_validate(await read_request(request, max_body))
             except ValidationError as e:
                 raise AnswerFailed(first_error(e), 400) from None
-            unknown = parsed.unknown_field()
-            if unknown is not None:
-                raise AnswerFailed(f"{unknown[:120]}: unknown field" if " " not in unknown else unknown, 400)
+            refused = parsed.refused_field()
+            if refused is not None:
+                raise AnswerFailed(refused, 400)
             history: List[Dict[str, Any]] = []
             if parsed.previous_response_id is not None:
                 history = store.get(parsed.previous_response_id)

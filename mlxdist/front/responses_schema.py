@@ -98,15 +98,14 @@ class ResponsesRequest(BaseModel):
     stream: Optional[bool] = None
     metadata: Optional[Dict[str, str]] = Field(default=None, max_length=16)
 
-    def unknown_field(self) -> Optional[str]:
-        """The first field sent that is neither read nor in ``IGNORED`` (a
-        ``REFUSED`` one set counts as unknown, with its reason)."""
+    def refused_field(self) -> Optional[str]:
+        """Why a field sent is refused (one neither read nor in ``IGNORED``, or a ``REFUSED`` one set), or None."""
         extra = self.model_extra or {}
         for name in REFUSED:
             if extra.get(name) not in (None, False):
-                return f"{name} (not served here: answers are given in the request, from the input it carries)"
+                return f"{name} is not served here: an answer is given to the request, from the input it carries"
         unknown = sorted(set(extra) - set(IGNORED) - set(REFUSED))
-        return unknown[0] if unknown else None
+        return f"{unknown[0][:60]}: unknown field" if unknown else None
 
     def items(self) -> List[Any]:
         """``input`` as items (a string is one user message); a ValueError names an item this server cannot read."""
