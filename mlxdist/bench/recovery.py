@@ -26,6 +26,7 @@ import urllib.request
 from typing import Any, Dict, List, Optional
 
 from mlxdist.inputs.digits import arg_duration, arg_int
+from mlxdist.runtime.heartbeat import arg_heartbeat
 
 FAULTS = {"stop": signal.SIGSTOP, "kill": signal.SIGKILL}
 PROMPT = "Request 3: tokens tokens"
@@ -130,6 +131,14 @@ def one_fault(job, fault: str, victim: int, ranks: int, reference: str, max_toke
     }
 
 
+def _heartbeat_seconds(text: str) -> float:
+    """``--heartbeat``: ``runtime/heartbeat.py``'s seconds; not off (the front needs one)."""
+    seconds = arg_heartbeat(text)
+    if seconds is None:
+        raise argparse.ArgumentTypeError("the front needs a heartbeat to notice a lost rank: not off")
+    return seconds
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     from mlxdist.front.job import JobSpec, RankJob
 
@@ -138,7 +147,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--ranks", type=arg_int(2), default=3)
     p.add_argument("--victim", type=arg_int(1), default=None, help="the rank to fault (default: the last)")
     p.add_argument("--faults", default="stop,kill", help="comma-separated, in turn: stop, kill (default %(default)s)")
-    p.add_argument("--heartbeat", type=arg_duration(), default=5.0)
+    p.add_argument("--heartbeat", type=_heartbeat_seconds, default=5.0,
+                   help="seconds a rank may be silent before it is lost (default %(default)s; at least 1)")
     p.add_argument("--regrow-every", type=arg_duration(), default=10.0)
     p.add_argument("-g", "--generation-tokens", type=arg_int(1), default=8)
     p.add_argument("--json", action="store_true")

@@ -6,7 +6,7 @@ to grow back to N.
     loss = read_loss(said, slots, seen_at)         # None: the job ended by itself
     plan = survivors_plan(slots, loss, serve_args)  # the slots and arguments of the next start
     ...                                             # the new job serves
-    record = loss.record(slots, serving_at)         # RankJob.last_recovery
+    record = loss.record(serving_at)                # RankJob.last_recovery
 
 Timing: ``detected_after_s`` is how long the rank was silent before the
 front knew (the heartbeat's silence where the heartbeat named it; 0 where
