@@ -281,6 +281,22 @@ def test_response_store_bounds():
     assert ResponseStore(0).capacity == 0 and (ResponseStore(0).put("a", []), len(ResponseStore(0))) == (None, 0)
 
 
+@pytest.mark.parametrize("value, says", [
+    ("-1", "at least 0"), ("x", "ASCII digits"), ("", "ASCII digits"), ("\uff15", "ASCII digits"),
+    ("1000001", "at most 1000000"), ("9" * 30, "at most 20 digits"),
+])
+def test_responses_store_option_refuses_hostile_values(value, says, capsys):
+    from mlxdist.errors import UserError
+    from mlxdist.front.settings import read_settings
+
+    with pytest.raises((SystemExit, UserError)) as refused:
+        read_settings(["--ranks", "2", "--responses-store", value])
+    said = str(refused.value) if refused.type is UserError else capsys.readouterr().err.splitlines()[-1]
+    assert says in said and (refused.type is UserError or refused.value.code == 2), said
+    assert read_settings(["--ranks", "2", "--responses-store", "0"]).responses_store == 0
+    assert read_settings(["--ranks", "2"]).responses_store == 1000
+
+
 def _client_fields(typed) -> set:
     return set(typing.get_type_hints(typed, include_extras=False))
 
@@ -373,8 +389,8 @@ def tool_front(checkpoint, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def dp_clients(checkpoint, tmp_path_factory):
-    """Clients of a front whose rank job runs --dispatch dp."""
-    served = Front(checkpoint("qwen3_moe"), tmp_path_factory.mktemp("dp-front") / "stderr", ["--dispatch", "dp"])
+    """Clients of a front whose rank job runs --mode dp."""
+    served = Front(checkpoint("qwen3_moe"), tmp_path_factory.mktemp("dp-front") / "stderr", ["--mode", "dp"])
     yield _clients(served)
     served.stop()
 
@@ -450,7 +466,7 @@ def test_messages_answer_as_chat_completions(clients):
 
 
 def test_dp_answers_as_chat_completions(dp_clients):
-    """Under --dispatch dp too: Messages and Responses, plain and streamed,
+    """Under --mode dp too: Messages and Responses, plain and streamed,
     give chat completions' greedy text; a repeated conversation's prompt is
     read from the rank that holds it (cache_read_input_tokens, cached_tokens)."""
     anthropic, openai = dp_clients

@@ -16,7 +16,7 @@ from mlxdist.cli.serve import build_parser, check_options
 from mlxdist.inputs.digits import arg_duration, arg_int
 from mlxdist.errors import UserError
 from mlxdist.front.job import JOB_OPTIONS, add_job_options
-from mlxdist.front.store import DEFAULT_RESPONSES
+from mlxdist.front.store import DEFAULT_RESPONSES, MAX_RESPONSES
 
 LAUNCHERS = ("mpirun", "mlx.launch")
 DEFAULT_WRITE_TIMEOUT = 30.0
@@ -88,7 +88,7 @@ def build_front_parser() -> argparse.ArgumentParser:
                        help="Retry-After of the 503 answered while the job is not serving (default %(default)s).")
     front.add_argument("--responses-store", type=arg_int(0), default=DEFAULT_RESPONSES, metavar="N",
                        help="Responses the front keeps for /v1/responses' previous_response_id, the least recently "
-                            "used dropped first (0: none; default %(default)s).")
+                            f"used dropped first (0: none; at most {MAX_RESPONSES}; default %(default)s).")
     add_job_options(front)
     return p
 
@@ -103,6 +103,8 @@ def read_settings(argv: List[str]) -> FrontSettings:
         raise UserError(problem)
     if args.retry_after > 3600:
         raise UserError(f"--retry-after must be at most 3600 seconds, not {args.retry_after}")
+    if args.responses_store > MAX_RESPONSES:
+        raise UserError(f"--responses-store must be at most {MAX_RESPONSES}, not {args.responses_store}")
     return FrontSettings(
         host=args.host, port=args.port, api_key=args.api_key, allowed_hosts=allowed_hosts(args.allowed_hosts, args.host),
         allow_origins=tuple(args.allow_origin), max_connections=args.max_connections, max_body=args.max_body_bytes,

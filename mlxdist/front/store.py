@@ -16,6 +16,7 @@ from collections import OrderedDict
 from typing import Any, Dict, List, Optional, Tuple
 
 DEFAULT_RESPONSES = 1000
+MAX_RESPONSES = 1_000_000  # --responses-store's bound (the characters' bound holds the memory whatever it is)
 DEFAULT_MAX_CHARS = 256 << 20  # characters of all kept conversations, each counted whole
 
 
