@@ -24,6 +24,8 @@ def count_tokens(generator: Any, body: Dict[str, Any]) -> Dict[str, Any]:
     tokenizer = generator.model_provider.tokenizer
     if tokenizer is None:
         raise RequestError("the model is still loading", None, 503)
+    if "chat_template" in (body.get("chat_template_kwargs") or {}):  # rendered only in templates.py's sandbox
+        raise RequestError("a request's own chat template is not counted here", "chat_template_kwargs")
     if "messages" in body:
         request = compat.CompletionRequest("chat", "", copy.deepcopy(body["messages"]), body.get("tools") or None,
                                            body.get("role_mapping"))
