@@ -87,6 +87,7 @@ def test_anthropic_request_as_chat():
     ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "run by Anthropic's servers"),
     ({"tools": [{"name": "t"}]}, "tools[0].input_schema: required"),
     ({"messages": [{"role": "user", "content": "x" * (1 << 20) + "y"}]}, "exceed the limit"),
+    ({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "{"}]}, "a prefill"),
 ])
 def test_anthropic_request_refused(change, says):
     body = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], **change}

@@ -102,6 +102,9 @@ def anthropic_to_chat(request: MessagesRequest) -> Dict[str, Any]:
         messages.append({"role": "system", "content": _text_of(request.system)})
     for i, message in enumerate(request.messages):
         messages.extend(_anthropic_message(message.role, parse_blocks(message.content, f"messages[{i}]")))
+    if request.messages[-1].role == "assistant":  # mlx-lm's server has no continue_final_message
+        raise ValueError(f"messages[{len(request.messages) - 1}]: the last message is the assistant's (a prefill "
+                         f"to continue), which this server does not continue: end with the user's turn")
     _check_chars(messages)
     body: Dict[str, Any] = {"model": request.model, "messages": messages,
                             "max_tokens": max(1, request.max_tokens),
