@@ -78,6 +78,8 @@ def test_anthropic_request_as_chat():
     named = anthropic_to_chat(_messages({**body, "tool_choice": {"type": "tool", "name": "get_weather"}}))
     assert named["tool_choice"] == {"type": "function", "function": {"name": "get_weather"}}
     assert anthropic_to_chat(_messages({**body, "max_tokens": 0}))["max_tokens"] == 1  # read the prompt only
+    ending = _messages({**body, "messages": [*body["messages"], {"role": "assistant", "content": "So"}]})
+    assert anthropic_to_chat(ending, answering=False)["messages"][-1] == {"role": "assistant", "content": "So"}
 
 
 @pytest.mark.parametrize("change, says", [

@@ -231,7 +231,7 @@ def router(upstream: Any, max_body: int = DEFAULT_MAX_BODY) -> APIRouter:
         try:
             parsed = await _read(request, CountTokensRequest, max_body)
             probe = MessagesRequest.model_validate({**parsed.model_dump(exclude_none=True), "max_tokens": 1})
-            chat = anthropic_to_chat(probe)
+            chat = anthropic_to_chat(probe, answering=False)
             return JSONResponse({"input_tokens": await count_prompt(upstream, {
                 k: chat[k] for k in ("messages", "tools") if k in chat})})
         except AnswerFailed as e:

@@ -94,15 +94,17 @@ def read_body(raw: bytes) -> Dict[str, Any]:
     return body
 
 
-def anthropic_to_chat(request: MessagesRequest) -> Dict[str, Any]:
+def anthropic_to_chat(request: MessagesRequest, answering: bool = True) -> Dict[str, Any]:
     """The chat completion body asking what ``request`` asks (streamed, with
-    usage; no ``stop``: ``chat_events`` matches the stop sequences)."""
+    usage; no ``stop``: ``chat_events`` matches the stop sequences);
+    ``answering`` False: only its prompt is wanted (a count), which may end
+    with the assistant's message."""
     messages: List[Dict[str, Any]] = []
     if request.system:
         messages.append({"role": "system", "content": _text_of(request.system)})
     for i, message in enumerate(request.messages):
         messages.extend(_anthropic_message(message.role, parse_blocks(message.content, f"messages[{i}]")))
-    if request.messages[-1].role == "assistant":  # mlx-lm's server has no continue_final_message
+    if answering and request.messages[-1].role == "assistant":  # mlx-lm's server has no continue_final_message
         raise ValueError(f"messages[{len(request.messages) - 1}]: the last message is the assistant's (a prefill "
                          f"to continue), which this server does not continue: end with the user's turn")
     _check_chars(messages)
