@@ -46,7 +46,8 @@ def _messages(body):
 def test_anthropic_request_as_chat():
     """System blocks, a tool_use turn and its tool_result (the tool message
     first, before the user's text), tools, tool_choice and sampling fields."""
-    body = {"model": "claude", "max_tokens": 7, "system": [{"type": "text", "text": "Be "}, {"type": "text", "text": "terse."}],
+    system = [{"type": "text", "text": "Be "}, {"type": "text", "text": "terse."}]
+    body = {"model": "claude", "max_tokens": 7, "system": system,
             "messages": [
                 {"role": "user", "content": "Weather in Paris?"},
                 {"role": "assistant", "content": [
@@ -65,7 +66,8 @@ def test_anthropic_request_as_chat():
         {"role": "system", "content": "Be terse."},
         {"role": "user", "content": "Weather in Paris?"},
         {"role": "assistant", "content": "Looking.", "tool_calls": [
-            {"id": "toolu_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+            {"id": "toolu_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
         {"role": "tool", "tool_call_id": "toolu_1", "content": "Sunny"},
         {"role": "user", "content": "Thanks"}]
     assert chat["tools"] == [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"},
@@ -129,7 +131,8 @@ def _events(lines, stops=()):
 
 CALL = {"index": 0, "id": "call_1", "type": "function",
         "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
-USAGE = {"prompt_tokens": 30, "completion_tokens": 9, "total_tokens": 39, "prompt_tokens_details": {"cached_tokens": 12}}
+USAGE = {"prompt_tokens": 30, "completion_tokens": 9, "total_tokens": 39,
+         "prompt_tokens_details": {"cached_tokens": 12}}
 
 
 def test_chat_events_and_stop_sequences():
@@ -167,7 +170,8 @@ def test_anthropic_answer_events():
     assert data[10]["usage"] == {"input_tokens": 18, "output_tokens": 9, "cache_read_input_tokens": 12}
     message = answer.message()
     assert message["content"] == [{"type": "text", "text": "Hi you"},
-                                  {"type": "tool_use", "id": "call_1", "name": "get_weather", "input": {"city": "Paris"}}]
+                                  {"type": "tool_use", "id": "call_1", "name": "get_weather",
+                                   "input": {"city": "Paris"}}]
     with pytest.raises(AnswerFailed):
         answer.add(UpstreamError("lost", 503))
 
@@ -191,7 +195,8 @@ def test_responses_request_as_chat_and_answer_events():
                   {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city":"Paris"}'},
                   {"type": "function_call", "call_id": "c2", "name": "get_weather", "arguments": '{"city":"Oslo"}'},
                   {"type": "function_call_output", "call_id": "c1", "output": "Sunny"},
-                  {"type": "function_call_output", "call_id": "c2", "output": [{"type": "input_text", "text": "Rain"}]}]})
+                  {"type": "function_call_output", "call_id": "c2",
+                   "output": [{"type": "input_text", "text": "Rain"}]}]})
     history = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Hi"}]
     conversation, chat = responses_to_chat(request, history)
     assert conversation[:2] == history and chat["messages"][0] == {"role": "system", "content": "Be terse."}
@@ -200,7 +205,8 @@ def test_responses_request_as_chat_and_answer_events():
         {"role": "assistant", "content": "", "tool_calls": [
             {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'}},
             {"id": "c2", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Oslo"}'}}]},
-        {"role": "tool", "tool_call_id": "c1", "content": "Sunny"}, {"role": "tool", "tool_call_id": "c2", "content": "Rain"}]
+        {"role": "tool", "tool_call_id": "c1", "content": "Sunny"},
+        {"role": "tool", "tool_call_id": "c2", "content": "Rain"}]
     assert chat["max_tokens"] == 9 and chat["tools"][0]["function"]["name"] == "get_weather"
 
     answer = ResponsesAnswer(request)
@@ -600,7 +606,8 @@ def test_responses_tool_call_and_output(tool_clients):
         *TOOL_CALL_MESSAGES, {"type": "function_call", "call_id": calls[0].call_id, "name": calls[0].name,
                               "arguments": calls[0].arguments}, output])
     chat = _chat(openai, [*TOOL_CALL_MESSAGES, {"role": "assistant", "content": "", "tool_calls": [
-        {"id": calls[0].call_id, "type": "function", "function": {"name": calls[0].name, "arguments": calls[0].arguments}}]},
+        {"id": calls[0].call_id, "type": "function",
+         "function": {"name": calls[0].name, "arguments": calls[0].arguments}}]},
         {"role": "tool", "tool_call_id": calls[0].call_id, "content": "18 C, sunny"}], 64, tools=[chat_tool])
     expected = [(c.function.name, c.function.arguments) for c in chat.choices[0].message.tool_calls or []]
     for answer in (chained, whole):
@@ -701,3 +708,40 @@ def test_the_rank_servers_count_is_its_template_and_tokenizer(checkpoint):
     provider.tokenizer = None
     with pytest.raises(RequestError, match="still loading"):
         count_tokens(generator, {"prompt": "Hello"})
+
+
+def test_not_serving_is_a_503_in_each_apis_shape():
+    """While the rank job does not serve (loading, recovering), both APIs
+    answer 503 with Retry-After, in their own error shapes (the routes in
+    process, over an Upstream whose job has no address)."""
+    import types
+
+    import httpx
+    from fastapi import FastAPI
+
+    from mlxdist.front import messages, responses
+    from mlxdist.front.upstream import Upstream
+
+    upstream = Upstream(types.SimpleNamespace(base_url=None, state="recovering"), retry_after=7)
+    app = FastAPI()
+    app.include_router(messages.router(upstream))
+    app.include_router(responses.router(upstream, ResponseStore(4)))
+
+    async def ask():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://front") as client:
+            body = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]}
+            return [await client.post("/v1/messages", json=body),
+                    await client.post("/v1/messages", json={**body, "stream": True}),
+                    await client.post("/v1/messages/count_tokens", json={"model": "m", "messages": body["messages"]}),
+                    await client.post("/v1/responses", json={"input": "Hi"}),
+                    await client.post("/v1/responses", json={"input": "Hi", "stream": True})]
+
+    answers = asyncio.run(ask())
+    assert [a.status_code for a in answers] == [503] * 5
+    assert all(a.headers["retry-after"] == "7" for a in answers)
+    for answer in answers[:3]:
+        error = answer.json()["error"]
+        assert error["type"] == "overloaded_error" and "starting again" in error["message"]
+    for answer in answers[3:]:
+        assert answer.json()["error"]["code"] == 503 and "starting again" in answer.json()["error"]["message"]
+    asyncio.run(upstream.aclose())
