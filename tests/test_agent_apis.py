@@ -87,9 +87,10 @@ def test_anthropic_request_as_chat():
 @pytest.mark.parametrize("change, says", [
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "type 'image' is not read here"),
     ({"messages": [{"role": "user", "content": [{"type": "tool_use", "id": "a", "name": "b", "input": {}}]}]},
-     "belongs in an assistant message"),
+     "messages[0]: a tool_use block belongs in an assistant message"),
     ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "run by Anthropic's servers"),
     ({"tools": [{"name": "t"}]}, "tools[0].input_schema: required"),
+    ({"tool_choice": {"type": "tool"}}, "names the tool"),
     ({"messages": [{"role": "user", "content": "x" * (1 << 20) + "y"}]}, "exceed the limit"),
     ({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "{"}]}, "a prefill"),
 ])
@@ -269,6 +270,9 @@ def test_a_job_lost_mid_answer_ends_each_stream_in_its_shape():
     ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, "reads text only"),
     ({"input": "x", "tools": [{"type": "web_search"}]}, "type 'web_search' is not run here"),
     ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{"}]}, "must be JSON"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "[" * 100000}]},
+     "nests deeper than 64"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "9" * 5000}]}, "5000 digits"),
     ({"input": []}, "needs at least one message"),
 ])
 def test_responses_request_refused(body, says):

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, ContextManager, Dict, List, Optional, Sequence, Tuple, Union
 
 import anyio
+from pydantic import ValidationError
 
 from mlxdist.errors import AnswerFailed
 from mlxdist.inputs import json_input
@@ -103,7 +104,8 @@ def anthropic_to_chat(request: MessagesRequest, answering: bool = True) -> Dict[
     if request.system:
         messages.append({"role": "system", "content": _text_of(request.system)})
     for i, message in enumerate(request.messages):
-        messages.extend(_anthropic_message(message.role, parse_blocks(message.content, f"messages[{i}]")))
+        where = f"messages[{i}]"
+        messages.extend(_anthropic_message(message.role, parse_blocks(message.content, where), where))
     if answering and request.messages[-1].role == "assistant":  # mlx-lm's server has no continue_final_message
         raise ValueError(f"messages[{len(request.messages) - 1}]: the last message is the assistant's (a prefill "
                          f"to continue), which this server does not continue: end with the user's turn")
@@ -113,6 +115,8 @@ def anthropic_to_chat(request: MessagesRequest, answering: bool = True) -> Dict[
                             "stream": True, "stream_options": {"include_usage": True}}
     tools = anthropic_tools(request.tools)
     choice = request.tool_choice
+    if choice is not None and choice.type == "tool" and not choice.name:
+        raise ValueError("tool_choice: a choice of type 'tool' names the tool (name)")
     if tools and not (choice is not None and choice.type == "none"):  # "none": the model is not shown them
         body["tools"] = tools
         if choice is not None:
@@ -130,8 +134,6 @@ def anthropic_tools(tools: Optional[List[Dict[str, Any]]]) -> List[Dict[str, Any
     """Anthropic's tools as chat tools (``{"type": "function", ...}``); a
     tool Anthropic's own servers run (web search, code execution) is a
     ValueError: nothing here runs it."""
-    from pydantic import ValidationError
-
     out = []
     for i, raw in enumerate(tools or ()):
         if raw.get("type") not in (None, "custom"):
@@ -148,7 +150,7 @@ def anthropic_tools(tools: Optional[List[Dict[str, Any]]]) -> List[Dict[str, Any
     return out
 
 
-def _anthropic_message(role: str, blocks: list) -> List[Dict[str, Any]]:
+def _anthropic_message(role: str, blocks: list, where: str) -> List[Dict[str, Any]]:
     """One Anthropic message as chat messages: a user's tool results become
     tool messages (first, as chat templates want them right after the
     calls), an assistant's tool_use blocks its tool_calls; thinking handed
@@ -162,15 +164,15 @@ def _anthropic_message(role: str, blocks: list) -> List[Dict[str, Any]]:
             text.append(block.text)
         elif isinstance(block, ToolResultBlock):
             if role != "user":
-                raise ValueError("a tool_result block belongs in a user message")
+                raise ValueError(f"{where}: a tool_result block belongs in a user message")
             out.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": _text_of(block.content or "")})
         elif isinstance(block, ToolUseBlock):
             if role != "assistant":
-                raise ValueError("a tool_use block belongs in an assistant message")
+                raise ValueError(f"{where}: a tool_use block belongs in an assistant message")
             calls.append({"id": block.id, "type": "function",
                           "function": {"name": block.name, "arguments": json.dumps(block.input, ensure_ascii=False)}})
         elif not isinstance(block, (ThinkingBlock, RedactedThinkingBlock)):
-            raise ValueError(f"a {block.type} block is not read here")
+            raise ValueError(f"{where}: a {block.type} block is not read here")
     if text or calls or not out:
         message: Dict[str, Any] = {"role": role, "content": "".join(text)}
         if calls:
@@ -246,10 +248,14 @@ def responses_to_chat(request: Any, history: Sequence[Dict[str, Any]] = ()) -> T
 
 
 def _check_arguments(arguments: str, where: str) -> None:
+    """A call's arguments are JSON text, read as every body is (bounded nesting, numbers Python holds)."""
     try:
-        json.loads(arguments)
-    except ValueError:
-        raise ValueError(f"{where}: arguments must be JSON text") from None
+        raw = arguments.encode("utf-8")
+        value = json_input.parse(raw, len(raw), json_input.MAX_DEPTH)
+    except (ValueError, UnicodeEncodeError) as e:
+        raise ValueError(f"{where} must be JSON text ({e})") from None
+    if json_input.first_unreadable(value) is not None:
+        raise ValueError(f"{where} holds {json_input.first_unreadable(value)}, which is no number mlxdist reads")
 
 
 # --- the rank server's answer -----------------------------------------------------------------------------------
@@ -417,6 +423,6 @@ def arguments_object(arguments: str) -> Dict[str, Any]:
     (a parser that gave something else: under ``"arguments"``)."""
     try:
         value = json.loads(arguments)
-    except ValueError:
+    except (ValueError, RecursionError):
         return {"arguments": arguments}
     return value if isinstance(value, dict) else {"arguments": value}
