@@ -36,7 +36,7 @@ def measure(model: str, pairs: int, tokens: int) -> None:
         return True
 
     with mlxdist.init() as cluster:
-        cluster.load(model, dispatch="collective")
+        cluster.load(model, mode="collective")
         cluster.generate(PROMPT, max_tokens=8)  # warm-up
         rows = []
         for i in range(pairs):

@@ -11,7 +11,7 @@ import mlxdist
 
 model = sys.argv[1] if len(sys.argv) > 1 else None
 with mlxdist.init() as cluster:  # ranks other than 0 serve inside init() and exit at the end
-    cluster.load(model, dispatch="collective", stats=True)  # stats: count routed slots per expert
+    cluster.load(model, mode="collective", stats=True)  # stats: count routed slots per expert
 
     result = cluster.generate("Explain MoE routing.", max_tokens=24, temp=0.0)
     print(result.text)

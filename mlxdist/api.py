@@ -2,7 +2,7 @@
 
     import mlxdist
     with mlxdist.init() as cluster:      # ranks other than 0 serve here, then exit
-        cluster.load("path/or/hub-id", dispatch="collective")
+        cluster.load("path/or/hub-id", mode="collective")
         r = cluster.generate("Explain MoE routing.", max_tokens=64)
         print(r.text, r.tokens, r.stats)
 
@@ -144,7 +144,7 @@ class Cluster:
         which set its capacity. ``expert_split``: "whole" (each expert on
         one rank), "width" (every expert cut over the ranks, as tensor
         parallelism cuts them: balanced, not bit-exact; every mode but p2p)
-        or "auto" (under ``dispatch="auto"``, the cut weighed cheaper at
+        or "auto" (under ``mode="auto"``, the cut weighed cheaper at
         load where nothing needs whole experts, else whole; the cut taken is
         ``engine.options.expert_split``, why ``engine.split``).
         ``record_routing``: a file rank 0 writes the routed slots per expert
@@ -415,6 +415,10 @@ def _load_options(model: Optional[str], options: Optional[LoadOptions], override
     object and the budgets as numbers."""
     if options is not None and not isinstance(options, LoadOptions):
         raise UserError(f"options must be a LoadOptions, not {type(options).__name__}")
+    if "dispatch" in overrides:  # mode's old name, kept for one release
+        if "mode" in overrides:
+            raise UserError("load() takes mode= (dispatch= is its old name): give one of them")
+        overrides["mode"] = overrides.pop("dispatch")
     names = {f.name for f in fields(LoadOptions)} - {"model", "record_routing"}
     for name in overrides:
         if name not in names:

@@ -45,7 +45,7 @@ class LoadOptions:
     """What LOAD carries: chosen on rank 0, broadcast, fingerprinted."""
 
     model: str
-    dispatch: str = "auto"
+    mode: str = "auto"  # --mode (the old --dispatch and load(dispatch=) kept for one release)
     layout: str = "masked"  # collective modes: "masked" or "compact" (see dispatch/collective.py)
     placement: Optional[dict] = None  # a placement's JSON object; None: the even policy
     rank0_experts: bool = True
@@ -53,7 +53,7 @@ class LoadOptions:
     expert_capacity: Optional[int] = None  # experts resident per layer and rank; the rest paged in (paging.py)
     memory_budget_gb: Optional[float] = None  # weight bytes a rank may hold: sets its expert capacity (paging.py)
     # "whole": each expert on one rank; "width": every expert cut over the ranks; "auto": under
-    # --dispatch auto, the one decide/splitcost.py weighs cheaper at load where nothing needs whole
+    # --mode auto, the one decide/splitcost.py weighs cheaper at load where nothing needs whole
     # experts (else whole); the engine's options hold the cut taken
     expert_split: str = AUTO_SPLIT
     record_routing: bool = False  # count routed slots per expert for the routing file (--record-routing)
@@ -62,7 +62,7 @@ class LoadOptions:
     revision: Optional[str] = None  # a hub id's branch, tag or commit (--revision); None: main
     draft_model: Optional[str] = None  # speculative decoding's draft model, loaded whole where the dense model runs
     # auto: every rank holds every expert (batches as N replicas) where every host has room for a
-    # whole model per rank; always / never: whatever the memory says (--replicate, dispatch auto only)
+    # whole model per rank; always / never: whatever the memory says (--replicate, mode auto only)
     replicate: str = "auto"
     # KV-cache tokens reserved on every rank that runs attention, at the model's own cache's size per
     # token (--kv-reserve-tokens; model/fit.py)
@@ -72,11 +72,11 @@ class LoadOptions:
     remeasure: bool = False  # auto: measure and decide again, not the decision stored at an earlier load
 
     def validate(self) -> None:
-        modes.mode(self.dispatch)
+        modes.mode(self.mode)
         if not isinstance(self.exact, bool) or not isinstance(self.remeasure, bool):
             raise UserError("exact and remeasure take true or false")
         if self.exact:
-            modes.check_exact(self.dispatch, self.expert_split, self.replicate)
+            modes.check_exact(self.mode, self.expert_split, self.replicate)
         if self.revision is not None and not (isinstance(self.revision, str) and 0 < len(self.revision) <= 256
                                               and self.revision.isprintable()):
             raise UserError(f"--revision must be a branch, tag or commit, not {self.revision!r:.60}")
@@ -110,13 +110,13 @@ class LoadOptions:
             raise UserError(f"--replicate takes {', '.join(REPLICATE)}, not {self.replicate!r:.40}")
         if self.replicate == "always" and not self.may_replicate:
             able = " or ".join(n for n, m in modes.MODES.items() if m.replicates)
-            raise UserError(f"--replicate always puts every expert on every rank under --dispatch {able}: it takes no "
-                            "other --dispatch, placement, --no-rank0-experts, --rank-memory, --expert-capacity, "
+            raise UserError(f"--replicate always puts every expert on every rank under --mode {able}: it takes no "
+                            "other --mode, placement, --no-rank0-experts, --rank-memory, --expert-capacity, "
                             "--memory-budget or --expert-split width")
         if self.expert_split == "width" and (self.record_routing or self.rank_memory_gb is not None):
             raise UserError("--expert-split width cuts every expert over every rank: it takes no --record-routing "
                             "or --rank-memory (both are about whole experts)")
-        modes.check_options(self.dispatch, self.layout, self.expert_split, self.pages, self.placed)
+        modes.check_options(self.mode, self.layout, self.expert_split, self.pages, self.placed)
 
     @property
     def pages(self) -> bool:
@@ -127,15 +127,15 @@ class LoadOptions:
     def may_replicate(self) -> bool:
         """Whether every expert may go on every rank (--replicate): a mode that
         replicates, and nothing else saying where the experts go."""
-        return (modes.mode(self.dispatch).replicates and not self.placed and not self.pages
+        return (modes.mode(self.mode).replicates and not self.placed and not self.pages
                 and self.expert_split != "width" and not self.exact)
 
     @property
     def may_cut_in_width(self) -> bool:
         """Whether ``--expert-split auto`` may cut the experts in width: under
-        ``--dispatch auto``, with nothing that needs whole experts (a
+        ``--mode auto``, with nothing that needs whole experts (a
         placement, budgets, paging, --record-routing, --replicate always)."""
-        return (self.expert_split == AUTO_SPLIT and modes.mode(self.dispatch).cuts_experts and not self.placed
+        return (self.expert_split == AUTO_SPLIT and modes.mode(self.mode).cuts_experts and not self.placed
                 and not self.pages and not self.record_routing and self.replicate != "always" and not self.exact)
 
     @property

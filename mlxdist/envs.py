@@ -83,10 +83,10 @@ VARIABLES: Dict[str, Variable] = {v.name: v for v in (
     Variable("MLXDIST_GROUPED_EXPERTS", "switch", "", "Expert calls grouped by expert: 0 never, 1 always (any "
              "device), unset: on GPUs from two slots per expert (docs/notes/grouped-experts.md). Read at import; "
              "any other value stops the job at start."),
-    Variable("MLXDIST_AUTO_LINK", "str", "measure", "What --dispatch auto takes the link between the ranks to "
+    Variable("MLXDIST_AUTO_LINK", "str", "measure", "What --mode auto takes the link between the ranks to "
              "cost: measure (at load: a few all_sums and a pass over the dense layers) or local (one host's: the "
              "rule measured there, nothing measured); rank 0's setting holds for every rank (docs/modes.md)."),
-    Variable("MLXDIST_REMEASURE", "bool", False, "As --remeasure on every load: --dispatch auto measures and "
+    Variable("MLXDIST_REMEASURE", "bool", False, "As --remeasure on every load: --mode auto measures and "
              "decides again, never reusing the decision stored at an earlier load (the test suite sets it, but for "
              "the tests of the stored decision); rank 0's setting holds for every rank (docs/modes.md)."),
     Variable("MLXDIST_BACKEND", "str", None, "MLX's transport for arrays when --backend (or init's backend) is not "

@@ -53,7 +53,7 @@ def test_bench_json_two_ranks(model):
 def test_bench_json_experts_cut_in_width(model):
     """Whole blocks exchanged: every row field is there (the profile splits
     the block's time too) and the floor is of rows, not slots."""
-    r = launch(2, ["--model", model, *SMALL, "--dispatch", "auto", "--expert-split", "width", "--json"],
+    r = launch(2, ["--model", model, *SMALL, "--mode", "auto", "--expert-split", "width", "--json"],
                module="mlxdist.bench")
     assert r.returncode == 0, r.stderr
     rows = last_json(r.stdout)["results"]
@@ -73,7 +73,7 @@ def test_bench_floor_of_collective_tp_is_the_blocks_sum(model):
     """Whole experts with attention split: each MoE block all_sums its
     weighted [.., D] output (mlx-lm's shard()), so the floor times that, not
     the [.., K, D] slots."""
-    r = launch(2, ["--model", model, *SMALL, "--dispatch", "collective-tp", "--json"], module="mlxdist.bench")
+    r = launch(2, ["--model", model, *SMALL, "--mode", "collective-tp", "--json"], module="mlxdist.bench")
     assert r.returncode == 0, r.stderr
     width = json.loads((model / "config.json").read_text())["hidden_size"]
     for row in last_json(r.stdout)["results"]:
@@ -81,7 +81,7 @@ def test_bench_floor_of_collective_tp_is_the_blocks_sum(model):
 
 
 def test_bench_table_one_process(model):
-    r = launch(0, ["--model", model, *SMALL, "--dispatch", "collective"], module="mlxdist.bench")
+    r = launch(0, ["--model", model, *SMALL, "--mode", "collective"], module="mlxdist.bench")
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
     assert lines[1].startswith("dispatch") and "gen t/s" in lines[1]
@@ -89,14 +89,14 @@ def test_bench_table_one_process(model):
 
 
 def test_bench_rejects_unknown_dispatch(model):
-    r = launch(0, ["--model", model, "--dispatch", "nccl"], module="mlxdist.bench")
+    r = launch(0, ["--model", model, "--mode", "nccl"], module="mlxdist.bench")
     assert r.returncode != 0 and "unknown dispatch mode" in r.stderr
 
 
 def test_no_link_runs_each_rank_alone(model):
     """--no-link: the same generations with MLX's collectives replaced by local
     stand-ins; the rows say so and carry no floor or closeness."""
-    r = launch(2, ["--model", model, *SMALL, "--dispatch", "dp,collective", "--no-link", "--json"],
+    r = launch(2, ["--model", model, *SMALL, "--mode", "dp,collective", "--no-link", "--json"],
                module="mlxdist.bench")
     assert r.returncode == 0, r.stderr
     report = last_json(r.stdout)
@@ -106,7 +106,7 @@ def test_no_link_runs_each_rank_alone(model):
     for row in rows:
         assert row["link"] is False and row["floor_us"] is None and "vs_exact" not in row
         assert row["generation_tps"] > 0
-    refused = launch(0, ["--model", model, "--dispatch", "p2p", "--no-link"], module="mlxdist.bench")
+    refused = launch(0, ["--model", model, "--mode", "p2p", "--no-link"], module="mlxdist.bench")
     assert refused.returncode != 0 and "p2p exchanges through mpi4py" in refused.stderr
 
 
@@ -132,7 +132,7 @@ def test_no_link_stand_ins_keep_the_shapes():
 
 
 def test_compare_ratios_from_same_run(model, tmp_path):
-    args = ["--model", model, *SMALL, "--ranks", "2", "--dispatch", "collective", "--out", tmp_path]
+    args = ["--model", model, *SMALL, "--ranks", "2", "--mode", "collective", "--out", tmp_path]
     r = launch(0, args, module="mlxdist.bench.compare", timeout=240)
     assert r.returncode == 0, r.stdout + r.stderr
     result = json.loads((tmp_path / "results.json").read_text())
@@ -209,12 +209,12 @@ def test_bench_placement_side_by_side(checkpoint):
 def test_bench_serve_starts_each_contender_as_named():
     from mlxdist.bench.serve import parse_args, server_command
 
-    args = parse_args(["--model", "M", "--dispatch", "collective,dp", "--rebalance-every", "5"])
+    args = parse_args(["--model", "M", "--mode", "collective,dp", "--rebalance-every", "5"])
     assert server_command("mlx-lm server", args, 9000, 8)[1:5] == ["-m", "mlx_lm", "server", "--model"]
     plain = server_command("mlxdist serve N=2 dp", args, 9000, 8)
-    assert plain[plain.index("--dispatch") + 1] == "dp" and "--rebalance-every" not in plain
+    assert plain[plain.index("--mode") + 1] == "dp" and "--rebalance-every" not in plain
     placed = server_command("mlxdist serve N=2 collective rebalancing", args, 9000, 8)
-    assert placed[placed.index("--dispatch") + 1] == "collective"
+    assert placed[placed.index("--mode") + 1] == "collective"
     assert placed[placed.index("--rebalance-every") + 1] == "5.0" and "--rebalance-replicas" in placed
 
 
@@ -239,7 +239,7 @@ def test_compare_launches_one_mlxdist_contender_per_expert_split():
     from mlxdist.bench.compare import contenders, parse_args
 
     args = parse_args(["--ranks", "2", "--expert-split", "whole,width,auto", "--replicate", "never"])
-    launches = [c for c in contenders(args.ranks, args.dispatch, splits=args.expert_split, replicate=args.replicate)
+    launches = [c for c in contenders(args.ranks, args.mode, splits=args.expert_split, replicate=args.replicate)
                 if c["name"].startswith("mlxdist")]
     assert [c["name"] for c in launches] == ["mlxdist whole", "mlxdist width", "mlxdist auto"]
     for c, split in zip(launches, ("whole", "width", "auto")):

@@ -21,7 +21,7 @@ def test_speculative_rows_beside_plain(model):
     its own draft (which agrees by construction), on a repetitive prompt,
     each at K and at auto's widths."""
     r = launch(2, ["--model", model, "-p", 16, "-g", G, "-b", 1, "-n", 1, "--warmup-tokens", 2,
-                   "--dispatch", "collective", "--prompt-kind", "repetitive", "--prompt-lookup-ngram", 2,
+                   "--mode", "collective", "--prompt-kind", "repetitive", "--prompt-lookup-ngram", 2,
                    "--num-draft-tokens", f"{K},auto", "--draft-model", "self", "--json"], module="mlxdist.bench",
                timeout=240)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -51,7 +51,7 @@ def test_speculative_rows_beside_plain(model):
 
 def test_speculative_table_and_refusals(model):
     r = launch(0, ["--model", model, "-p", 8, "-g", 4, "-b", 1, "-n", 1, "--warmup-tokens", 1,
-                   "--dispatch", "collective", "--prompt-lookup-ngram", 1], module="mlxdist.bench")
+                   "--mode", "collective", "--prompt-lookup-ngram", 1], module="mlxdist.bench")
     assert r.returncode == 0, r.stderr[-3000:]
     lines = r.stdout.splitlines()
     head = next(i for i, l in enumerate(lines) if l.startswith("speculative, b = 1"))

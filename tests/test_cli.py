@@ -75,7 +75,23 @@ def test_defaults_follow_mlx_lm():
     args = build_parser().parse_args([])
     assert args.max_tokens == DEFAULT_MAX_TOKENS
     assert build_parser().parse_args(["-p", "x", "-m", "5"]).max_tokens == 5
-    assert args.dispatch == "auto" and args.layout is None and args.backend is None
+    assert args.mode == "auto" and args.layout is None and args.backend is None
+
+
+def test_old_spellings_of_mode_still_work_for_one_release():
+    """--mode is --mode's old name on every command line that takes it,
+    and load(dispatch=) the keyword's: both still read for one release
+    (docs/architecture.md's glossary); both at once is one line."""
+    from mlxdist.api import _load_options
+    from mlxdist.cli.run import build_parser
+    from mlxdist.errors import UserError
+
+    assert build_parser().parse_args(["--mode", "p2p"]).mode == "p2p"
+    assert build_parser().parse_args(["--mode", "p2p"]).mode == "p2p"
+    assert _load_options("m", None, {"dispatch": "p2p", "layout": "masked"}).mode == "p2p"
+    assert _load_options("m", None, {"mode": "dp", "layout": "masked"}).mode == "dp"
+    with pytest.raises(UserError, match="give one of them"):
+        _load_options("m", None, {"mode": "dp", "dispatch": "p2p", "layout": "masked"})
 
 
 def test_help_is_grouped_and_verbose_is_off_by_default():
@@ -91,7 +107,7 @@ def test_help_is_grouped_and_verbose_is_off_by_default():
     loose = [a.dest for a in groups["options"]._group_actions if a.dest != "help"]
     assert loose == [], loose
     assert [a.dest for a in groups["model"]._group_actions][0] == "model"
-    assert "dispatch" in [a.dest for a in groups["distribution"]._group_actions]
+    assert "mode" in [a.dest for a in groups["distribution"]._group_actions]
     assert parser.parse_args([]).verbose is None
     assert parser.parse_args(["--verbose"]).verbose is True
     assert parser.parse_args(["--verbose", "True"]).verbose is True
@@ -113,7 +129,7 @@ def test_logprobs_out_on_a_bf16_quantized_checkpoint(checkpoint, tmp_path):
     path = checkpoint("qwen3_moe", bits=4, dtype="bfloat16")
     out = tmp_path / "lp.npy"
     proc = launch(2, ["--model", path, "-p", PROMPT, "-m", 6, "--ignore-chat-template", "--json",
-                      "--dispatch", "collective", "--logprobs-out", out])
+                      "--mode", "collective", "--logprobs-out", out])
     assert proc.returncode == 0, proc.stderr[-2000:]
     saved = np.load(out)
     model, tokenizer = load(str(path))

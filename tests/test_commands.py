@@ -13,7 +13,7 @@ from mlxdist.runtime import control
 from mlxdist.runtime.control import ProtocolError
 
 EVERY_COMMAND = [
-    LoadCommand(LoadOptions("m", dispatch="p2p", placement={"version": 1, "layers": {}}, memory_budget_gb=2,
+    LoadCommand(LoadOptions("m", mode="p2p", placement={"version": 1, "layers": {}}, memory_budget_gb=2,
                             rank_memory_gb={"mac-a": 24.0, "mac-b": 16.5}, revision="v1")),
     LoadCommand(LoadOptions("m", rank_memory_gb=[8.0, 4.0], expert_capacity=3)),
     GenerateCommand([[1, 2, 3]], GenerationParams(max_tokens=4, temp=0.5, seed=7, num_draft_tokens=3),
@@ -57,7 +57,7 @@ _GOOD_GENERATE = json.loads(control.encode(EVERY_COMMAND[2]))["args"]
     (_wire("stats", {"collect": 1}), "stats.collect is a number, not a boolean or null"),
     (_wire("probe", {"args": {}}), "probe lacks its field name"),
     (_wire("load", {"options": {"model": "m", "pickle": True}}), "unknown field load.options.pickle"),
-    (_wire("load", {"options": {"dispatch": "p2p"}}), "load.options lacks its field model"),
+    (_wire("load", {"options": {"mode": "p2p"}}), "load.options lacks its field model"),
     (_wire("load", {"options": "m"}), "load.options is a string, not a JSON object"),
     (_wire("load", {"options": {"model": "m", "rank_memory_gb": ["8"]}}), "load.options.rank_memory_gb is a list"),
     (_wire("generate", {**_GOOD_GENERATE, "prompts": [[1, "2"]]}), "generate.prompts[0][1] is a string"),
@@ -66,9 +66,9 @@ _GOOD_GENERATE = json.loads(control.encode(EVERY_COMMAND[2]))["args"]
      "generate.sampling.temp is a string, not a number"),
     (_wire("generate", {**_GOOD_GENERATE, "sampling": {"top_n": 3}}), "unknown field generate.sampling.top_n"),
     (_wire("generate", {**_GOOD_GENERATE, "batch": None}), "generate.batch is null, not a boolean"),
-    (b'{"version": 5, "op": "stats", "args": {}, "extra": 1}', "unknown key 'extra'"),
-    (b'{"version": 5, "op": ["load"]}', "unknown command ['load']"),
-    (b'{"version": 5, "op": "probe", "args": {"name": "p", "args": {"x": ' + b"[" * 100000 + b"]" * 100000 + b"}}}",
+    (b'{"version": 6, "op": "stats", "args": {}, "extra": 1}', "unknown key 'extra'"),
+    (b'{"version": 6, "op": ["load"]}', "unknown command ['load']"),
+    (b'{"version": 6, "op": "probe", "args": {"name": "p", "args": {"x": ' + b"[" * 100000 + b"]" * 100000 + b"}}}",
      "nested too deeply"),
 ])
 def test_malformed_commands_are_one_protocol_error(data, message):

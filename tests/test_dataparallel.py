@@ -1,4 +1,4 @@
-"""The data-parallel mode (--dispatch dp, and auto for batches of at least one
+"""The data-parallel mode (--mode dp, and auto for batches of at least one
 sequence per rank): each rank decodes its own sequences, the MoE layers
 exchange tokens and combine per token. Not bit-exact (the ranks' partial
 sums add in another order), so: float32 checkpoints, tokens equal to mlx-lm's

@@ -155,7 +155,7 @@ def test_an_unwritable_store_costs_a_warning_not_the_load(tmp_path, capfd):
 
 @pytest.mark.parametrize("dispatch", ["auto", "collective", "p2p"])
 def test_exact_runs_where_every_batch_can_be_exact(dispatch):
-    options = LoadOptions("m", dispatch=dispatch, exact=True)
+    options = LoadOptions("m", mode=dispatch, exact=True)
     options.validate()
     assert not options.may_replicate and not options.may_cut_in_width
     assert rule.strategies(dispatch, False, "mpi", True, everywhere=False, exact=True) == [
@@ -163,8 +163,8 @@ def test_exact_runs_where_every_batch_can_be_exact(dispatch):
 
 
 @pytest.mark.parametrize("options, refusal", [
-    (dict(dispatch="dp"), "--exact keeps every batch bit-exact: it runs with --dispatch auto, collective, p2p, not dp"),
-    (dict(dispatch="collective-tp"), "not collective-tp"),
+    (dict(mode="dp"), "--exact keeps every batch bit-exact: it runs with --mode auto, collective, p2p, not dp"),
+    (dict(mode="collective-tp"), "not collective-tp"),
     (dict(expert_split="width"), "--exact needs whole experts"),
     (dict(replicate="always"), "it takes no --replicate always"),
     (dict(exact="yes"), "exact and remeasure take true or false"),

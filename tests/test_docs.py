@@ -65,7 +65,7 @@ PARSE = {
     ("docs/failures.md", "launch/mpirun --survive -np 3"): "a job that survives a lost rank: tests/test_reliability.py loses one",
     ("docs/modes.md", "launch/mpirun -np 2 python -m mlxdist.run --remeasure"): "a load measured again: tests/test_decision.py",
     ("docs/benchmarks.md", "launch/mpirun -np 2 python -m mlxdist.bench --model DIR -p 512"): "minutes as written: tests/test_bench.py runs it small",
-    ("docs/benchmarks.md", "launch/mpirun -np 2 python -m mlxdist.bench --model DIR -b 1 --dispatch"): "speculative rounds: tests/test_bench_speculative.py",
+    ("docs/benchmarks.md", "launch/mpirun -np 2 python -m mlxdist.bench --model DIR -b 1 --mode"): "speculative rounds: tests/test_bench_speculative.py",
     ("docs/notes/openmpi-start.md", "OMPI_MCA_mpi_yield_when_idle=0|1"): "README's run with one MCA variable, either value",
 }
 
@@ -73,7 +73,7 @@ PARSE = {
 SKIP = {
     ("README.md", "launch/setup.sh"): "creates the environment the tests run in",
     ("docs/api.md", "python -m mlxdist.run [--model"): "a synopsis of options, not a command",
-    ("docs/modes.md", "python -m mlxdist.run --dispatch auto|"): "a synopsis of options, not a command",
+    ("docs/modes.md", "python -m mlxdist.run --mode auto|"): "a synopsis of options, not a command",
     ("docs/api.md", "python -m mlxdist.place ROUTING.json"): "a synopsis; docs/placement.md's pipeline runs it",
     ("docs/failures.md", "python -m mlxdist.supervise --ranks 3"): "a synopsis; tests/test_supervise.py restarts on fewer ranks",
     ("docs/failures.md", "python -m mlxdist.serve --ranks 3"): "a synopsis; tests/test_recovery.py loses ranks under it",
@@ -311,7 +311,7 @@ def test_bench_mlxlm_help_lists_its_own_options():
     proc = subprocess.run([sys.executable, "-m", "mlxdist.bench", "mlxlm", "--help"], capture_output=True,
                           text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 0 and "python -m mlxdist.bench mlxlm" in proc.stdout, proc.stderr[-2000:]
-    assert "--mode {single,tensor,pipeline,replicas}" in proc.stdout and "--replicas" in proc.stdout
+    assert "--contender {single,tensor,pipeline,replicas}" in proc.stdout and "--replicas" in proc.stdout
 
 
 def test_options_named_inline_exist():

@@ -115,7 +115,7 @@ def test_command_line_matches_mlx_lm(checkpoint, tmp_path, dispatch):
     proc = launch(
         3,
         ["--model", path, "--prompt", PROMPT, "--max-tokens", MAX_TOKENS, "--json", "--ignore-chat-template",
-         "--dispatch", dispatch, "--logprobs-out", out],
+         "--mode", dispatch, "--logprobs-out", out],
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = last_json(proc.stdout)
@@ -156,7 +156,7 @@ def test_collective_tp_is_close_to_mlx_lm(checkpoint, distributed, arch):
 
 
 def test_collective_tp_needs_mlx_lm_shard(checkpoint):
-    proc = launch(2, ["--model", checkpoint("mixtral"), "--prompt", PROMPT, "--dispatch", "collective-tp"])
+    proc = launch(2, ["--model", checkpoint("mixtral"), "--prompt", PROMPT, "--mode", "collective-tp"])
     assert proc.returncode != 0
     assert "mixtral has no tensor-parallel shard() in mlx-lm" in proc.stderr
 
@@ -169,7 +169,7 @@ def test_sampling_with_a_seed_is_the_same_on_every_world_size(checkpoint, distri
     sampling = json.loads(SAMPLING)
     proc = launch(0, ["--model", path, "--prompt", PROMPT, "--max-tokens", sampling["max_tokens"], "--json", "--temp",
                       sampling["temp"], "--top-p", sampling["top_p"], "--seed", sampling["seed"],
-                      "--ignore-chat-template", "--dispatch", "collective"])
+                      "--ignore-chat-template", "--mode", "collective"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = [last_json(proc.stdout)["tokens"]] + [distributed("sampled", n)[str(path)][0] for n in SAMPLED]
     assert results[0] == results[1] == results[2]

@@ -143,7 +143,7 @@ def test_a_pulled_cable_mid_generation(hosts, checkpoint):
     the unreachable host's daemon until TCP keepalive gives it up (minutes;
     docs/launchers.md), so the test ends the job once the text is out."""
     path = checkpoint("qwen3_moe")
-    args = ["--model", path, "-p", PROMPT, "-m", 20, "--dispatch", "p2p", "--ignore-chat-template"]
+    args = ["--model", path, "-p", PROMPT, "-m", 20, "--mode", "p2p", "--ignore-chat-template"]
     cmd = [sys.executable, "-m", "mlxdist.run", *map(str, args)]
     proc = hosts.start(0, hosts.mpirun_command([0, 1, 2], cmd, MPIRUN_FT_FLAGS),
                        env={"MLXDIST_FAULT": "sleep:rank=2,layer=-1,step=5,seconds=30"})

@@ -21,7 +21,7 @@ def run_from_hub(hub, tmp_path, *args):
     hf = tmp_path / "hf"
     env = {"HF_ENDPOINT": hub.url, "HF_HOME": str(hf), "HF_HUB_CACHE": str(hf / "hub"), "HF_HUB_OFFLINE": None}
     cmd = [VIEW, "--hide", hf, "--cache", tmp_path / "cache", "--", sys.executable, "-m", "mlxdist.run",
-           "--model", *args, "-p", PROMPT, "-m", MAX_TOKENS, "--ignore-chat-template", "--dispatch", "collective",
+           "--model", *args, "-p", PROMPT, "-m", MAX_TOKENS, "--ignore-chat-template", "--mode", "collective",
            "--json"]
     return launch(2, cmd, module=None, timeout=180, env=env)
 

@@ -37,7 +37,7 @@ def _weights(path):
 
 def _run(path, memory_gb, *args):
     return launch(2, ["--model", path, "-p", PROMPT, "-m", MAX_TOKENS, "--json", "--ignore-chat-template",
-                      "--dispatch", "collective", *args], env={"MLXDIST_TEST_MEMORY_GB": memory_gb})
+                      "--mode", "collective", *args], env={"MLXDIST_TEST_MEMORY_GB": memory_gb})
 
 
 def test_shares_follow_the_memory_each_rank_finds(checkpoint):
@@ -83,7 +83,7 @@ def test_the_load_and_the_doctor_agree_on_the_fit(checkpoint):
     tokens = 20000
     dense, kv, experts = _figures(path, tokens)
     need = dense + experts / 2 + kv
-    fit = ["--dispatch", "collective", "--kv-reserve-tokens", tokens]
+    fit = ["--mode", "collective", "--kv-reserve-tokens", tokens]
 
     def both(memory_gb, *extra):
         env = {"MLXDIST_TEST_MEMORY_GB": f"{memory_gb:.9f}"}
@@ -122,7 +122,7 @@ def test_budgets_per_host_are_matched_by_host_name(checkpoint, tmp_path):
     hosts = tmp_path / "hosts.json"
     hosts.write_text(json.dumps([{"ssh": "h1", "memory_gb": 3.0}, {"ssh": "h0", "memory_gb": 1.0}]))
     view = [VIEW, "--ranks", "0,1", "--hostname-prefix", "h", "--", sys.executable, "-m", "mlxdist.run",
-            "--model", path, "-p", PROMPT, "-m", MAX_TOKENS, "--json", "--ignore-chat-template", "--dispatch",
+            "--model", path, "-p", PROMPT, "-m", MAX_TOKENS, "--json", "--ignore-chat-template", "--mode",
             "collective", "--rank-memory"]
     proc = launch(2, [*view, hosts], module=None)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -151,7 +151,7 @@ def test_a_hosts_budget_is_split_over_its_ranks(checkpoint, tmp_path):
                                  {"ssh": "h2", "memory_gb": 1.0}]))
     proc = launch(3, [VIEW, "--ranks", "2", "--hostname-prefix", "h", "--", sys.executable, "-m", "mlxdist.run",
                       "--model", path, "-p", PROMPT, "-m", MAX_TOKENS, "--json", "--ignore-chat-template",
-                      "--dispatch", "collective", "--rank-memory", hosts], module=None)
+                      "--mode", "collective", "--rank-memory", hosts], module=None)
     assert proc.returncode == 0, proc.stderr[-2000:]
     got = last_json(proc.stdout)
     assert got["tokens"] == reference(path)[0]

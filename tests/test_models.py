@@ -130,10 +130,10 @@ def test_auto_runs_collective_where_dp_cannot_read_the_block(checkpoints, launch
 
 
 def test_dp_refuses_a_block_it_cannot_read_by_name(checkpoints):
-    proc = launch(2, ["--model", checkpoints["gemma4_text"], "--prompt", PROMPT, "--dispatch", "dp"])
+    proc = launch(2, ["--model", checkpoints["gemma4_text"], "--prompt", PROMPT, "--mode", "dp"])
     assert proc.returncode != 0
     errors = set(error_lines(proc.stderr, "mlxdist: error:"))
-    assert errors == {"mlxdist: error: --dispatch dp cannot run gemma4_text: Experts cannot be probed as block(x) "
+    assert errors == {"mlxdist: error: --mode dp cannot run gemma4_text: Experts cannot be probed as block(x) "
                       "(TypeError: Experts.__call__() missing 2 required positional arguments: 'top_k_indices' "
                       "and 'top_k_weights')"}, proc.stderr[-2000:]
 
@@ -207,7 +207,7 @@ def test_what_the_block_reads_from_its_expert_module_stays_whole(checkpoints):
     norm = f"{site.path}.post_expert_norm.weight"
     assert mx.array_equal(local.post_expert_norm.weight, weights[norm]).item()
 
-    engine = load_engine(World(0, 1, None), LoadOptions(str(path), dispatch="collective"))
+    engine = load_engine(World(0, 1, None), LoadOptions(str(path), mode="collective"))
     blocks = [layer.mlp for layer in engine.model.layers]
     assert all(isinstance(b.experts, DistributedSwitch) for b in blocks)
     for b, site in zip(blocks, find_switch_sites(load_model(path, lazy=True)[0])):

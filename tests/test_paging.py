@@ -62,8 +62,8 @@ def test_capacity_bounds_resident_expert_bytes(request, checkpoint):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--expert-capacity", "2", "--layout", "masked", "--dispatch", "collective"],
-     "--expert-capacity pages experts by the routing read back on the host: use --layout compact or --dispatch p2p"),
+    (["--expert-capacity", "2", "--layout", "masked", "--mode", "collective"],
+     "--expert-capacity pages experts by the routing read back on the host: use --layout compact or --mode p2p"),
     (["--expert-capacity", "0"], "--expert-capacity must be at least 1, not 0"),
 ])
 def test_plans_that_cannot_page_are_refused(checkpoint, args, message):

@@ -214,7 +214,7 @@ def test_recorded_routing_counts_every_slot_and_places(checkpoint, tmp_path, dis
     top_k = json.loads((path / "config.json").read_text())["num_experts_per_tok"]
     prompt_len, expected = reference_tokens(path, 6)
     routing = tmp_path / "routing.json"
-    out = run_json(["--model", path, "-m", 6, "--dispatch", dispatch, "--record-routing", routing])
+    out = run_json(["--model", path, "-m", 6, "--mode", dispatch, "--record-routing", routing])
     assert out["tokens"] == expected
     stats = RoutingStats.load(routing)
     assert stats.top_k == top_k and stats.tokens == prompt_len + 6  # mlx-lm computes one step ahead
@@ -223,7 +223,7 @@ def test_recorded_routing_counts_every_slot_and_places(checkpoint, tmp_path, dis
     from mlxdist.cli.place import main
 
     assert main([str(routing), "--ranks", str(NP), "-o", str(placed)]) == 0
-    again = run_json(["--model", path, "-m", 6, "--dispatch", dispatch, "--placement", placed,
+    again = run_json(["--model", path, "-m", 6, "--mode", dispatch, "--placement", placed,
                       "--record-routing", routing])
     assert again["tokens"] == expected
     assert RoutingStats.load(routing).layers == stats.layers  # the same routing, whoever computes it
@@ -236,7 +236,7 @@ def test_dp_routing_is_summed_over_the_ranks(checkpoint, tmp_path):
         "import json, sys\nimport mlxdist\n"
         "with mlxdist.init() as c:\n"
         "    for mode in ('collective', 'dp'):\n"
-        "        c.load(sys.argv[1], dispatch=mode, record_routing=sys.argv[2] + mode)\n"
+        "        c.load(sys.argv[1], mode=mode, record_routing=sys.argv[2] + mode)\n"
         "        ids = [c.encode('hello world'), c.encode('a b c d e f g h i')]\n"
         "        r = c.run_batch(c.request(ids, max_tokens=[4, 6]))\n"
         "        print(json.dumps({'mode': mode, 'strategy': r[0].stats['strategy'], 'lens': [len(i) for i in ids],"
@@ -276,7 +276,7 @@ def test_rank_memory_two_to_one_is_exact(checkpoint, tmp_path):
     path = checkpoint("qwen3_moe")
     _, expected = reference_tokens(path, 6)
     saved = tmp_path / "p.json"
-    out = run_json(["--model", path, "-m", 6, "--dispatch", "collective", "--rank-memory", "2,1",
+    out = run_json(["--model", path, "-m", 6, "--mode", "collective", "--rank-memory", "2,1",
                     "--save-placement", saved])
     assert out["tokens"] == expected
     held = Placement.load(saved).held_counts()
@@ -286,16 +286,16 @@ def test_rank_memory_two_to_one_is_exact(checkpoint, tmp_path):
 
 def test_too_small_a_budget_is_refused_naming_the_rank(checkpoint, tmp_path):
     path = checkpoint("qwen3_moe")  # 3 MoE layers of 12 experts, 49152 bytes each
-    (line,) = refused(["--model", path, "--prompt", "hi", "--rank-memory", "1,0.0001", "--dispatch", "p2p"])
+    (line,) = refused(["--model", path, "--prompt", "hi", "--rank-memory", "1,0.0001", "--mode", "p2p"])
     assert "rank 1 holds 3 experts: 0.000147 GB of expert weights, over its --rank-memory 0.0001 GB by" in line
     even = tmp_path / "even.json"
     Placement.even({0: 12, 1: 12, 2: 12}, NP).save(even)  # 18 experts a rank: 0.000885 GB
     (line,) = refused(["--model", path, "--prompt", "hi", "--rank-memory", "1,0.0003", "--placement", even,
-                       "--dispatch", "p2p"])
+                       "--mode", "p2p"])
     assert "rank 1 holds 18 experts" in line and "by 0.000585 GB" in line
     # paging composes: rank 1 owns 18 experts and keeps one per layer resident
     proc = launch(NP, ["--model", path, "--prompt", "hi", "-m", 2, "--rank-memory", "1,0.0003", "--placement", even,
-                       "--dispatch", "p2p", "--expert-capacity", 1])
+                       "--mode", "p2p", "--expert-capacity", 1])
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 

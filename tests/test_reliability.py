@@ -16,7 +16,7 @@ from mlxdist.runtime.world import retry_launcher
 
 def run_with_fault(path, fault, dispatch, timeout_flag=None, nranks=3):
     env_fault = {"MLXDIST_FAULT": fault}
-    args = ["--model", path, "--prompt", "a fault is coming", "-m", 12, "--dispatch", dispatch]
+    args = ["--model", path, "--prompt", "a fault is coming", "-m", 12, "--mode", dispatch]
     if timeout_flag:
         args += ["--timeout", timeout_flag]
     tic = time.time()
@@ -225,7 +225,7 @@ def test_an_unexpected_error_keeps_its_traceback(checkpoint, tmp_path, dispatch)
     env = {"MLXDIST_FAULT": "raise:rank=1,layer=1,step=2", "MLXDIST_LOG_DIR": str(tmp_path),
            "MLXDIST_AGREE_SECONDS": "1"}  # rank 0 never says it failed too: the wait for it is all slack
     proc = launch(2, ["--model", checkpoint("qwen3_moe"), "--prompt", "a fault is coming", "-m", 8,
-                      "--dispatch", dispatch], timeout=90, env=env)
+                      "--mode", dispatch], timeout=90, env=env)
     assert proc.returncode != 0
     lines = error_lines(proc.stderr, "mlxdist: error: rank 1: RuntimeError")
     assert lines, [l for l in proc.stderr.splitlines() if "RuntimeError" in l]

@@ -92,14 +92,14 @@ def test_no_room_for_two_models_on_the_host_spreads_the_experts(checkpoint):
     assert "every rank holds every expert (--replicate auto)" in roomy.stderr
 
 
-@pytest.mark.parametrize("extra", [["--dispatch", "collective"], ["--no-rank0-experts"],
+@pytest.mark.parametrize("extra", [["--mode", "collective"], ["--no-rank0-experts"],
                                    ["--expert-split", "width"], ["--expert-capacity", "2", "--layout", "compact"]],
                          ids=["collective", "no-rank0", "width", "paged"])
 def test_replicate_always_refuses_what_places_experts_otherwise(checkpoint, extra):
     proc = _load(checkpoint, ["--replicate", "always", *extra])
     assert proc.returncode != 0
     errors = [line for line in proc.stderr.splitlines() if line.startswith("mlxdist: error:")]
-    assert len(errors) == 1 and "--replicate always puts every expert on every rank under --dispatch auto" in errors[0], \
+    assert len(errors) == 1 and "--replicate always puts every expert on every rank under --mode auto" in errors[0], \
         proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
 

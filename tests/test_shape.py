@@ -156,7 +156,7 @@ def test_mlx_launch_runs_one_job_over_mlx_collectives(checkpoint):
     from mlx_lm.generate import stream_generate
 
     path = checkpoint("qwen3_moe")
-    proc = _mlx_launch(["--model", path, "-p", "Hello", "-m", "6", "--dispatch", "collective", "--json",
+    proc = _mlx_launch(["--model", path, "-p", "Hello", "-m", "6", "--mode", "collective", "--json",
                         "--ignore-chat-template"])
     assert proc.returncode == 0, proc.stderr[-2000:]
     results = [json.loads(l) for l in proc.stdout.splitlines() if l.startswith("{")]
@@ -168,10 +168,10 @@ def test_mlx_launch_runs_one_job_over_mlx_collectives(checkpoint):
 
 def test_mlx_launch_refuses_what_needs_mpi_in_one_line(checkpoint):
     """p2p exchanges experts over mpi4py, which mlx.launch does not start."""
-    proc = _mlx_launch(["--model", checkpoint("qwen3_moe"), "-p", "Hello", "-m", "4", "--dispatch", "p2p"])
+    proc = _mlx_launch(["--model", checkpoint("qwen3_moe"), "-p", "Hello", "-m", "4", "--mode", "p2p"])
     lines = error_lines(proc.stderr)
     assert "rank 0 exited with code 1" in proc.stderr, proc.stderr[-2000:]  # mlx.launch itself returns 0
-    assert len(lines) == 1 and "--dispatch p2p exchanges experts over MPI" in lines[0], proc.stderr[-2000:]
+    assert len(lines) == 1 and "--mode p2p exchanges experts over MPI" in lines[0], proc.stderr[-2000:]
     assert proc.stdout.strip() == "", proc.stdout
 
 
@@ -234,7 +234,7 @@ def test_mlx_launch_runs_a_job_file_as_mpirun_does(checkpoint, tmp_path):
     for name in ("mlx.launch", "mpirun"):
         outs[name] = tmp_path / f"{name}.jsonl"
         args = ["--model", path, "--jobs", jobs, "--out", outs[name], "-m", 6, "--batch-size", 2,
-                "--dispatch", "collective"]
+                "--mode", "collective"]
         proc = _mlx_launch(args) if name == "mlx.launch" else launch(2, args)
         assert proc.returncode == 0 and "exited with code" not in proc.stderr, proc.stderr[-2000:]
     got, expected = ({r["id"]: r["tokens"] for r in read_records(outs[n])} for n in ("mlx.launch", "mpirun"))

@@ -26,7 +26,7 @@ def plain(checkpoint):
 def test_greedy_with_a_draft_model_is_plain_greedy(checkpoint, plain, nranks, dispatch):
     path = checkpoint("qwen3_moe")
     proc = launch(nranks, ["--model", path, "-p", PROMPT, "-m", MAX_TOKENS, "--json", "--ignore-chat-template",
-                           "--dispatch", dispatch, "--draft-model", path, "--num-draft-tokens", 3])
+                           "--mode", dispatch, "--draft-model", path, "--num-draft-tokens", 3])
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = last_json(proc.stdout)
     assert out["tokens"] == plain
@@ -38,7 +38,7 @@ def test_greedy_with_a_draft_model_is_plain_greedy(checkpoint, plain, nranks, di
 def test_greedy_with_prompt_lookup_is_plain_greedy(checkpoint, plain, nranks, dispatch):
     path = checkpoint("qwen3_moe")
     proc = launch(nranks, ["--model", path, "-p", PROMPT, "-m", MAX_TOKENS, "--json", "--ignore-chat-template",
-                           "--dispatch", dispatch, "--prompt-lookup-ngram", 2, "--num-draft-tokens", 4])
+                           "--mode", dispatch, "--prompt-lookup-ngram", 2, "--num-draft-tokens", 4])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert last_json(proc.stdout)["tokens"] == plain
 
@@ -138,7 +138,7 @@ def test_auto_width_follows_what_earlier_prompts_measured(checkpoint, plain):
     (verify_width.py); every answer is plain greedy."""
     path = checkpoint("qwen3_moe")
     proc = launch(2, ["--model", path, "-m", MAX_TOKENS, "--json", "--ignore-chat-template",
-                      "--dispatch", "collective", "--prompt-lookup-ngram", 2], input=(PROMPT + "\n") * 4)
+                      "--mode", "collective", "--prompt-lookup-ngram", 2], input=(PROMPT + "\n") * 4)
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert [r["tokens"] for r in records] == [plain] * 4

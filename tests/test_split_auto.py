@@ -52,8 +52,8 @@ def test_whole_experts_where_width_cannot_or_need_not_run(checkpoint, ranks, ext
 
 @pytest.mark.parametrize("options, weighs", [
     (dict(), True),
-    (dict(dispatch="collective"), False),  # the exact modes keep whole experts
-    (dict(dispatch="p2p"), False),
+    (dict(mode="collective"), False),  # the exact modes keep whole experts
+    (dict(mode="p2p"), False),
     (dict(placement={"version": 2}), False),
     (dict(rank0_experts=False), False),
     (dict(expert_capacity=2, layout="compact"), False),

@@ -81,7 +81,7 @@ def test_a_job_file_through_a_loss(checkpoint, tmp_path):
     jobs, out = tmp_path / "jobs.jsonl", tmp_path / "lost.jsonl"
     prompts = {f"j{i}": f"job {i} " * (i % 3 + 1) for i in range(10)}
     jobs.write_text("".join(json.dumps({"id": i, "prompt": p, "max_tokens": 10}) + "\n" for i, p in prompts.items()))
-    args = ["--model", path, "--dispatch", "p2p", "--jobs", jobs, "--out", out, "--batch-size", 4]
+    args = ["--model", path, "--mode", "p2p", "--jobs", jobs, "--out", out, "--batch-size", 4]
     proc = survive(3, args, fault="kill:rank=2,layer=-1,step=3")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "lost rank 2" in proc.stderr
@@ -92,7 +92,7 @@ def test_a_job_file_through_a_loss(checkpoint, tmp_path):
 
 
 def test_rank_zero_lost_ends_every_rank(checkpoint):
-    proc = survive(3, ["--model", checkpoint("qwen3_moe"), "--dispatch", "p2p", "-p", "hi", "-m", 24],
+    proc = survive(3, ["--model", checkpoint("qwen3_moe"), "--mode", "p2p", "-p", "hi", "-m", 24],
                    fault="kill:rank=0,layer=-1,step=5", timeout=60)
     assert proc.returncode != 0
     lines = error_lines(proc.stderr, "mlxdist: error")
@@ -103,4 +103,4 @@ def test_rank_zero_lost_ends_every_rank(checkpoint):
 def test_other_modes_are_refused(checkpoint):
     proc = survive(2, ["--model", checkpoint("qwen3_moe"), "-p", "hi", "-m", 4], timeout=60)
     assert proc.returncode != 0
-    assert "mlxdist: error: launch/mpirun --survive (in-job survival of a lost rank) needs --dispatch p2p" in proc.stderr
+    assert "mlxdist: error: launch/mpirun --survive (in-job survival of a lost rank) needs --mode p2p" in proc.stderr

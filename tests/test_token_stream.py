@@ -63,7 +63,7 @@ def test_the_perturbation_shows(checkpoint, tmp_path):
     tokenizer = mlx_lm_loaded(path)[1]
     env = {"MLXDIST_TEST_PERTURB": f"module=qwen3_moe,rank=0,noise=1.0,eos={tokenizer.eos_token_id},eos_at=4",
            "PYTHONPATH": os.pathsep.join([str(ROOT / "tests" / "perturbed"), str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    proc = launch(1, ["--model", path, "--dispatch", "collective", "-p", PROMPT, "-m", MAX_TOKENS, "--json"],
+    proc = launch(1, ["--model", path, "--mode", "collective", "-p", PROMPT, "-m", MAX_TOKENS, "--json"],
                   env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     tokens = json.loads([l for l in proc.stdout.splitlines() if l.startswith("{")][-1])["tokens"]
@@ -80,7 +80,7 @@ def test_the_server_follows_rank_0(checkpoint):
     tokenizer = mlx_lm_loaded(str(path))[1]
     env = {"MLXDIST_TEST_PERTURB": f"module=qwen3_moe,rank=1,noise=1.0,eos={tokenizer.eos_token_id},eos_at=4",
            "PYTHONPATH": os.pathsep.join([str(ROOT / "tests" / "perturbed"), str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    server = Server(path, extra=["--dispatch", "collective"], env=env)
+    server = Server(path, extra=["--mode", "collective"], env=env)
     try:
         prompts = [PROMPT, "the weather tomorrow"]
         assert completion(server, prompts[0], max_tokens=MAX_TOKENS)["choices"][0]["text"] == alone(path, prompts[0], MAX_TOKENS)

@@ -180,7 +180,7 @@ def test_load_options_are_checked():
     with pytest.raises(UserError, match="unknown layout 'dense'"):
         LoadOptions("m", layout="dense").validate()
     with pytest.raises(UserError, match="unknown dispatch mode 'nccl'"):
-        LoadOptions("m", dispatch="nccl").validate()
+        LoadOptions("m", mode="nccl").validate()
 
 
 def test_fault_injection_is_off_unless_it_names_this_rank(monkeypatch):
@@ -490,7 +490,7 @@ def test_expert_split_options_refused_with_one_line():
     from mlxdist.config import LoadOptions
     from mlxdist.errors import UserError
 
-    for kwargs, words in [(dict(dispatch="p2p"), "runs with --dispatch auto, dp, collective or collective-tp, not p2p"),
+    for kwargs, words in [(dict(mode="p2p"), "runs with --mode auto, dp, collective or collective-tp, not p2p"),
                           (dict(expert_capacity=2, layout="compact"), "takes no placement"),
                           (dict(rank0_experts=False), "--no-rank0-experts"),
                           (dict(expert_split="diagonal"), "unknown expert split")]:

@@ -92,17 +92,17 @@ common=(--model "$MODEL" $BENCH_ARGS --json)
 if [ "${WARMUP:-1}" = 1 ]; then
   say "warm-up: one short mlx-lm generation (compiles MLX's kernels into its cache)"
   t0=$(date +%s)
-  CUDA_VISIBLE_DEVICES=0 timeout "$(( $(left) - 60 ))" "$PY" -m mlxdist.bench.mlxlm --mode single --model "$MODEL" \
+  CUDA_VISIBLE_DEVICES=0 timeout "$(( $(left) - 60 ))" "$PY" -m mlxdist.bench.mlxlm --contender single --model "$MODEL" \
     -p 16 -g 4 -b 1,8 -n 1 --warmup-tokens 2 --json > /dev/null 2>> "$log"
   say "warm-up: rc $? in $(( $(date +%s) - t0 )) s"
 fi
 for c in $CONTENDERS; do
   case $c in
-    single) launch "mlx-lm single" 1 env CUDA_VISIBLE_DEVICES=0 "$PY" -m mlxdist.bench.mlxlm --mode single "${common[@]}" ;;
+    single) launch "mlx-lm single" 1 env CUDA_VISIBLE_DEVICES=0 "$PY" -m mlxdist.bench.mlxlm --contender single "${common[@]}" ;;
     tensor) launch "mlx-lm tensor" 2 "$MPIRUN" "${MPIFLAGS[@]}" \
-              benchmarks/gpu/rank.sh "$PY" -m mlxdist.bench.mlxlm --mode tensor --backend $BACKEND "${common[@]}" ;;
+              benchmarks/gpu/rank.sh "$PY" -m mlxdist.bench.mlxlm --contender tensor --backend $BACKEND "${common[@]}" ;;
     pipeline) launch "mlx-lm pipeline" 2 "$MPIRUN" "${MPIFLAGS[@]}" \
-              benchmarks/gpu/rank.sh "$PY" -m mlxdist.bench.mlxlm --mode pipeline --backend $BACKEND "${common[@]}" ;;
+              benchmarks/gpu/rank.sh "$PY" -m mlxdist.bench.mlxlm --contender pipeline --backend $BACKEND "${common[@]}" ;;
     mlxdist) launch "mlxdist" 2 "$MPIRUN" "${MPIFLAGS[@]}" \
               benchmarks/gpu/rank.sh "$PY" -m mlxdist.bench --backend $BACKEND --dispatch ${DISPATCH:-auto,collective} "${common[@]}" ;;
     mlxdist1) launch "mlxdist np=1" 1 env CUDA_VISIBLE_DEVICES=0 "$PY" -m mlxdist.bench --dispatch collective "${common[@]}" ;;
@@ -110,7 +110,7 @@ for c in $CONTENDERS; do
               "$PY" -m mlxdist.bench --dispatch collective "${common[@]}" ;;
     mlxdist-compact) launch "mlxdist compact" 2 "$MPIRUN" "${MPIFLAGS[@]}" \
               benchmarks/gpu/rank.sh "$PY" -m mlxdist.bench --backend $BACKEND --layout compact --dispatch ${DISPATCH:-auto,collective} "${common[@]}" ;;
-    replicas) launch "mlx-lm replicas" 2 "$PY" -m mlxdist.bench.mlxlm --mode replicas --replicas 2 "${common[@]}" ;;
+    replicas) launch "mlx-lm replicas" 2 "$PY" -m mlxdist.bench.mlxlm --contender replicas --replicas 2 "${common[@]}" ;;
     dpclose) launch "dp close" 2 sh -c "\"$MPIRUN\" ${MPIFLAGS[*]} benchmarks/gpu/rank.sh \"$PY\" tests/scripts/batch_each.py dp masked 24,24,24,24 0 2048 \"$MODEL\" > \"$OUT/dp.json\" && \"$PY\" benchmarks/gpu/dp_close.py \"$MODEL\" \"$OUT/dp.json\"" ;;
     *) say "unknown contender $c" ;;
   esac

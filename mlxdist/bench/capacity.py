@@ -22,7 +22,7 @@ from mlxdist.model.checkpoint import text_config
 
 
 def measure(cluster, model: str, capacity: Optional[int], args) -> Dict[str, Any]:
-    cluster.load(model, dispatch=args.dispatch, layout="compact", expert_capacity=capacity)
+    cluster.load(model, mode=args.mode, layout="compact", expert_capacity=capacity)
     vocab = text_config(cluster.engine.config)["vocab_size"]
     prompts = random_prompts(vocab, args.batch, args.prompt_tokens, args.seed)
     cluster.run_batch(cluster.request(prompts, max_tokens=min(8, args.generation_tokens)))
@@ -78,7 +78,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m mlxdist.bench.capacity", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True)
     p.add_argument("-c", "--capacities", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4, 8])
-    p.add_argument("--dispatch", default="collective", choices=("collective", "p2p", "dp", "auto"))
+    p.add_argument("--mode", "--dispatch", default="collective", choices=("collective", "p2p", "dp", "auto"))
     p.add_argument("-b", "--batch", type=arg_int(), default=8)
     p.add_argument("-p", "--prompt-tokens", type=arg_int(), default=32)
     p.add_argument("-g", "--generation-tokens", type=arg_int(), default=32)
@@ -89,7 +89,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     with mlxdist.init(timeout=600) as cluster:
         rows = [measure(cluster, args.model, None, args)]
         rows += [measure(cluster, args.model, c, args) for c in args.capacities]
-        report = {"model": args.model, "ranks": cluster.world.size, "dispatch": args.dispatch, "batch": args.batch,
+        report = {"model": args.model, "ranks": cluster.world.size, "mode": args.mode, "dispatch": args.mode, "batch": args.batch,
                   "prompt_tokens": args.prompt_tokens, "generation_tokens": args.generation_tokens, "rows": rows}
     if args.json:
         print(json.dumps(report))

@@ -91,9 +91,9 @@ def contenders(ranks: List[int], dispatch: List[str], layout: Optional[str] = No
     rows for (``speculative.py``). ``mlx_lm``: False leaves mlx-lm's out.
     ``splits``: one mlxdist launch per ``--expert-split`` (named after it;
     none: one launch with mlxdist's default); ``replicate``: mlxdist's ``--replicate``."""
-    out = [{"name": "mlx-lm single", "ranks": 1, "module": "mlxdist.bench.mlxlm", "extra": ["--mode", "single"]}]
+    out = [{"name": "mlx-lm single", "ranks": 1, "module": "mlxdist.bench.mlxlm", "extra": ["--contender", "single"]}]
     for n in ranks:
-        extra = ["--dispatch", ",".join(dispatch)] + (["--layout", layout] if layout else []) + list(speculative_args)
+        extra = ["--mode", ",".join(dispatch)] + (["--layout", layout] if layout else []) + list(speculative_args)
         extra += ["--replicate", replicate] if replicate else []
         for split in splits or [None]:
             name, more = ("mlxdist", []) if split is None else (f"mlxdist {split}", ["--expert-split", split])
@@ -103,9 +103,9 @@ def contenders(ranks: List[int], dispatch: List[str], layout: Optional[str] = No
                         "extra": extra + ["--placement", placements[n]]})
         if n > 1:
             for mode in ("tensor", "pipeline"):
-                out.append({"name": f"mlx-lm {mode}", "ranks": n, "module": "mlxdist.bench.mlxlm", "extra": ["--mode", mode]})
+                out.append({"name": f"mlx-lm {mode}", "ranks": n, "module": "mlxdist.bench.mlxlm", "extra": ["--contender", mode]})
             out.append({"name": "mlx-lm replicas", "ranks": n, "module": "mlxdist.bench.mlxlm", "processes": 1,
-                        "extra": ["--mode", "replicas", "--replicas", str(n)]})
+                        "extra": ["--contender", "replicas", "--replicas", str(n)]})
     return out if mlx_lm else [c for c in out if c["name"].startswith("mlxdist")]
 
 
@@ -209,7 +209,7 @@ def run(args) -> Dict[str, Any]:
     common = ["--model", model, "-p", str(args.prompt_tokens), "-g", str(args.generation_tokens),
               "-b", ",".join(map(str, args.batch_sizes)), "-n", "1", "--warmup-tokens", str(args.warmup_tokens),
               "--prompt-kind", args.prompt_kind]
-    plan = contenders(args.ranks, args.dispatch, args.layout, dict(args.placement), _speculative_args(args),
+    plan = contenders(args.ranks, args.mode, args.layout, dict(args.placement), _speculative_args(args),
                       mlx_lm=not args.mlxdist_only, splits=args.expert_split, replicate=args.replicate)
     trials, unsupported, errors = [], {}, {}
     started = datetime.now(timezone.utc).isoformat(timespec="seconds")
@@ -273,7 +273,7 @@ def parse_args(argv=None):
     parser.add_argument("-b", "--batch-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32])
     parser.add_argument("-n", "--num-trials", type=arg_int(), default=3, help="Rounds (interleaved trials).")
     parser.add_argument("--ranks", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2])
-    parser.add_argument("--dispatch", type=lambda s: s.split(","), default=["auto", "collective", "p2p"])
+    parser.add_argument("--mode", "--dispatch", type=lambda s: s.split(","), default=["auto", "collective", "p2p"])
     parser.add_argument("--layout", choices=("masked", "compact"), default=None,
                         help="mlxdist's collective layout (default: compact on the CPU, masked on GPUs).")
     parser.add_argument("--placement", action="append", default=[], type=_placement, metavar="N:FILE",

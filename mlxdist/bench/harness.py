@@ -32,7 +32,7 @@ from mlxdist.config import AUTO_SPLIT, EXPERT_SPLITS, REPLICATE
 from mlxdist.model.checkpoint import text_config
 from mlxdist.runtime.world import BACKENDS
 
-MODES = ("auto", "collective", "p2p")  # the default; "dp" and "collective-tp" on request (--dispatch)
+MODES = ("auto", "collective", "p2p")  # the default; "dp" and "collective-tp" on request (--mode)
 
 
 def random_prompts(vocab_size: int, batch: int, length: int, seed: int = 0) -> List[List[int]]:
@@ -159,7 +159,7 @@ def bench_case(cluster, mode: str, prompts: List[List[int]], args) -> Dict[str, 
     row.update(breakdown(profile, row, profiled, layers, len(prompts)))
 
     strategy = engine.strategy  # what auto (or dp at b = 1) actually ran
-    row.update(dispatch=mode, strategy=strategy, batch=len(prompts), ranks=cluster.world.size, moe_layers=layers)
+    row.update(mode=mode, dispatch=mode, strategy=strategy, batch=len(prompts), ranks=cluster.world.size, moe_layers=layers)
     if engine.choice is not None:  # auto measured its link at load: what it chose from
         row["link_choice"] = {"measured": engine.auto_inputs.describe(), "choice": engine.choice.describe()}
     if engine.split is not None:  # --expert-split auto: the cut taken at load and why
@@ -202,7 +202,7 @@ def _load(cluster, mode: str, args, draft_model: Optional[str] = None) -> None:
     """Load ``args.model`` in ``mode`` (with a draft model where given), EOS
     ignored; ``auto`` measures and decides on the link of this run, never
     from a decision stored by another (an emulated link keeps the key)."""
-    cluster.load(args.model, dispatch=mode, layout=args.layout, expert_split=args.expert_split,
+    cluster.load(args.model, mode=mode, layout=args.layout, expert_split=args.expert_split,
                  placement=args.placement, draft_model=draft_model,
                  replicate=args.replicate if modes.mode(mode).replicates else "auto", remeasure=True)
     cluster.probe("no_eos")
@@ -213,7 +213,7 @@ def _load(cluster, mode: str, args, draft_model: Optional[str] = None) -> None:
 def run(cluster, args) -> Dict[str, Any]:
     """Every requested dispatch mode and batch size (on rank 0)."""
     rows = []
-    for mode in args.dispatch:
+    for mode in args.mode:
         _load(cluster, mode, args)
         vocab = text_config(cluster.engine.config)["vocab_size"]
         plain = None
@@ -289,7 +289,7 @@ def parse_args(argv=None, description: str = "Benchmark mlxdist generation throu
     parser.add_argument("-g", "--generation-tokens", type=arg_int(), default=128)
     parser.add_argument("-b", "--batch-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32])
     parser.add_argument("-n", "--num-trials", type=arg_int(), default=3)
-    parser.add_argument("--dispatch", type=lambda s: s.split(","), default=list(MODES), help="collective,p2p")
+    parser.add_argument("--mode", "--dispatch", type=lambda s: s.split(","), default=list(MODES), help="collective,p2p")
     parser.add_argument("--layout", choices=("masked", "compact"), default=None,
                         help="Collective modes' layout (default: compact on the CPU, masked on GPUs).")
     parser.add_argument("--backend", choices=BACKENDS, default=None, help="MLX's transport (default: nccl on CUDA).")
@@ -301,14 +301,14 @@ def parse_args(argv=None, description: str = "Benchmark mlxdist generation throu
     parser.add_argument("--json", action="store_true", help="One JSON object on stdout.")
     parser.add_argument("--expert-split", choices=EXPERT_SPLITS, default=AUTO_SPLIT,
                         help="Experts whole on one rank each, cut in width over the ranks (every mode but p2p), or "
-                             "auto: under --dispatch auto, the cut auto weighs cheaper at load (else whole).")
+                             "auto: under --mode auto, the cut auto weighs cheaper at load (else whole).")
     parser.add_argument("--no-link", action="store_true",
                         help="Replace MLX's collectives by local stand-ins of the same shapes: what each step "
                              "costs without the exchange's transport and waiting (tokens are not the model's; "
                              "not for p2p, whose exchange is mpi4py's).")
     speculative.add_arguments(parser)
     args = parser.parse_args(argv)
-    for mode in args.dispatch:
+    for mode in args.mode:
         if mode not in DISPATCH_MODES:
             parser.error(f"unknown dispatch mode {mode!r} (choose from {', '.join(DISPATCH_MODES)})")
         if args.no_link and not modes.MODES[mode].mlx_collectives:

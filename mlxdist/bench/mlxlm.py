@@ -1,9 +1,9 @@
 """mlx-lm's own runs, measured exactly as ``mlxdist.bench`` measures mlxdist.
 
     python -m mlxdist.bench.mlxlm --model M -p 512 -g 128 -b 1,8,32 -n 3
-    mpirun -np N python -m mlxdist.bench.mlxlm --model M --mode tensor [--backend nccl] ...
-    mpirun -np N python -m mlxdist.bench.mlxlm --model M --mode pipeline ...
-    python -m mlxdist.bench.mlxlm --model M --mode replicas --replicas N -b 8,32 ...
+    mpirun -np N python -m mlxdist.bench.mlxlm --model M --contender tensor [--backend nccl] ...
+    mpirun -np N python -m mlxdist.bench.mlxlm --model M --contender pipeline ...
+    python -m mlxdist.bench.mlxlm --model M --contender replicas --replicas N -b 8,32 ...
 
 This is ``mlx_lm.benchmark`` in-process (``load`` for one process,
 ``sharded_load`` with a tensor group, i.e. ``model.shard()``, or a pipeline
@@ -227,7 +227,7 @@ def run_replicas(args, argv: List[str]) -> Dict[str, Any]:
         if batch % n:
             continue  # b/N sequences each: only batches that divide
         with tempfile.TemporaryDirectory(prefix="mlxdist-replicas-") as folder:
-            procs = [subprocess.Popen([sys.executable, "-m", "mlxdist.bench.mlxlm", "--mode", "single",
+            procs = [subprocess.Popen([sys.executable, "-m", "mlxdist.bench.mlxlm", "--contender", "single",
                                        *_without_batches(argv), "-b", str(batch // n), "--json",
                                        "--start-line", f"{folder},{i},{n}"], stdout=subprocess.PIPE, text=True,
                                       env={**os.environ, **({"CUDA_VISIBLE_DEVICES": str(i)} if cuda else {})})
@@ -269,20 +269,22 @@ def _without_batches(argv: List[str]) -> List[str]:
 
 
 def _own_options(parser) -> None:
-    """--mode and --replicas, for --help (main takes them out of argv before the harness parses)."""
-    parser.add_argument("--mode", choices=MODES, default="single", help="Which mlx-lm contender.")
-    parser.add_argument("--replicas", type=arg_int(1), default=2, help="--mode replicas: how many processes.")
+    """--contender and --replicas, for --help (main takes them out of argv before the harness parses)."""
+    parser.add_argument("--contender", choices=MODES, default="single",
+                        help="Which mlx-lm contender (--mode with one of these: its old name, kept for one release).")
+    parser.add_argument("--replicas", type=arg_int(1), default=2, help="--contender replicas: how many processes.")
 
 
 def main(argv=None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     mode = "single"
-    if "--mode" in argv:
-        i = argv.index("--mode")
-        mode = argv[i + 1]
-        del argv[i : i + 2]
+    for flag in ("--contender", "--mode"):  # --mode: the old name of --contender, kept for one release
+        if flag in argv:
+            i = argv.index(flag)
+            mode = argv[i + 1] if i + 1 < len(argv) else ""
+            del argv[i : i + 2]
     if mode not in MODES:
-        raise SystemExit(f"unknown --mode {mode!r} (choose from {', '.join(MODES)})")
+        raise SystemExit(f"unknown --contender {mode!r} (choose from {', '.join(MODES)})")
     replicas, start_line = 2, None
     if "--replicas" in argv:
         i = argv.index("--replicas")
@@ -299,7 +301,7 @@ def main(argv=None) -> None:
             raise SystemExit("--start-line takes FOLDER,INDEX,N (run_replicas passes it)") from None
         del argv[i : i + 2]
     args = _bench_args(argv, description="mlx-lm's own runs, measured as python -m mlxdist.bench measures "
-                       "mlxdist (--dispatch, --layout, --expert-split and --replicate are mlxdist's and unused "
+                       "mlxdist (--mode, --layout, --expert-split and --replicate are mlxdist's and unused "
                        "here).", more=_own_options)
     args.start_line = start_line
     if args.no_link:

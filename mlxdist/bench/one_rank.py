@@ -5,7 +5,7 @@ fairest one-rank comparison: one launch, one warm machine for both).
 Per batch size: mlx-lm's ``stream_generate`` (b = 1) or ``batch_generate``
 (as the benchmark's mlx-lm contender calls it), the same asking for
 log-probabilities (b > 1), and mlxdist's ``Cluster.stream`` / ``run_batch``
-with ``--dispatch collective``. EOS is ignored on both sides, so every
+with ``--mode collective``. EOS is ignored on both sides, so every
 trial generates its full ``-g`` tokens. Prints one JSON line per batch size:
 each contender's median generation tok/s over the rounds, every trial, each
 round's mlxdist / mlx-lm (``round_ratios``) and their median
@@ -57,7 +57,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     model, tokenizer = load(args.model)
     never_stop_at_eos(tokenizer)  # as mlx_lm.benchmark and the other contenders
     with mlxdist.init() as cluster:
-        cluster.load(args.model, dispatch="collective")
+        cluster.load(args.model, mode="collective")
         cluster.probe("no_eos")
         for b in args.batch_sizes:
             prompts = prompts_of(b, args.prompt_tokens)

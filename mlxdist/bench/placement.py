@@ -51,7 +51,7 @@ def placements(counts: Dict[int, List[int]], num_ranks: int, args) -> Dict[str, 
 
 def run(cluster, args) -> Dict[str, Any]:
     n = cluster.world.size
-    cluster.load(args.model, dispatch=args.dispatch, layout=args.layout)
+    cluster.load(args.model, mode=args.mode, layout=args.layout)
     cluster.probe("no_eos")
     counts = recorded_counts(cluster, args)
     plans = placements(counts, n, args)
@@ -70,13 +70,13 @@ def run(cluster, args) -> Dict[str, Any]:
         for name, plan in plans.items():
             budgets = args.rank_memory if name.startswith("budgets") else None
             placement = None if plan in (None, "budgets") else plan.to_json()
-            cluster.load(args.model, dispatch=args.dispatch, layout=args.layout, placement=placement,
+            cluster.load(args.model, mode=args.mode, layout=args.layout, placement=placement,
                          rank_memory_gb=[b * args.budget_scale for b in budgets] if budgets else None)
             cluster.probe("no_eos")
             used = cluster.engine.placement
             for batch in args.batch_sizes:
                 prompts = random_prompts(vocab, batch, args.prompt_tokens, args.seed)
-                row = bench_case(cluster, args.dispatch, prompts, args)
+                row = bench_case(cluster, args.mode, prompts, args)
                 row.pop("tokens", None)  # b = 1's greedy tokens: not compared here
                 row.update(placement=name, predicted_imbalance=imbalance(used, counts),
                            experts_per_rank=[sum(len(used.experts_of(l, r)) for l in used.layers) for r in range(n)])
@@ -91,7 +91,7 @@ def run(cluster, args) -> Dict[str, Any]:
     base = {r["batch"]: r["generation_tps"] for r in rows if r["placement"] == "even"}
     for r in rows:
         r["vs_even"] = r["generation_tps"] / base[r["batch"]] if base.get(r["batch"]) else None
-    return {"contender": "mlxdist placement", "model": args.model, "ranks": n, "dispatch": args.dispatch,
+    return {"contender": "mlxdist placement", "model": args.model, "ranks": n, "mode": args.mode, "dispatch": args.mode,
             "prompt_tokens": args.prompt_tokens, "generation_tokens": args.generation_tokens,
             "record_tokens": args.record_tokens, "num_trials": args.num_trials, "rounds": args.rounds,
             "even_imbalance_predicted": imbalance(even, counts), "versions": versions(), "results": rows}
@@ -116,7 +116,7 @@ def parse_args(argv=None):
     parser.add_argument("-b", "--batch-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32])
     parser.add_argument("-n", "--num-trials", type=arg_int(), default=3)
     parser.add_argument("--rounds", type=arg_int(), default=1, help="Interleaved rounds over the placements.")
-    parser.add_argument("--dispatch", default="collective", choices=list(modes.MODES))
+    parser.add_argument("--mode", "--dispatch", default="collective", choices=list(modes.MODES))
     parser.add_argument("--layout", choices=("masked", "compact"), default=None)
     parser.add_argument("--replicas", type=arg_int(), default=1, help="Replica slots per rank for the third placement.")
     parser.add_argument("--record-tokens", type=arg_int(), default=32, help="Tokens of the recording generation.")

@@ -98,7 +98,7 @@ def _strategy(row: Dict[str, Any]) -> Optional[str]:
     if name.startswith("mlxdist"):
         if row.get("link") is False:
             return None
-        strategy = row.get("strategy") or row.get("dispatch")
+        strategy = row.get("strategy") or row.get("mode") or row.get("dispatch")
         return f"{strategy}-width" if row.get("expert_split") == "width" and strategy in WIDTH_STRATEGIES else strategy
     return {"mlx-lm tensor": "tensor", "mlx-lm replicas": "replicas"}.get(name)
 

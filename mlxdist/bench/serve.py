@@ -83,7 +83,7 @@ def server_command(contender: str, args: argparse.Namespace, port: int, max_conc
         cmd = [args.mpirun or _mpirun(), "-np", str(args.ranks), "--oversubscribe", "--bind-to", "none",
                "--stdin", "none", *(args.wrapper.split() if args.wrapper else []),
                sys.executable, "-m", "mlxdist.serve", "--model", args.model, "--port", str(port),
-               "--max-concurrent", str(max_concurrent), "--dispatch", contender.split(" ")[3]]
+               "--max-concurrent", str(max_concurrent), "--mode", contender.split(" ")[3]]
         if contender.endswith("rebalancing"):
             cmd += ["--rebalance-every", str(args.rebalance_every), "--rebalance-replicas", str(args.rebalance_replicas)]
     return cmd
@@ -167,9 +167,9 @@ def random_prompts(n: int, words: int, seed: int = 0) -> List[str]:
 
 def run(args) -> Dict[str, Any]:
     prompts = random_prompts(64, args.prompt_words, args.seed)
-    contenders = ["mlx-lm server"] + [f"mlxdist serve N={args.ranks} {mode}" for mode in args.dispatch]
+    contenders = ["mlx-lm server"] + [f"mlxdist serve N={args.ranks} {mode}" for mode in args.mode]
     if args.rebalance_every:  # the same server, placing its experts again as it runs
-        contenders += [f"mlxdist serve N={args.ranks} {mode} rebalancing" for mode in args.dispatch]
+        contenders += [f"mlxdist serve N={args.ranks} {mode} rebalancing" for mode in args.mode]
     rounds: Dict[str, List[List[Dict[str, Any]]]] = {c: [] for c in contenders}
     for r in range(args.rounds):
         for contender in contenders if r % 2 == 0 else contenders[::-1]:
@@ -244,7 +244,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=arg_int(), default=1)
     p.add_argument("--seed", type=arg_int(), default=0)
     p.add_argument("--out", default=None, help="Folder for serve.json, serve.md and serve.png.")
-    p.add_argument("--dispatch", type=lambda s: s.split(","), default=["collective"],
+    p.add_argument("--mode", "--dispatch", type=lambda s: s.split(","), default=["collective"],
                    help="mlxdist server modes to run, e.g. collective,dp (one contender each)")
     p.add_argument("--rebalance-every", type=arg_number(), default=None, metavar="SECONDS",
                    help="Also run each mlxdist server with --rebalance-every SECONDS (one more contender each).")

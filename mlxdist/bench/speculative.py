@@ -2,7 +2,7 @@
 same mode, in the same launch, one prompt (b = 1; speculation is for one
 sequence).
 
-    mpirun -np 2 python -m mlxdist.bench -b 1 --dispatch collective --prompt-kind repetitive \\
+    mpirun -np 2 python -m mlxdist.bench -b 1 --mode collective --prompt-kind repetitive \\
         --prompt-lookup-ngram 2 --num-draft-tokens 4 --draft-model self
     python -m mlxdist.bench compare --link 10gbe --ranks 2 -b 1 --mlxdist-only ...   (the same options)
 
@@ -114,7 +114,7 @@ def rows(cluster, mode: str, prompt: List[int], plain: Dict[str, Any], args, gen
             generate(cluster, [prompt], min(args.generation_tokens, args.warmup_tokens), **sampling)
         trials = [generate(cluster, [prompt], args.generation_tokens, **sampling) for _ in range(args.num_trials)]
         row = summary(trials, plain)
-        row.update(dispatch=mode, strategy=cluster.engine.strategy, batch=1, ranks=cluster.world.size,
+        row.update(mode=mode, dispatch=mode, strategy=cluster.engine.strategy, batch=1, ranks=cluster.world.size,
                    speculative=drafter.label, num_draft_tokens=drafter.width)
         out.append(row)
     return out

@@ -61,7 +61,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     with mlxdist.init(timeout=600) as cluster:
         if not cluster.world.tolerant:
             raise mlxdist.UserError("launch this under launch/mpirun --survive (Open MPI's fault tolerance)")
-        cluster.load(args.model, dispatch="p2p", expert_capacity=args.expert_capacity)
+        cluster.load(args.model, mode="p2p", expert_capacity=args.expert_capacity)
         cluster.probe("no_eos")
         victim = next((r for r in cluster.probe("process") if r["rank"] == args.victim), None)
         if victim is None or args.victim == 0 or victim["host"] != socket.gethostname():

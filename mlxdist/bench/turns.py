@@ -2,7 +2,7 @@
 first turn and of the second turn that extends it, per server mode: what
 the prompt cache saves an agent that sends its whole conversation each turn.
 
-For each contender (``mlxdist serve`` at ``--ranks`` per ``--dispatch`` mode;
+For each contender (``mlxdist serve`` at ``--ranks`` per ``--mode`` mode;
 ``mlx_lm.server`` in one process with ``--mlx-lm``) one server is started and
 ``--conversations`` conversations are held on it one after another, each of
 two streamed chat turns (greedy, ``stream_options.include_usage``): turn 1
@@ -11,7 +11,7 @@ answer, and a follow-up question. Measured from the client: seconds to the
 first text of each turn, and the usage's prompt and cached tokens; the
 median conversation is reported.
 
-    python -m mlxdist.bench turns --model DIR --ranks 2 --dispatch collective,dp -p 1200 [--out DIR]
+    python -m mlxdist.bench turns --model DIR --ranks 2 --mode collective,dp -p 1200 [--out DIR]
 """
 
 import argparse
@@ -71,7 +71,7 @@ def conversation(url: str, words: int, seed: int, max_tokens: int) -> Dict[str, 
 
 
 def run(args: argparse.Namespace) -> Dict[str, Any]:
-    contenders = (["mlx-lm server"] if args.mlx_lm else []) + [f"mlxdist serve N={args.ranks} {m}" for m in args.dispatch]
+    contenders = (["mlx-lm server"] if args.mlx_lm else []) + [f"mlxdist serve N={args.ranks} {m}" for m in args.mode]
     rows = []
     for contender in contenders:
         server, url = start(contender, args, 8)
@@ -111,7 +111,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m mlxdist.bench turns", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="Checkpoint folder.")
     p.add_argument("--ranks", type=arg_int(1), default=2)
-    p.add_argument("--dispatch", type=lambda s: s.split(","), default=["collective", "dp"],
+    p.add_argument("--mode", "--dispatch", type=lambda s: s.split(","), default=["collective", "dp"],
                    help="mlxdist server modes, e.g. collective,dp (one contender each)")
     p.add_argument("--mlx-lm", action="store_true", help="Also mlx_lm.server in one process.")
     p.add_argument("-p", "--prompt-words", type=arg_int(1), default=1200, help="Words of the system prompt.")

@@ -96,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
                                        "where they occurred before in the prompt or output (default 0: off)")
 
     distribution_opts = p.add_argument_group("distribution", "how the model is spread over the ranks (docs/modes.md)")
-    distribution_opts.add_argument("--dispatch", choices=DISPATCH_MODES, default="auto",
+    distribution_opts.add_argument("--mode", "--dispatch", choices=DISPATCH_MODES, default="auto",
                                    help=f"{modes.help_text()} (default %(default)s; docs/modes.md)")
     distribution_opts.add_argument("--backend", choices=BACKENDS, default=None,
                                    help="MLX's transport for arrays: mpi, nccl (CUDA), ring (TCP), jaccl or "
@@ -108,11 +108,11 @@ def build_parser() -> argparse.ArgumentParser:
     distribution_opts.add_argument("--expert-split", choices=EXPERT_SPLITS, default=AUTO_SPLIT,
                                    help="whole: each expert on one rank (exact modes); width: every expert cut over "
                                         "the ranks as tensor parallelism cuts them (balanced, not bit-exact; every "
-                                        "mode but p2p); auto (the default): under --dispatch auto, the cut auto "
+                                        "mode but p2p); auto (the default): under --mode auto, the cut auto "
                                         "weighs cheaper from what the ranks measure at load, where nothing needs "
                                         "whole experts (see docs/modes.md); else whole")
     distribution_opts.add_argument("--replicate", choices=REPLICATE, default="auto",
-                                   help="--dispatch auto: every rank holds every expert, and batches of a sequence "
+                                   help="--mode auto: every rank holds every expert, and batches of a sequence "
                                         "per rank or more run as N replicas with no exchange; auto: where every "
                                         "host has room for the whole model per rank it runs and nothing else says "
                                         "where experts go (default %(default)s)")
@@ -135,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     memory_opts.add_argument("--expert-capacity", type=arg_int(), default=None,
                              help="experts each rank keeps resident per layer; the rest are read from its "
                                   "checkpoint copy on demand into least-recently-used slots (needs --layout compact "
-                                  "or --dispatch p2p)")
+                                  "or --mode p2p)")
     memory_opts.add_argument("--memory-budget", type=arg_number(above=0), default=None, metavar="GB",
                              help="weights each rank may hold, in GB: sets its expert capacity from what its dense "
                                   "weights leave (as --expert-capacity, which it replaces)")
@@ -327,7 +327,8 @@ def _run_prompt(cluster: Cluster, args, text: str, logprobs: List) -> None:
             "num_draft_tokens": stats.get("num_draft_tokens", 0),
             "peak_memory_gb": stats["peak_memory_gb"],
             "weights_gb": [{k.replace("_bytes", ""): v / 1e9 for k, v in m.items()} for m in engine.memory_by_rank],
-            "dispatch": engine.dispatch,
+            "mode": engine.options.mode,
+            "dispatch": engine.options.mode,  # the old name of "mode", kept for one release
             "expert_split": engine.options.expert_split,  # the cut taken (auto chooses one at load)
             "auto_decision": engine.decision.report() if engine.decision is not None else None,  # docs/modes.md
             "num_ranks": cluster.world.size,
@@ -404,7 +405,7 @@ def command_loop(cluster: Cluster, args, inputs: Inputs) -> int:
     """Rank 0: LOAD, then GENERATE each prompt (or the job file)."""
     jobs = inputs.jobs
     try:
-        cluster.load(args.model, dispatch=args.dispatch, placement=inputs.placement,
+        cluster.load(args.model, mode=args.mode, placement=inputs.placement,
                      rank0_experts=not args.no_rank0_experts, layout=args.layout, stats=args.stats,
                      expert_capacity=args.expert_capacity, memory_budget_gb=args.memory_budget,
                      expert_split=args.expert_split, record_routing=args.record_routing,

@@ -94,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(see docs/SECURITY.md).")
     p.add_argument("--backend", choices=BACKENDS, default=None, help="MLX's transport for arrays.")
     add_host_flags(p)
-    p.add_argument("--dispatch", choices=("collective", "dp"), default="collective",
+    p.add_argument("--mode", "--dispatch", choices=("collective", "dp"), default="collective",
                    help="collective: every rank decodes every sequence (exact); dp: each rank a share of the live "
                         "sequences, a request going to the rank that holds its prompt's start (not bit-exact; "
                         "no top_logprobs)")
@@ -216,11 +216,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     code = 0
     try:
         check_port(args.host, args.port)
-        cluster.load(args.model, dispatch=args.dispatch, expert_split=args.expert_split,
+        cluster.load(args.model, mode=args.mode, expert_split=args.expert_split,
                      record_routing=args.record_routing, record_routing_every=args.record_routing_every,
                      rank_memory_gb=args.rank_memory, count_routing=args.rebalance_every is not None,
                      draft_model=args.draft_model, revision=args.revision, kv_reserve_tokens=args.kv_reserve_tokens)
-        loaded = ("backend", "timeout", "heartbeat", "dispatch", "expert_split", "record_routing",
+        loaded = ("backend", "timeout", "heartbeat", "mode", "expert_split", "record_routing",
                   "record_routing_every", "rank_memory", "api_key_file", "revision", "quiet", "kv_reserve_tokens")
         options = {k: v for k, v in vars(args).items() if k not in loaded}
         options["model"] = cluster.engine.options.model

@@ -52,7 +52,7 @@ class Dispatcher(ABC):
     share and the handle, and returns what ``combines`` says.
     """
 
-    name: str  # the strategy, as ``--dispatch`` names it
+    name: str  # the strategy, as ``--mode`` names it
     dense_ranks: DenseRanks
     survives_rank_loss: bool = False
     splits_attention: bool = False

@@ -1,4 +1,4 @@
-"""The dispatch modes a user picks (``--dispatch``), what each is and the
+"""The dispatch modes a user picks (``--mode``), what each is and the
 option and launcher checks of each.
 
 A mode builds one or more strategies (dispatchers) at load; ``auto`` and
@@ -20,7 +20,7 @@ from mlxdist.errors import UserError
 
 @dataclass(frozen=True)
 class Mode:
-    """One ``--dispatch`` choice: what it can run with (the strategies
+    """One ``--mode`` choice: what it can run with (the strategies
     themselves declare the rest: ``base.Dispatcher``)."""
 
     name: str
@@ -85,13 +85,13 @@ def check_options(name: str, layout: str, expert_split: str, pages: bool, placed
     if expert_split == "width":
         if not m.takes_width:
             runs = [n for n, other in MODES.items() if other.takes_width]
-            raise UserError(f"--expert-split width runs with --dispatch {', '.join(runs[:-1])} or {runs[-1]}, "
+            raise UserError(f"--expert-split width runs with --mode {', '.join(runs[:-1])} or {runs[-1]}, "
                             f"not {name}")
         if pages or placed:
             raise UserError("--expert-split width holds every expert on every rank, cut in width: "
                             "it takes no placement, --no-rank0-experts, --expert-capacity or --memory-budget")
     if pages and not (m.routing_on_host or layout == "compact"):
-        hosts = " or ".join(f"--dispatch {n}" for n, other in MODES.items() if other.routing_on_host)
+        hosts = " or ".join(f"--mode {n}" for n, other in MODES.items() if other.routing_on_host)
         raise UserError(f"--expert-capacity pages experts by the routing read back on the host: "
                         f"use --layout compact or {hosts}")
 
@@ -103,7 +103,7 @@ def check_exact(name: str, expert_split: str, replicate: str) -> None:
     m = mode(name)
     if not (m.exact or m.measures_link):
         able = ", ".join(n for n, other in MODES.items() if other.exact or other.measures_link)
-        raise UserError(f"--exact keeps every batch bit-exact: it runs with --dispatch {able}, not {name} "
+        raise UserError(f"--exact keeps every batch bit-exact: it runs with --mode {able}, not {name} "
                         f"(not bit-exact)")
     if expert_split == "width":
         raise UserError("--exact needs whole experts: --expert-split width adds partial sums over the ranks")
@@ -116,7 +116,7 @@ def check_survival(name: str, ranks: int, tolerant: bool) -> None:
     """A job launched to survive a lost rank must run a mode that can."""
     if tolerant and ranks > 1 and not mode(name).survives_rank_loss:
         able = ", ".join(n for n, m in MODES.items() if m.survives_rank_loss)
-        raise UserError(f"launch/mpirun --survive (in-job survival of a lost rank) needs --dispatch {able}; "
+        raise UserError(f"launch/mpirun --survive (in-job survival of a lost rank) needs --mode {able}; "
                         f"{name} runs MLX's collectives, which a lost rank stops")
 
 
@@ -125,10 +125,10 @@ def check_launcher(name: str, ranks: int, has_mpi: bool) -> None:
     mlx.launch (no MPI) the control plane is MLX's and there is no MPI."""
     if ranks > 1 and not has_mpi and not mode(name).mlx_collectives:
         able = ", ".join(n for n, m in MODES.items() if m.mlx_collectives)
-        raise UserError(f"--dispatch {name} exchanges experts over MPI, which mlx.launch does not start: "
-                        f"launch with mpirun (launch/mpirun -np N), or use --dispatch {able}")
+        raise UserError(f"--mode {name} exchanges experts over MPI, which mlx.launch does not start: "
+                        f"launch with mpirun (launch/mpirun -np N), or use --mode {able}")
 
 
 def help_text() -> str:
-    """The modes, one clause each, for ``--dispatch``'s help."""
+    """The modes, one clause each, for ``--mode``'s help."""
     return "; ".join(f"{m.name}: {m.summary}" for m in MODES.values())

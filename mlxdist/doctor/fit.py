@@ -17,7 +17,7 @@ from mlxdist.errors import MlxdistError, one_line
 def fit_problems(world, ranks: List[Dict[str, Any]], args) -> List[str]:
     """One line per rank the model does not fit (the load's refusal), on
     every rank alike. ``ranks``: every rank's facts; ``args``: the doctor's
-    ``dispatch``, ``rank_memory``, ``kv_reserve_tokens``, ``expert_capacity``,
+    ``mode``, ``rank_memory``, ``kv_reserve_tokens``, ``expert_capacity``,
     ``memory_budget``."""
     from mlxdist.model.fit import RankMemory
 
@@ -56,7 +56,7 @@ def _lines(path: Path, memory, args) -> List[str]:
     budgets = None
     if args.rank_memory is not None:
         budgets = budgets_for_ranks(args.rank_memory, [m.host for m in memory])
-    runs_dense = [modes.runs_dense(args.dispatch, r) for r in range(len(memory))]
+    runs_dense = [modes.runs_dense(args.mode, r) for r in range(len(memory))]
     kv = KvReserve(args.kv_reserve_tokens, cache_cost(model, config))
     if args.expert_capacity is not None and args.memory_budget is not None:
         raise UserError("give --expert-capacity or --memory-budget, not both")

@@ -1,4 +1,4 @@
-"""Batched generation with data-parallel attention (``--dispatch dp``).
+"""Batched generation with data-parallel attention (``--mode dp``).
 
 The batch's sequences are divided among the ranks; each rank runs the dense
 model (embedding, attention with its own KV caches, norms, routers, shared

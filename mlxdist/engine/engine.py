@@ -135,7 +135,7 @@ class Engine:
         else ``rule.choose``. The same on every rank: its inputs are agreed."""
         loaded = list(self.dispatchers)
         if self.auto_inputs is None or len(loaded) < 2:
-            return rule.choose(self.options.dispatch, loaded, batch, self.world.size, self.world.backend,
+            return rule.choose(self.options.mode, loaded, batch, self.world.size, self.world.backend,
                                 self.options.expert_split)
         choice = rule.auto_choice(loaded, batch, self.world.size, self.world.backend, self.options.expert_split,
                                    self.auto_inputs)
@@ -144,11 +144,6 @@ class Engine:
         if changed and self.on_choice is not None:
             self.on_choice(choice)
         return choice.strategy
-
-    @property
-    def dispatch(self) -> str:
-        """The mode loaded (``--dispatch``)."""
-        return self.options.dispatch
 
     @property
     def runs_dense(self) -> bool:
@@ -285,9 +280,9 @@ class Engine:
         if not self.world.is_root:
             return
         if not self.dispatcher.survives_rank_loss:
-            able = " or ".join(f"--dispatch {n}" for n, m in modes.MODES.items() if m.survives_rank_loss)
+            able = " or ".join(f"--mode {n}" for n, m in modes.MODES.items() if m.survives_rank_loss)
             raise UserError(f"lost rank{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))}: only "
-                            f"{able} goes on without a rank ({self.dispatch} runs MLX's collectives)")
+                            f"{able} goes on without a rank ({self.options.mode} runs MLX's collectives)")
         lazy_model, sources = self._lazy_model()
         paging = self.paging or PagingStats()
         for rank in lost:

@@ -85,8 +85,8 @@ class _Modules:
 def load_engine(world: World, options: LoadOptions) -> Engine:
     """Build this rank's part of the model (see the module's docstring)."""
     options.validate()
-    modes.check_survival(options.dispatch, world.size, world.tolerant)
-    modes.check_launcher(options.dispatch, world.size, world.control.has_mpi)
+    modes.check_survival(options.mode, world.size, world.tolerant)
+    modes.check_launcher(options.mode, world.size, world.control.has_mpi)
     mx.reset_peak_memory()  # the load's own peak is reported (memory["load_peak_bytes"])
     located = locate_model(world, options.model, options.revision)  # a rank without the model gets its share
     faults.point("load", world.rank, op="read")
@@ -198,7 +198,7 @@ def _placement(world: World, options: LoadOptions, lazy: _Lazy) -> Tuple[LoadOpt
     kv = KvReserve(options.kv_reserve_tokens, cache_cost(lazy.model, lazy.config))
     if world.is_root and not kv.cost.measured:
         say(f"KV reserve from {kv.cost.source}")
-    runs_dense = [modes.runs_dense(options.dispatch, r) for r in range(world.size)]  # p2p's workers run none
+    runs_dense = [modes.runs_dense(options.mode, r) for r in range(world.size)]  # p2p's workers run none
     checked = (options.expert_capacity is None and options.memory_budget_gb is None and all(m.bytes for m in memory)
                and not (options.expert_split == "width" and world.size > 1))
     plan, fits = plan_fit(memory, weights, runs_dense, kv, options.placement, options.rank0_experts,
@@ -234,7 +234,7 @@ def _recall(world: World, options: LoadOptions, located: Located, plan: Placemen
     """Where ``auto`` may measure (more than one rank, not --exact, rank 0
     without MLXDIST_AUTO_LINK=local): its stored decision's key, and rank
     0's stored decision (``decide/decision.py``); else None."""
-    if world.size == 1 or options.exact or not modes.mode(options.dispatch).measures_link:
+    if world.size == 1 or options.exact or not modes.mode(options.mode).measures_link:
         return None
     if _link_wanted(world) == "local":
         return None
@@ -290,7 +290,7 @@ def _split_copy(world: World, options: LoadOptions, lazy: _Lazy) -> Tuple[Option
     ``shard()`` that collective-tp would run on (``shard_lazily``: nothing
     read), or None where any rank finds it cannot be split, with the first
     rank's reason where the model has a ``shard()``; every rank alike."""
-    if world.size == 1 or not modes.mode(options.dispatch).measures_link:
+    if world.size == 1 or not modes.mode(options.mode).measures_link:
         return None, None
     split, refusal = shard_lazily(lazy.path, world, lazy.config)
     refusal = next(filter(None, agree(world, refusal)), None)
@@ -313,11 +313,11 @@ def _strategies(world: World, options: LoadOptions, lazy: _Lazy, by_width: bool,
     rank: replicas in place of dp), and each MoE block class's router
     weights where one of them needs them (under ``auto``, a model whose
     blocks cannot be read runs without dp)."""
-    strategies = rule.strategies(options.dispatch, by_width, world.backend, lazy.split is not None,
+    strategies = rule.strategies(options.mode, by_width, world.backend, lazy.split is not None,
                                   everywhere=plan.on_every_rank, exact=options.exact)
     strategies = strategies if world.size > 1 else strategies[:1]  # one rank: every strategy is the identity
     if lazy.unsplit is not None and world.is_root and rule.splits_dense(rule.strategies(
-            options.dispatch, by_width, world.backend, True, everywhere=plan.on_every_rank, exact=options.exact)):
+            options.mode, by_width, world.backend, True, everywhere=plan.on_every_rank, exact=options.exact)):
         print(f"mlxdist: note: auto runs one sequence as collective, not split by mlx-lm's shard() (collective-tp): "
               f"{lazy.unsplit}", file=sys.stderr, flush=True)
     routers: Dict[type, RouterWeights] = {}
@@ -325,7 +325,7 @@ def _strategies(world: World, options: LoadOptions, lazy: _Lazy, by_width: bool,
         try:
             routers = _find_routing_weights(lazy.model, lazy.sites, lazy.config)
         except UserError as e:  # auto: blocks dp cannot read run collective for every batch
-            strategies = rule.without_router_weights(options.dispatch, strategies, e)
+            strategies = rule.without_router_weights(options.mode, strategies, e)
     return strategies, routers
 
 
@@ -354,7 +354,7 @@ def _measure_for_auto(world: World, options: LoadOptions, lazy: _Lazy, dispatche
     measured here, on every rank, agreed; None (its rule on one host's
     link) where rank 0 has MLXDIST_AUTO_LINK=local. ``link``: the link as
     ``--expert-split auto`` measured it in this load, not measured again."""
-    if not modes.mode(options.dispatch).measures_link or len(dispatchers) < 2:
+    if not modes.mode(options.mode).measures_link or len(dispatchers) < 2:
         return None
     if _link_wanted(world) == "local":
         return None
@@ -479,10 +479,10 @@ def _find_routing_weights(model: nn.Module, sites, config: Dict[str, Any]) -> Di
             if type(site.parent) not in found:
                 found[type(site.parent)] = find_router_weights(site.parent, site.attr, width, dtype)
     except RoutingWeightsNotFound as e:
-        raise UserError(f"--dispatch dp cannot run {config.get('model_type')}: {e}") from None
+        raise UserError(f"--mode dp cannot run {config.get('model_type')}: {e}") from None
     if len({(w.top_k, w.dtype) for w in found.values()}) > 1:
         shapes = sorted({f"top-{w.top_k} {w.dtype}" for w in found.values()})
-        raise UserError(f"--dispatch dp needs one top-k and weight dtype in every MoE layer, found {shapes}")
+        raise UserError(f"--mode dp needs one top-k and weight dtype in every MoE layer, found {shapes}")
     return found
 
 

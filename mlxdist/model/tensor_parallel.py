@@ -1,7 +1,7 @@
 """mlx-lm's own tensor parallelism (its models' ``shard()``) for the dense
 layers, around mlxdist's experts.
 
-``shard_dense``: ``--dispatch collective-tp`` splits attention, dense and
+``shard_dense``: ``--mode collective-tp`` splits attention, dense and
 shared-expert layers over the ranks in the loaded model itself.
 ``tensor_parallel_twin``: ``auto`` with experts cut in width, or with every
 expert on every rank, keeps the model whole for ``dp`` or ``replicas`` and
@@ -45,7 +45,7 @@ def shard_dense(model: nn.Module, sites: List[SwitchSite], world: World, config:
     for module, params, before in zip(kept, full, kinds):
         if [type(m) for _, m in module.named_modules()] != before:
             raise UserError(f"{config.get('model_type')}'s shard() replaces modules inside its MoE blocks: "
-                            f"--dispatch collective-tp cannot keep their experts whole")
+                            f"--mode collective-tp cannot keep their experts whole")
         module.update(params)
         if whole_blocks and getattr(module, "sharding_group", None) is not None:
             module.sharding_group = None
@@ -126,6 +126,6 @@ def _heads_left_over(config: Dict[str, Any], ranks: int) -> List[str]:
 def _check_shardable(model: nn.Module, config: Dict[str, Any], ranks: int) -> None:
     if not hasattr(model, "shard"):
         raise UserError(f"{config.get('model_type')} has no tensor-parallel shard() in mlx-lm: "
-                        f"use --dispatch collective or p2p")
+                        f"use --mode collective or p2p")
     for heads in _heads_left_over(config, ranks):
         raise UserError(f"{heads} does not split over {ranks} ranks")

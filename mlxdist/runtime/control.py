@@ -4,7 +4,7 @@ One dataclass per command (``config.py``: ``LoadCommand``, ``GenerateCommand``,
 ...), each a subclass of ``Command`` naming its ``op``. This module is the one
 place they are encoded and checked: plain JSON with a protocol version,
 
-    {"version": 5, "op": "generate", "args": {"prompts": [[1, 2]], "sampling": {...}, ...}}
+    {"version": 6, "op": "generate", "args": {"prompts": [[1, 2]], "sampling": {...}, ...}}
 
 broadcast from rank 0 with the control plane's ``bcast_bytes``
 (``runtime/plane.py``); nothing on the wire is ever unpickled. Every field is
@@ -25,7 +25,7 @@ from typing import Any, ClassVar, Dict, Optional, Type
 from mlxdist.errors import ProtocolError
 from mlxdist.runtime.world import World
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6  # 6: LoadOptions.mode (was dispatch)
 
 LOAD = "load"
 GENERATE = "generate"

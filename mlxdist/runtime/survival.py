@@ -19,7 +19,7 @@ agreement is the one ``recover`` makes: a survivor that was exchanging
 experts when the communicator was revoked and one that was in a control
 collective call the same two collectives (agree, then shrink).
 
-MLX's own collectives do not survive a lost peer: only ``--dispatch p2p``
+MLX's own collectives do not survive a lost peer: only ``--mode p2p``
 (mpi4py alone, on this communicator) goes on; the other modes end the job.
 """
 

@@ -178,7 +178,7 @@ def rank_spans(world: World, options, sources, sites, plan) -> Spans:
 
     owned = {s.layer: LayerOwnership.build(s.layer, plan.layers[s.layer], world.rank, world.size).owned_experts.tolist()
              for s in sites}
-    dense = modes.runs_dense(options.dispatch, world.rank)
+    dense = modes.runs_dense(options.mode, world.rank)
     whole = options.expert_split == "width" and world.size > 1
     return share_spans(sources.index, sources, sites, owned, dense, whole)
 

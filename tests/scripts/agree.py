@@ -53,7 +53,7 @@ def held(cluster):
 
 out = {}
 with mlxdist.init() as cluster:
-    cluster.load(path, dispatch=dispatch, layout="compact", stats=True, count_routing=True)
+    cluster.load(path, mode=dispatch, layout="compact", stats=True, count_routing=True)
     try:
         cluster.generate(PROMPT, max_tokens=MAX_TOKENS)
         out["failed_together"] = None

@@ -22,7 +22,7 @@ ckpt_a, ckpt_b = sys.argv[1:3]
 PROMPTS = ["The quick brown fox", "Experts are routed by a gate", "Hello"]
 out = {}
 with mlxdist.init() as cluster:
-    cluster.load(ckpt_a, dispatch="collective")
+    cluster.load(ckpt_a, mode="collective")
     r = cluster.generate(PROMPTS[0], max_tokens=8)
     out["stats_off"] = cluster.stats(collect=True)  # counting starts after this call
     out["generate"] = {"text": r.text, "tokens": r.tokens, "stats_keys": sorted(r.stats)}
@@ -58,7 +58,7 @@ with mlxdist.init() as cluster:
     out["after_errors"] = cluster.generate(PROMPTS[0], max_tokens=8).tokens
     out["stats"] = cluster.stats(reset=True)
     out["memory_a"] = [s["active_memory_gb"] for s in cluster.stats()]
-    cluster.load(ckpt_b, dispatch="p2p", stats=True)
+    cluster.load(ckpt_b, mode="p2p", stats=True)
     out["memory_b"] = [s["active_memory_gb"] for s in cluster.stats()]
     out["p2p"] = cluster.generate(PROMPTS[0], max_tokens=8).tokens
     out["p2p_stats"] = cluster.stats()
@@ -70,13 +70,13 @@ with mlxdist.init() as cluster:
         cluster.generate(PROMPTS[0])
     except UserError as e:
         out["no_model_error"] = str(e)
-    cluster.load(ckpt_b, dispatch="collective")
+    cluster.load(ckpt_b, mode="collective")
     out["reloaded"] = cluster.generate(PROMPTS[0], max_tokens=8).tokens
-    cluster.load(options=LoadOptions("/not/this/one", dispatch="p2p", layout="compact"), model=ckpt_b,
-                 dispatch="collective", stats=True)  # an options object, keywords over it
+    cluster.load(options=LoadOptions("/not/this/one", mode="p2p", layout="compact"), model=ckpt_b,
+                 mode="collective", stats=True)  # an options object, keywords over it
     options = cluster.engine.options
     out["from_options"] = {"tokens": cluster.generate(PROMPTS[0], max_tokens=8).tokens, "model": options.model,
-                           "dispatch": options.dispatch, "layout": options.layout, "stats": options.stats}
+                           "dispatch": options.mode, "layout": options.layout, "stats": options.stats}
     try:
         cluster.load(ckpt_b, dispatch_mode="collective")
     except TypeError as e:

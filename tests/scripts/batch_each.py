@@ -35,7 +35,7 @@ def run(cluster, args) -> dict:
     batches = [[int(m) for m in group.split(",")] for group in max_tokens.split("/")]
     out = {}
     for path in paths:
-        cluster.load(path, dispatch=dispatch, layout=layout, expert_split=split or "whole",
+        cluster.load(path, mode=dispatch, layout=layout, expert_split=split or "whole",
                      replicate=replicate or "auto")
         runs = []
         for lengths in batches:

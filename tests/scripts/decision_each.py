@@ -48,7 +48,7 @@ def run(cluster, args) -> dict:
     batch = cluster.generate_batch(["Hello", "Experts are routed", "A third", "And a fourth"], max_tokens=3)
     out["exact_strategy"] = batch[0].stats["strategy"]
     try:
-        cluster.load(path, dispatch="dp", exact=True)
+        cluster.load(path, mode="dp", exact=True)
     except UserError as e:
         out["refused"] = str(e)
     return out

@@ -9,7 +9,7 @@ or "error": line (the prompt), "batch": [[...], ...] or "batch_error": line,
 
     python default_each.py MAX_TOKENS DISPATCH[,BASELINE] CKPT [CKPT ...]
 
-DISPATCH, BASELINE: a ``--dispatch`` value, ``auto`` with ``:local`` or
+DISPATCH, BASELINE: a ``--mode`` value, ``auto`` with ``:local`` or
 ``:measure`` for rank 0's MLXDIST_AUTO_LINK during its loads (what auto
 takes the link to cost) and optionally ``:never`` or ``:always`` for
 ``--replicate`` (e.g. ``auto:measure:never``). ``run`` does the same on a cluster
@@ -39,7 +39,7 @@ def _one(cluster, path: str, dispatch: str, max_tokens: int) -> dict:
     said = io.StringIO()
     try:
         with contextlib.redirect_stderr(said):
-            error = _failure(lambda: cluster.load(path, dispatch=dispatch, replicate=replicate or "auto"))
+            error = _failure(lambda: cluster.load(path, mode=dispatch, replicate=replicate or "auto"))
     finally:
         sys.stderr.write(said.getvalue())
         os.environ.pop("MLXDIST_AUTO_LINK", None)

@@ -14,7 +14,7 @@ import mlxdist
 path, dispatch = sys.argv[1:3]
 capacity = int(sys.argv[3]) if len(sys.argv) > 3 else None  # experts paged in from the checkpoint
 with mlxdist.init() as cluster:
-    cluster.load(path, dispatch=dispatch, layout="compact", expert_capacity=capacity)
+    cluster.load(path, mode=dispatch, layout="compact", expert_capacity=capacity)
     print(f"loaded at {time.time()}", flush=True)
     try:
         cluster.generate("a fault is coming", max_tokens=8)

@@ -19,7 +19,7 @@ def main(out: str, path: str, prompt: str, max_tokens: str) -> None:
     tokens = {}
     with mlxdist.init() as cluster:
         for dispatch in ("collective", "p2p", "auto"):
-            cluster.load(path, dispatch=dispatch)
+            cluster.load(path, mode=dispatch)
             ids = cluster.encode(prompt)
             tokens[dispatch] = cluster.generate(prompt, max_tokens=n).tokens
             if dispatch == "collective":
@@ -27,7 +27,7 @@ def main(out: str, path: str, prompt: str, max_tokens: str) -> None:
                 tokens["collective-batch"] = [r.tokens for r in batch]
                 tokens["lookup"] = cluster.generate(prompt, max_tokens=n, prompt_lookup_ngram=2,
                                                     num_draft_tokens=3).tokens
-        cluster.load(path, dispatch="collective", draft_model=path)
+        cluster.load(path, mode="collective", draft_model=path)
         tokens["draft"] = cluster.generate(prompt, max_tokens=n, num_draft_tokens=3).tokens
         if cluster.world.is_root:
             with open(out, "w") as f:

@@ -27,7 +27,7 @@ def run(cluster, args) -> dict:
     out_dir, dispatch, layout, prompt, max_tokens, *paths = map(str, args)
     summary = {}
     for i, path in enumerate(paths):
-        cluster.load(path, dispatch=dispatch, layout=None if layout == "default" else layout)
+        cluster.load(path, mode=dispatch, layout=None if layout == "default" else layout)
         sampling = json.loads(max_tokens) if max_tokens.startswith("{") else {"max_tokens": int(max_tokens)}
         request = cluster.request([cluster.encode(prompt)], **sampling)
         stats = {}

@@ -30,7 +30,7 @@ with mlxdist.init() as cluster:
     summary = {}
     for i, path in enumerate(paths):
         before = cluster.probe("rchar")
-        cluster.load(path, dispatch=dispatch)
+        cluster.load(path, mode=dispatch)
         read = [b - a for a, b in zip(before, cluster.probe("rchar"))]
         pieces = list(cluster.stream(cluster.request([cluster.encode(prompt)], max_tokens=int(max_tokens))))
         np.save(Path(out_dir) / f"{i}.npy", np.stack([np.array(p.logprobs.astype(mx.float32)) for p in pieces]))

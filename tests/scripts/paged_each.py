@@ -20,7 +20,7 @@ def run(cluster, args) -> dict:
     dispatch, capacity, prompt, max_tokens, *paths = map(str, args)
     out = {}
     for path in paths:
-        cluster.load(path, dispatch=dispatch, layout="compact", expert_capacity=int(capacity))
+        cluster.load(path, mode=dispatch, layout="compact", expert_capacity=int(capacity))
         pieces = list(cluster.stream(cluster.request([cluster.encode(prompt)], max_tokens=int(max_tokens))))
         stats = cluster.stats()
         out[path] = {

@@ -21,7 +21,7 @@ PROMPTS = ["Experts are routed by a gate", "Hello", "Numbers such as 1, 2, 3"]
 
 def place_live(cluster, path: str, dispatch: str, max_tokens: int) -> dict:
     """The run above for one mode: tokens before and after placing, each rank's seconds, what rank 0 holds."""
-    cluster.load(path, dispatch=dispatch, layout="compact", stats=True)
+    cluster.load(path, mode=dispatch, layout="compact", stats=True)
     request = cluster.request([cluster.encode(p) for p in PROMPTS], max_tokens=max_tokens)
     before = [r.tokens for r in cluster.run_batch(request)]
     counts = {int(l): c for l, c in cluster.stats()[0]["expert_load"].items()}

@@ -38,7 +38,7 @@ def run(cluster, args) -> dict:
             placement = None
             if name == "replicas":
                 placement = with_replicas(even, cluster.world.size)
-            cluster.load(path, dispatch=dispatch, layout=layout or "masked", placement=placement,
+            cluster.load(path, mode=dispatch, layout=layout or "masked", placement=placement,
                          expert_capacity=int(capacity) if capacity else None)
             request = cluster.request([cluster.encode(p) for p in PROMPTS[: len(lengths)]], max_tokens=lengths)
             results = cluster.run_batch(request)

@@ -14,7 +14,7 @@ if __name__ == "__main__":
     out = {}
     with mlxdist.init() as cluster:
         for dispatch in dispatches:
-            cluster.load(path, dispatch=dispatch)
+            cluster.load(path, mode=dispatch)
             results = cluster.generate_batch(["the weather today"] * int(copies), max_tokens=int(max_tokens),
                                              temp=1.0, seed=int(seed))
             out[dispatch] = [r.tokens for r in results]

@@ -115,7 +115,7 @@ with mlxdist.init() as cluster:
         if what == "place":
             cluster.place(shifted(cluster, arg))
         else:
-            cluster.load(path, dispatch=what, placement=shifted(cluster, arg))
+            cluster.load(path, mode=what, placement=shifted(cluster, arg))
         pieces = list(cluster.stream(cluster.request([cluster.encode(prompt)], max_tokens=int(max_tokens))))
         weights = [s["weights_gb"] for s in cluster.stats()]
         results.append({"step": step, "tokens": [p.token for p in pieces], "weights_gb": weights})

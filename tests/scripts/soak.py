@@ -17,7 +17,7 @@ PROMPTS = [f"Soak prompt {i}: " + "experts " * (i * 7 % 23) for i in range(10)]
 out = {"prompts": PROMPTS}
 with mlxdist.init() as cluster:
     for layout, calls in runs:
-        cluster.load(ckpt, dispatch="collective", layout=layout)
+        cluster.load(ckpt, mode="collective", layout=layout)
         run = out[layout] = {"calls": [], "rss_after_10": None}
         for i in range(int(calls)):
             prompt, max_tokens = PROMPTS[i % 10], 1 + (i * 5) % 16

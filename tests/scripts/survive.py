@@ -27,7 +27,7 @@ PROMPTS = {"first": ["a loss is coming", 24], "second": ["and then another", 16]
 
 def run(cluster, path: str, kill_between: int, capacity, placement) -> dict:
     """Load, stream, (kill a rank), stream and batch: every result and what the ranks report."""
-    cluster.load(path, dispatch="p2p", expert_capacity=capacity, placement=placement)
+    cluster.load(path, mode="p2p", expert_capacity=capacity, placement=placement)
     processes = {p["rank"]: p["pid"] for p in cluster.probe("process")}
     expert_gb_before = cluster.stats()[0]["weights_gb"]["expert"]
     (text, max_tokens), batch_max_tokens = PROMPTS["first"], PROMPTS["batch"][0][1]
