@@ -749,3 +749,53 @@ def test_not_serving_is_a_503_in_each_apis_shape():
     for answer in answers[3:]:
         assert answer.json()["error"]["code"] == 503 and "starting again" in answer.json()["error"]["message"]
     asyncio.run(upstream.aclose())
+
+
+def test_requests_shaped_as_claude_code_and_codex_send_them(tool_front):
+    """Bodies and headers as the agents send them (Claude Code: the beta
+    query, anthropic-version and anthropic-beta headers, x-api-key, system
+    blocks with cache_control, JSON-schema tools, metadata, thinking,
+    context_management; Codex: developer instructions, reasoning and
+    include, store false, prompt_cache_key, text verbosity): accepted,
+    and the call comes back streamed."""
+    import httpx
+
+    schema = {"$schema": "http://json-schema.org/draft-07/schema#", "type": "object", "additionalProperties": False,
+              "properties": {"command": {"type": "string"}, "timeout": {"type": "number"}}, "required": ["command"]}
+    claude = {
+        "model": "claude-sonnet-4-5", "max_tokens": 64, "stream": True, "temperature": 1,
+        "system": [{"type": "text", "text": "You are Claude Code.", "cache_control": {"type": "ephemeral"}}],
+        "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "<system-reminder>Be brief.</system-reminder>"},
+            {"type": "text", "text": "What is the weather in Paris?", "cache_control": {"type": "ephemeral"}}]}],
+        "tools": [{"name": "Bash", "description": "Run a command", "input_schema": schema},
+                  {"name": "get_weather", "description": "The weather", "input_schema": {"type": "object"}}],
+        "metadata": {"user_id": "user_abc_account_def_session_ghi"},
+        "thinking": {"type": "enabled", "budget_tokens": 1024},
+        "context_management": {"edits": [{"type": "clear_tool_uses_20250919"}]},
+    }
+    headers = {"content-type": "application/json", "x-api-key": KEY, "anthropic-version": "2023-06-01",
+               "anthropic-beta": "claude-code-20250219,interleaved-thinking-2025-05-14"}
+    with httpx.stream("POST", tool_front.url + "/v1/messages?beta=true", json=claude, headers=headers,
+                      timeout=120) as answer:
+        assert answer.status_code == 200, answer.read()
+        events = [line[7:] for line in answer.iter_lines() if line.startswith("event: ")]
+    assert events[0] == "message_start" and events[-1] == "message_stop" and "content_block_start" in events
+
+    codex = {
+        "model": "gpt-5-codex", "instructions": "You are Codex.", "stream": True, "store": False,
+        "input": [{"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "cwd: /"}]},
+                  {"type": "message", "role": "user",
+                   "content": [{"type": "input_text", "text": "What is the weather in Paris?"}]}],
+        "tools": [{"type": "function", "name": "shell", "description": "Run a command", "strict": False,
+                   "parameters": schema},
+                  {"type": "function", "name": "get_weather", "parameters": {"type": "object"}, "strict": False}],
+        "tool_choice": "auto", "parallel_tool_calls": False, "reasoning": {"effort": "medium", "summary": "auto"},
+        "include": ["reasoning.encrypted_content"], "prompt_cache_key": "0199-session", "text": {"verbosity": "low"},
+    }
+    with httpx.stream("POST", tool_front.url + "/v1/responses", json=codex,
+                      headers={"authorization": f"Bearer {KEY}"}, timeout=120) as answer:
+        assert answer.status_code == 200, answer.read()
+        data = [json.loads(line[6:]) for line in answer.iter_lines() if line.startswith("data: ")]
+    assert data[-1]["type"] == "response.completed"
+    assert [i["type"] for i in data[-1]["response"]["output"]] == ["function_call"]
