@@ -179,7 +179,7 @@ def test_supervise_restarts_a_job_file_after_a_stopped_rank(checkpoint, tmp_path
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         wait_for(lambda: out.exists() and out.read_text().count("\n") >= 2, 180, "first results")
-        ranks = _session_pids(proc.pid, "mlxdist.run")
+        ranks = _ranks_of(str(jobs))
         os.kill(ranks[1], signal.SIGSTOP)
         _, stderr = proc.communicate(timeout=300)
     finally:
@@ -192,17 +192,17 @@ def test_supervise_restarts_a_job_file_after_a_stopped_rank(checkpoint, tmp_path
     assert sorted(ids) == sorted(f"j{i}" for i in range(40)), ids
 
 
-def _session_pids(sid, module):
-    """The rank processes of ``python -m MODULE`` in session ``sid``, by rank."""
-    out = subprocess.run(["ps", "-A", "-o", "pid=,args="], capture_output=True, text=True).stdout
+def _ranks_of(marker):
+    """The rank processes whose command line holds ``marker``, by rank (the launcher's own have none)."""
     found = []
-    for line in out.splitlines():
-        pid = int(line.split()[0])
+    for entry in os.listdir("/proc"):
         try:
-            if os.getsid(pid) == sid and f"-m {module}" in line and "prterun" not in line and "mpirun" not in line:
-                found.append(pid)
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                args = f.read().split(b"\0")
         except OSError:
             continue
+        if marker.encode() in args and launcher_rank_of(int(entry)) >= 0:
+            found.append(int(entry))
     return sorted(found, key=launcher_rank_of)
 
 
@@ -290,3 +290,27 @@ def test_the_front_serves_through_a_pulled_cable(hosts, checkpoint):
     times = json.loads(got.stdout.strip().splitlines()[-1])
     print("seconds from the pull (and from the plug, for growing back):", times)
     assert times["serving_again"] < SERVING_AGAIN_WITHIN, times
+
+
+def test_supervise_goes_on_after_a_pulled_cable(hosts, checkpoint, tmp_path):
+    """A job file under supervise on host0-2 (network-namespace hosts),
+    host2's cable pulled mid-file: the heartbeat names rank 2, supervise
+    ends the launch (mpirun would wait minutes for host2's daemon) and goes
+    on on host0 and host1; every id answered once. Failed before: the
+    launch ran until TCP keepalive gave up."""
+    model, jobs, out = checkpoint("qwen3_moe"), tmp_path / "jobs.jsonl", tmp_path / "out.jsonl"
+    jobs.write_text("".join(json.dumps({"id": f"j{i}", "prompt": f"job number {i} "}) + "\n" for i in range(40)))
+    proc = hosts.start(0, [sys.executable, "-m", "mlxdist.supervise", "--ranks", "3", "--hostfile",
+                           hosts.hostfile([0, 1, 2]), "--", "--model", model, "--jobs", jobs, "--out", out,
+                           "-m", "24", "--batch-size", "1", "--heartbeat", str(HEARTBEAT)])
+    try:
+        wait_for(lambda: out.exists() and out.read_text().count("\n") >= 2, 240, "first results")
+        hosts.link(2, up=False)
+        _, stderr = proc.communicate(timeout=300)
+    finally:
+        hosts.link(2, up=True)
+        hosts.stop(proc, [0, 1, 2], grace=0)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert "restart on 2 ranks after losing rank(s) [2]" in stderr, stderr[-3000:]
+    ids = [json.loads(line)["id"] for line in out.read_text().splitlines()]
+    assert sorted(ids) == sorted(f"j{i}" for i in range(40)), ids

@@ -15,14 +15,20 @@ stopped, asleep or cut off), or, where neither says, when the survivors
 report its process gone.
 """
 
+import contextlib
 import os
 import re
 import shutil
+import signal
 import socket
+import subprocess
 import sys
+import threading
+import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Deque, Dict, List, Match, Optional, Pattern, Tuple
 
 from mlxdist import envs
 from mlxdist.inputs.digits import parse_int
@@ -31,6 +37,10 @@ from mlxdist.model.budgets import budgets_for_ranks, parse_rank_memory
 
 # runtime/heartbeat.py's line: "rank R (host H) sent no heartbeat for S s: lost"
 HEARTBEAT_LOST = re.compile(r"rank (\d+) \(host ([^)]*)\) sent no heartbeat for ([0-9.]+) s: lost")
+# a rank's end as the launcher or the heartbeat reports it, before the job has ended
+LOSS_SIGNS = re.compile(r"sent no heartbeat for|exited on signal|lost communication|stopped \(process gone\)")
+END_GRACE = 5.0  # seconds the launcher has to end a job that lost a rank before its session is killed
+KEPT_LINES = 4000  # lines of a start's standard error kept to read the loss from
 
 
 @dataclass(frozen=True)
@@ -228,3 +238,78 @@ def replanned_args(run_args: List[str], slots: List[RankSlot], routing: Optional
         args = with_option(args, "--placement", placement)
         changed.append(f"placement from {routing}" if placement else "placement even")
     return args, f" ({'; '.join(changed)})" if changed else ""
+
+
+class Launch:
+    """One start of a rank job, in a session of its own: its process, and
+    what its standard error said (each line passed to ``echo`` as it
+    comes): ``ready``'s first match (the job is up), and when the first sign
+    of a lost rank (``LOSS_SIGNS``) came. ``changed`` is set on each of
+    those and at the end."""
+
+    def __init__(self, cmd: List[str], env: Dict[str, str], echo: Callable[[str], None],
+                 ready: Optional[Pattern] = None, stdout: Optional[int] = subprocess.DEVNULL):
+        self.ready_pattern = ready
+        self.ready: Optional[Match] = None
+        self.said: Deque[str] = deque(maxlen=KEPT_LINES)
+        self.loss_seen_at: Optional[float] = None  # time.time() of the first sign of a lost rank
+        self.changed = threading.Event()
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=stdout, stderr=subprocess.PIPE,
+                                     env=env, text=True, errors="replace", start_new_session=True)
+        self._echo = echo
+        self._reader = threading.Thread(target=self._read, name="mlxdist-front-job", daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stderr:
+            self._echo(line)
+            self.said.append(line)
+            if self.ready is None and self.ready_pattern is not None and self.ready_pattern.search(line):
+                self.ready = self.ready_pattern.search(line)
+                self.changed.set()
+            if self.loss_seen_at is None and LOSS_SIGNS.search(line):
+                self.loss_seen_at = time.time()
+                self.changed.set()
+        self.proc.wait()
+        if self.loss_seen_at is None and self.ready is not None:
+            self.loss_seen_at = time.time()  # ended while up without a word of why
+        self.changed.set()
+
+    @property
+    def ended(self) -> bool:
+        return self.proc.poll() is not None and not self._reader.is_alive()
+
+    def text(self) -> str:
+        """What its standard error said (the last ``KEPT_LINES`` lines)."""
+        return "".join(self.said)
+
+    def wait(self) -> int:
+        """Its end, ended for it ``END_GRACE`` seconds after a sign of a lost
+        rank (a launcher may wait minutes on a host it cannot reach); its status."""
+        while not self.ended:
+            self.changed.wait(1.0)
+            self.changed.clear()
+            if self.loss_seen_at is not None:
+                break
+        self.end(END_GRACE)
+        return self.proc.returncode
+
+    def end(self, grace: float) -> None:
+        """Let the launcher end the job for ``grace`` seconds, then kill its
+        session (every rank: mpirun gives each a process group of its own)."""
+        try:
+            self.proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            kill_session(self.proc.pid)
+            self.proc.wait()
+        self._reader.join(10)
+
+
+def kill_session(sid: int) -> None:
+    """SIGKILL every process of session ``sid`` this user may signal."""
+    listing = subprocess.run(["ps", "-A", "-o", "pid="], capture_output=True, text=True).stdout
+    for word in listing.split():
+        with contextlib.suppress(OSError, ValueError):
+            pid = int(word)
+            if pid != os.getpid() and os.getsid(pid) == sid:
+                os.kill(pid, signal.SIGKILL)

@@ -35,7 +35,7 @@ collectives cannot continue past a dead peer). A p2p job launched with
 """
 
 import argparse
-import itertools
+import signal
 import subprocess
 import sys
 import time
@@ -44,7 +44,7 @@ from typing import Any, Dict, List, Optional, Set
 from mlxdist.cli.job_file import INPUT_ERROR, load_job_file
 from mlxdist.cli.job_results import recorded_ids
 from mlxdist.cli.relaunch import (
-    check_mpirun, find_mpirun, lost_ranks, mpirun_command, mpirun_env, option, rank_slots, replanned_args,
+    Launch, check_mpirun, find_mpirun, lost_ranks, mpirun_command, mpirun_env, option, rank_slots, replanned_args,
 )
 from mlxdist.inputs.digits import arg_int
 from mlxdist.errors import UserError
@@ -96,20 +96,28 @@ def main(argv: Optional[List[str]] = None) -> int:
         cmd = mpirun_command(mpirun, slots, args.hostfile is not None, run_args)
 
         def start() -> subprocess.CompletedProcess:
-            """One launch to its end, its stderr passed on as it comes; the
-            first result after a restart notes how long since the failure."""
-            nonlocal failed_at
+            """One launch to its end (ended for it ``END_GRACE`` s after a
+            rank is lost: relaunch.Launch), its stderr passed on as it comes;
+            the first result after a restart notes how long since the failure."""
             _say(f"starting {ranks} rank{'s' if ranks > 1 else ''}")
-            proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, errors="replace", env=mpirun_env())
             done_before = len(recorded_ids(out, retry_errors) & wanted)
-            lines = []
-            for line in itertools.chain(proc.stderr, [""]):  # "": once more after the end
+
+            def note(line: str) -> None:
+                nonlocal failed_at
                 sys.stderr.write(line)
-                lines.append(line)
                 if failed_at is not None and len(recorded_ids(out, retry_errors) & wanted) > done_before:
                     restarts[-1]["resumed_after_s"] = time.time() - failed_at
                     failed_at = None
-            return subprocess.CompletedProcess(cmd, proc.wait(), stderr="".join(lines))
+
+            launch = Launch(cmd, mpirun_env(), note, stdout=None)
+            try:
+                code = launch.wait()
+            except KeyboardInterrupt:  # the job runs in a session of its own: Ctrl-C reaches it from here
+                launch.proc.send_signal(signal.SIGINT)
+                launch.end(30)
+                raise
+            note("")  # once more after the end
+            return subprocess.CompletedProcess(cmd, code, stderr=launch.text())
 
         # Open MPI's launcher failing before any rank ran is not a lost rank: started again.
         finished = retry_launcher(start)

@@ -34,18 +34,18 @@ import re
 import secrets
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 import urllib.request
-from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Deque, Dict, Iterator, List, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
-from mlxdist.cli.relaunch import check_mpirun, find_mpirun, mpirun_env, option, rank_slots, with_option
+from mlxdist.cli.relaunch import (
+    END_GRACE, Launch, check_mpirun, find_mpirun, mpirun_env, option, rank_slots, with_option,
+)
 from mlxdist.errors import UserError
 from mlxdist.front.recovery import (
     Loss, Plan, host_answers, launch_command, mlx_launch_slots, read_loss, survivors_plan,
@@ -54,11 +54,7 @@ from mlxdist.inputs.digits import arg_duration, arg_int
 from mlxdist.runtime.heartbeat import DEFAULT_HEARTBEAT, parse_heartbeat
 
 SERVING = re.compile(r"mlxdist: serving .* on http://\S+:(\d+) \(")
-# a rank's end as the launcher or the heartbeat reports it, before the job has ended
-LOSS_SIGNS = re.compile(r"sent no heartbeat for|exited on signal|lost communication|stopped \(process gone\)")
-END_GRACE = 5.0  # seconds the launcher has to end a job that lost a rank before its session is killed
 STOP_GRACE = 30.0  # seconds a clean stop (SIGINT to rank 0) may take
-KEPT_LINES = 4000  # lines of a start's standard error kept to read the loss from
 OWN_OPTIONS = ("--host", "--port", "--api-key", "--api-key-file")  # the job's are set here
 DEFAULT_REGROW_EVERY = 60.0
 # The front's options about its job (the rank server does not take them).
@@ -116,63 +112,6 @@ class JobSpec:
                    getattr(settings, "launcher", "mpirun"), heartbeat, getattr(settings, "min_ranks", 1),
                    not getattr(settings, "no_regrow", False),
                    getattr(settings, "regrow_every", DEFAULT_REGROW_EVERY))
-
-
-class Launch:
-    """One start of the rank job: its process, and what its standard error said."""
-
-    def __init__(self, cmd: List[str], env: Dict[str, str], echo):
-        self.port: Optional[int] = None
-        self.said: Deque[str] = deque(maxlen=KEPT_LINES)
-        self.loss_seen_at: Optional[float] = None  # time.time() of the first sign of a lost rank
-        self.changed = threading.Event()  # set on the serving line, a sign of loss, and the end
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                     env=env, text=True, errors="replace", start_new_session=True)
-        self._echo = echo
-        self._reader = threading.Thread(target=self._read, name="mlxdist-front-job", daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        for line in self.proc.stderr:
-            self._echo(line)
-            self.said.append(line)
-            if self.port is None and SERVING.search(line):
-                self.port = int(SERVING.search(line).group(1))
-                self.changed.set()
-            if self.loss_seen_at is None and LOSS_SIGNS.search(line):
-                self.loss_seen_at = time.time()
-                self.changed.set()
-        self.proc.wait()
-        if self.loss_seen_at is None and self.port is not None:
-            self.loss_seen_at = time.time()  # ended while serving without a word of why
-        self.changed.set()
-
-    @property
-    def ended(self) -> bool:
-        return self.proc.poll() is not None and not self._reader.is_alive()
-
-    def text(self) -> str:
-        return "".join(self.said)
-
-    def end(self, grace: float) -> None:
-        """Let the launcher end the job for ``grace`` seconds, then kill its
-        session (every rank: mpirun gives each a process group of its own)."""
-        try:
-            self.proc.wait(grace)
-        except subprocess.TimeoutExpired:
-            kill_session(self.proc.pid)
-            self.proc.wait()
-        self._reader.join(10)
-
-
-def kill_session(sid: int) -> None:
-    """SIGKILL every process of session ``sid`` this user may signal."""
-    listing = subprocess.run(["ps", "-A", "-o", "pid="], capture_output=True, text=True).stdout
-    for word in listing.split():
-        with contextlib.suppress(OSError, ValueError):
-            pid = int(word)
-            if pid != os.getpid() and os.getsid(pid) == sid:
-                os.kill(pid, signal.SIGKILL)
 
 
 class RankJob:
@@ -296,9 +235,9 @@ class RankJob:
         shutil.rmtree(self._scratch, ignore_errors=True)
 
     def _rank0_pid(self, launch: Launch) -> Optional[int]:
-        if launch.port is None:
+        if launch.ready is None:
             return None
-        req = urllib.request.Request(f"http://127.0.0.1:{launch.port}/health",
+        req = urllib.request.Request(f"http://127.0.0.1:{launch.ready.group(1)}/health",
                                      headers={"Authorization": f"Bearer {self.api_key}"})
         try:
             with urllib.request.urlopen(req, timeout=5) as r:
@@ -315,7 +254,7 @@ class RankJob:
         env = {**mpirun_env(), **self.spec.env, "MLXDIST_API_KEY": self.api_key, "PYTHONUNBUFFERED": "1"}
         self._plan = plan
         _say(f"starting {len(plan.slots)} rank{'s' if len(plan.slots) > 1 else ''}{plan.changed}")
-        return Launch(cmd, env, _echo)
+        return Launch(cmd, env, _echo, ready=SERVING)
 
     def _watch(self) -> None:
         plan = self._plan
@@ -356,9 +295,9 @@ class RankJob:
             if launch.loss_seen_at is not None or launch.proc.poll() is not None:
                 self._set("recovering" if self.state != "starting" else "starting", None)
                 return False
-            if launch.port is not None:
+            if launch.ready is not None:
                 self._set("ok" if len(self._plan.slots) == len(self._full.slots) else "degraded",
-                          f"http://127.0.0.1:{launch.port}")
+                          f"http://127.0.0.1:{launch.ready.group(1)}")
                 if loss is not None:
                     self.last_recovery = loss.record(time.time())
                     self.recoveries += 1
