@@ -15,6 +15,7 @@ naming it.
 from typing import Any, Dict, List, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from typing_extensions import Annotated
 
 MAX_MESSAGES = 512  # as the rank server's RequestLimits
 MAX_TOOLS = 128
@@ -137,7 +138,8 @@ class MessagesRequest(CountTokensRequest):
     """``/v1/messages``: the prompt, and how to answer it."""
 
     max_tokens: int = Field(ge=0)  # 0: read the prompt (warm the cache), answer nothing
-    stop_sequences: Optional[List[str]] = Field(default=None, max_length=MAX_STOP)
+    stop_sequences: Optional[List[Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]]] = Field(
+        default=None, max_length=MAX_STOP)
     stream: Optional[bool] = None
     temperature: Optional[float] = Field(default=None, ge=0, le=1)
     top_p: Optional[float] = Field(default=None, ge=0, le=1)
