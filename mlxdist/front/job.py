@@ -260,7 +260,13 @@ class RankJob:
         plan = self._plan
         loss: Optional[Loss] = None
         while not self._stopping.is_set():
-            launch = self._launch = self._start(plan)
+            try:
+                launch = self._launch = self._start(plan)
+            except (OSError, UserError) as e:  # the launcher cannot be run, or its hostfile cut
+                self.error = f"cannot start the rank job: {e}"
+                self._set("stopped", None)
+                _say(f"error: {self.error}")
+                return
             served = self._until_serving(launch, loss)
             if self._stopping.is_set():
                 return
