@@ -684,17 +684,24 @@ def test_keys_and_hostile_bodies(front):
     refused = _post(front, "/v1/responses", b'{"input": "x", "tools": [{"type": "function", "name": "f"}]}')
     assert refused.status_code == 400 and "does not call tools" in refused.json()["error"]["message"]
 
-    def prompt_tokens_counted():
+    def metrics():
         import httpx
 
         text = httpx.get(front.url + "/metrics", headers={"authorization": f"Bearer {KEY}"}, timeout=30).text
-        return float(re.search(r"^mlxdist_prompt_tokens_total (\S+)$", text, re.M).group(1))
+        return {name: float(re.search(rf"^{name} (\S+)$", text, re.M).group(1)) for name in (
+            "mlxdist_prompt_tokens_total", "mlxdist_time_to_first_token_seconds_count",
+            "mlxdist_request_seconds_count", "mlxdist_requests_running")}
 
-    before = prompt_tokens_counted()
-    answered = _post(front, "/v1/messages", ok)  # and it still answers, its tokens counted in /metrics
+    before = metrics()
+    answered = _post(front, "/v1/messages", ok)  # and it still answers, observed in /metrics
     assert answered.status_code == 200
     usage = answered.json()["usage"]
-    assert prompt_tokens_counted() - before == usage["input_tokens"] + usage.get("cache_read_input_tokens", 0)
+    after = metrics()
+    assert after["mlxdist_prompt_tokens_total"] - before["mlxdist_prompt_tokens_total"] == (
+        usage["input_tokens"] + usage.get("cache_read_input_tokens", 0))
+    assert after["mlxdist_time_to_first_token_seconds_count"] == before["mlxdist_time_to_first_token_seconds_count"] + 1
+    assert after["mlxdist_request_seconds_count"] == before["mlxdist_request_seconds_count"] + 1
+    assert after["mlxdist_requests_running"] == 0
 
 
 def test_the_rank_servers_count_is_its_template_and_tokenizer(checkpoint):

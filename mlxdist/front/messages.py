@@ -14,6 +14,7 @@ A streamed answer is Anthropic's event sequence: ``message_start``, a
 
 import contextlib
 import json
+import time
 import uuid
 from typing import Any, AsyncIterator, Dict, List, Optional
 
@@ -23,9 +24,10 @@ from pydantic import ValidationError
 
 from mlxdist.front.errors import Unavailable
 from mlxdist.front.messages_schema import CountTokensRequest, MessagesRequest, first_error
+from mlxdist.front.observe import observed
 from mlxdist.front.translate import (
     CHAT_PATH, TOKENIZE_PATH, AnswerFailed, Event, Finish, Keepalive, Reasoning, Text, ToolCall, UpstreamError,
-    Usage, anthropic_to_chat, arguments_object, chat_events, close, counted, live_request, read_request,
+    Usage, anthropic_to_chat, arguments_object, chat_events, close, live_request, read_request,
     upstream_refusal,
 )
 from mlxdist.serving.connections import DEFAULT_MAX_BODY
@@ -193,6 +195,7 @@ def router(upstream: Any, max_body: int = DEFAULT_MAX_BODY) -> APIRouter:
 
     @routes.post("/v1/messages")
     async def create_message(request: Request) -> Response:
+        started = time.monotonic()
         stack = contextlib.AsyncExitStack()
         try:
             parsed = await _read(request, MessagesRequest, max_body)
@@ -206,8 +209,9 @@ def router(upstream: Any, max_body: int = DEFAULT_MAX_BODY) -> APIRouter:
             response = await stack.enter_async_context(upstream.stream(CHAT_PATH, chat, request.headers))
             if response.status_code != 200:
                 raise await upstream_refusal(response)
-            events = counted(chat_events(response.aiter_lines(), parsed.stop_sequences or ()),
-                             getattr(request.app.state, "metrics", None))
+            events = observed(chat_events(response.aiter_lines(), parsed.stop_sequences or ()),
+                              getattr(request.app.state, "metrics", None), started)
+            stack.push_async_callback(events.aclose)  # first: the metrics' finally, then the stream
             if not parsed.stream:
                 async for event in events:
                     answer.add(event)

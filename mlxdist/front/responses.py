@@ -30,9 +30,10 @@ from mlxdist.front.errors import Unavailable, refusal
 from mlxdist.front.messages_schema import first_error
 from mlxdist.front.responses_schema import ResponsesRequest
 from mlxdist.front.store import ResponseStore
+from mlxdist.front.observe import observed
 from mlxdist.front.translate import (
     CHAT_PATH, AnswerFailed, Event, Finish, Keepalive, Reasoning, Text, ToolCall, UpstreamError, Usage, chat_events,
-    close, counted, live_request, read_request, responses_to_chat, upstream_refusal,
+    close, live_request, read_request, responses_to_chat, upstream_refusal,
 )
 from mlxdist.serving.connections import DEFAULT_MAX_BODY
 
@@ -222,6 +223,7 @@ def router(upstream: Any, store: ResponseStore, max_body: int = DEFAULT_MAX_BODY
 
     @routes.post("/v1/responses")
     async def create_response(request: Request) -> Response:
+        started = time.monotonic()
         stack = contextlib.AsyncExitStack()
         try:
             try:
@@ -244,7 +246,9 @@ def router(upstream: Any, store: ResponseStore, max_body: int = DEFAULT_MAX_BODY
             response = await stack.enter_async_context(upstream.stream(CHAT_PATH, chat, request.headers))
             if response.status_code != 200:
                 raise await upstream_refusal(response)
-            events = counted(chat_events(response.aiter_lines()), getattr(request.app.state, "metrics", None))
+            events = observed(chat_events(response.aiter_lines()), getattr(request.app.state, "metrics", None),
+                              started)
+            stack.push_async_callback(events.aclose)  # first: the metrics' finally, then the stream
             if not parsed.stream:
                 async for event in events:
                     answer.add(event)

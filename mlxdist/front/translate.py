@@ -395,14 +395,6 @@ async def chat_events(lines: AsyncIterator[str], stop_sequences: Sequence[str] =
     yield finish or Finish("stop")
 
 
-async def counted(events: AsyncIterator[Event], metrics: Any) -> AsyncIterator[Event]:
-    """``events``, their usage added to the front's ``metrics`` (``front/metrics.py``) where there are some."""
-    async for event in events:
-        if isinstance(event, Usage) and metrics is not None:
-            metrics.count_usage({"prompt_tokens": event.prompt_tokens, "completion_tokens": event.completion_tokens})
-        yield event
-
-
 async def close(stack: contextlib.AsyncExitStack) -> None:
     """Close ``stack`` (the rank server's stream, the live request) even
     from a task cancelled because its client left: the rank server then
