@@ -91,6 +91,9 @@ def test_anthropic_request_as_chat():
     ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "run by Anthropic's servers"),
     ({"tools": [{"name": "t"}]}, "tools[0].input_schema: required"),
     ({"tool_choice": {"type": "tool"}}, "names the tool"),
+    ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": [
+        {"type": "image", "source": {}}]}]}]},
+     "messages[0].content[0].content[0]: a tool result's block of type 'image'"),
     ({"stop_sequences": ["x" * 257]}, "stop_sequences[0]: String should have at most 256 characters"),
     ({"stop_sequences": [""]}, "stop_sequences[0]: String should have at least 1 character"),
     ({"messages": [{"role": "user", "content": "x" * (1 << 20) + "y"}]}, "exceed the limit"),

@@ -154,10 +154,16 @@ def parse_blocks(content: Union[str, List[Dict[str, Any]]], where: str) -> List[
         return [TextBlock(type="text", text=content)]
     blocks = []
     for i, raw in enumerate(content):
-        kind = raw.get("type")
+        kind = raw.get("type") if isinstance(raw, dict) else None
         if kind not in BLOCK_TYPES:
             raise ValueError(f"{where}.content[{i}]: a block of type {str(kind)[:40]!r} is not read here "
                              f"(known: {', '.join(BLOCK_TYPES)}; this server's model reads text only)")
+        inner = raw.get("content") if kind == "tool_result" else None
+        for j, part in enumerate(inner if isinstance(inner, list) else ()):
+            part_kind = part.get("type") if isinstance(part, dict) else None
+            if part_kind != "text":
+                raise ValueError(f"{where}.content[{i}].content[{j}]: a tool result's block of type "
+                                 f"{str(part_kind)[:40]!r} is not read here (this server's model reads text only)")
         try:
             blocks.append(BLOCKS[kind].model_validate(raw))
         except ValidationError as e:
