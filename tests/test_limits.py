@@ -264,16 +264,29 @@ def test_a_port_in_use_ends_the_job(checkpoint):
 
 @pytest.mark.parametrize("module,option", [("mlxdist.run", "--timeout"), ("mlxdist.serve", "--timeout"),
                                            ("mlxdist.serve", "--request-timeout"), ("mlxdist.serve", "--idle-timeout")])
-def test_durations_must_be_positive_and_finite(checkpoint, module, option):
+def test_durations_must_be_positive_and_finite(checkpoint, capsys, module, option):
     """Today's main: --timeout 0 ended a run blaming a hang, -5 and nan turned
-    the watchdog off, serve --timeout 0 meant 120 s (and served)."""
-    for np_, value in ((2, "0"), (0, "-5"), (0, "nan"), (0, "inf"), (0, "1e999"), (0, "５")):
-        prompt = ["--prompt", "hi"] if module == "mlxdist.run" else []
-        proc = launch(np_, ["--model", checkpoint("qwen3_moe"), *prompt, f"{option}={value}"], module=module,
-                      timeout=60)
-        assert proc.returncode == 2, (value, proc.stderr[-2000:])
-        assert "positive, finite number of seconds" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
-        assert proc.stderr.count("error:") == 1, proc.stderr
+    the watchdog off, serve --timeout 0 meant 120 s (and served). Each value
+    through the module's main in this process (its parser alone refuses
+    them), and 0 under mpirun at np 2 too."""
+    import importlib
+
+    main = importlib.import_module(module.replace("mlxdist.", "mlxdist.cli.")).main
+    prompt = ["--prompt", "hi"] if module == "mlxdist.run" else []
+
+    def args(value):
+        return ["--model", str(checkpoint("qwen3_moe")), *prompt, f"{option}={value}"]
+
+    for value in ("0", "-5", "nan", "inf", "1e999", "５"):
+        with pytest.raises(SystemExit) as refused:
+            main(args(value))
+        stderr = capsys.readouterr().err
+        assert refused.value.code == 2, (value, stderr[-2000:])
+        assert "positive, finite number of seconds" in stderr and stderr.count("error:") == 1, stderr
+    proc = launch(2, args("0"), module=module, timeout=60)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "positive, finite number of seconds" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.count("error:") == 1, proc.stderr
 
 
 @pytest.mark.parametrize("name,value", [("NCCL_PORT", "abc"), ("NCCL_PORT", "５"), ("MLX_WORLD_SIZE", "-1"),
