@@ -226,15 +226,19 @@ class Cluster:
             raise UserError(f"prompt must be a string, got {type(prompt).__name__}")
         return list(tokenizer.encode(prompt))
 
-    def request(self, prompts: Sequence[List[int]], strategy: Optional[str] = None, **sampling) -> GenerateCommand:
+    def request(self, prompts: Sequence[List[int]], mode: Optional[str] = None, **sampling) -> GenerateCommand:
         """A checked GENERATE command for these token-id prompts (not sent
         yet: ``stream`` or ``run_batch`` runs it). ``sampling``: the fields of
-        ``GenerationParams``. ``strategy``: run a batch with this one of the
-        loaded strategies instead of auto's choice (e.g. "collective", the
+        ``GenerationParams``. ``mode``: run a batch with this one of the
+        loaded modes instead of auto's choice (e.g. "collective", the
         exact one). Raises ``UserError`` for bad parameters, an empty prompt
         or one past the model's context."""
-        if strategy is not None and strategy not in self.engine.dispatchers:
-            raise UserError(f"strategy {strategy!r} is not loaded (loaded: {', '.join(self.engine.dispatchers)})")
+        if "strategy" in sampling:  # mode's old name, kept for one release
+            if mode is not None:
+                raise UserError("request() takes mode= (strategy= is its old name): give one of them")
+            mode = sampling.pop("strategy")
+        if mode is not None and mode not in self.engine.dispatchers:
+            raise UserError(f"mode {mode!r} is not loaded (loaded: {', '.join(self.engine.dispatchers)})")
         try:
             params = GenerationParams(**sampling)
         except TypeError as e:
@@ -257,7 +261,7 @@ class Cluster:
         if params.num_draft_tokens == AUTO_WIDTH:  # every rank is sent the number
             drafter = self._drafter(params) if len(prompts) == 1 else None
             params.num_draft_tokens, verify_width = self._widths.choose(drafter) if drafter else (START, None)
-        return GenerateCommand([list(map(int, p)) for p in prompts], params, strategy, verify_width=verify_width)
+        return GenerateCommand([list(map(int, p)) for p in prompts], params, mode, verify_width=verify_width)
 
     def _drafter(self, params: GenerationParams) -> Optional[str]:
         """Which drafter a one-prompt generation with ``params`` runs (None: plain decoding)."""
@@ -368,7 +372,8 @@ class Cluster:
             "generation_tokens": s.generation_tokens,
             "generation_tps": s.generation_tps,
             "batch_size": len(ids),
-            "strategy": self.engine.strategy,
+            "mode_in_use": self.engine.mode_in_use,
+            "strategy": self.engine.mode_in_use,  # the old name of "mode_in_use", kept for one release
             "peak_memory_gb": [a["peak"] / 1e9 for a in after],
             "kv_cache_gb": [a["kv"] / 1e9 if a["kv"] is not None else None for a in after],
         }

@@ -214,7 +214,7 @@ class LoadCommand(Command):
 @dataclass
 class GenerateCommand(Command):
     """GENERATE: ``prompts`` (token ids, one list per prompt) under ``sampling``.
-    ``strategy``: a loaded strategy to run a batch with (None: auto's choice);
+    ``mode``: a loaded mode to run a batch with (None: auto's choice);
     ``batch``: one batch response even for one prompt; ``verify_width``: the
     line saying how ``num_draft_tokens="auto"`` chose ``sampling``'s number
     (None: not chosen)."""
@@ -222,7 +222,7 @@ class GenerateCommand(Command):
     op = control.GENERATE
     prompts: List[List[int]]
     sampling: GenerationParams
-    strategy: Optional[str] = None
+    mode: Optional[str] = None
     batch: bool = False
     verify_width: Optional[str] = None
 

@@ -158,7 +158,7 @@ def test_exact_runs_where_every_batch_can_be_exact(dispatch):
     options = LoadOptions("m", mode=dispatch, exact=True)
     options.validate()
     assert not options.may_replicate and not options.may_cut_in_width
-    assert rule.strategies(dispatch, False, "mpi", True, everywhere=False, exact=True) == [
+    assert rule.modes_to_load(dispatch, False, "mpi", True, everywhere=False, exact=True) == [
         "collective" if dispatch == "auto" else dispatch]
 
 

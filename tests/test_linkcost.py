@@ -1,6 +1,6 @@
 """auto's cost model (decide/linkcost.py, rule.auto_choice) as plain
 functions: on a link as fast as one host's it is the rule measured there
-(rule.auto_strategy); a dearer link moves it to the strategy that puts
+(rule.auto_mode); a dearer link moves it to the strategy that puts
 less on the wire per step, by the measured latency and bandwidth."""
 
 import pytest
@@ -18,7 +18,7 @@ SLOW = LinkCost(50e-3, 1 / 1000e9)  # tests/test_auto_link.py's emulated link
 
 
 def loaded(split: str, backend: str, shardable: bool = True, everywhere: bool = False):
-    return auto_rule.strategies("auto", split == "width", backend, shardable, everywhere)
+    return auto_rule.modes_to_load("auto", split == "width", backend, shardable, everywhere)
 
 
 def choose(batch, ranks, backend, split, link, dense=DENSE[1], shape=TINY, shardable=True, everywhere=False):
@@ -36,30 +36,30 @@ def test_on_a_fast_link_it_is_the_rule_measured_on_one_host(backend, split, shar
             for ranks in (2, 3, 4):
                 for batch in range(1, 8 * ranks + 3):
                     names = loaded(split, backend, shardable, everywhere)
-                    rule = auto_rule.auto_strategy(batch, ranks, backend, split, auto_rule.row_strategy(names))
+                    rule = auto_rule.auto_mode(batch, ranks, backend, split, auto_rule.row_mode(names))
                     expect = rule if rule in names else names[0]
                     got = choose(batch, ranks, backend, split, link, dense, shardable=shardable,
                                  everywhere=everywhere)
-                    assert got.strategy == expect, (link, dense, ranks, batch, got.describe())
+                    assert got.mode == expect, (link, dense, ranks, batch, got.describe())
 
 
 def test_a_slow_link_runs_fewer_collectives_per_step():
     """One sequence per rank: dp on a fast link (each rank runs half the
     rows), collective on a slow one (one all_sum per MoE layer where dp runs
     an all_gather and an all_sum)."""
-    assert choose(2, 2, "mpi", "whole", FAST[1]).strategy == "dp"
+    assert choose(2, 2, "mpi", "whole", FAST[1]).mode == "dp"
     slow = choose(2, 2, "mpi", "whole", SLOW)
-    assert slow.strategy == "collective"
-    steps = {e.strategy: e for e in slow.estimates}
+    assert slow.mode == "collective"
+    steps = {e.mode: e for e in slow.estimates}
     assert (steps["collective"].collectives, steps["dp"].collectives) == (3, 6)
     assert steps["dp"].wire == pytest.approx(2 * steps["collective"].wire, rel=1e-3)
 
 
 def test_experts_cut_in_width_one_sequence_splits_attention_only_on_a_fast_link():
     """collective-tp runs two all_sums in every layer, collective one per MoE layer."""
-    assert choose(1, 2, "mpi", "width", FAST[1]).strategy == "collective-tp"
-    assert choose(1, 2, "mpi", "width", SLOW).strategy == "collective"
-    assert choose(2, 2, "mpi", "width", SLOW).strategy == "collective"
+    assert choose(1, 2, "mpi", "width", FAST[1]).mode == "collective-tp"
+    assert choose(1, 2, "mpi", "width", SLOW).mode == "collective"
+    assert choose(2, 2, "mpi", "width", SLOW).mode == "collective"
 
 
 def test_bytes_bring_dp_back_for_large_batches():
@@ -67,11 +67,11 @@ def test_bytes_bring_dp_back_for_large_batches():
     a row: collective's all_sum of [b, K, D] grows K times faster than dp's
     rows, so past a few sequences dp's bytes outweigh its second collective."""
     dense = DenseCost(10e-3, 0.15e-3)
-    runs = {b: choose(b, 2, "mpi", "whole", TEN_GBE, dense, QWEN3_30B).strategy for b in (2, 4, 8, 16, 32, 64)}
+    runs = {b: choose(b, 2, "mpi", "whole", TEN_GBE, dense, QWEN3_30B).mode for b in (2, 4, 8, 16, 32, 64)}
     assert runs == {2: "collective", 4: "collective", 8: "dp", 16: "dp", 32: "dp", 64: "dp"}, runs
     # Without the bytes (an infinitely wide link of the same latency) collective would keep every batch here.
     wide = LinkCost(TEN_GBE.latency, 0.0)
-    assert {choose(b, 2, "mpi", "whole", wide, dense, QWEN3_30B).strategy for b in (2, 8, 64)} == {"collective"}
+    assert {choose(b, 2, "mpi", "whole", wide, dense, QWEN3_30B).mode for b in (2, 8, 64)} == {"collective"}
 
 
 def test_dp_is_never_a_candidate_below_its_rows_per_rank():
@@ -80,7 +80,7 @@ def test_dp_is_never_a_candidate_below_its_rows_per_rank():
     cheap_bytes_dear_compute = LinkCost(0.0, 1e-6)
     for batch, ranks, backend in ((1, 2, "mpi"), (3, 4, "mpi"), (15, 2, "nccl")):
         got = choose(batch, ranks, backend, "whole", cheap_bytes_dear_compute, DenseCost(0.0, 1.0))
-        assert [e.strategy for e in got.estimates] == ["collective"]
+        assert [e.mode for e in got.estimates] == ["collective"]
 
 
 def test_estimates_follow_the_traffic_model():
@@ -115,10 +115,10 @@ def test_every_expert_everywhere_one_sequence_splits_the_dense_part_where_the_li
     dense = DenseCost(0.4e-3, 7e-3, 1.0)  # bench-small on the 2-core CPU, as auto measured it
     shape = Shape(hidden=1024, top_k=4, layers=2, moe_layers=2, itemsize=4)
     for link in FAST + [TEN_GBE]:
-        assert choose(1, 2, "mpi", "whole", link, dense, shape, everywhere=True).strategy == "collective-tp"
-    assert choose(1, 2, "mpi", "whole", SLOW, dense, shape, everywhere=True).strategy == "replicas"
+        assert choose(1, 2, "mpi", "whole", link, dense, shape, everywhere=True).mode == "collective-tp"
+    assert choose(1, 2, "mpi", "whole", SLOW, dense, shape, everywhere=True).mode == "replicas"
     for link in FAST + [TEN_GBE, SLOW]:
-        assert choose(4, 2, "mpi", "whole", link, dense, shape, everywhere=True).strategy == "replicas"
+        assert choose(4, 2, "mpi", "whole", link, dense, shape, everywhere=True).mode == "replicas"
 
 
 def test_one_sequence_runs_alone_where_the_link_costs_more_than_splitting_saves():
@@ -136,10 +136,10 @@ def test_one_sequence_runs_alone_where_the_link_costs_more_than_splitting_saves(
     for link, expect in ((FAST[1], "collective-tp"), (LOCAL, "collective-tp"), (TEN_GBE, "replicas"),
                          (tb5, "replicas")):
         got = auto_rule.auto_choice(names, 1, 2, "mpi", "whole", inputs(link))
-        assert got.strategy == expect, got.describe()
+        assert got.mode == expect, got.describe()
     got = auto_rule.auto_choice(names, 3, 4, "mpi", "whole", inputs(TEN_GBE))
-    alone, rule = (next(e for e in got.estimates if e.strategy == s) for s in ("replicas", "collective-tp"))
-    assert got.strategy == "replicas" and alone.wire == 0 and alone.collectives == 0
+    alone, rule = (next(e for e in got.estimates if e.mode == s) for s in ("replicas", "collective-tp"))
+    assert got.mode == "replicas" and alone.wire == 0 and alone.collectives == 0
     assert alone.experts == pytest.approx(48 * 8 * 3e-6) and rule.experts == pytest.approx(48 * 8 * 3 / 4 * 3e-6)
     cheap_alone = AutoInputs(LOCAL, DenseCost(0.0, 1e-3), QWEN3_30B)  # running alone does less work here
-    assert auto_rule.auto_choice(names, 3, 4, "mpi", "whole", cheap_alone).strategy == "collective-tp"
+    assert auto_rule.auto_choice(names, 3, 4, "mpi", "whole", cheap_alone).mode == "collective-tp"

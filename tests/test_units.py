@@ -274,21 +274,21 @@ def test_dp_counts_what_each_collective_hands_over():
     (8, 2, "nccl", "collective"), (15, 2, "nccl", "collective"), (16, 2, "nccl", "dp"), (32, 4, "nccl", "dp"),
     (24, 4, "nccl", "collective")])
 def test_auto_runs_dp_once_every_rank_has_enough_rows(batch, ranks, backend, expect):
-    from mlxdist.decide.rule import auto_strategy
+    from mlxdist.decide.rule import auto_mode
 
-    assert auto_strategy(batch, ranks, backend) == expect
+    assert auto_mode(batch, ranks, backend) == expect
 
 
 @pytest.mark.parametrize("backend, below", [("mpi", "collective-tp"), ("nccl", "collective")])
 def test_auto_with_experts_cut_in_width_runs_dp_from_one_row_per_rank(backend, below):
     """Below one row per rank: attention split too on MPI (tensor parallel
     there), not on NCCL, where each collective costs host time per step."""
-    from mlxdist.decide.rule import auto_strategy
+    from mlxdist.decide.rule import auto_mode
 
-    assert auto_strategy(1, 2, backend, "width") == below
-    assert auto_strategy(2, 2, backend, "width") == "dp"
-    assert auto_strategy(3, 4, backend, "width") == below
-    assert auto_strategy(8, 2, backend, "width") == "dp"
+    assert auto_mode(1, 2, backend, "width") == below
+    assert auto_mode(2, 2, backend, "width") == "dp"
+    assert auto_mode(3, 4, backend, "width") == below
+    assert auto_mode(8, 2, backend, "width") == "dp"
 
 
 def test_wire_traffic_model():

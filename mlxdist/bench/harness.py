@@ -106,7 +106,7 @@ def closeness(cluster, prompts: List[List[int]], max_tokens: int) -> Dict[str, A
     tokens' log-probabilities while the tokens agree."""
     dispatchers = cluster.engine.dispatchers
     reference = next(name for name, d in dispatchers.items() if d.dense_ranks is not DenseRanks.OWN)
-    runs = [cluster.run_batch(cluster.request(prompts, strategy=s, max_tokens=max_tokens, seed=0))
+    runs = [cluster.run_batch(cluster.request(prompts, mode=s, max_tokens=max_tokens, seed=0))
             for s in (cluster.engine.data_parallel.name, reference)]
     first, worst, equal = max_tokens, 0.0, 0
     for a, b in zip(*runs):
@@ -158,7 +158,7 @@ def bench_case(cluster, mode: str, prompts: List[List[int]], args) -> Dict[str, 
     stats = cluster.stats(collect=False)
     row.update(breakdown(profile, row, profiled, layers, len(prompts)))
 
-    strategy = engine.strategy  # what auto (or dp at b = 1) actually ran
+    strategy = engine.mode_in_use  # what auto (or dp at b = 1) actually ran
     row.update(mode=mode, dispatch=mode, strategy=strategy, batch=len(prompts), ranks=cluster.world.size, moe_layers=layers)
     if engine.choice is not None:  # auto measured its link at load: what it chose from
         row["link_choice"] = {"measured": engine.auto_inputs.describe(), "choice": engine.choice.describe()}

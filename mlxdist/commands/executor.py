@@ -164,15 +164,15 @@ class CommandExecutor:
             if not engine.runs_dense:
                 engine.serve()
             elif len(command.prompts) == 1 and not command.batch:
-                # a strategy with no exchange (replicas): every rank holds the model, rank 0 runs it alone
-                alone = not engine.dispatchers[engine.strategy_for(1)].exchanges
+                # a mode with no exchange (replicas): every rank holds the model, rank 0 runs it alone
+                alone = not engine.dispatchers[engine.mode_for(1)].exchanges
                 if alone and not self.world.is_root:
                     ACTIVITY.beat("serving")
                 else:
                     yield from self._stream(engine.generate(command.prompts[0], params),
                                             not engine.root_runs_dense and not alone)
             else:
-                yield engine.generate_batch(command.prompts, params, command.strategy)
+                yield engine.generate_batch(command.prompts, params, command.mode)
         except StepFailed as e:  # agreed where the ranks met (replicas' gather): every rank raised it
             raise GenerationFailed(str(e)) from None
         except Exception as e:

@@ -39,7 +39,7 @@ from mlxdist import __version__, envs
 from mlxdist.config import LoadOptions
 from mlxdist.decide import traffic
 from mlxdist.decide.linkcost import AutoInputs, DenseCost, LinkCost
-from mlxdist.dispatch.modes import STRATEGIES
+from mlxdist.dispatch.modes import LOADABLE_MODES
 from mlxdist.decide.splitcost import BATCHES, CUTS, SplitChoice
 from mlxdist.runtime.agreement import agree
 from mlxdist.runtime.world import World
@@ -225,7 +225,7 @@ def _number(v: Any, what: str) -> float:
 
 
 def _name(v: Any) -> str:
-    if v not in STRATEGIES:
+    if v not in LOADABLE_MODES:
         raise ValueError("split.strategies must name strategies")
     return v
 

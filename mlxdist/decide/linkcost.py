@@ -1,8 +1,8 @@
-"""``auto``'s cost model: which loaded strategy runs a decode step the
+"""``auto``'s cost model: which loaded mode runs a decode step the
 cheapest over the link the ranks measured at load (``decide/costs.py``).
 
 Notation: b sequences in the batch, N ranks, L layers (L_moe of them MoE).
-Per decode step and rank, for each candidate strategy s:
+Per decode step and rank, for each candidate mode s:
 
     estimate(s) = dense(s) + layers(s) x sum over its collectives of
                   (latency beyond LOCAL + bytes beyond a row x seconds per byte beyond LOCAL)
@@ -22,7 +22,7 @@ one all_sum of [b, K, D] per MoE layer; dp: an all_gather of [b/N, D] and an
 all_sum of [b, D] per MoE layer; collective-tp: two all_sums of [b, D] in
 every layer); replicas run none.
 
-Today's thresholds stay as they were measured (``rule.auto_strategy``):
+Today's thresholds stay as they were measured (``rule.auto_mode``):
 ``dp`` and replicas are candidates from ``AUTO_DP_ROWS_PER_RANK`` rows per
 rank (replicas from one), and ties go to the fast-link choice. Those
 thresholds were measured on ranks of one host, whose collectives cost what
@@ -102,7 +102,7 @@ class AutoInputs:
 class Estimate:
     """One candidate's estimated decode step, in seconds."""
 
-    strategy: str
+    mode: str
     dense: float
     wire: float
     collectives: int  # per step
@@ -121,31 +121,31 @@ class Estimate:
 class Choice:
     """``auto``'s choice for one generation, with what it was chosen from."""
 
-    strategy: str
+    mode: str
     batch: int
     ranks: int
     estimates: Tuple[Estimate, ...]  # the candidates, cheapest first
 
     def describe(self) -> str:
-        costs = ", ".join(f"{e.strategy} {e.total * 1e3:.3f} ms ({e.dense * 1e3:.3f} dense + {e.experts * 1e3:.3f} "
+        costs = ", ".join(f"{e.mode} {e.total * 1e3:.3f} ms ({e.dense * 1e3:.3f} dense + {e.experts * 1e3:.3f} "
                           f"experts + {e.wire * 1e3:.3f} link, {e.collectives} collectives)" for e in self.estimates)
-        return f"auto: b = {self.batch} on {self.ranks} ranks runs {self.strategy}; per step: {costs}"
+        return f"auto: b = {self.batch} on {self.ranks} ranks runs {self.mode}; per step: {costs}"
 
 
-def estimate(strategy: str, batch: int, ranks: int, expert_split: str, inputs: AutoInputs) -> Estimate:
-    """``strategy``'s decode step of ``batch`` sequences on ``ranks`` ranks (see the module's docstring)."""
-    rows = -(-batch // ranks) if strategy in ("dp", "replicas") else batch
+def estimate(mode: str, batch: int, ranks: int, expert_split: str, inputs: AutoInputs) -> Estimate:
+    """``mode``'s decode step of ``batch`` sequences on ``ranks`` ranks (see the module's docstring)."""
+    rows = -(-batch // ranks) if mode in ("dp", "replicas") else batch
     dense = inputs.dense.seconds(rows)
-    if strategy == "collective-tp":
+    if mode == "collective-tp":
         dense *= 1 - inputs.dense.split * (1 - 1 / ranks)
-    slots = inputs.shape.top_k * (rows if strategy == "replicas" else batch / ranks)
+    slots = inputs.shape.top_k * (rows if mode == "replicas" else batch / ranks)
     experts = inputs.shape.moe_layers * slots * inputs.expert_slot
-    ops, layers = traffic.collectives(traffic.wire_name(strategy, expert_split), ranks, batch, inputs.shape)
+    ops, layers = traffic.collectives(traffic.wire_name(mode, expert_split), ranks, batch, inputs.shape)
     latency = max(0.0, inputs.link.latency - LOCAL.latency)
     per_byte = max(0.0, inputs.link.seconds_per_byte - LOCAL.seconds_per_byte)
     row = row_bytes(ranks, inputs.shape)
     wire = layers * sum(latency + max(0.0, size - row) * per_byte for size, _ in ops)
-    return Estimate(strategy, dense, wire, layers * len(ops), experts)
+    return Estimate(mode, dense, wire, layers * len(ops), experts)
 
 
 def row_bytes(ranks: int, shape: traffic.Shape) -> float:
@@ -164,8 +164,8 @@ def cheapest(candidates: Sequence[str], fast_choice: str, batch: int, ranks: int
     work no less than ``fast_choice``'s (see the module's docstring)."""
     found: List[Estimate] = [estimate(s, batch, ranks, expert_split, inputs) for s in candidates]
     if alone:
-        rule = min(found, key=lambda e: (e.strategy != fast_choice, e.work))
+        rule = min(found, key=lambda e: (e.mode != fast_choice, e.work))
         own = estimate("replicas", batch, ranks, expert_split, inputs)
         found.append(replace(own, dense=max(own.work, rule.work) - own.experts))
-    found.sort(key=lambda e: (e.total, e.strategy != fast_choice))
-    return Choice(found[0].strategy, batch, ranks, tuple(found))
+    found.sort(key=lambda e: (e.total, e.mode != fast_choice))
+    return Choice(found[0].mode, batch, ranks, tuple(found))

@@ -69,12 +69,12 @@ def choose_split(inputs: AutoInputs, work: ExpertWork, ranks: int, backend: str,
     steps: Dict[str, Dict[int, float]] = {}
     strategies: Dict[str, Dict[int, str]] = {}
     for cut in CUTS:
-        loaded = rule.strategies("auto", cut == "width", backend, shardable)
+        loaded = rule.modes_to_load("auto", cut == "width", backend, shardable)
         steps[cut], strategies[cut] = {}, {}
         for b in BATCHES:
             choice = rule.auto_choice(loaded, b, ranks, backend, cut, inputs)
             steps[cut][b] = choice.estimates[0].total + inputs.shape.moe_layers * work.seconds[cut][b]
-            strategies[cut][b] = choice.strategy
+            strategies[cut][b] = choice.mode
     worst = {}
     for cut in CUTS:
         ratios = {b: steps[cut][b] / min(steps[c][b] for c in CUTS) for b in BATCHES}

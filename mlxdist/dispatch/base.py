@@ -1,11 +1,11 @@
-"""The one interface every exchange strategy implements.
+"""The one interface every mode's dispatcher implements.
 
 Notation: T rows (tokens) in a layer's input, K experts per token, D model
 width, S = T * K slots, E experts in the layer, N ranks.
 
 A dispatcher moves data and nothing else: the experts run where the switch
 (``model/switch.py``) or a p2p worker's loop calls ``model/experts.py``.
-Each strategy declares what it is, and callers ask those properties, never
+Each dispatcher declares what it is, and callers ask those properties, never
 a mode's name:
 
     combines       what ``combine`` returns: every slot [.., K, D] (SLOTS),
@@ -52,7 +52,7 @@ class Dispatcher(ABC):
     share and the handle, and returns what ``combines`` says.
     """
 
-    name: str  # the strategy, as ``--mode`` names it
+    name: str  # the mode, as ``--mode`` names it
     dense_ranks: DenseRanks
     survives_rank_loss: bool = False
     splits_attention: bool = False

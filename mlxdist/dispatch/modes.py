@@ -1,7 +1,7 @@
 """The dispatch modes a user picks (``--mode``), what each is and the
 option and launcher checks of each.
 
-A mode builds one or more strategies (dispatchers) at load; ``auto`` and
+A mode loads one dispatcher per mode it may run; ``auto`` and
 ``dp`` hold a data-parallel one for batches and a collective one (or two)
 for single sequences. Which it builds, and which runs each generation, is
 decided in ``mlxdist/decide/`` (``rule.py``).
@@ -20,30 +20,30 @@ from mlxdist.errors import UserError
 
 @dataclass(frozen=True)
 class Mode:
-    """One ``--mode`` choice: what it can run with (the strategies
+    """One ``--mode`` choice: what it can run with (the modes
     themselves declare the rest: ``base.Dispatcher``)."""
 
     name: str
     summary: str  # one line for --help
-    builds: Tuple[str, ...] = ()  # the strategies a load of it may build (``strategies``); () for its own name alone
+    builds: Tuple[str, ...] = ()  # the modes a load of it may build (``modes_to_load``); () for its own name alone
     takes_width: bool = True  # runs with --expert-split width
     routing_on_host: bool = False  # reads the routing back per layer whatever the layout (can page experts)
     mlx_collectives: bool = True  # its exchange runs on MLX's collectives (else: mpi4py's sends)
     dense_on_root: bool = False  # rank 0 alone runs the dense model (the others hold experts only)
-    measures_link: bool = False  # chooses among its strategies from the link measured at load (auto_choice)
+    measures_link: bool = False  # chooses among its modes from the link measured at load (auto_choice)
     replicates: bool = False  # may hold every expert on every rank and run batches as replicas (--replicate)
     cuts_experts: bool = False  # --expert-split auto may cut its experts in width (decide/splitcost.py)
     exact: bool = False  # bit-exact against one process with whole experts, at every batch
 
     @property
     def survives_rank_loss(self) -> bool:
-        """Whether every strategy it may build goes on when a rank is lost
+        """Whether every mode it may build goes on when a rank is lost
         (each declares it: ``Dispatcher.survives_rank_loss``)."""
-        return all(STRATEGY_CLASSES[s].survives_rank_loss for s in self.builds or (self.name,))
+        return all(MODE_CLASSES[s].survives_rank_loss for s in self.builds or (self.name,))
 
 
 MODES: Dict[str, Mode] = {m.name: m for m in (
-    Mode("auto", "per generation, the strategy whose decode step costs the least over the link measured at load: "
+    Mode("auto", "per generation, the mode whose decode step costs the least over the link measured at load: "
                  "on a fast link dp for batches of at least one sequence per rank (8 on NCCL with whole experts), "
                  "else collective; where every rank has room for the whole model, every rank holds every expert "
                  "and such batches run as N replicas (no exchange); experts whole or cut in width, as weighed at load",
@@ -57,12 +57,12 @@ MODES: Dict[str, Mode] = {m.name: m for m in (
          exact=True),
 )}
 DISPATCH_MODES = tuple(MODES)
-# What a load may build: every mode's strategy but auto's own name, and
+# What a load may build: every mode's mode but auto's own name, and
 # ``replicas``, which auto builds in place of dp where every rank holds every
 # expert (``replicas.py``; no user picks it by name).
-STRATEGIES = DISPATCH_MODES[1:] + ("replicas",)
-# Each strategy's class, which declares what it is (``base.Dispatcher``).
-STRATEGY_CLASSES: Dict[str, Type[Dispatcher]] = {
+LOADABLE_MODES = DISPATCH_MODES[1:] + ("replicas",)
+# Each mode's class, which declares what it is (``base.Dispatcher``).
+MODE_CLASSES: Dict[str, Type[Dispatcher]] = {
     "collective": CollectiveDispatcher, "collective-tp": CollectiveDispatcher, "dp": DataParallelDispatcher,
     "replicas": ReplicaDispatcher, "p2p": P2PDispatcher}
 
@@ -99,7 +99,7 @@ def check_options(name: str, layout: str, expert_split: str, pages: bool, placed
 def check_exact(name: str, expert_split: str, replicate: str) -> None:
     """``--exact`` (every batch bit-exact) runs where a mode can keep it:
     the exact modes as they are, ``auto`` restricted to ``collective`` with
-    whole experts (``strategies``)."""
+    whole experts (``modes_to_load``)."""
     m = mode(name)
     if not (m.exact or m.measures_link):
         able = ", ".join(n for n, other in MODES.items() if other.exact or other.measures_link)

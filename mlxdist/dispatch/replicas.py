@@ -4,7 +4,7 @@ through the model as one process would; no MoE layer exchanges anything.
     x_r [T_r, D], inds_r [T_r, K]   this rank's rows and their routing
     y_r = experts(x_r, inds_r)      [T_r, K, D], every slot computed here
 
-``auto`` loads this strategy in place of dp where every rank has room for
+``auto`` loads this mode in place of dp where every rank has room for
 the whole model (``engine/load.py``): a batch of at least one sequence per
 rank then costs each rank its share of the dense work and of the experts',
 and each rank decodes its share alone, the tokens gathered once at the end

@@ -1,7 +1,7 @@
 """The engine: what a rank holds after LOAD and how it generates.
 
     load.py         load_engine: the lazy mlx-lm model, its expert modules replaced, fingerprints
-    engine.py       Engine: generate (one stream) and generate_batch, the strategy per batch
+    engine.py       Engine: generate (one stream) and generate_batch, the mode per batch
     batch.py        mlx-lm's batch_generate without a host wait per step
     dp_schedule.py  the data-parallel schedule (each rank its own sequences)
     dp_generator.py mlx-lm's BatchGenerator interface over it, for the server

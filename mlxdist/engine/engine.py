@@ -3,7 +3,7 @@
 Generation reuses mlx-lm's ``stream_generate`` / ``batch_generate`` (prefill
 in chunks, KV caches, samplers, detokenizers) on every rank that runs the
 dense model, through the distributed expert modules; a data-parallel
-strategy runs ``dp_schedule.py`` instead. Loading is ``load.py``.
+mode runs ``dp_schedule.py`` instead. Loading is ``load.py``.
 """
 
 import copy
@@ -65,9 +65,9 @@ class Split:
 class Engine:
     """A loaded model on one rank.
 
-    ``model`` is the dense model the current strategy runs (None on p2p
+    ``model`` is the dense model the current mode runs (None on p2p
     workers, which hold ``experts`` only); ``split_model`` a second copy
-    split by mlx-lm's ``shard()`` for strategies that ``splits_attention``
+    split by mlx-lm's ``shard()`` for modes that ``splits_attention``
     (``auto`` with experts cut in width).
     """
 
@@ -80,7 +80,7 @@ class Engine:
     experts: Dict[int, nn.Module]  # layer -> this rank's expert module
     ownership: Dict[int, LayerOwnership]  # layer -> who owns which expert
     switches: List[DistributedSwitch]
-    dispatchers: Dict[str, Dispatcher]  # strategy -> its dispatcher (auto and dp hold two), the default first
+    dispatchers: Dict[str, Dispatcher]  # mode -> its dispatcher (auto and dp hold two), the default first
     blocks: List[MoEBlock] = field(default_factory=list)  # the MoE blocks, where wrapped (dp, width)
     split_model: Optional[nn.Module] = None  # auto's twin: the dense model split by shard()
     memory: Dict[str, int] = field(default_factory=dict)
@@ -89,7 +89,7 @@ class Engine:
     model_path: Optional[Path] = None  # the folder this rank loaded from (its own copy or its share)
     located: Any = None  # where each rank's model comes from (ship/fetch.py's Located)
     kv_bytes: Optional[int] = None  # this rank's largest KV cache in the last dp generation
-    strategy: str = ""  # the strategy the switches use now
+    mode_in_use: str = ""  # the mode the switches use now
     capacity: Optional[int] = None  # experts resident per layer here (--expert-capacity or --memory-budget)
     paging: Optional[PagingStats] = None  # with --expert-capacity: hits, misses, bytes and time paged in
     draft_model: Optional[nn.Module] = None  # --draft-model, whole, where this rank runs the dense model
@@ -98,7 +98,7 @@ class Engine:
     choice: Optional[Choice] = None  # auto: the latest choice and what it was chosen from
     on_choice: Optional[Callable[[Choice], None]] = None  # called where auto's choice changes (rank 0's --verbose)
     decision: Optional[Decision] = None  # auto: how it decided (stored, measured or fixed), as reported
-    # strategy -> its RootTokens, made once: a server's greedy requests then share one wrapped sampler
+    # mode -> its RootTokens, made once: a server's greedy requests then share one wrapped sampler
     followers: Dict[str, Optional[RootTokens]] = field(default_factory=dict, repr=False)
     head_split: Optional[HeadSplit] = field(default=None, repr=False)  # long chunks' attention split by heads
 
@@ -112,25 +112,25 @@ class Engine:
 
     @property
     def dispatcher(self) -> Dispatcher:
-        return self.dispatchers[self.strategy]
+        return self.dispatchers[self.mode_in_use]
 
-    def use(self, strategy: str) -> Dispatcher:
-        """Point every MoE layer at ``strategy``'s dispatcher (and ``model``
+    def use(self, mode: str) -> Dispatcher:
+        """Point every MoE layer at ``mode``'s dispatcher (and ``model``
         at its dense model, where it has its own)."""
-        if strategy != self.strategy:
-            self.strategy = strategy
-            split = self.dispatchers[strategy].splits_attention and self.split_model is not None
+        if mode != self.mode_in_use:
+            self.mode_in_use = mode
+            split = self.dispatchers[mode].splits_attention and self.split_model is not None
             self.model = self.split_model if split else self.base_model
             for switch in self.switches:
-                switch.dispatcher = self.dispatchers[strategy]
+                switch.dispatcher = self.dispatchers[mode]
             if self.head_split is not None:  # every rank runs the same rows with every head
-                dispatcher = self.dispatchers[strategy]
+                dispatcher = self.dispatchers[mode]
                 self.head_split.on = (dispatcher.dense_ranks is DenseRanks.ALL and not dispatcher.splits_attention
                                       and self.model is self.base_model)
         return self.dispatcher
 
-    def strategy_for(self, batch: int) -> str:
-        """The loaded strategy that runs a generation of ``batch`` sequences:
+    def mode_for(self, batch: int) -> str:
+        """The loaded mode that runs a generation of ``batch`` sequences:
         from the link measured at load where there is one (``rule.auto_choice``),
         else ``rule.choose``. The same on every rank: its inputs are agreed."""
         loaded = list(self.dispatchers)
@@ -139,11 +139,11 @@ class Engine:
                                 self.options.expert_split)
         choice = rule.auto_choice(loaded, batch, self.world.size, self.world.backend, self.options.expert_split,
                                    self.auto_inputs)
-        changed = self.choice is None or choice.strategy != self.choice.strategy
+        changed = self.choice is None or choice.mode != self.choice.mode
         self.choice = choice
         if changed and self.on_choice is not None:
             self.on_choice(choice)
-        return choice.strategy
+        return choice.mode
 
     @property
     def runs_dense(self) -> bool:
@@ -156,13 +156,13 @@ class Engine:
 
     @property
     def replicated(self) -> bool:
-        """Whether a loaded strategy runs with no exchange (``replicas``): it
+        """Whether a loaded mode runs with no exchange (``replicas``): it
         needs every expert on every rank."""
         return any(not d.exchanges for d in self.dispatchers.values())
 
     @property
     def data_parallel(self) -> Optional[RowDispatcher]:
-        """The loaded strategy in which each rank runs its own sequences, if any."""
+        """The loaded mode in which each rank runs its own sequences, if any."""
         return next((d for d in self.dispatchers.values() if d.dense_ranks is DenseRanks.OWN), None)
 
     @property
@@ -180,11 +180,11 @@ class Engine:
         return cfg.get("max_position_embeddings")
 
     def root_tokens(self) -> Optional[RootTokens]:
-        """Under the strategy in use, what makes every rank sample rank 0's
+        """Under the mode in use, what makes every rank sample rank 0's
         tokens (``token_stream.py``): None where each row has one sampling rank."""
-        if self.strategy not in self.followers:
-            self.followers[self.strategy] = root_tokens(self.dispatcher, self.world.group)
-        return self.followers[self.strategy]
+        if self.mode_in_use not in self.followers:
+            self.followers[self.mode_in_use] = root_tokens(self.dispatcher, self.world.group)
+        return self.followers[self.mode_in_use]
 
     def observe(self, observer: Optional[Observer]) -> None:
         """Call ``observer`` at each boundary of every MoE layer (None: stop).
@@ -202,7 +202,7 @@ class Engine:
         and accepted alike (``token_stream.py``), so the ranks take identical
         decisions whatever the last bits of their logits.
         """
-        self.use(self.strategy_for(1))
+        self.use(self.mode_for(1))
         mx.random.seed(params.seed if params.seed is not None else 0)
         sampler, follow = params.sampler(), self.root_tokens()
         if follow is not None:
@@ -224,13 +224,13 @@ class Engine:
             self._end_generation()
 
     def generate_batch(self, prompts: List[List[int]], params: GenerationParams,
-                       strategy: Optional[str] = None) -> BatchResponse:
+                       mode: Optional[str] = None) -> BatchResponse:
         """Several prompts at once: mlx-lm's ``batch_generate`` (``batch.py``; finished
         sequences leave the batch) through the distributed experts, or under
-        the data-parallel strategy each rank its share of the sequences
+        the data-parallel mode each rank its share of the sequences
         (``dp_schedule.py``; as replicas, each alone: ``replicas.py``)."""
-        strategy = strategy or self.strategy_for(len(prompts))
-        dispatcher = self.use(strategy)
+        mode = mode or self.mode_for(len(prompts))
+        dispatcher = self.use(mode)
         # Each sequence draws from keys of its own (sampling.py): the same
         # tokens whichever rank runs it, in every mode and for every N.
         samplers = sequence_samplers(params.sampler(), params.seed if params.seed is not None else 0, len(prompts))

@@ -313,10 +313,10 @@ def _strategies(world: World, options: LoadOptions, lazy: _Lazy, by_width: bool,
     rank: replicas in place of dp), and each MoE block class's router
     weights where one of them needs them (under ``auto``, a model whose
     blocks cannot be read runs without dp)."""
-    strategies = rule.strategies(options.mode, by_width, world.backend, lazy.split is not None,
+    strategies = rule.modes_to_load(options.mode, by_width, world.backend, lazy.split is not None,
                                   everywhere=plan.on_every_rank, exact=options.exact)
     strategies = strategies if world.size > 1 else strategies[:1]  # one rank: every strategy is the identity
-    if lazy.unsplit is not None and world.is_root and rule.splits_dense(rule.strategies(
+    if lazy.unsplit is not None and world.is_root and rule.splits_dense(rule.modes_to_load(
             options.mode, by_width, world.backend, True, everywhere=plan.on_every_rank, exact=options.exact)):
         print(f"mlxdist: note: auto runs one sequence as collective, not split by mlx-lm's shard() (collective-tp): "
               f"{lazy.unsplit}", file=sys.stderr, flush=True)

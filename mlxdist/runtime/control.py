@@ -25,7 +25,7 @@ from typing import Any, ClassVar, Dict, Optional, Type
 from mlxdist.errors import ProtocolError
 from mlxdist.runtime.world import World
 
-PROTOCOL_VERSION = 6  # 6: LoadOptions.mode (was dispatch)
+PROTOCOL_VERSION = 6  # 6: LoadOptions.mode (was dispatch), GenerateCommand.mode (was strategy)
 
 LOAD = "load"
 GENERATE = "generate"

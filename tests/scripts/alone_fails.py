@@ -24,5 +24,5 @@ with mlxdist.init() as cluster:
     except GenerationFailed as e:
         out["failed"] = str(e)
     out["tokens"] = cluster.generate(PROMPT, max_tokens=MAX_TOKENS).tokens
-    out["strategy"] = cluster.engine.strategy
+    out["strategy"] = cluster.engine.mode_in_use
 print(json.dumps(out))

@@ -46,7 +46,7 @@ def run(cluster, args) -> dict:
             runs.append({
                 "tokens": [r.tokens for r in results],
                 "logprobs": [r.logprobs for r in results],
-                "strategy": cluster.engine.strategy,
+                "strategy": cluster.engine.mode_in_use,
                 "kv_cache_gb": results[0].stats.get("kv_cache_gb"),
                 "dense_bytes": [m["dense_bytes"] for m in cluster.engine.memory_by_rank],
                 "expert_bytes": [m["expert_bytes"] for m in cluster.engine.memory_by_rank],

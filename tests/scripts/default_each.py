@@ -56,7 +56,7 @@ def _one(cluster, path: str, dispatch: str, max_tokens: int) -> dict:
         got = []
         error = _failure(lambda: got.append(run()))
         out.update({key: got[0]} if error is None else {"error" if key == "tokens" else "batch_error": error})
-        out["strategies"].append(cluster.engine.strategy)
+        out["strategies"].append(cluster.engine.mode_in_use)
     return out
 
 

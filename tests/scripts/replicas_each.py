@@ -45,7 +45,7 @@ def run(cluster, args) -> dict:
             even = even or cluster.engine.placement.to_json()
             held = {str(l): o.owned_experts.tolist() for l, o in cluster.engine.ownership.items()}
             out[f"{mode}/{name}"] = {"tokens": [r.tokens for r in results], "logprobs": [r.logprobs for r in results],
-                                     "strategy": cluster.engine.strategy, "held_by_rank0": held}
+                                     "strategy": cluster.engine.mode_in_use, "held_by_rank0": held}
     return out
 
 
