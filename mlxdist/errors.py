@@ -114,6 +114,18 @@ class GenerationFailed(MlxdistError, RuntimeError):
     """The server's generation loop failed while a request was in flight (its HTTP 500)."""
 
 
+class Unavailable(MlxdistError, RuntimeError):
+    """The rank job behind the front is not serving (starting, recovering,
+    stopped) or was lost mid-answer: HTTP 503, try again after
+    ``retry_after`` seconds."""
+
+    status = 503
+
+    def __init__(self, message: str, retry_after: int = 5):
+        super().__init__(message)
+        self.retry_after = max(1, int(retry_after))
+
+
 class AnswerFailed(MlxdistError, RuntimeError):
     """An answer the front's agent APIs cannot give (``front/translate.py``):
     its request refused, or the rank server's refusal or failure; HTTP

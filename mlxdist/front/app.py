@@ -28,7 +28,7 @@ from starlette.requests import ClientDisconnect
 from starlette.middleware.cors import CORSMiddleware
 
 from mlxdist.errors import RequestError
-from mlxdist.front.errors import DEFAULT_RETRY_AFTER, Unavailable, refusal
+from mlxdist.front.errors import DEFAULT_RETRY_AFTER, Unavailable, refusal, unavailable_body
 from mlxdist.front.limits import Guard
 from mlxdist.front.metrics import CONTENT_TYPE, SERVING_STATES, FrontMetrics
 from mlxdist.front.upstream import Upstream
@@ -229,7 +229,7 @@ async def _stream(path: str, raw: bytes, headers, usage_added: bool, upstream: U
                     yield (line + "\n").encode()
             except Unavailable as e:
                 yield _finish_chunk(last, path)
-                yield f"data: {json.dumps(e.body())}\n\n".encode()
+                yield f"data: {json.dumps(unavailable_body(e))}\n\n".encode()
         finally:
             if queued:
                 metrics.queued.dec()
@@ -306,7 +306,7 @@ def _errors_as_openai(app: FastAPI, settings: Any) -> None:
 
     @app.exception_handler(Unavailable)
     async def unavailable(request, e: Unavailable):
-        return JSONResponse(e.body(), 503, headers={"Retry-After": str(e.retry_after)})
+        return JSONResponse(unavailable_body(e), 503, headers={"Retry-After": str(e.retry_after)})
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request, e: StarletteHTTPException):

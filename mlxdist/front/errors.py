@@ -3,25 +3,17 @@ with ``Retry-After``), and the OpenAI-shaped bodies of its refusals."""
 
 from typing import Any, Dict, Optional
 
-from mlxdist.errors import MlxdistError
+from mlxdist.errors import Unavailable
 from mlxdist.serving.schema import error_body
 
 DEFAULT_RETRY_AFTER = 5
 
+__all__ = ["DEFAULT_RETRY_AFTER", "Unavailable", "refusal", "unavailable_body"]
 
-class Unavailable(MlxdistError, RuntimeError):
-    """The rank job is not serving (starting, recovering, stopped) or was lost
-    mid-answer: HTTP 503, try again after ``retry_after`` seconds."""
 
-    status = 503
-
-    def __init__(self, message: str, retry_after: int = DEFAULT_RETRY_AFTER):
-        super().__init__(message)
-        self.retry_after = max(1, int(retry_after))
-
-    def body(self) -> Dict[str, Any]:
-        """The OpenAI-shaped error body."""
-        return error_body(str(self), "server_error", None, 503)
+def unavailable_body(e: Unavailable) -> Dict[str, Any]:
+    """The OpenAI-shaped body of a 503 for ``e``."""
+    return error_body(str(e), "server_error", None, 503)
 
 
 def refusal(message: str, status: int, param: Optional[str] = None) -> Dict[str, Any]:

@@ -9,7 +9,6 @@ stops the job. A job that stops before it ever served ends the front (1).
 import asyncio
 import contextlib
 import dataclasses
-import os
 import signal
 import socket
 import sys
@@ -17,6 +16,7 @@ from typing import Any, List, Optional
 
 import uvicorn
 
+from mlxdist import envs
 from mlxdist.errors import UserError, say_error
 from mlxdist.front.app import make_app
 from mlxdist.front.job import JobSpec, RankJob
@@ -24,7 +24,7 @@ from mlxdist.front.limits import front_protocol
 from mlxdist.front.settings import FrontSettings, read_settings
 
 _GRACEFUL_SHUTDOWN_S = 5
-_LAUNCHED = ("OMPI_COMM_WORLD_SIZE", "MLX_RANK", "PMI_SIZE")
+_LAUNCHED = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "MLX_RANK")
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -32,7 +32,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         settings = read_settings(argv)
-        if any(os.environ.get(name) for name in _LAUNCHED):
+        if any(envs.is_set(name) for name in _LAUNCHED):
             raise UserError("--ranks starts the rank job itself: run python -m mlxdist.serve --ranks N without a "
                             "launcher (or, under one, without --ranks)")
         job = RankJob(JobSpec.from_settings(settings))
