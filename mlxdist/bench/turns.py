@@ -72,7 +72,7 @@ def conversation(url: str, words: int, seed: int, max_tokens: int) -> Dict[str, 
 
 def run(args: argparse.Namespace) -> Dict[str, Any]:
     contenders = (["mlx-lm server"] if args.mlx_lm else []) + [f"mlxdist serve N={args.ranks} {m}" for m in args.mode]
-    rows = []
+    rows, started = [], time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     for contender in contenders:
         server, url = start(contender, args, 8)
         try:
@@ -95,7 +95,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
                      "turn2_ttft_s_all": [c["turn2"]["ttft_s"] for c in held]})
     return {"model": args.model, "ranks": args.ranks, "prompt_words": args.prompt_words,
             "generation_tokens": args.generation_tokens,
-            "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "rows": rows}
+            "started": started, "rows": rows}
 
 
 def markdown(report: Dict[str, Any]) -> str:
