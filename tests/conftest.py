@@ -4,6 +4,7 @@ runs mlxdist for real under mpirun on localhost."""
 import functools
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -112,6 +113,44 @@ def last_json(stdout: str) -> dict:
     lines = [l for l in stdout.splitlines() if l.startswith("{")]
     assert lines, f"no JSON in output:\n{stdout}"
     return json.loads(lines[-1])
+
+
+# Test modules that start mlx.launch's ring on this host at its default ports (32323 on), which two
+# such jobs at once would both take: under xdist they share one worker, one after another.
+RING_AT_DEFAULT_PORTS = {"tests/test_backends.py", "tests/test_docs.py", "tests/test_rank0_files.py",
+                         "tests/test_shape.py", "tests/test_share.py"}
+_SHARED_LAUNCH = re.compile(r"^from shared_launch import [^\n]*\bdeclare\b", re.MULTILINE)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """pytest-xdist's ``--dist loadfile`` (launch/test runs two workers),
+    where some files go together: a module runs whole on one worker (its
+    module-scoped servers and launches start once), and so do the modules
+    that declare tests/shared_launch.py's runs (one such launch holds the
+    runs of every module with tests in the worker's session) and those of
+    RING_AT_DEFAULT_PORTS. Other ``--dist`` modes are xdist's own."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class ModuleScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid.split("::", 1)[0])
+
+    return ModuleScheduling(config, log)
+
+
+@functools.lru_cache(maxsize=None)
+def work_unit(file: str) -> str:
+    """The work unit of xdist's scheduler (above) that test file ``file`` belongs to."""
+    if file in RING_AT_DEFAULT_PORTS:
+        return "mlx.launch at its default ports"
+    try:
+        declares = bool(_SHARED_LAUNCH.search((ROOT / file).read_text()))
+    except OSError:
+        declares = False
+    return "tests/shared_launch.py" if declares else file
 
 
 _CHECKPOINTS = {}
