@@ -134,6 +134,7 @@ class RankJob:
         self._plan: Optional[Plan] = None
         self._launch: Optional[Launch] = None
         self._live = 0  # requests being answered
+        self._regrow_off = False  # set when growing back failed by itself
         self._lock = threading.RLock()
         self._stopping = threading.Event()
         self._thread: Optional[threading.Thread] = None
@@ -259,6 +260,7 @@ class RankJob:
     def _watch(self) -> None:
         plan = self._plan
         loss: Optional[Loss] = None
+        degraded: Optional[Plan] = None  # while growing back: the plan that served before
         while not self._stopping.is_set():
             try:
                 launch = self._launch = self._start(plan)
@@ -274,13 +276,20 @@ class RankJob:
                 self._set("recovering", None)
                 _say(f"growing back to {len(self._full.slots)} ranks")
                 self._end_cleanly(launch)
-                plan, loss = self._full, None
+                plan, loss, degraded = self._full, None, plan
                 continue
             launch.end(END_GRACE)
             if self._stopping.is_set():
                 return
             seen_at = launch.loss_seen_at or time.time()
             loss = read_loss(launch.text(), plan.slots, seen_at)
+            if loss is None and degraded is not None and not served:  # growing back failed: serve as before
+                _say(f"error: growing back to {len(plan.slots)} ranks failed (exit status {launch.proc.returncode}): "
+                     f"serving on {len(degraded.slots)} again, without growing back")
+                self._regrow_off = True
+                plan, degraded = degraded, None
+                continue
+            degraded = None
             if loss is None:
                 self._stop_by_itself(launch, served)
                 return
@@ -321,7 +330,8 @@ class RankJob:
             if launch.loss_seen_at is not None or launch.proc.poll() is not None:
                 self._set("recovering", None)
                 return False
-            if self.state != "degraded" or not self.spec.regrow or time.monotonic() < next_try or self._live:
+            if self.state != "degraded" or not self.spec.regrow or self._regrow_off or time.monotonic() < next_try \
+                    or self._live:
                 continue
             lost = [s.host for s in self._full.slots]
             for s in self._plan.slots:
