@@ -194,16 +194,16 @@ def test_bench_placement_side_by_side(checkpoint):
     balanced placements are predicted better than even."""
     path = checkpoint("gpt_oss", router_skew=1.0, skew_order="clustered")
     r = launch(2, ["--model", path, "-p", "16", "-g", "4", "-b", "4", "-n", "1", "--warmup-tokens", "2",
-                   "--record-tokens", "8", "--replicas", "1", "--json"], module="mlxdist.bench.placement")
+                   "--record-tokens", "8", "--duplicates", "1", "--json"], module="mlxdist.bench.placement")
     assert r.returncode == 0, r.stderr[-3000:]
     report = last_json(r.stdout)
     rows = {row["placement"]: row for row in report["results"]}
-    assert set(rows) == {"even", "balanced", "balanced+1r"}
+    assert set(rows) == {"even", "balanced", "balanced+1d"}
     for row in rows.values():
         assert 0.0 <= row["imbalance"] <= 1.0 and row["generation_tps"] > 0 and row["vs_even"] > 0
     assert rows["even"]["predicted_imbalance"] == report["even_imbalance_predicted"] > 0.2
     assert rows["balanced"]["predicted_imbalance"] < rows["even"]["predicted_imbalance"]
-    assert rows["balanced+1r"]["experts_per_rank"] > rows["even"]["experts_per_rank"]
+    assert rows["balanced+1d"]["experts_per_rank"] > rows["even"]["experts_per_rank"]
 
 
 def test_bench_serve_starts_each_contender_as_named():
@@ -215,7 +215,7 @@ def test_bench_serve_starts_each_contender_as_named():
     assert plain[plain.index("--mode") + 1] == "dp" and "--rebalance-every" not in plain
     placed = server_command("mlxdist serve N=2 collective rebalancing", args, 9000, 8)
     assert placed[placed.index("--mode") + 1] == "collective"
-    assert placed[placed.index("--rebalance-every") + 1] == "5.0" and "--rebalance-replicas" in placed
+    assert placed[placed.index("--rebalance-every") + 1] == "5.0" and "--rebalance-duplicates" in placed
 
 
 def test_compare_ratios_pair_each_round():

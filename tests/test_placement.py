@@ -148,9 +148,9 @@ def test_balanced_beats_even_on_skewed_routing():
 
 def test_replicas_lower_it_further():
     counts = {0: [5000] + [100] * 15, 1: [100] * 15 + [4000]}  # one expert carries most of each layer
-    plain, replicated = balanced(counts, 4), balanced(counts, 4, replicas=1)
+    plain, replicated = balanced(counts, 4), balanced(counts, 4, duplicates=1)
     assert imbalance(replicated, counts) < imbalance(plain, counts) / 2
-    assert replicated.replicated and not plain.replicated
+    assert replicated.duplicated and not plain.duplicated
     hot = replicated.layers[0][0]
     assert len(hot) >= 2 and len(set(hot)) == len(hot)
     assert all(c == 16 // 4 + 1 for c in replicated.held_counts()[0])  # E/N + R slots each
@@ -165,7 +165,7 @@ def test_budgets_two_to_one_give_two_to_one_experts():
 
 def test_the_policy_is_deterministic():
     counts = zipf(num_experts=32, layers=4)
-    a, b = balanced(counts, 4, replicas=2), balanced({l: list(c) for l, c in reversed(counts.items())}, 4, replicas=2)
+    a, b = balanced(counts, 4, duplicates=2), balanced({l: list(c) for l, c in reversed(counts.items())}, 4, duplicates=2)
     assert json.dumps(a.to_json()) == json.dumps(b.to_json())
 
 
@@ -175,11 +175,15 @@ def test_place_command(tmp_path, capfd):
     routing = tmp_path / "routing.json"
     RoutingStats(zipf(), top_k=2, model_type="x").save(routing)
     out = tmp_path / "placement.json"
-    assert main([str(routing), "--ranks", "2", "--replicas", "1", "-o", str(out)]) == 0
+    assert main([str(routing), "--ranks", "2", "--duplicates", "1", "-o", str(out)]) == 0
     text = capfd.readouterr().out
     ratios = [float(x) for x in text.split("even ")[1].replace(",", "").split()[:1]]
     assert "predicted imbalance ratio" in text and ratios[0] > 0.2
     assert Placement.load(out).num_ranks == 2
+    assert Placement.load(out).duplicated
+    capfd.readouterr()
+    assert main([str(routing), "--ranks", "2", "--replicas", "1", "-o", str(out)]) == 0  # the old spelling, one release
+    assert Placement.load(out).duplicated
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"kind": "mlxdist-routing", "version": 1, "model": {}, "layers": {"0": [1, -2]}}))
     assert main([str(bad), "--ranks", "2", "-o", str(out)]) == 1

@@ -41,7 +41,7 @@ def test_server_rebalances_live_with_clients(skewed):
     half second: every answer equals mlx-lm's alone, none fails, and the
     server says how long each placement took."""
     expected = {p: alone(skewed, p, 8) for p in PROMPTS}
-    s = Server(skewed, extra=["--rebalance-every", "0.5", "--rebalance-replicas", "1"])
+    s = Server(skewed, extra=["--rebalance-every", "0.5", "--rebalance-duplicates", "1"])
     try:
         clients_answer_as_alone(s, 8, 6, 8, expected)
         clients_answer_as_alone(s, 4, 4, 8, expected)

@@ -9,7 +9,7 @@ maintainer runs, one module per command.
     capacity       expert paging under a memory budget (capacity.py)
     survival       generation through a lost rank (survival.py)
     recovery       a served model through a lost rank: detection, serving again, growing back (recovery.py)
-    placement      even, balanced and replicated placements side by side (placement.py)
+    placement      even, balanced and duplicated placements side by side (placement.py)
     link           what an emulated link (compare --link) adds to MPI calls, measured (linkemu/)
     project        large MoE models on 2 and 4 Macs, projected from shapes and link costs (projection.py)
     stress         many mixed requests (normal, streamed, dropped, malformed, slow, oversized) against one

@@ -1,5 +1,5 @@
 """``python -m mlxdist.bench placement``: even, balanced and balanced +
-replicas placements side by side in one run, on the same ranks.
+duplicates placements side by side in one run, on the same ranks.
 
 Under mpirun (one launch per world size). The routing that the balanced
 placements are made from is recorded first, by a generation of its own
@@ -11,7 +11,7 @@ measured imbalance ratio, (max - mean) / mean of the routed slots each rank
 computed, per MoE layer and step, averaged (``ExchangeStats.count_balance``),
 and the one the policy predicted from the recorded counts.
 
-    mpirun -np 2 python -m mlxdist.bench placement --model SKEWED -b 1,8,32 --replicas 1
+    mpirun -np 2 python -m mlxdist.bench placement --model SKEWED -b 1,8,32 --duplicates 1
 """
 
 import argparse
@@ -44,8 +44,8 @@ def recorded_counts(cluster, args) -> Dict[int, List[int]]:
 
 def placements(counts: Dict[int, List[int]], num_ranks: int, args) -> Dict[str, Optional[Placement]]:
     plans: Dict[str, Optional[Placement]] = {"even": None, "balanced": balanced(counts, num_ranks)}
-    if args.replicas and num_ranks > 1:
-        plans[f"balanced+{args.replicas}r"] = balanced(counts, num_ranks, replicas=args.replicas)
+    if args.duplicates and num_ranks > 1:
+        plans[f"balanced+{args.duplicates}d"] = balanced(counts, num_ranks, duplicates=args.duplicates)
     return plans
 
 
@@ -118,7 +118,8 @@ def parse_args(argv=None):
     parser.add_argument("--rounds", type=arg_int(), default=1, help="Interleaved rounds over the placements.")
     parser.add_argument("--mode", "--dispatch", default="collective", choices=list(modes.MODES))
     parser.add_argument("--layout", choices=("masked", "compact"), default=None)
-    parser.add_argument("--replicas", type=arg_int(), default=1, help="Replica slots per rank for the third placement.")
+    parser.add_argument("--duplicates", "--replicas", type=arg_int(), default=1,
+                        help="Duplicate slots per rank for the third placement (--replicas: its old name).")
     parser.add_argument("--record-tokens", type=arg_int(), default=32, help="Tokens of the recording generation.")
     parser.add_argument("--rank-memory", type=lambda s: [float(x) for x in s.split(",")], default=None,
                         help="Also time budgets of these ratios (e.g. 2,1), even and balanced.")

@@ -85,7 +85,7 @@ def server_command(contender: str, args: argparse.Namespace, port: int, max_conc
                sys.executable, "-m", "mlxdist.serve", "--model", args.model, "--port", str(port),
                "--max-concurrent", str(max_concurrent), "--mode", contender.split(" ")[3]]
         if contender.endswith("rebalancing"):
-            cmd += ["--rebalance-every", str(args.rebalance_every), "--rebalance-replicas", str(args.rebalance_replicas)]
+            cmd += ["--rebalance-every", str(args.rebalance_every), "--rebalance-duplicates", str(args.rebalance_duplicates)]
     return cmd
 
 
@@ -248,7 +248,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    help="mlxdist server modes to run, e.g. collective,dp (one contender each)")
     p.add_argument("--rebalance-every", type=arg_number(), default=None, metavar="SECONDS",
                    help="Also run each mlxdist server with --rebalance-every SECONDS (one more contender each).")
-    p.add_argument("--rebalance-replicas", type=arg_int(), default=1, help="Its --rebalance-replicas.")
+    p.add_argument("--rebalance-duplicates", "--rebalance-replicas", type=arg_int(), default=1,
+                   help="Its --rebalance-duplicates (--rebalance-replicas: the old name).")
     p.add_argument("--mpirun", default=None, help="mpirun to start mlxdist with (default: this environment's).")
     p.add_argument("--wrapper", default=None,
                    help="Command before python on each rank, e.g. benchmarks/gpu/rank.sh (one GPU per rank).")

@@ -1,6 +1,6 @@
 """``python -m mlxdist.place``: a placement file from a routing statistics file.
 
-    python -m mlxdist.place ROUTING.json --ranks N [--replicas R] [--rank-memory A,B,...] -o PLACEMENT.json
+    python -m mlxdist.place ROUTING.json --ranks N [--duplicates R] [--rank-memory A,B,...] -o PLACEMENT.json
 
 Reads the routed slots per expert a job recorded (``--record-routing``),
 places each layer's experts so that the predicted per-rank load is as even
@@ -26,8 +26,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m mlxdist.place", description=__doc__.splitlines()[0])
     p.add_argument("routing", help="routing statistics file (written by --record-routing)")
     p.add_argument("--ranks", type=arg_int(1), required=True, help="ranks of the job the placement is for")
-    p.add_argument("--replicas", type=arg_int(0), default=0,
-                   help="extra expert slots per rank for replicas of the hottest experts (default %(default)s)")
+    p.add_argument("--duplicates", "--replicas", type=arg_int(0), default=0,
+                   help="extra expert slots per rank for duplicates of the hottest experts (default "
+                        "%(default)s; --replicas: its old name, kept for one release)")
     p.add_argument("--rank-memory", default=None, metavar="A,B,...",
                    help="GB of expert weights per rank: each rank holds experts in proportion (default: equal)")
     p.add_argument("-o", "--output", required=True, help="placement JSON file to write")
@@ -42,7 +43,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         if isinstance(budgets, dict):
             raise UserError("mlxdist.place plans for ranks, not hosts: give --rank-memory per rank, in the job's "
                             "rank order (A,B,...)")
-        plan = balanced(routing.layers, args.ranks, args.replicas, budgets)
+        plan = balanced(routing.layers, args.ranks, args.duplicates, budgets)
         even = Placement.even({l: len(c) for l, c in routing.layers.items()}, args.ranks, budgets=budgets)
         plan.save(args.output)
     except UserError as e:
@@ -56,7 +57,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(f"{len(routing.layers)} layers, {routing.tokens if routing.tokens is not None else '?'} tokens routed; "
           f"experts held per rank (most in a layer): {per_rank}")
     print(f"predicted imbalance ratio (max - mean) / mean: even {imbalance(even, routing.layers):.3f}, "
-          f"balanced{f' + {args.replicas} replica slot(s) per rank' if args.replicas else ''} "
+          f"balanced{f' + {args.duplicates} duplicate slot(s) per rank' if args.duplicates else ''} "
           f"{imbalance(plan, routing.layers):.3f}")
     print(f"wrote {args.output}")
     return 0

@@ -352,7 +352,7 @@ def _explain_auto(engine) -> None:
     changes, with every candidate's estimated step."""
     if engine.split is not None:
         print(engine.split.describe(), file=sys.stderr, flush=True)
-    if engine.replicated:
+    if engine.runs_replicas:
         print(f"auto: every rank holds every expert (--replicate {engine.options.replicate}): batches of "
               f"{engine.world.size} or more run as replicas", file=sys.stderr, flush=True)
     if engine.auto_inputs is None:

@@ -108,8 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rebalance-every", type=arg_duration(), default=None, metavar="SECONDS",
                    help="place the experts again from the routing seen since the last placement, at most every "
                         "SECONDS, between two steps on every rank (docs/placement.md); default: never")
-    p.add_argument("--rebalance-replicas", type=arg_int(), default=0, metavar="R",
-                   help="replica slots per rank in those placements (default %(default)s)")
+    p.add_argument("--rebalance-duplicates", "--rebalance-replicas", type=arg_int(), default=0, metavar="R",
+                   help="duplicate slots per rank in those placements (default %(default)s; --rebalance-replicas: its old name)")
     p.add_argument("--rank-memory", metavar="HOST=GB,...|A,B,...", type=rank_memory_later, default=None,
                    help="GB of expert weights each host (by name, split evenly over its ranks; or a JSON hostfile with "
                         "memory_gb) or each rank (in order) may keep resident "
@@ -151,8 +151,8 @@ def check_options(args: argparse.Namespace) -> Optional[str]:
         return "--max-body-bytes must be at least 1024"
     if args.max_connections < 1 or args.max_queued < 1 or args.max_queued_chars < 1:
         return "--max-connections, --max-queued and --max-queued-chars must be at least 1"
-    if not 0 <= args.rebalance_replicas <= 1024:
-        return "--rebalance-replicas must be between 0 and 1024"
+    if not 0 <= args.rebalance_duplicates <= 1024:
+        return "--rebalance-duplicates must be between 0 and 1024"
     if args.rebalance_every is not None and args.expert_split == "width":
         return "--rebalance-every places whole experts: not with --expert-split width"
     if not 1 <= args.max_draft_tokens <= MAX_DRAFT_TOKENS:

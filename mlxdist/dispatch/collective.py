@@ -87,8 +87,8 @@ class CollectiveDispatcher(Dispatcher):
             self.stats.count_balance(ownership, np.asarray(inds).reshape(-1))
         if self.layout == "compact":
             return self._dispatch_compact(ownership, x, inds, CollectiveHandle(out_shape, x.dtype, load))
-        local_index, owned = self._tables.get(ownership)  # [E], [E] computed here, without replicas
-        owned_slots = ownership.owned_slots(inds) if ownership.replicated else owned[inds]
+        local_index, owned = self._tables.get(ownership)  # [E], [E] computed here, without duplicates
+        owned_slots = ownership.owned_slots(inds) if ownership.duplicated else owned[inds]
         handle = CollectiveHandle(out_shape, x.dtype, load, owned_slots=owned_slots)
         return ExpertBatch(x, local_index[inds]), handle
 

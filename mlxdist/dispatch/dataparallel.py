@@ -158,7 +158,7 @@ class DataParallelDispatcher(RowDispatcher):
         if self.layout == "compact":
             return self._dispatch_compact(ownership, X, W, I, out_shape, rows, padded, x.dtype)
         local_index, owned = self._tables.get(ownership)
-        mask = ownership.owned_slots(I).astype(self.weights_dtype) if ownership.replicated else owned[I]
+        mask = ownership.owned_slots(I).astype(self.weights_dtype) if ownership.duplicated else owned[I]
         handle = TokenHandle(out_shape, rows, padded, x.dtype, W * mask)
         return ExpertBatch(X, local_index[I]), handle
 

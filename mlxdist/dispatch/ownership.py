@@ -1,7 +1,7 @@
 """Who holds which expert of one MoE layer, and which holder computes each
 routed slot, as one rank sees it.
 
-An expert may have several holders (replicas of a hot expert). Each routed
+An expert may have several holders (duplicates of a hot expert). Each routed
 slot is then computed by exactly one of them, chosen from the step's own
 routing by a rule every rank applies to the same slots in the same order:
 the slots routed to expert ``e`` in this call, taken in flat order, are split
@@ -44,7 +44,7 @@ class LayerOwnership:
     def build(cls, layer: int, owners: Sequence[Union[int, Sequence[int]]], rank: int,
               num_ranks: int = 0) -> "LayerOwnership":
         """From one placement row: ``owners[e]`` is the rank holding expert
-        ``e``, or the ranks holding it (replicas, the primary first)."""
+        ``e``, or the ranks holding it (duplicates, the primary first)."""
         holders = tuple((int(o),) if np.isscalar(o) else tuple(int(r) for r in o) for o in owners)
         num_ranks = max(num_ranks, rank + 1, 1 + max(max(h) for h in holders))
         local_table = np.full((num_ranks, len(holders)), -1, dtype=np.int32)
@@ -74,7 +74,7 @@ class LayerOwnership:
         object.__setattr__(self, "_holder_table", table)  # [E, R] holders, padded with the primary
         object.__setattr__(self, "_copies", np.array([len(h) for h in self.holders], dtype=np.int32))
         # Whether any expert of the layer has more than one holder (read on every call: computed once).
-        object.__setattr__(self, "replicated", widest > 1)
+        object.__setattr__(self, "duplicated", widest > 1)
         # Every rank holds every expert: slots go to ranks by position.
         object.__setattr__(self, "everywhere", widest > 1 and all(len(h) == self.local_table.shape[0]
                                                                   for h in self.holders))
@@ -82,7 +82,7 @@ class LayerOwnership:
     def slot_owners(self, flat: np.ndarray) -> np.ndarray:
         """[S] expert of each routed slot -> [S] int32 rank that computes it."""
         flat = np.asarray(flat).reshape(-1)
-        if not self.replicated:
+        if not self.duplicated:
             return self._primary[flat]
         if self.everywhere:
             return (np.arange(flat.size) % self.local_table.shape[0]).astype(np.int32)
@@ -92,8 +92,8 @@ class LayerOwnership:
         occurrence = np.empty(flat.size, dtype=np.int64)
         occurrence[order] = np.arange(flat.size) - starts  # j: how many earlier slots went to the same expert
         count = np.bincount(flat, minlength=self.num_experts)[flat]
-        replica = occurrence * self._copies[flat] // count
-        return self._holder_table[flat, replica]
+        duplicate = occurrence * self._copies[flat] // count
+        return self._holder_table[flat, duplicate]
 
     def slot_local(self, flat: np.ndarray, owners: np.ndarray) -> np.ndarray:
         """[S] experts and [S] their computing ranks -> [S] int32 positions in those ranks' stacks."""
@@ -102,7 +102,7 @@ class LayerOwnership:
     def masked_table(self) -> Tuple[np.ndarray, np.ndarray]:
         """The masked layouts' tables: ([E] this rank's local id, or 0 where
         not held here; [E] bool, held here and computed here for every slot,
-        which holds when no expert has replicas)."""
+        which holds when no expert has duplicates)."""
         local = self.local_table[self.rank]
         return np.where(local >= 0, local, 0), self._primary == self.rank
 
@@ -117,8 +117,8 @@ class LayerOwnership:
         hits = (flat[:, None] == mx.arange(self.num_experts, dtype=mx.int32)[None]).astype(mx.int32)  # [S, E]
         before = mx.take_along_axis(mx.cumsum(hits, axis=0) - hits, flat[:, None], axis=1)[:, 0]  # [S]
         count = hits.sum(axis=0)[flat]  # [S]
-        replica = before * mx.array(self._copies)[flat] // count
-        owners = mx.array(self._holder_table)[flat, replica]
+        duplicate = before * mx.array(self._copies)[flat] // count
+        owners = mx.array(self._holder_table)[flat, duplicate]
         return (owners == self.rank).reshape(shape)
 
 

@@ -155,7 +155,7 @@ class Engine:
         return any(d.dense_ranks is DenseRanks.ROOT for d in self.dispatchers.values())
 
     @property
-    def replicated(self) -> bool:
+    def runs_replicas(self) -> bool:
         """Whether a loaded mode runs with no exchange (``replicas``): it
         needs every expert on every rank."""
         return any(not d.exchanges for d in self.dispatchers.values())
@@ -376,7 +376,7 @@ class Engine:
         if self.options.expert_split == "width" and self.world.size > 1:
             raise UserError("experts cut in width (--expert-split width) are on every rank: there is nothing to place")
         plan.validate({layer: s.num_experts for layer, s in sites.items()}, self.world.size)
-        if self.replicated and not plan.on_every_rank:
+        if self.runs_replicas and not plan.on_every_rank:
             raise UserError(f"every rank holds every expert (--replicate {self.options.replicate}) and runs batches "
                             f"as replicas: a placement must keep every expert on every rank (load with "
                             f"--replicate never to place experts)")

@@ -2,15 +2,15 @@
 (a routing statistics file, ``routing_file.py``) spread so that the busiest
 rank, which every layer waits for, carries as little as possible.
 
-Notation: E experts in a layer, N ranks, R replica slots per rank.
+Notation: E experts in a layer, N ranks, R duplicate slots per rank.
 
 Per layer:
 
 1. Slots per rank. Each rank holds ``E + N*R`` expert copies in all, split
    in proportion to its budget (``--rank-memory``; equal budgets: about
    E/N + R each), so a balanced placement holds what the even one does,
-   plus the replicas.
-2. Replicas (R > 0). ``N*R`` extra copies, each given in turn to the expert
+   plus the duplicates.
+2. Duplicates (R > 0). ``N*R`` extra copies, each given in turn to the expert
    whose load per copy is then the highest (a copy's load is the expert's
    over its copies: the dispatch splits an expert's slots evenly over its
    holders); an expert has at most N copies, one per rank.
@@ -58,17 +58,17 @@ def imbalance(placement: Placement, counts: Dict[int, Sequence[int]]) -> float:
     return sum(ratios) / len(ratios) if ratios else 0.0
 
 
-def balanced(counts: Dict[int, Sequence[int]], num_ranks: int, replicas: int = 0,
+def balanced(counts: Dict[int, Sequence[int]], num_ranks: int, duplicates: int = 0,
              budgets: Optional[Sequence[float]] = None) -> Placement:
     """The balanced placement of every layer of ``counts`` (see the module's docstring).
 
-    ``counts``: layer -> [E] routed slots per expert; ``replicas``: R, extra
+    ``counts``: layer -> [E] routed slots per expert; ``duplicates``: R, extra
     expert slots per rank; ``budgets``: [N] each rank's memory for experts
     (any unit: only their ratios count); None: equal."""
     if num_ranks < 1:
         raise PlacementError("--ranks must be at least 1")
-    if replicas < 0:
-        raise PlacementError("--replicas must be 0 or more")
+    if duplicates < 0:
+        raise PlacementError("--duplicates must be 0 or more")
     weights = [Fraction(1)] * num_ranks
     if budgets is not None:
         if len(budgets) != num_ranks:
@@ -80,7 +80,7 @@ def balanced(counts: Dict[int, Sequence[int]], num_ranks: int, replicas: int = 0
         if num_experts < num_ranks:
             raise PlacementError(f"layer {layer} has {num_experts} experts for {num_ranks} ranks: a rank would sit "
                                  f"idle; use fewer ranks")
-        copies = _copies(layer_counts, num_ranks, replicas * num_ranks if num_ranks > 1 else 0)
+        copies = _copies(layer_counts, num_ranks, duplicates * num_ranks if num_ranks > 1 else 0)
         slots = proportional_counts(sum(copies), weights)
         layers[layer] = _place_layer(layer_counts, copies, slots)
     return Placement(num_ranks, layers)

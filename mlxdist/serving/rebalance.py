@@ -45,12 +45,12 @@ MIN_SLOTS_PER_EXPERT = 4  # routed slots since the last placement, on average, b
 class Rebalancer:
     """When and how to re-place this server's experts."""
 
-    def __init__(self, world: World, engine: Engine, every: float, replicas: int = 0,
+    def __init__(self, world: World, engine: Engine, every: float, duplicates: int = 0,
                  budgets: Optional[List[float]] = None):
         self.world = world
         self.engine = engine
         self.every = every
-        self.replicas = replicas
+        self.duplicates = duplicates
         self.budgets = budgets
         self.last = time.monotonic()
         self.baseline: Dict[int, np.ndarray] = {}  # counts at the last placement
@@ -112,7 +112,7 @@ class Rebalancer:
         try:
             faults.point("balance", self.world.rank)
             counts = {l: c.tolist() for l, c in recent.items()}
-            plan = balanced(counts, self.world.size, self.replicas, self.budgets)
+            plan = balanced(counts, self.world.size, self.duplicates, self.budgets)
             return {"placement": plan.to_json(), "before": imbalance(self.engine.placement, counts),
                     "after": imbalance(plan, counts)}
         except Exception as e:  # noqa: BLE001 - every rank keeps the old placement

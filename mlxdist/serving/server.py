@@ -161,7 +161,7 @@ def serve(executor, options: Dict[str, Any]) -> None:
         generator.single_prompt_cache = NoPromptCache(cli_args.prompt_cache_size)
     if options.get("rebalance_every"):
         generator.rebalancer = Rebalancer(world, engine, options["rebalance_every"],
-                                          options.get("rebalance_replicas", 0), engine.options.rank_memory_gb)
+                                          options.get("rebalance_duplicates", 0), engine.options.rank_memory_gb)
     if not world.is_root:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 decides when serving ends
         generator.join()

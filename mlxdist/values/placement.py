@@ -4,7 +4,7 @@ A placement is a value: built by a policy (``even`` here; the load-balanced
 one in ``balance.py``), validated against a model and a world size, saved
 to and loaded from JSON. In memory, ``layers[L][e]`` is the tuple of ranks
 holding expert ``e`` of layer ``L``: the first is its primary, any others
-hold replicas (``dispatch/ownership.py`` splits the expert's slots among
+hold duplicates (``dispatch/ownership.py`` splits the expert's slots among
 them). The file format::
 
     {
@@ -15,7 +15,7 @@ them). The file format::
 
 ``layers`` maps each MoE layer's index in the model (the ``N`` of
 ``model.layers.N``) to one entry per expert: an owner rank, or a list of
-distinct ranks (replicas, the primary first). A placement without replicas
+distinct ranks (duplicates, the primary first). A placement without duplicates
 is written as version 1, whose entries are all plain ranks; both versions
 are read.
 """
@@ -91,16 +91,16 @@ class Placement:
 
     def experts_of(self, layer: int, rank: int) -> List[int]:
         """The global ids of the experts ``rank`` holds in ``layer`` (as
-        primary or replica), ascending."""
+        primary or duplicate), ascending."""
         return [e for e, owners in enumerate(self.layers[layer]) if rank in owners]
 
     @property
-    def replicated(self) -> bool:
+    def duplicated(self) -> bool:
         """Whether any expert has more than one holder."""
         return any(len(o) > 1 for row in self.layers.values() for o in row)
 
     def held_counts(self, num_ranks: Optional[int] = None) -> Dict[int, List[int]]:
-        """layer -> [N] experts each rank holds there (replicas included)."""
+        """layer -> [N] experts each rank holds there (duplicates included)."""
         n = self.num_ranks if num_ranks is None else num_ranks
         counts = {}
         for layer, row in self.layers.items():
@@ -150,7 +150,7 @@ class Placement:
 
     def to_json(self) -> dict:
         """Version 1 where every expert has one owner, else version 2."""
-        if not self.replicated:
+        if not self.duplicated:
             layers = {str(l): [o[0] for o in row] for l, row in sorted(self.layers.items())}
             return {"version": 1, "num_ranks": self.num_ranks, "layers": layers}
         layers = {str(l): [o[0] if len(o) == 1 else list(o) for o in row] for l, row in sorted(self.layers.items())}

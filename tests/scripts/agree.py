@@ -34,7 +34,7 @@ def echo(executor, args):
 @register_probe("rebalance")
 def rebalance(executor, args):
     rebalance_module.MIN_SLOTS_PER_EXPERT = 0  # place on whatever was routed
-    rebalancer = Rebalancer(executor.world, executor.engine, every=0.0, replicas=1)
+    rebalancer = Rebalancer(executor.world, executor.engine, every=0.0, duplicates=1)
     placed = rebalancer.run()
     return {"placed": placed is not None, "failures": rebalancer.failures}
 
@@ -68,7 +68,7 @@ with mlxdist.init() as cluster:
     out["tokens"] = cluster.generate(PROMPT, max_tokens=MAX_TOKENS).tokens
     before = held(cluster)
     counts = {int(l): c for l, c in cluster.stats()[0]["expert_load"].items()}
-    plan = balanced(counts, cluster.world.size, replicas=1)
+    plan = balanced(counts, cluster.world.size, duplicates=1)
     out["place_failed"] = refused(lambda: cluster.place(plan))
     out["kept"] = held(cluster) == before and cluster.engine.placement.to_json() != plan.to_json()
     out["tokens_after_failed_place"] = cluster.generate(PROMPT, max_tokens=MAX_TOKENS).tokens

@@ -25,7 +25,7 @@ def place_live(cluster, path: str, dispatch: str, max_tokens: int) -> dict:
     request = cluster.request([cluster.encode(p) for p in PROMPTS], max_tokens=max_tokens)
     before = [r.tokens for r in cluster.run_batch(request)]
     counts = {int(l): c for l, c in cluster.stats()[0]["expert_load"].items()}
-    plan = balanced(counts, cluster.world.size, replicas=1)
+    plan = balanced(counts, cluster.world.size, duplicates=1)
     seconds = cluster.place(plan)
     held = {str(l): o.owned_experts.tolist() for l, o in cluster.engine.ownership.items()}
     after = [r.tokens for r in cluster.run_batch(request)]
