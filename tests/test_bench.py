@@ -141,17 +141,17 @@ def test_compare_ratios_from_same_run(model, tmp_path):
     assert set(rows) == {
         (c, n, b) for c, n in [("mlx-lm single", 1), ("mlxdist collective", 2), ("mlx-lm tensor", 2),
                                ("mlx-lm pipeline", 2)] for b in (1, 2)
-    } | {("mlx-lm replicas", 2, 2)}  # replicas: b/N sequences each, so only b = 2
-    replicas = rows[("mlx-lm replicas", 2, 2)]
-    assert len(replicas["replicas_generation_tps"]) == 2
+    } | {("mlx-lm instances", 2, 2)}  # instances: b/N sequences each, so only b = 2
+    replicas = rows[("mlx-lm instances", 2, 2)]
+    assert len(replicas["instances_generation_tps"]) == 2
     # one job's rate: every process's tokens over the slowest one's time, per trial (they start together)
-    trials = replicas["replicas_trials"]
+    trials = replicas["instances_trials"]
     jobs = [sum(t["trials_generation_tokens"][i] for t in trials)
             / max(t["trials_generation_tokens"][i] / t["trials_generation_tps"][i] for t in trials)
             for i in range(len(trials[0]["trials_generation_tps"]))]
     assert math.isclose(replicas["generation_tps"], statistics.median(jobs))
-    assert replicas["generation_tps"] <= sum(replicas["replicas_generation_tps"]) * (1 + 1e-9)
-    assert math.isclose(rows[("mlxdist collective", 2, 2)]["vs_replicas"],
+    assert replicas["generation_tps"] <= sum(replicas["instances_generation_tps"]) * (1 + 1e-9)
+    assert math.isclose(rows[("mlxdist collective", 2, 2)]["vs_instances"],
                         rows[("mlxdist collective", 2, 2)]["generation_tps"] / replicas["generation_tps"])
     for (contender, n, b), row in rows.items():
         single = rows[("mlx-lm single", 1, b)]["generation_tps"]
@@ -253,7 +253,7 @@ def test_compare_launches_one_mlxdist_contender_per_expert_split():
 
 
 def test_replicas_start_each_generation_together(tmp_path):
-    """mlx-lm's replicas are timed as one job: a process that arrives late
+    """mlx-lm's instances are timed as one job: a process that arrives late
     holds the others at the start line, so their timed generations overlap."""
     import subprocess
     import sys

@@ -311,7 +311,7 @@ def test_bench_mlxlm_help_lists_its_own_options():
     proc = subprocess.run([sys.executable, "-m", "mlxdist.bench", "mlxlm", "--help"], capture_output=True,
                           text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 0 and "python -m mlxdist.bench mlxlm" in proc.stdout, proc.stderr[-2000:]
-    assert "--contender {single,tensor,pipeline,replicas}" in proc.stdout and "--replicas" in proc.stdout
+    assert "--contender {single,tensor,pipeline,instances}" in proc.stdout and "--instances" in proc.stdout
 
 
 def test_options_named_inline_exist():

@@ -110,7 +110,7 @@ for c in $CONTENDERS; do
               "$PY" -m mlxdist.bench --dispatch collective "${common[@]}" ;;
     mlxdist-compact) launch "mlxdist compact" 2 "$MPIRUN" "${MPIFLAGS[@]}" \
               benchmarks/gpu/rank.sh "$PY" -m mlxdist.bench --backend $BACKEND --layout compact --dispatch ${DISPATCH:-auto,collective} "${common[@]}" ;;
-    replicas) launch "mlx-lm replicas" 2 "$PY" -m mlxdist.bench.mlxlm --contender replicas --replicas 2 "${common[@]}" ;;
+    replicas) launch "mlx-lm instances" 2 "$PY" -m mlxdist.bench.mlxlm --contender instances --instances 2 "${common[@]}" ;;
     dpclose) launch "dp close" 2 sh -c "\"$MPIRUN\" ${MPIFLAGS[*]} benchmarks/gpu/rank.sh \"$PY\" tests/scripts/batch_each.py dp masked 24,24,24,24 0 2048 \"$MODEL\" > \"$OUT/dp.json\" && \"$PY\" benchmarks/gpu/dp_close.py \"$MODEL\" \"$OUT/dp.json\"" ;;
     *) say "unknown contender $c" ;;
   esac

@@ -3,7 +3,7 @@ maintainer runs, one module per command.
 
     (none) / run   mlxdist's tok/s per dispatch mode and batch size (harness.py)
     compare        mlxdist against mlx-lm side by side, interleaved rounds (compare.py)
-    mlxlm          one mlx-lm contender: single, tensor, pipeline, replicas (mlxlm.py)
+    mlxlm          one mlx-lm contender: single, tensor, pipeline, instances (mlxlm.py)
     one-rank       mlxdist on one rank against mlx-lm alone, in one process (one_rank.py)
     serve          the HTTP server under concurrent clients (serve.py)
     capacity       expert paging under a memory budget (capacity.py)

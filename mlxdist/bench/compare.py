@@ -4,7 +4,7 @@
 
 Contenders at each N: mlxdist in every dispatch mode (``mlxdist.bench``),
 mlx-lm in one process, and at N > 1 mlx-lm tensor parallel, pipeline and N
-independent replicas each at b/N (``mlxdist.bench.mlxlm``). Trials are interleaved: each of ``-n`` rounds
+independent instances each at b/N (``mlxdist.bench.mlxlm``). Trials are interleaved: each of ``-n`` rounds
 launches every contender once (a warm-up and one timed trial per batch), so
 drift of the machine hits every contender alike; each number is the median
 over rounds. Writes ``results.json``, ``results.md`` (ratios to mlx-lm single
@@ -104,8 +104,8 @@ def contenders(ranks: List[int], dispatch: List[str], layout: Optional[str] = No
         if n > 1:
             for mode in ("tensor", "pipeline"):
                 out.append({"name": f"mlx-lm {mode}", "ranks": n, "module": "mlxdist.bench.mlxlm", "extra": ["--contender", mode]})
-            out.append({"name": "mlx-lm replicas", "ranks": n, "module": "mlxdist.bench.mlxlm", "processes": 1,
-                        "extra": ["--contender", "replicas", "--replicas", str(n)]})
+            out.append({"name": "mlx-lm instances", "ranks": n, "module": "mlxdist.bench.mlxlm", "processes": 1,
+                        "extra": ["--contender", "instances", "--instances", str(n)]})
     return out if mlx_lm else [c for c in out if c["name"].startswith("mlxdist")]
 
 
@@ -184,7 +184,7 @@ def model_shape(model: str, rows: List[Dict[str, Any]]):
 
 def add_ratios(rows: List[Dict[str, Any]]) -> None:
     """Each row's generation tok/s over mlx-lm single (same batch), over
-    mlx-lm tensor parallel, pipeline and N replicas (same N and batch) and,
+    mlx-lm tensor parallel, pipeline and N instances (same N and batch) and,
     for a speculative row, over plain decoding of its mode (``vs_plain``), from
     this run: the median of the ratios of the rounds both ran (a round's
     contenders ran back to back, so drift between rounds cancels), with the
@@ -195,7 +195,7 @@ def add_ratios(rows: List[Dict[str, Any]]) -> None:
                          ("vs_single", index.get(("mlx-lm single", 1, r["batch"]))),
                          ("vs_tensor", index.get(("mlx-lm tensor", r["ranks"], r["batch"]))),
                          ("vs_pipeline", index.get(("mlx-lm pipeline", r["ranks"], r["batch"]))),
-                         ("vs_replicas", index.get(("mlx-lm replicas", r["ranks"], r["batch"])))):
+                         ("vs_instances", index.get(("mlx-lm instances", r["ranks"], r["batch"])))):
             mine = r["rounds_generation_tps"]
             ratios = [mine[k] / ref[k] for k in sorted(mine) if ref and ref.get(k)]
             r[key] = statistics.median(ratios) if ratios else None

@@ -3,7 +3,7 @@
     python -m mlxdist.bench.mlxlm --model M -p 512 -g 128 -b 1,8,32 -n 3
     mpirun -np N python -m mlxdist.bench.mlxlm --model M --contender tensor [--backend nccl] ...
     mpirun -np N python -m mlxdist.bench.mlxlm --model M --contender pipeline ...
-    python -m mlxdist.bench.mlxlm --model M --contender replicas --replicas N -b 8,32 ...
+    python -m mlxdist.bench.mlxlm --model M --contender instances --instances N -b 8,32 ...
 
 This is ``mlx_lm.benchmark`` in-process (``load`` for one process,
 ``sharded_load`` with a tensor group, i.e. ``model.shard()``, or a pipeline
@@ -12,11 +12,11 @@ group under mpirun), with the same prompts, warm-up, median and
 architecture mlx-lm cannot shard that way reports ``unsupported`` with
 mlx-lm's reason instead of numbers.
 
-``replicas``: the bound for a model that fits one machine: N independent
+``instances``: the bound for a model that fits one machine: N independent
 single processes at once (one GPU each where MLX runs on CUDA), each with
 b/N of the batch. They never talk, but they start each generation together
 (``StartLine``: files in a shared folder), and a trial's tok/s is all their
-tokens over the slowest one's time, as mlxdist's replicas are timed
+tokens over the slowest one's time, as mlxdist's replicas mode is timed
 (``engine/replicas.py``). Summing each process's own rate instead counts a
 process that ran while another was still loading or already done as if it
 had shared the machine, and reads up to a third higher on two CPU cores.
@@ -40,7 +40,7 @@ from mlxdist.runtime.world import default_backend
 from mlxdist.bench.harness import make_prompts, median_row, parse_args as _bench_args, versions
 from mlxdist.model.checkpoint import text_config
 
-MODES = ("single", "tensor", "pipeline", "replicas")
+MODES = ("single", "tensor", "pipeline", "instances")
 
 
 def _group(mode: str, backend: str) -> Optional[mx.distributed.Group]:
@@ -128,7 +128,7 @@ def _peaks(group: Optional[mx.distributed.Group]) -> List[float]:
 
 
 class StartLine:
-    """Where N replica processes wait for each other before each generation:
+    """Where N instance processes wait for each other before each generation:
     process ``index`` writes ``<k>.<index>`` in ``folder`` at its k-th call
     and returns once all N have written theirs. Nothing is timed while they
     wait, and no MPI call is made (an emulated link never touches them)."""
@@ -147,7 +147,7 @@ class StartLine:
         deadline = time.monotonic() + timeout
         while len(list(self.folder.glob(f"{self.calls}.*"))) < self.count:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"replica {self.index}: the other replicas never reached generation {self.calls}")
+                raise TimeoutError(f"instance {self.index}: the other instances never reached generation {self.calls}")
             time.sleep(0.001)
 
 
@@ -211,22 +211,22 @@ def run(args) -> Dict[str, Any]:
     return report
 
 
-def run_replicas(args, argv: List[str]) -> Dict[str, Any]:
+def run_instances(args, argv: List[str]) -> Dict[str, Any]:
     """N single processes at once per batch size, each with b/N sequences,
     starting each generation together; per trial, the job's tok/s is every
     process's tokens over the slowest process's time."""
     import subprocess
     import tempfile
 
-    n = args.replicas
-    report = {"contender": "mlx-lm replicas", "model": args.model, "ranks": n, "prompt_tokens": args.prompt_tokens,
+    n = args.instances
+    report = {"contender": "mlx-lm instances", "model": args.model, "ranks": n, "prompt_tokens": args.prompt_tokens,
               "generation_tokens": args.generation_tokens, "num_trials": args.num_trials, "versions": versions()}
     cuda = default_backend() == "nccl"
     rows = []
     for batch in args.batch_sizes:
         if batch % n:
             continue  # b/N sequences each: only batches that divide
-        with tempfile.TemporaryDirectory(prefix="mlxdist-replicas-") as folder:
+        with tempfile.TemporaryDirectory(prefix="mlxdist-instances-") as folder:
             procs = [subprocess.Popen([sys.executable, "-m", "mlxdist.bench.mlxlm", "--contender", "single",
                                        *_without_batches(argv), "-b", str(batch // n), "--json",
                                        "--start-line", f"{folder},{i},{n}"], stdout=subprocess.PIPE, text=True,
@@ -236,15 +236,15 @@ def run_replicas(args, argv: List[str]) -> Dict[str, Any]:
                     for p in procs]
         rows.append({"batch": batch, "ranks": n, **_together(outs),
                      "peak_memory_gb": [max(o["peak_memory_gb"]) for o in outs],
-                     "replicas_generation_tps": [o["generation_tps"] for o in outs],
-                     "replicas_trials": [{k: o[k] for k in ("trials_generation_tps", "trials_generation_tokens")}
+                     "instances_generation_tps": [o["generation_tps"] for o in outs],
+                     "instances_trials": [{k: o[k] for k in ("trials_generation_tps", "trials_generation_tokens")}
                                          for o in outs]})
     report["results"] = rows
     return report
 
 
 def _together(outs: List[Dict[str, Any]]) -> Dict[str, Any]:
-    """The replicas' trials as one job's: per trial, the tokens of all over
+    """The instances' trials as one job's: per trial, the tokens of all over
     the slowest one's time (prompt and generation apart); the median trial."""
     def rate(trial: int, tps_key: str, tokens: List[float]) -> float:
         return sum(tokens) / max(t / o[tps_key][trial] for t, o in zip(tokens, outs))
@@ -261,7 +261,7 @@ def _without_batches(argv: List[str]) -> List[str]:
     for a in argv:
         if skip:
             skip = False
-        elif a in ("-b", "--batch-sizes", "--replicas", "--json"):
+        elif a in ("-b", "--batch-sizes", "--instances", "--replicas", "--json"):
             skip = a != "--json"
         else:
             out.append(a)
@@ -269,10 +269,11 @@ def _without_batches(argv: List[str]) -> List[str]:
 
 
 def _own_options(parser) -> None:
-    """--contender and --replicas, for --help (main takes them out of argv before the harness parses)."""
+    """--contender and --instances, for --help (main takes them out of argv before the harness parses)."""
     parser.add_argument("--contender", choices=MODES, default="single",
                         help="Which mlx-lm contender (--mode with one of these: its old name, kept for one release).")
-    parser.add_argument("--replicas", type=arg_int(1), default=2, help="--contender replicas: how many processes.")
+    parser.add_argument("--instances", type=arg_int(1), default=2,
+                        help="--contender instances: how many processes (--replicas: its old name, kept for one release).")
 
 
 def main(argv=None) -> None:
@@ -283,22 +284,24 @@ def main(argv=None) -> None:
             i = argv.index(flag)
             mode = argv[i + 1] if i + 1 < len(argv) else ""
             del argv[i : i + 2]
+    mode = {"replicas": "instances"}.get(mode, mode)  # the old name, kept for one release
     if mode not in MODES:
         raise SystemExit(f"unknown --contender {mode!r} (choose from {', '.join(MODES)})")
-    replicas, start_line = 2, None
-    if "--replicas" in argv:
-        i = argv.index("--replicas")
-        try:
-            replicas = arg_int(1)(argv[i + 1] if i + 1 < len(argv) else "")
-        except argparse.ArgumentTypeError as e:
-            raise SystemExit(f"--replicas: {e}") from None
-        del argv[i : i + 2]
-    if "--start-line" in argv:  # run_replicas's: FOLDER,INDEX,N
+    instances, start_line = 2, None
+    for flag in ("--instances", "--replicas"):  # --replicas: the old name of --instances, kept for one release
+        if flag in argv:
+            i = argv.index(flag)
+            try:
+                instances = arg_int(1)(argv[i + 1] if i + 1 < len(argv) else "")
+            except argparse.ArgumentTypeError as e:
+                raise SystemExit(f"{flag}: {e}") from None
+            del argv[i : i + 2]
+    if "--start-line" in argv:  # run_instances's: FOLDER,INDEX,N
         i = argv.index("--start-line")
         try:
             start_line = StartLine.parse(argv[i + 1] if i + 1 < len(argv) else "")
         except ValueError:
-            raise SystemExit("--start-line takes FOLDER,INDEX,N (run_replicas passes it)") from None
+            raise SystemExit("--start-line takes FOLDER,INDEX,N (run_instances passes it)") from None
         del argv[i : i + 2]
     args = _bench_args(argv, description="mlx-lm's own runs, measured as python -m mlxdist.bench measures "
                        "mlxdist (--mode, --layout, --expert-split and --replicate are mlxdist's and unused "
@@ -306,15 +309,15 @@ def main(argv=None) -> None:
     args.start_line = start_line
     if args.no_link:
         raise SystemExit("--no-link replaces mlxdist's exchange: python -m mlxdist.bench")
-    args.mode, args.replicas = mode, replicas
+    args.mode, args.instances = mode, instances
     args.backend = args.backend or default_backend()
     if args.model is None:
         from mlxdist.synth import default_checkpoint
 
         args.model = str(default_checkpoint())
         argv += ["--model", args.model]
-    if mode == "replicas":
-        report = run_replicas(args, argv)
+    if mode == "instances":
+        report = run_instances(args, argv)
         print(json.dumps(report) if args.json else json.dumps(report["results"]), flush=True)
         return
     report = run(args)

@@ -11,13 +11,13 @@ TARGET_SINGLE = 0.95  # np=1 vs mlx-lm single process
 TARGET_TP_B1 = 0.95  # np>1, batch 1, vs mlx-lm tensor parallel
 TARGET_TP_BATCH = 1.1  # np>1, batch >= 8
 TARGET_FLOOR = 1.5  # per-layer exchange <= 1.5 x the transport floor
-TARGET_REPLICAS = 0.85  # np>1, batch >= N: within 15 % of N independent replicas
+TARGET_INSTANCES = 0.85  # np>1, batch >= N: within 15 % of N independent mlx-lm instances
 TARGET_SPECULATIVE = 1.5  # np>1, b = 1, speculative over plain decoding of the same mode, at >= 70 % acceptance
 SPECULATIVE_ACCEPTANCE = 0.7
 
 _COLORS = {"mlx-lm single": "tab:blue", "mlx-lm tensor": "tab:orange", "mlx-lm pipeline": "tab:purple",
            "mlxdist collective": "tab:green", "mlxdist p2p": "tab:red", "mlxdist collective-tp": "tab:olive",
-           "mlxdist dp": "tab:cyan", "mlxdist auto": "tab:brown", "mlx-lm replicas": "tab:gray"}
+           "mlxdist dp": "tab:cyan", "mlxdist auto": "tab:brown", "mlx-lm instances": "tab:gray"}
 
 
 def _f(value: Optional[float], spec: str = ".2f") -> str:
@@ -48,9 +48,9 @@ def targets(result: Dict[str, Any]) -> List[Dict[str, Any]]:
             out.append({**base, "target": f"gen ≥ {need}× mlx-lm tensor parallel", "value": r["vs_tensor"], "need": need})
         elif r.get("vs_pipeline") is not None:
             out.append({**base, "target": f"gen ≥ {need}× mlx-lm pipeline (no TP)", "value": r["vs_pipeline"], "need": need})
-        if r.get("vs_replicas") is not None:
-            out.append({**base, "target": f"gen ≥ {TARGET_REPLICAS}× N mlx-lm replicas", "value": r["vs_replicas"],
-                        "need": TARGET_REPLICAS})
+        if r.get("vs_instances") is not None:
+            out.append({**base, "target": f"gen ≥ {TARGET_INSTANCES}× N mlx-lm instances", "value": r["vs_instances"],
+                        "need": TARGET_INSTANCES})
         if r.get("exchange_over_floor") is not None:
             out.append({**base, "target": "exchange ≤ 1.5× floor", "value": r["exchange_over_floor"],
                         "need": TARGET_FLOOR, "lower_is_better": True})
@@ -77,7 +77,7 @@ def _row(r: Dict[str, Any]) -> str:
     cells = [
         str(r["ranks"]), r["contender"], str(r["batch"]),
         _f(r["prompt_tps"], ".0f"), _f(r["generation_tps"], ".1f"),
-        *(_ratio(r, key) for key in ("vs_single", "vs_tensor", "vs_pipeline", "vs_replicas")),
+        *(_ratio(r, key) for key in ("vs_single", "vs_tensor", "vs_pipeline", "vs_instances")),
         _f(peak, ".3f"), _f(r.get("layer_ms"), ".3f"), split,
         _f(r.get("floor_us"), ".0f"), _f(r.get("exchange_over_floor"), ".1f"),
         _f(r.get("imbalance")),
@@ -100,7 +100,7 @@ def _strategy(row: Dict[str, Any]) -> Optional[str]:
             return None
         strategy = row.get("strategy") or row.get("mode") or row.get("dispatch")
         return f"{strategy}-width" if row.get("expert_split") == "width" and strategy in WIDTH_STRATEGIES else strategy
-    return {"mlx-lm tensor": "tensor", "mlx-lm replicas": "replicas"}.get(name)
+    return {"mlx-lm tensor": "tensor", "mlx-lm instances": "replicas"}.get(name)
 
 
 def links_section(result: Dict[str, Any]) -> List[str]:
@@ -155,7 +155,7 @@ def markdown(result: Dict[str, Any]) -> str:
         f"mlx {v.get('mlx')}, mlx-lm {v.get('mlx-lm')}, Open MPI {v.get('openmpi', '?')}, "
         f"mpi4py {v.get('mpi4py')}, Python {v.get('python')}.",
         "",
-        "| N | contender | b | prompt tok/s | gen tok/s | × single | × TP | × pipeline | × replicas | peak GB (max rank) "
+        "| N | contender | b | prompt tok/s | gen tok/s | × single | × TP | × pipeline | × instances | peak GB (max rank) "
         "| layer ms | profiled layer ms = expert / exchange / rest | floor µs | exch / floor | imbalance |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]

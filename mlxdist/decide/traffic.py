@@ -15,7 +15,7 @@ the wire follow the ring algorithms (all_sum of S bytes: 2(N-1)/N x S in
     tensor      mlx-lm's shard(): two all_sums  [b, D] in every layer (attention and MLP/MoE)
     replicas    nothing
 
-``tensor`` and ``replicas`` are mlx-lm's contenders in the benchmark, not
+``tensor`` (mlx-lm's contender in the benchmark) and ``replicas`` (mlxdist's mode, and the wire of mlx-lm's instances), not
 dispatch modes; they are modelled here beside the modes to be compared.
 """
 
