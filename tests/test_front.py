@@ -438,7 +438,11 @@ def test_hostile_front_options_are_one_line(checkpoint, capfd, monkeypatch):
              (["--retry-after", "99999"], "--retry-after"), (["--ranks", "0"], "at least 1"),
              (["--ranks", "x"], "--ranks"), (["--launcher", "ssh"], "--launcher"),
              (["--port", str(busy.getsockname()[1])], "cannot listen"), (["--host", "0.0.0.0"], "--api-key"),
-             (["--min-ranks", "3"], "--min-ranks"), (["--max-connections", "0"], "--max-connections")]
+             (["--min-ranks", "3"], "--min-ranks"), (["--max-connections", "0"], "--max-connections"),
+             (["--recovery-hold", "-1"], "--recovery-hold"), (["--recovery-hold", "nan"], "--recovery-hold"),
+             (["--recovery-hold", "1e999"], "--recovery-hold"), (["--recovery-hold", "x" * 10_000], "--recovery-hold"),
+             (["--recovery-hold-max", "-1"], "--recovery-hold-max"),
+             (["--recovery-hold-max", "10000000"], "--recovery-hold-max")]
     try:
         for extra, said in cases:
             try:

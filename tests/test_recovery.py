@@ -5,10 +5,13 @@ one (python -m mlxdist.supervise), under real mpirun on this machine.
 One front of 3 ranks takes its faults in sequence: rank 1 stopped (SIGSTOP,
 a sleeping Mac) while a plain request and a stream are live; the front grows
 back to 3 at a quiet moment (not while a stream is live); then rank 2 killed
-(kill -9). Each time: no request waits more than the heartbeat plus 5 s
-without an answer (503 with Retry-After meanwhile), the stream ends with an
-error event, a client told 503 is answered once it retries, the front serves
-again on the 2 ranks left within 60 s, and greedy answers equal mlx-lm's."""
+(kill -9). Each time: a new request meanwhile is answered 503 with
+Retry-After at once, the stream under way ends with an error event within
+the heartbeat plus 5 s, the plain request that had no answer yet is held
+and answered by the job on the ranks left (a stream sent while rank 1 was
+stopped too, its text once), a client told 503 is answered once it
+retries, the front serves again on the 2 ranks left within 60 s, and greedy
+answers equal mlx-lm's (the held ones: an undisturbed run's)."""
 
 import json
 import os
@@ -30,6 +33,8 @@ REGROW_EVERY = 8.0
 ANSWERED_WITHIN = HEARTBEAT + 5
 SERVING_AGAIN_WITHIN = 60.0
 PROMPT = "Request 3: tokens tokens"
+# Sent while a long stream runs, still unanswered when the fault hits, short to answer again.
+HELD = {"prompt": PROMPT, "max_tokens": 160, "logit_bias": {str(EOS): -100}}
 
 
 def wait_for(predicate, timeout: float, what: str) -> float:
@@ -50,19 +55,22 @@ def status_of(front):
 
 
 class Live:
-    """A long plain request and a long stream through the front, each in a
-    thread of its own, with when each got its answer or its end."""
+    """A long stream and then a plain request through the front, each in a
+    thread of its own, with when each got its answer or its end; ready once
+    the stream has chunks and the plain one is forwarded, unanswered."""
 
     def __init__(self, front):
         self.plain, self.stream, self.events = {}, {}, []
-        threading.Thread(target=self._plain, args=(front,), daemon=True).start()
         threading.Thread(target=self._stream, args=(front,), daemon=True).start()
         wait_for(lambda: len(self.events) >= 2, 60, "stream events")
+        threading.Thread(target=self._plain, args=(front,), daemon=True).start()
+        wait_for(lambda: front.metrics()["mlxdist_requests_queued{}"] >= 1 or "at" in self.plain, 30,
+                 "the plain request forwarded")
+        assert "at" not in self.plain, self.plain
 
     def _plain(self, front):
         try:
-            self.plain["answer"] = front.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 3000,
-                                                                  "logit_bias": {str(EOS): -100}})
+            self.plain["answer"] = front.post("/v1/completions", HELD)
         except OSError as e:
             self.plain["answer"] = (None, None, repr(e))
         self.plain["at"] = time.monotonic()
@@ -82,25 +90,49 @@ class Live:
         self.stream["at"] = time.monotonic()
 
 
-def check_fault(front, victim_rank, sig, expected):
+def held_stream(front, got):
+    """A greedy stream of 8 tokens; its data lines into ``got["events"]``, when it ended into ``got["at"]``."""
+    import httpx
+
+    got["events"] = []
+    body = {"prompt": PROMPT, "max_tokens": 8, "stream": True}
+    try:
+        with httpx.stream("POST", front.url + "/v1/completions", json=body, timeout=180,
+                          headers={"Authorization": f"Bearer {KEY}"}) as r:
+            got["status"] = r.status_code
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    got["events"].append(line[6:])
+    except httpx.HTTPError as e:
+        got["events"].append(f"connection: {e!r}")
+    got["at"] = time.monotonic()
+
+
+def check_fault(front, victim_rank, sig, expected, undisturbed, queued_stream=False):
     """``sig`` to rank ``victim_rank`` with a plain request and a stream
-    live: both answered within the heartbeat + 5 s (503; an error event
-    after a chunk whose finish_reason is "error"), a request meanwhile 503
-    with Retry-After at once and answered once it retries after recovery,
-    the front serving again (degraded, one rank fewer) within 60 s of the
-    fault, greedy as mlx-lm. The victim's pid."""
+    live: the stream ends within the heartbeat + 5 s (an error event after
+    a chunk whose finish_reason is "error"), the plain one (no answer yet)
+    is held and answered by the next job with ``undisturbed``'s text; with
+    ``queued_stream``, a stream sent after the fault (no chunk yet) is held
+    too and streams ``expected`` once; a request meanwhile 503 with
+    Retry-After at once and answered once it retries after recovery, the
+    front serving again (degraded, one rank fewer) within 60 s of the fault,
+    greedy as mlx-lm. The victim's pid."""
     victim = front.rank_pids()[victim_rank]
+    replayed = front.metrics()["mlxdist_requests_replayed_total{}"]
     live = Live(front)
     os.kill(victim, sig)
     hit = time.monotonic()
+    queued = {}
+    if queued_stream:  # the ranks are stopped: it waits in the rank server's queue
+        threading.Thread(target=held_stream, args=(front, queued), daemon=True).start()
     wait_for(lambda: status_of(front) in ("recovering", "starting"), ANSWERED_WITHIN, "recovering")
     asked = time.monotonic()
     status, headers, body = front.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 8})
     assert status == 503 and int(headers["Retry-After"]) >= 1 and body["error"]["code"] == 503, (status, body)
     assert time.monotonic() - asked < 5  # answered at once, not held
-    wait_for(lambda: "at" in live.plain and "at" in live.stream, ANSWERED_WITHIN + 2, "answers to the live requests")
-    assert live.plain["at"] - hit < ANSWERED_WITHIN and live.stream["at"] - hit < ANSWERED_WITHIN
-    assert live.plain["answer"][0] == 503, live.plain["answer"]
+    wait_for(lambda: "at" in live.stream, ANSWERED_WITHIN + 2, "the end of the live stream")
+    assert live.stream["at"] - hit < ANSWERED_WITHIN
     events = [json.loads(e) for e in live.events if e.startswith("{")]
     assert "[DONE]" not in live.events and events[-1].get("error") is not None, live.events[-3:]
     assert events[-2]["choices"][0]["finish_reason"] == "error", live.events[-3:]
@@ -111,6 +143,15 @@ def check_fault(front, victim_rank, sig, expected):
             break
         assert time.monotonic() - hit < SERVING_AGAIN_WITHIN, "not serving again within 60 s"
     assert status == 200 and body["choices"][0]["text"] == expected, body
+    wait_for(lambda: "at" in live.plain and (not queued_stream or "at" in queued), 120, "the held requests' answers")
+    status, _, body = live.plain["answer"]
+    assert status == 200 and body["choices"][0]["text"] == undisturbed, (status, body)
+    if queued_stream:
+        events = [json.loads(e) for e in queued["events"] if e.startswith("{")]
+        assert queued["status"] == 200 and queued["events"][-1] == "[DONE]", queued
+        assert all(e.get("error") is None for e in events), queued
+        assert "".join(e["choices"][0]["text"] for e in events if e.get("choices")) == expected, queued
+    assert front.metrics()["mlxdist_requests_replayed_total{}"] - replayed == (2 if queued_stream else 1)
     status, _, health = front.health()
     assert status == 200 and health["status"] == "degraded" and health["ranks"] == 2, health
     record = health["last_recovery"]
@@ -144,9 +185,12 @@ def test_the_front_serves_through_a_stopped_and_a_killed_rank(checkpoint):
         front.wait_for(("ok",))
         status, body = front.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 8})[::2]
         assert status == 200 and body["choices"][0]["text"] == expected, body
+        status, body = front.post("/v1/completions", HELD)[::2]
+        assert status == 200, body
+        undisturbed = body["choices"][0]["text"]
 
         # (a) rank 1 stopped: the heartbeat names it
-        victim, record = check_fault(front, 1, signal.SIGSTOP, expected)
+        victim, record = check_fault(front, 1, signal.SIGSTOP, expected, undisturbed, queued_stream=True)
         assert record["detected_after_s"] == HEARTBEAT and record["host"] == socket.gethostname(), record
         hold_growth_with_a_live_stream(front)
         try:
@@ -158,7 +202,7 @@ def test_the_front_serves_through_a_stopped_and_a_killed_rank(checkpoint):
         assert front.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 8})[2]["choices"][0]["text"] == expected
 
         # (c) rank 2 killed: the launcher says so at once
-        _, record = check_fault(front, 2, signal.SIGKILL, expected)
+        _, record = check_fault(front, 2, signal.SIGKILL, expected, undisturbed)
         assert record["detected_after_s"] == 0.0, record
         assert front.metrics()["mlxdist_recoveries_total{}"] == 2
     except BaseException:
@@ -267,8 +311,9 @@ def test_the_survivors_are_planned_as_supervise_plans_them(tmp_path):
 
 def test_the_front_serves_through_a_pulled_cable(hosts, checkpoint):
     """(b) on network-namespace hosts: the front on host0 at --ranks 3 over
-    host0, host1, host2; host2's cable pulled with a plain request and a
-    stream live (both answered within the heartbeat + 5 s, 503 meanwhile),
+    host0, host1, host2; host2's cable pulled with a stream and a plain
+    request live (the stream ended within the heartbeat + 5 s, the plain
+    one held and answered with an undisturbed run's text, 503 meanwhile),
     serving again on host0 and host1 within 60 s with mlx-lm's greedy text,
     not growing back while host2 does not answer, growing back once its
     cable is in again (tests/scripts/front_link.py, run on host0)."""

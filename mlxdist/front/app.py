@@ -6,11 +6,14 @@ of its own, behind the bearer token, refusing bodies that are not JSON.
 
 What a request may hold is the rank server's to check (``serving/schema.py``):
 the front reads only what it needs to forward (``stream``), and passes the
-body on as the client sent it. While the job does not serve, every forwarded
-request is answered 503 with ``Retry-After``; a stream the job drops ends
-with a chunk whose ``finish_reason`` is ``"error"`` and an error event.
+body on as the client sent it. While the job does not serve, every new
+request is answered 503 with ``Retry-After``; one the job lost before it
+answered anything is sent again to the next job (``Upstream``'s hold); a
+stream the job drops after its first token ends with a chunk whose
+``finish_reason`` is ``"error"`` and an error event.
 """
 
+import asyncio
 import contextlib
 import hmac
 import importlib.util
@@ -31,13 +34,14 @@ from mlxdist.errors import RequestError
 from mlxdist.front.errors import DEFAULT_RETRY_AFTER, Unavailable, refusal, unavailable_body
 from mlxdist.front.limits import Guard
 from mlxdist.front.metrics import CONTENT_TYPE, SERVING_STATES, FrontMetrics
-from mlxdist.front.upstream import Upstream
+from mlxdist.front.upstream import DEFAULT_HOLD, DEFAULT_MAX_HELD, Upstream
 from mlxdist.inputs import json_input
 from mlxdist.inputs.digits import parse_int
 
 COMPLETION_PATHS = ("/v1/chat/completions", "/v1/completions", "/chat/completions")
 JSON_TYPES = ("application/json",)
 _USAGE_ASKED = b', "stream_options": {"include_usage": true}}'
+_HEALTH_TIMEOUT = 1.0
 
 
 class CompletionRequest(BaseModel):
@@ -53,8 +57,10 @@ def make_app(settings: Any, job: Any, upstream: Optional[Upstream] = None) -> An
     ``ranks``, ``hosts``, ``last_recovery``): FastAPI inside, from the
     outside in, the ``Guard`` (Host, connection cap), CORS
     (``settings.allow_origins``) and ``KeyAndCount`` (the bearer token)."""
-    upstream = upstream or Upstream(job, retry_after=settings.retry_after)
-    metrics = FrontMetrics(job)
+    upstream = upstream or Upstream(job, retry_after=settings.retry_after,
+                                    hold=getattr(settings, "recovery_hold", DEFAULT_HOLD),
+                                    max_held=getattr(settings, "recovery_hold_max", DEFAULT_MAX_HELD))
+    metrics = FrontMetrics(job, upstream)
     app = FastAPI(title="mlxdist", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.upstream, app.state.metrics, app.state.job = upstream, metrics, job
     _errors_as_openai(app, settings)
@@ -96,6 +102,7 @@ def make_app(settings: Any, job: Any, upstream: Optional[Upstream] = None) -> An
 
     @app.get("/metrics", include_in_schema=False)
     async def prometheus():
+        metrics.exchange_bytes = await _exchange_bytes(upstream)
         return Response(metrics.text(), media_type=CONTENT_TYPE)
 
     _agent_routers(app, upstream, settings)
@@ -203,6 +210,7 @@ async def _stream(path: str, raw: bytes, headers, usage_added: bool, upstream: U
         metrics.running.inc()
         last: Dict[str, Any] = {}
         skip_blank = False
+        chunk_at = started
         try:
             try:
                 async for line in answer.aiter_lines():
@@ -216,11 +224,14 @@ async def _stream(path: str, raw: bytes, headers, usage_added: bool, upstream: U
                             yield (line + "\n\n").encode()
                             return
                         if chunk.get("choices"):
-                            last = chunk
+                            last, now = chunk, time.monotonic()
                             if queued:
                                 queued = False
                                 metrics.queued.dec()
-                                metrics.first_token.observe(time.monotonic() - started)
+                                metrics.first_token.observe(now - started)
+                            else:
+                                metrics.per_token.observe(now - chunk_at)
+                            chunk_at = now
                         if "usage" in chunk:
                             metrics.count_usage(chunk["usage"])
                             if usage_added and not chunk.get("choices"):
@@ -240,6 +251,19 @@ async def _stream(path: str, raw: bytes, headers, usage_added: bool, upstream: U
                 await context.__aexit__(None, None, None)
 
     return StreamingResponse(lines(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+async def _exchange_bytes(upstream: Upstream) -> Optional[Dict[str, int]]:
+    """Rank 0's exchange counters from the rank server's /health (None while
+    the job does not serve, or where it does not answer within a second)."""
+    try:
+        answer = await asyncio.wait_for(upstream.get("/health"), _HEALTH_TIMEOUT)
+        counted = json.loads(answer.content).get("exchange_bytes")
+    except (Unavailable, asyncio.TimeoutError, ValueError, AttributeError):
+        return None
+    if not isinstance(counted, dict) or not all(type(counted.get(k)) is int for k in ("sent", "received")):
+        return None
+    return {k: counted[k] for k in ("sent", "received")}
 
 
 def _live(job: Any):

@@ -5,12 +5,21 @@ what it answered and the job's state, read at each scrape.
     mlxdist_prompt_tokens_total, mlxdist_completion_tokens_total
                                                 tokens, from the answers' usage
     mlxdist_time_to_first_token_seconds         a stream's first token (histogram)
+    mlxdist_time_per_output_token_seconds       between two chunks of a stream: a decode step as the
+                                                client sees it (histogram)
     mlxdist_request_seconds                     a request's whole answer (histogram)
     mlxdist_requests_queued                     forwarded, no byte of the answer yet
     mlxdist_requests_running                    forwarded, not finished
+    mlxdist_requests_held                       lost by the job before any answer, waiting for the next
+    mlxdist_requests_replayed_total             such requests sent again to the next job
     mlxdist_ranks_alive                         ranks of the job while it serves, else 0
     mlxdist_recoveries_total                    restarts of the job on the survivors
     mlxdist_serving                             1 while the job serves
+    mlxdist_rank0_exchange_bytes_total{direction}
+                                                rank 0's dispatchers' bytes handed to the exchange
+                                                (sent) and got back (received), as the arrays' sizes,
+                                                since the job started (its /health): not the bytes on
+                                                the link, which no part of mlxdist counts
 """
 
 from typing import Any, Dict, Optional
@@ -20,14 +29,16 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 SERVING_STATES = ("ok", "degraded")
+_STEP_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12)
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 
 class FrontMetrics:
     """One front's metrics, in a registry of its own; ``job`` has
-    ``state``, ``ranks`` and may have ``recoveries``."""
+    ``state``, ``ranks`` and may have ``recoveries``; ``upstream`` (where
+    given) has ``held`` and ``replayed``."""
 
-    def __init__(self, job: Any):
+    def __init__(self, job: Any, upstream: Any = None):
         self.registry = CollectorRegistry()
         self.requests = Counter("mlxdist_requests", "Requests answered, by path and HTTP status.",
                                 ["path", "status"], registry=self.registry)
@@ -39,13 +50,17 @@ class FrontMetrics:
         self.first_token = Histogram("mlxdist_time_to_first_token_seconds",
                                      "Seconds from a stream's request to its first token.",
                                      buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.per_token = Histogram("mlxdist_time_per_output_token_seconds",
+                                   "Seconds between two chunks of a stream (a decode step, as the client sees it).",
+                                   buckets=_STEP_BUCKETS, registry=self.registry)
         self.latency = Histogram("mlxdist_request_seconds", "Seconds from a request to the end of its answer.",
                                  buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.queued = Gauge("mlxdist_requests_queued", "Requests forwarded to the job with no byte of answer yet.",
                             registry=self.registry)
         self.running = Gauge("mlxdist_requests_running", "Requests forwarded to the job and not finished.",
                              registry=self.registry)
-        self.registry.register(_JobCollector(job))
+        self.exchange_bytes: Optional[Dict[str, int]] = None  # rank 0's, read before each scrape
+        self.registry.register(_JobCollector(job, upstream, self))
 
     def count_usage(self, usage: Optional[Dict[str, Any]]) -> None:
         """Add an answer's ``usage`` (prompt and completion tokens) where it has one."""
@@ -61,10 +76,10 @@ class FrontMetrics:
 
 
 class _JobCollector:
-    """The job's state at scrape time."""
+    """The job's state, and the requests held for the next job, at scrape time."""
 
-    def __init__(self, job: Any):
-        self.job = job
+    def __init__(self, job: Any, upstream: Any = None, metrics: Optional[FrontMetrics] = None):
+        self.job, self.upstream, self.metrics = job, upstream, metrics
 
     def collect(self):
         serving = getattr(self.job, "state", "stopped") in SERVING_STATES
@@ -77,6 +92,24 @@ class _JobCollector:
         recoveries = CounterMetricFamily("mlxdist_recoveries", "Restarts of the job on the ranks left after a loss.")
         recoveries.add_metric([], float(getattr(self.job, "recoveries", 0) or 0))
         yield recoveries
+        if self.upstream is not None:
+            held = GaugeMetricFamily("mlxdist_requests_held",
+                                     "Requests the job lost before answering anything, waiting for the next job.")
+            held.add_metric([], float(self.upstream.held))
+            yield held
+            replayed = CounterMetricFamily("mlxdist_requests_replayed",
+                                           "Requests lost before answering anything and sent again to the next job.")
+            replayed.add_metric([], float(self.upstream.replayed))
+            yield replayed
+        counted = self.metrics.exchange_bytes if self.metrics is not None else None
+        if counted is not None:
+            exchange = CounterMetricFamily("mlxdist_rank0_exchange_bytes",
+                                           "Bytes rank 0's dispatchers handed to the exchange (sent) and got back "
+                                           "(received), as the arrays' sizes, since the job started; not link bytes.",
+                                           labels=["direction"])
+            for direction in ("sent", "received"):
+                exchange.add_metric([direction], float(counted[direction]))
+            yield exchange
 
     def describe(self):
         return []

@@ -13,10 +13,11 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 from mlxdist.cli.serve import build_parser, check_options
-from mlxdist.inputs.digits import arg_duration, arg_int
+from mlxdist.inputs.digits import arg_duration, arg_int, arg_number
 from mlxdist.errors import UserError
 from mlxdist.front.job import JOB_OPTIONS, add_job_options
 from mlxdist.front.store import DEFAULT_RESPONSES, MAX_RESPONSES
+from mlxdist.front.upstream import DEFAULT_HOLD, DEFAULT_MAX_HELD
 
 LAUNCHERS = ("mpirun", "mlx.launch")
 DEFAULT_WRITE_TIMEOUT = 30.0
@@ -25,10 +26,12 @@ LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 WILDCARDS = ("0.0.0.0", "::", "")
 # Options the front takes and the rank server does not get (it listens on loopback, behind the front).
 FRONT_ONLY = ("--ranks", "--hostfile", "--launcher", "--allowed-hosts", "--write-timeout", "--retry-after",
-              "--responses-store",
+              "--responses-store", "--recovery-hold", "--recovery-hold-max",
               "--host", "--port", "--api-key", "--api-key-file", "--allow-origin", "--max-connections", *JOB_OPTIONS)
 # Connections the rank server keeps beyond the front's cap: the front's health probes.
 RANK_CONNECTION_ROOM = 8
+MAX_HOLD = 3600.0
+MAX_HELD = 100_000
 
 
 @dataclass(frozen=True)
@@ -40,7 +43,10 @@ class FrontSettings:
     slow reader (``write_timeout``), the ``Retry-After`` of its 503s, and the
     rank job: ``ranks`` on ``hostfile``'s hosts started by ``launcher``
     with ``rank_argv`` (the rank server's options), and how it recovers
-    (``min_ranks``, ``no_regrow``, ``regrow_every``: ``front/job.py``)."""
+    (``min_ranks``, ``no_regrow``, ``regrow_every``: ``front/job.py``), and
+    how long and how many requests lost before they said anything wait for
+    the next job (``recovery_hold`` seconds, 0: none; ``recovery_hold_max``:
+    ``front/upstream.py``)."""
 
     host: str
     port: int
@@ -63,6 +69,8 @@ class FrontSettings:
     no_regrow: bool = False
     regrow_every: float = 60.0
     responses_store: int = DEFAULT_RESPONSES
+    recovery_hold: float = DEFAULT_HOLD
+    recovery_hold_max: int = DEFAULT_MAX_HELD
 
 
 def build_front_parser() -> argparse.ArgumentParser:
@@ -89,6 +97,12 @@ def build_front_parser() -> argparse.ArgumentParser:
     front.add_argument("--responses-store", type=arg_int(0), default=DEFAULT_RESPONSES, metavar="N",
                        help="Responses the front keeps for /v1/responses' previous_response_id, the least recently "
                             f"used dropped first (0: none; at most {MAX_RESPONSES}; default %(default)s).")
+    front.add_argument("--recovery-hold", type=arg_number(low=0, high=MAX_HOLD), default=DEFAULT_HOLD,
+                       metavar="SECONDS",
+                       help="Seconds a request the job lost before it answered anything waits for the job started "
+                            "on the ranks left, then is sent to it (0: answered 503 at once; default %(default)g).")
+    front.add_argument("--recovery-hold-max", type=arg_int(0), default=DEFAULT_MAX_HELD, metavar="N",
+                       help="Requests held so at most; past it, 503 with Retry-After (default %(default)s).")
     add_job_options(front)
     return p
 
@@ -103,6 +117,8 @@ def read_settings(argv: List[str]) -> FrontSettings:
         raise UserError(problem)
     if args.retry_after > 3600:
         raise UserError(f"--retry-after must be at most 3600 seconds, not {args.retry_after}")
+    if args.recovery_hold_max > MAX_HELD:
+        raise UserError(f"--recovery-hold-max must be at most {MAX_HELD}, not {args.recovery_hold_max}")
     if args.responses_store > MAX_RESPONSES:
         raise UserError(f"--responses-store must be at most {MAX_RESPONSES}, not {args.responses_store}")
     return FrontSettings(
@@ -112,7 +128,8 @@ def read_settings(argv: List[str]) -> FrontSettings:
         idle_timeout=args.idle_timeout, write_timeout=args.write_timeout, retry_after=args.retry_after,
         ranks=args.ranks, hostfile=args.hostfile, launcher=args.launcher,
         rank_argv=rank_argv(p, argv, args.max_connections), min_ranks=args.min_ranks, no_regrow=args.no_regrow,
-        regrow_every=args.regrow_every, responses_store=args.responses_store)
+        regrow_every=args.regrow_every, responses_store=args.responses_store, recovery_hold=args.recovery_hold,
+        recovery_hold_max=args.recovery_hold_max)
 
 
 def allowed_hosts(given: Optional[str], bound: str) -> Tuple[str, ...]:

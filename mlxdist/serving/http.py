@@ -195,15 +195,23 @@ class Handler(compat.APIHandler):
         """mlx-lm's status, the port served (the one the system gave for
         ``--port 0``), rank 0's process id (whose SIGINT stops the job
         cleanly), the ranks, and how ``auto`` decided at load (stored,
-        measured or fixed: ``decide/decision.py``)."""
+        measured or fixed: ``decide/decision.py``), and rank 0's exchange
+        counters (``exchange_bytes``: the bytes its dispatchers handed to the
+        exchange and got back since the job started, as the arrays' sizes,
+        ``dispatch/stats.py``; not the bytes on the link)."""
         generator = self.response_generator
         healthy = generator.is_healthy
-        decision = generator.model_provider.engine.decision
+        engine = generator.model_provider.engine
+        decision = engine.decision
         report = decision.report() if decision is not None else None
+        counters = [d.stats for d in engine.dispatchers.values()]
         self._send_json(200 if healthy else 503, {"status": "ok" if healthy else "unavailable",
                                                   "port": self.server.server_port, "pid": os.getpid(),
                                                   "ranks": generator.world.size,
-                                                  "auto_decision": report})
+                                                  "auto_decision": report,
+                                                  "exchange_bytes": {"sent": sum(c.bytes_sent for c in counters),
+                                                                     "received": sum(c.bytes_received
+                                                                                     for c in counters)}})
 
     def do_POST(self):
         self.rendered_prompt: Optional[str] = None  # a request's own template, rendered (per request)
