@@ -419,8 +419,8 @@ def tool_front(checkpoint, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def dp_clients(checkpoint, tmp_path_factory):
-    """Clients of a front whose rank job runs --dispatch dp."""
-    served = Front(checkpoint("qwen3_moe"), tmp_path_factory.mktemp("dp-front") / "stderr", ["--dispatch", "dp"])
+    """Clients of a front whose rank job runs --mode dp."""
+    served = Front(checkpoint("qwen3_moe"), tmp_path_factory.mktemp("dp-front") / "stderr", ["--mode", "dp"])
     yield _clients(served)
     served.stop()
 
@@ -496,7 +496,7 @@ def test_messages_answer_as_chat_completions(clients):
 
 
 def test_dp_answers_as_chat_completions(dp_clients):
-    """Under --dispatch dp too: Messages and Responses, plain and streamed,
+    """Under --mode dp too: Messages and Responses, plain and streamed,
     give chat completions' greedy text; a repeated conversation's prompt is
     read from the rank that holds it (cache_read_input_tokens, cached_tokens)."""
     anthropic, openai = dp_clients

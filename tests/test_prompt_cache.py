@@ -1,6 +1,6 @@
 """The server's prompt cache in both modes at np = 2 under real mpirun
-(``--dispatch collective``: mlx-lm's cache, the same on every rank;
-``--dispatch dp``: one per rank and cache-aware routing): a second turn that
+(``--mode collective``: mlx-lm's cache, the same on every rank;
+``--mode dp``: one per rank and cache-aware routing): a second turn that
 extends a long conversation reports its cached tokens in ``usage``
 (completions and chat, streamed with include_usage and not), starts in at
 most a tenth of the first turn's time (time to first token, from the client)
@@ -22,7 +22,7 @@ SYSTEM = "You answer questions about this log. " + " ".join(f"line {i}: ok" for 
 
 @pytest.fixture(scope="module", params=["collective", "dp"])
 def server(request, checkpoint):
-    s = Server(checkpoint("qwen3_moe"), extra=["--dispatch", request.param])
+    s = Server(checkpoint("qwen3_moe"), extra=["--mode", request.param])
     yield s
     code = s.stop()
     assert code == 0, s.proc.stderr.read()[-3000:]

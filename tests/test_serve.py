@@ -438,14 +438,14 @@ def test_a_lost_rank_ends_the_server(checkpoint):
 
 @pytest.fixture(scope="module")
 def dp_server(checkpoint):
-    s = Server(checkpoint("qwen3_moe"), extra=["--dispatch", "dp"])
+    s = Server(checkpoint("qwen3_moe"), extra=["--mode", "dp"])
     yield s
     code = s.stop()
     assert code == 0, s.proc.stderr.read()[-3000:]
 
 
 def test_dp_server_clients_get_what_they_would_alone(dp_server, checkpoint):
-    """--dispatch dp (each rank decodes a share of the live sequences): 16
+    """--mode dp (each rank decodes a share of the live sequences): 16
     concurrent clients x 2 requests, joining mid-decode; each greedy answer
     (float32) equals mlx-lm's for the prompt alone, streamed ones too."""
     path = checkpoint("qwen3_moe")
@@ -469,7 +469,7 @@ def test_dp_server_leaving_clients_and_refusals(dp_server):
     assert len(body["choices"][0]["logprobs"]["content"]) == 5
     status, body = dp_server.post("/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 4, "logprobs": True,
                                                       "top_logprobs": 3})
-    assert status == 400 and "top_logprobs is not available with --dispatch dp" in json.dumps(body), body
+    assert status == 400 and "top_logprobs is not available with --mode dp" in json.dumps(body), body
     seeded = [completion(dp_server, PROMPTS[2], max_tokens=6, temperature=1.0, seed=7)["choices"][0]["text"]
               for _ in range(2)]
     assert seeded[0] == seeded[1]
@@ -498,12 +498,12 @@ def test_dp_server_copies_of_one_request_are_independent_samples(dp_server):
 
 
 def test_dp_server_with_experts_cut_in_width(checkpoint):
-    """--dispatch dp --expert-split width (whole MoE blocks exchanged, not
+    """--mode dp --expert-split width (whole MoE blocks exchanged, not
     bit-exact): 8 concurrent clients joining and leaving; each greedy answer
     (float32, 8 tokens) equals mlx-lm's for the prompt alone, and the server
     shuts down cleanly."""
     path = checkpoint("qwen3_moe")
-    s = Server(path, extra=["--dispatch", "dp", "--expert-split", "width"])
+    s = Server(path, extra=["--mode", "dp", "--expert-split", "width"])
     try:
         expected = {p: alone(path, p, 8) for p in PROMPTS}
         clients_answer_as_alone(s, 8, 2, 8, expected)

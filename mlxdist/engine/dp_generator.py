@@ -1,5 +1,5 @@
 """mlx-lm's ``BatchGenerator`` interface over the data-parallel schedule, for
-the server (``python -m mlxdist.serve --dispatch dp``).
+the server (``python -m mlxdist.serve --mode dp``).
 
 mlx-lm's server runs the same generation loop on every rank with the same
 requests (rank 0 shares them); here each of its sequences lives on one rank
@@ -7,7 +7,7 @@ requests (rank 0 shares them); here each of its sequences lives on one rank
 model and KV cache, and ``next()`` returns every sequence's new token on
 every rank (the tokens are gathered), so every rank's loop stays identical
 and rank 0 answers its clients. Prefill and decode run in lockstep as in a
-``--dispatch dp`` batch; requests join at the next step and leave at once.
+``--mode dp`` batch; requests join at the next step and leave at once.
 
 The prompt cache is per rank: a sequence's KV cache lives on the rank that
 decoded it, is handed back when it ends (``TokenResponse.prompt_cache``, on

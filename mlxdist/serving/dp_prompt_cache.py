@@ -1,4 +1,4 @@
-"""The server's prompt cache under ``--dispatch dp``: one per rank, and
+"""The server's prompt cache under ``--mode dp``: one per rank, and
 cache-aware routing.
 
 Under dp a sequence's KV cache lives on the one rank that decodes it

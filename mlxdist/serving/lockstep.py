@@ -184,7 +184,7 @@ class LockstepResponseGenerator(compat.ResponseGenerator):
         request alone), the context check, and a chat request's prompt text
         when rank 0 rendered the request's own template (``templates.py``)."""
         if args.top_logprobs > 0 and self.model_provider.engine.data_parallel is not None:
-            raise RequestError("top_logprobs is not available with --dispatch dp (each rank gathers only the "
+            raise RequestError("top_logprobs is not available with --mode dp (each rank gathers only the "
                                "sampled token's log-probability)")
         try:
             if request.request_type == "chat" and request.prompt:

@@ -17,7 +17,7 @@ kept. A request equal to a whole key gets the entry less its last token, so
 that one token is computed (mlx-lm would hand the loop an empty prompt).
 
 Every rank runs the same requests in the same order (``lockstep.py``), so
-every rank keeps and cuts the same entries (under ``--dispatch dp`` each rank
+every rank keeps and cuts the same entries (under ``--mode dp`` each rank
 keeps its own sequences': ``dp_prompt_cache.py``).
 
 The cache is bounded in bytes, on each rank (``--prompt-cache-bytes``,
