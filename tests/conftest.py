@@ -119,6 +119,12 @@ def last_json(stdout: str) -> dict:
 # such jobs at once would both take: under xdist they share one worker, one after another.
 RING_AT_DEFAULT_PORTS = {"tests/test_backends.py", "tests/test_docs.py", "tests/test_rank0_files.py",
                          "tests/test_shape.py", "tests/test_share.py"}
+# The work units that take longest on two cores, longest first: handed out before the others (by
+# their number of tests), so that none of them is left to run alone at the end. Speed only.
+LONGEST_UNITS = ["tests/shared_launch.py", "mlx.launch at its default ports", "tests/test_reliability.py",
+                 "tests/test_recovery.py", "tests/test_models.py", "tests/test_agent_apis.py",
+                 "tests/test_default_load.py", "tests/test_front.py", "tests/test_hostile.py", "tests/test_serve.py",
+                 "tests/test_heartbeat.py", "tests/test_jobs.py", "tests/test_hosts.py"]
 _SHARED_LAUNCH = re.compile(r"^from shared_launch import [^\n]*\bdeclare\b", re.MULTILINE)
 
 
@@ -137,6 +143,12 @@ def pytest_xdist_make_scheduler(config, log):
     class ModuleScheduling(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
             return work_unit(nodeid.split("::", 1)[0])
+
+        def _assign_work_unit(self, node) -> None:  # the longest units first, the rest by their number of tests
+            first = next((unit for unit in LONGEST_UNITS if unit in self.workqueue), None)
+            if first is not None:
+                self.workqueue.move_to_end(first, last=False)
+            super()._assign_work_unit(node)
 
     return ModuleScheduling(config, log)
 
