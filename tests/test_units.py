@@ -310,15 +310,15 @@ def test_wire_traffic_model():
 
 
 def test_report_counts_width_rows_as_whole_block_exchanges():
-    from mlxdist.bench.report import _strategy
+    from mlxdist.bench.report import _wire_mode
 
     row = {"contender": "mlxdist dp", "strategy": "dp", "dispatch": "auto"}
-    assert _strategy(row) == "dp"
-    assert _strategy({**row, "expert_split": "width"}) == "dp-width"
-    assert _strategy({**row, "strategy": "collective", "expert_split": "width"}) == "collective-width"
-    assert _strategy({**row, "strategy": "collective-tp", "expert_split": "width"}) == "collective-tp-width"
-    assert _strategy({**row, "expert_split": "width", "link": False}) is None
-    assert _strategy({"contender": "mlx-lm tensor"}) == "tensor"
+    assert _wire_mode(row) == "dp"
+    assert _wire_mode({**row, "expert_split": "width"}) == "dp-width"
+    assert _wire_mode({**row, "strategy": "collective", "expert_split": "width"}) == "collective-width"
+    assert _wire_mode({**row, "strategy": "collective-tp", "expert_split": "width"}) == "collective-tp-width"
+    assert _wire_mode({**row, "expert_split": "width", "link": False}) is None
+    assert _wire_mode({"contender": "mlx-lm tensor"}) == "tensor"
 
 
 def test_nccl_rendezvous_is_per_job():

@@ -99,7 +99,7 @@ def _generate(cluster, prompts: List[List[int]], max_tokens: int, **sampling) ->
 
 
 def closeness(cluster, prompts: List[List[int]], max_tokens: int) -> Dict[str, Any]:
-    """dp against the other strategy loaded beside it (collective, exact
+    """dp against the other mode loaded beside it (collective, exact
     with whole experts; collective-tp under auto's twin) on the same
     prompts: the share of sequences whose tokens are all equal, the first
     step where any differs, and the largest |difference| of the sampled
@@ -158,8 +158,8 @@ def bench_case(cluster, mode: str, prompts: List[List[int]], args) -> Dict[str, 
     stats = cluster.stats(collect=False)
     row.update(breakdown(profile, row, profiled, layers, len(prompts)))
 
-    strategy = engine.mode_in_use  # what auto (or dp at b = 1) actually ran
-    row.update(mode=mode, dispatch=mode, strategy=strategy, batch=len(prompts), ranks=cluster.world.size, moe_layers=layers)
+    ran = engine.mode_in_use  # what auto (or dp at b = 1) actually ran
+    row.update(mode=mode, dispatch=mode, mode_in_use=ran, strategy=ran, batch=len(prompts), ranks=cluster.world.size, moe_layers=layers)
     if engine.choice is not None:  # auto measured its link at load: what it chose from
         row["link_choice"] = {"measured": engine.auto_inputs.describe(), "choice": engine.choice.describe()}
     if engine.split is not None:  # --expert-split auto: the cut taken at load and why
@@ -173,13 +173,13 @@ def bench_case(cluster, mode: str, prompts: List[List[int]], args) -> Dict[str, 
         return row
     if engine.dispatcher.dense_ranks is DenseRanks.OWN:
         row["vs_exact"] = closeness(cluster, prompts, args.generation_tokens)
-        if not engine.dispatchers[strategy].exchanges:  # replicas: no exchange to floor
+        if not engine.dispatchers[ran].exchanges:  # replicas: no exchange to floor
             # each rank computes its own rows' slots: (max - mean) / mean of the rows each rank was given
             n, b = cluster.world.size, len(prompts)
             row.update(floor_us=None, exchange_over_floor=None, imbalance=-(-b // n) * n / b - 1)
             return row
-    name = traffic.wire_name(strategy, split)
-    width = name != strategy
+    name = traffic.wire_name(ran, split)
+    width = name != ran
     shape = list(profile["slots_shape"]) or [len(prompts), 1] + ([] if width else [cfg.get("num_experts_per_tok", 1)]) \
         + [cfg["hidden_size"]]
     floor_args = {

@@ -1,5 +1,5 @@
 """Generation tok/s projected over a link between machines, from what each
-strategy puts on the wire per decode step (``decide/traffic.py``).
+mode puts on the wire per decode step (``decide/traffic.py``).
 
 A projection adds, per layer, hops x latency + bytes / bandwidth to the step
 time measured on one machine (where the ranks' exchange is loopback, small
@@ -9,7 +9,7 @@ against these links): a model, not a measurement.
 from dataclasses import dataclass
 from typing import Dict, Optional
 
-from mlxdist.decide.traffic import WIDTH_STRATEGIES, Shape, collectives, traffic  # noqa: F401 (re-exported)
+from mlxdist.decide.traffic import WIDTH_MODES, Shape, collectives, traffic  # noqa: F401 (re-exported)
 
 
 @dataclass(frozen=True)
@@ -38,10 +38,10 @@ LINKS: Dict[str, Link] = {
 }
 
 
-def projected_tps(strategy: str, n: int, b: int, shape: Shape, step_seconds: float, link: Link) -> Optional[float]:
+def projected_tps(mode: str, n: int, b: int, shape: Shape, step_seconds: float, link: Link) -> Optional[float]:
     """Generation tok/s with the exchange over ``link`` instead of loopback."""
     if not step_seconds:
         return None
-    ops, layers = collectives(strategy, n, b, shape)
+    ops, layers = collectives(mode, n, b, shape)
     wire = layers * sum(hops * link.latency + size / link.bandwidth for size, hops in ops)
     return b / (step_seconds + wire)

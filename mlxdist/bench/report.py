@@ -4,7 +4,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from mlxdist.bench import speculative
-from mlxdist.bench.links import WIDTH_STRATEGIES
+from mlxdist.bench.links import WIDTH_MODES
 
 # (what, threshold): generation tok/s ratios and the exchange over its floor.
 TARGET_SINGLE = 0.95  # np=1 vs mlx-lm single process
@@ -93,13 +93,13 @@ def _ratio(r: Dict[str, Any], key: str) -> str:
     return f"{_f(r.get(key))} ({min(rounds):.2f}-{max(rounds):.2f})"
 
 
-def _strategy(row: Dict[str, Any]) -> Optional[str]:
+def _wire_mode(row: Dict[str, Any]) -> Optional[str]:
     name = row["contender"]
     if name.startswith("mlxdist"):
         if row.get("link") is False:
             return None
-        strategy = row.get("strategy") or row.get("mode") or row.get("dispatch")
-        return f"{strategy}-width" if row.get("expert_split") == "width" and strategy in WIDTH_STRATEGIES else strategy
+        mode = row.get("mode_in_use") or row.get("strategy") or row.get("mode") or row.get("dispatch")
+        return f"{mode}-width" if row.get("expert_split") == "width" and mode in WIDTH_MODES else mode
     return {"mlx-lm tensor": "tensor", "mlx-lm instances": "replicas"}.get(name)
 
 
@@ -118,16 +118,16 @@ def links_section(result: Dict[str, Any]) -> List[str]:
              "| N | contender | b | bytes / token / layer | collectives / layer | " + " | ".join(f"proj. tok/s, {n}" for n in names) + " |",
              "|---|---|---|---|---|" + "---|" * len(names)]
     for r in result["results"]:
-        strategy = _strategy(r)
-        if r["ranks"] < 2 or strategy is None or r.get("speculative"):
+        mode = _wire_mode(r)
+        if r["ranks"] < 2 or mode is None or r.get("speculative"):
             continue
-        t = traffic(strategy, r["ranks"], r["batch"], shape)
+        t = traffic(mode, r["ranks"], r["batch"], shape)
         step = r["batch"] / r["generation_tps"] if r.get("generation_tps") else None
-        if strategy == "replicas":
+        if mode == "replicas":
             proj = [r["generation_tps"]] * len(names)
         else:
-            proj = [projected_tps(strategy, r["ranks"], r["batch"], shape, step, LINKS[n]) for n in names]
-        lines.append(f"| {r['ranks']} | {r['contender']} ({strategy}) | {r['batch']} | {t['bytes_per_token_layer']:.0f} | "
+            proj = [projected_tps(mode, r["ranks"], r["batch"], shape, step, LINKS[n]) for n in names]
+        lines.append(f"| {r['ranks']} | {r['contender']} ({mode}) | {r['batch']} | {t['bytes_per_token_layer']:.0f} | "
                      f"{t['collectives_per_layer']} | " + " | ".join(_f(p, ".1f") for p in proj) + " |")
     lines += ["", "Bytes a rank sends per token per layer (collectives per layer) by machine count, from the "
               "same model; dp at b >= N is what auto runs on CPUs (b >= 8N on GPUs, b >= N with experts cut "
@@ -171,7 +171,7 @@ def markdown(result: Dict[str, Any]) -> str:
     lines += speculative.markdown(result)
     close = [r for r in result["results"] if r.get("vs_exact")]
     if close:
-        lines += ["", "dp against the strategy loaded beside it (`collective`, exact with whole experts) on the same "
+        lines += ["", "dp against the mode loaded beside it (`collective`, exact with whole experts) on the same "
                       "prompts (greedy):", ""]
         lines += [f"- {r['contender']} N={r['ranks']} b={r['batch']} against "
                   f"{r['vs_exact'].get('reference', 'collective')}: {100 * r['vs_exact']['equal_sequences']:.0f} % of "

@@ -114,7 +114,7 @@ def rows(cluster, mode: str, prompt: List[int], plain: Dict[str, Any], args, gen
             generate(cluster, [prompt], min(args.generation_tokens, args.warmup_tokens), **sampling)
         trials = [generate(cluster, [prompt], args.generation_tokens, **sampling) for _ in range(args.num_trials)]
         row = summary(trials, plain)
-        row.update(mode=mode, dispatch=mode, strategy=cluster.engine.mode_in_use, batch=1, ranks=cluster.world.size,
+        row.update(mode=mode, dispatch=mode, mode_in_use=cluster.engine.mode_in_use, strategy=cluster.engine.mode_in_use, batch=1, ranks=cluster.world.size,
                    speculative=drafter.label, num_draft_tokens=drafter.width)
         out.append(row)
     return out

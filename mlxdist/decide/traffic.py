@@ -1,8 +1,8 @@
-"""What each strategy puts on the wire per decode step: the input of the
+"""What each mode puts on the wire per decode step: the input of the
 benchmark's link model (``bench/links.py``) and of its transport floor.
 
 Per MoE layer (b tokens in the step, N ranks, width D, top-k K, s bytes per
-activation value), each strategy runs these collectives; a rank's bytes on
+activation value), each mode runs these collectives; a rank's bytes on
 the wire follow the ring algorithms (all_sum of S bytes: 2(N-1)/N x S in
 2(N-1) hops; all_gather of S per rank: (N-1) x S in N-1 hops):
 
@@ -32,46 +32,46 @@ class Shape:
     itemsize: int  # bytes per activation value
 
 
-# Strategies whose rows change with --expert-split width (named "<strategy>-width").
-WIDTH_STRATEGIES = ("dp", "collective", "collective-tp")
+# Modes whose rows change with --expert-split width (named "<mode>-width").
+WIDTH_MODES = ("dp", "collective", "collective-tp")
 
 
-def collectives(strategy: str, n: int, b: int, shape: Shape) -> Tuple[List[Tuple[float, int]], int]:
+def collectives(mode: str, n: int, b: int, shape: Shape) -> Tuple[List[Tuple[float, int]], int]:
     """([(bytes a rank sends, hops)] per exchanging layer, exchanging layers)
     for one decode step of ``b`` tokens."""
     d, k, s = shape.hidden, shape.top_k, shape.itemsize
     ring_sum = lambda size: (2 * (n - 1) / n * size, 2 * (n - 1))  # noqa: E731
-    if strategy == "collective":
+    if mode == "collective":
         return [ring_sum(b * k * d * s)], shape.moe_layers
-    if strategy == "collective-width":
+    if mode == "collective-width":
         return [ring_sum(b * d * s)], shape.moe_layers
-    if strategy == "dp-width":
+    if mode == "dp-width":
         return [((n - 1) * b / n * d * s, n - 1), ring_sum(b * d * s)], shape.moe_layers
-    if strategy == "dp":
+    if mode == "dp":
         gather = ((n - 1) * b / n * (d * s + k * (s + 4)), n - 1)  # x, K weights (the block's dtype), K ids
         return [gather, ring_sum(b * d * s)], shape.moe_layers
-    if strategy == "p2p":  # rank 0's side, uniform routing: each token reaches ~min(K, N-1) workers
+    if mode == "p2p":  # rank 0's side, uniform routing: each token reaches ~min(K, N-1) workers
         out = b * min(k, n - 1) * (n - 1) / n * d * s + b * k * 8
         back = b * k * (n - 1) / n * d * s
         return [(out + back, 2)], shape.moe_layers
     # collective-tp: attention's all_sum, and the MoE block's own of its weighted sum, every layer
-    if strategy in ("tensor", "collective-tp", "collective-tp-width"):
+    if mode in ("tensor", "collective-tp", "collective-tp-width"):
         return [ring_sum(b * d * s), ring_sum(b * d * s)], shape.layers
     return [], 0
 
 
-def traffic(strategy: str, n: int, b: int, shape: Shape) -> Dict[str, float]:
+def traffic(mode: str, n: int, b: int, shape: Shape) -> Dict[str, float]:
     """Bytes a rank sends and collectives it joins, per token per layer."""
-    ops, layers = collectives(strategy, n, b, shape)
+    ops, layers = collectives(mode, n, b, shape)
     per_layer = sum(size for size, _ in ops)
     return {"bytes_per_token_layer": per_layer / b if ops else 0.0, "collectives_per_layer": len(ops),
             "exchanging_layers": layers}
 
 
-def wire_name(strategy: str, expert_split: str) -> str:
-    """The strategy as the traffic model names it: ``<strategy>-width`` where
+def wire_name(mode: str, expert_split: str) -> str:
+    """The mode as the traffic model names it: ``<mode>-width`` where
     experts cut in width change its rows."""
-    return f"{strategy}-width" if expert_split == "width" and strategy in WIDTH_STRATEGIES else strategy
+    return f"{mode}-width" if expert_split == "width" and mode in WIDTH_MODES else mode
 
 
 def exchange_kind(name: str) -> str:

@@ -99,11 +99,11 @@ def load_engine(world: World, options: LoadOptions) -> Engine:
     # Before anything is evaluated (finding the routers runs them).
     if fetch_share(world, located, lambda: rank_spans(world, options, lazy.sources, lazy.sites, plan)):
         lazy = _read_again(lazy)
-    strategies, routers = _strategies(world, options, lazy, by_width, plan)
-    dispatchers = _dispatchers(world, options, lazy, strategies, routers, by_width)
-    first = dispatchers[strategies[0]]
+    loadable, routers = _modes_to_load(world, options, lazy, by_width, plan)
+    dispatchers = _dispatchers(world, options, lazy, loadable, routers, by_width)
+    first = dispatchers[loadable[0]]
     runs_dense = world.is_root or first.dense_ranks is not DenseRanks.ROOT
-    # A strategy that splits attention beside one that needs the model whole runs on a split twin.
+    # A mode that splits attention beside one that needs the model whole runs on a split twin.
     tp_twin = any(d.splits_attention for d in dispatchers.values()) and len(dispatchers) > 1
     if first.splits_attention and not tp_twin and world.size > 1:
         shard_dense(lazy.model, lazy.sites, world, lazy.config, whole_blocks=by_width)
@@ -307,37 +307,37 @@ def _link_wanted(world: World) -> str:
     return wanted
 
 
-def _strategies(world: World, options: LoadOptions, lazy: _Lazy, by_width: bool,
+def _modes_to_load(world: World, options: LoadOptions, lazy: _Lazy, by_width: bool,
                 plan: Placement) -> Tuple[List[str], Dict[type, RouterWeights]]:
-    """The strategies the mode runs (``auto`` with every expert on every
+    """The modes the mode runs (``auto`` with every expert on every
     rank: replicas in place of dp), and each MoE block class's router
     weights where one of them needs them (under ``auto``, a model whose
     blocks cannot be read runs without dp)."""
-    strategies = rule.modes_to_load(options.mode, by_width, world.backend, lazy.split is not None,
+    loadable = rule.modes_to_load(options.mode, by_width, world.backend, lazy.split is not None,
                                   everywhere=plan.on_every_rank, exact=options.exact)
-    strategies = strategies if world.size > 1 else strategies[:1]  # one rank: every strategy is the identity
+    loadable = loadable if world.size > 1 else loadable[:1]  # one rank: every mode is the identity
     if lazy.unsplit is not None and world.is_root and rule.splits_dense(rule.modes_to_load(
             options.mode, by_width, world.backend, True, everywhere=plan.on_every_rank, exact=options.exact)):
         print(f"mlxdist: note: auto runs one sequence as collective, not split by mlx-lm's shard() (collective-tp): "
               f"{lazy.unsplit}", file=sys.stderr, flush=True)
     routers: Dict[type, RouterWeights] = {}
-    if rule.uses_router_weights(strategies):
+    if rule.uses_router_weights(loadable):
         try:
             routers = _find_routing_weights(lazy.model, lazy.sites, lazy.config)
         except UserError as e:  # auto: blocks dp cannot read run collective for every batch
-            strategies = rule.without_router_weights(options.mode, strategies, e)
-    return strategies, routers
+            loadable = rule.without_router_weights(options.mode, loadable, e)
+    return loadable, routers
 
 
-def _dispatchers(world: World, options: LoadOptions, lazy: _Lazy, strategies: List[str],
+def _dispatchers(world: World, options: LoadOptions, lazy: _Lazy, loadable: List[str],
                  routers: Dict[type, RouterWeights], by_width: bool) -> Dict[str, Any]:
-    """One dispatcher per strategy, counting routed slots where asked."""
+    """One dispatcher per mode, counting routed slots where asked."""
     dp_shape = {}
     if routers:
         router = next(iter(routers.values()))
         dp_shape = dict(top_k=router.top_k, dtype=activation_dtype(lazy.model), weights_dtype=router.dtype)
     dispatchers = {name: make_dispatcher(name, world, options.layout, options.stats, wraps_blocks=by_width, **dp_shape)
-                   for name in strategies}
+                   for name in loadable}
     for d in dispatchers.values():  # counted where routing_share reads it
         d.stats.record_routing = options.record_routing and (world.is_root or d.dense_ranks is DenseRanks.OWN)
     row_dispatcher = next((d for d in dispatchers.values() if d.dense_ranks is DenseRanks.OWN), None)
