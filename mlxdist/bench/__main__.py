@@ -15,6 +15,8 @@ maintainer runs, one module per command.
     stress         many mixed requests (normal, streamed, dropped, malformed, slow, oversized) against one
                    server, each checked, memory and ranks watched (stress.py)
     turns          time to first token of a conversation's turn 1 and turn 2, per server mode (turns.py)
+    prefill        prompt tok/s of long prompts: mlxdist's modes against mlx-lm in one process and
+                   tensor parallel, one run, interleaved rounds (prefill.py)
 """
 
 import importlib
@@ -23,7 +25,7 @@ import sys
 COMMANDS = {
     "run": "harness", "compare": "compare", "mlxlm": "mlxlm", "one-rank": "one_rank", "serve": "serve",
     "capacity": "capacity", "survival": "survival", "placement": "placement", "link": "linkemu",
-    "project": "projection", "stress": "stress", "recovery": "recovery", "turns": "turns",
+    "project": "projection", "stress": "stress", "recovery": "recovery", "turns": "turns", "prefill": "prefill",
 }
 
 
