@@ -102,7 +102,7 @@ class Cluster:
                 self._end_stream({})
             self._finish_recording()
             self._closed = True
-            ACTIVITY.beat("exiting")
+            ACTIVITY.at("exiting")
             self._broadcast(ShutdownCommand(exit_code))
 
     def _broadcast(self, command: Command) -> Command:

@@ -223,5 +223,6 @@ def test_an_expert_module_extra_named_like_the_switchs_own_is_refused():
     from mlxdist.runtime.world import World
 
     owns = LayerOwnership.build(0, [0, 0], 0)
-    with pytest.raises(ValueError, match="'first'"):
-        DistributedSwitch(owns, None, make_dispatcher("collective", World(0, 1, None)), extras={"first": mx.ones(2)})
+    with pytest.raises(ValueError, match="'opens_forward'"):
+        DistributedSwitch(owns, None, make_dispatcher("collective", World(0, 1, None)),
+                          extras={"opens_forward": mx.ones(2)})

@@ -158,7 +158,7 @@ class CommandExecutor:
         engine.kv_bytes = None
         ACTIVITY.step, ACTIVITY.prefill, ACTIVITY.armed = 0, True, True
         ACTIVITY.progress()
-        ACTIVITY.beat("dense")
+        ACTIVITY.at("dense")
         alone = False  # one prompt that rank 0 runs by itself: no other rank is in its steps
         try:
             if not engine.runs_dense:
@@ -167,7 +167,7 @@ class CommandExecutor:
                 # a mode with no exchange (replicas): every rank holds the model, rank 0 runs it alone
                 alone = not engine.dispatchers[engine.mode_for(1)].exchanges
                 if alone and not self.world.is_root:
-                    ACTIVITY.beat("serving")
+                    ACTIVITY.at("serving")
                 else:
                     yield from self._stream(engine.generate(command.prompts[0], params),
                                             not engine.root_runs_dense and not alone)
@@ -188,7 +188,7 @@ class CommandExecutor:
             raise GenerationFailed(f"generation failed: {agreed}") from None
         finally:
             ACTIVITY.armed = False
-            ACTIVITY.beat("idle")
+            ACTIVITY.at("idle")
 
     def _stream(self, responses: Iterator[Any], lockstep: bool) -> Iterator[Any]:
         """One prompt's responses, token by token. Where every rank runs the
@@ -215,9 +215,9 @@ class CommandExecutor:
             else:
                 yield response
                 phase = ACTIVITY.phase
-                ACTIVITY.beat("serving")  # waiting on rank 0's reader: not a hang
+                ACTIVITY.at("serving")  # waiting on rank 0's reader: not a hang
                 more = world.control.bcast_flag(None)
-                ACTIVITY.beat(phase)
+                ACTIVITY.at(phase)
                 if not more:
                     responses.close()
                     return
@@ -307,7 +307,7 @@ class CommandExecutor:
         while True:
             command = commands.broadcast(self.world)
             if isinstance(command, ShutdownCommand):
-                ACTIVITY.beat("exiting")
+                ACTIVITY.at("exiting")
                 return command.exit_code
             self.handle(command)
 

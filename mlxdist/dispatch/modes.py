@@ -27,7 +27,7 @@ class Mode:
     summary: str  # one line for --help
     builds: Tuple[str, ...] = ()  # the modes a load of it may build (``modes_to_load``); () for its own name alone
     takes_width: bool = True  # runs with --expert-split width
-    routing_on_host: bool = False  # reads the routing back per layer whatever the layout (can page experts)
+    reads_routing_back: bool = False  # reads the routing back per layer whatever the layout (can page experts)
     mlx_collectives: bool = True  # its exchange runs on MLX's collectives (else: mpi4py's sends)
     dense_on_root: bool = False  # rank 0 alone runs the dense model (the others hold experts only)
     measures_link: bool = False  # chooses among its modes from the link measured at load (auto_choice)
@@ -53,7 +53,7 @@ MODES: Dict[str, Mode] = {m.name: m for m in (
     Mode("collective", "every rank runs the dense model, one all_sum of the slots per layer (exact)", exact=True),
     Mode("collective-tp", "collective with attention split by mlx-lm's shard() (not bit-exact)"),
     Mode("p2p", "rank 0 runs the dense model, workers hold experts only (exact; survives a lost rank)",
-         takes_width=False, routing_on_host=True, mlx_collectives=False, dense_on_root=True,
+         takes_width=False, reads_routing_back=True, mlx_collectives=False, dense_on_root=True,
          exact=True),
 )}
 DISPATCH_MODES = tuple(MODES)
@@ -90,8 +90,8 @@ def check_options(name: str, layout: str, expert_split: str, pages: bool, placed
         if pages or placed:
             raise UserError("--expert-split width holds every expert on every rank, cut in width: "
                             "it takes no placement, --no-rank0-experts, --expert-capacity or --memory-budget")
-    if pages and not (m.routing_on_host or layout == "compact"):
-        hosts = " or ".join(f"--mode {n}" for n, other in MODES.items() if other.routing_on_host)
+    if pages and not (m.reads_routing_back or layout == "compact"):
+        hosts = " or ".join(f"--mode {n}" for n, other in MODES.items() if other.reads_routing_back)
         raise UserError(f"--expert-capacity pages experts by the routing read back on the host: "
                         f"use --layout compact or {hosts}")
 

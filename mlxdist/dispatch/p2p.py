@@ -146,7 +146,7 @@ class P2PDispatcher(Dispatcher):
 
         owing = dict(enumerate(handle.peers))
         while owing:
-            ACTIVITY.beat("exchange", ACTIVITY.layer, sorted(owing.values()))
+            ACTIVITY.at("exchange", ACTIVITY.layer, sorted(owing.values()))
             for i in MPI.Request.Waitsome(handle.requests) or []:
                 if i % 2 == 1:
                     owing.pop(i // 2, None)
@@ -176,7 +176,7 @@ class P2PDispatcher(Dispatcher):
 
         status = MPI.Status()
         while True:
-            ACTIVITY.beat("serving")
+            ACTIVITY.at("serving")
             try:
                 msg = self._serve_one(experts, ownership, on_layer, status)
             except survival.peer_errors(self.world):  # rank 0 sends the layer again
@@ -202,7 +202,7 @@ class P2PDispatcher(Dispatcher):
             return msg
         ACTIVITY.step = msg.step
         ACTIVITY.prefill = False  # one layer's experts at a time: the plain deadline
-        ACTIVITY.beat("experts", msg.layer)
+        ACTIVITY.at("experts", msg.layer)
         if on_layer is not None:
             on_layer(msg.layer, msg.step)
         tic = time.perf_counter()

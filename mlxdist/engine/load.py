@@ -404,7 +404,7 @@ def _replace_switches(world: World, lazy: _Lazy, plan: Placement, dispatcher, ro
             out.experts[site.layer] = local
             reading.update(nbytes(local.parameters()))
         try:
-            switch = DistributedSwitch(owns, local, dispatcher, first=site is lazy.sites[0], extras=extras)
+            switch = DistributedSwitch(owns, local, dispatcher, opens_forward=site is lazy.sites[0], extras=extras)
         except ValueError as e:
             raise UserError(f"mlxdist cannot run {lazy.config.get('model_type')}: {e}") from None
         setattr(site.parent, site.attr, switch)

@@ -50,7 +50,7 @@ def generate_own_share(engine, prompts: List[List[int]], max_tokens: List[int], 
             counters = {"prompt_tokens": s.prompt_tokens, "prompt_time": s.prompt_time,
                         "generation_tokens": s.generation_tokens, "generation_steps": s.generation_steps,
                         "decode_time": s.decode_time, "wall_time": s.wall_time, "peak_memory": s.peak_memory}
-    ACTIVITY.beat("shares")  # a rank done first waits here for as long as the others decode: not a hang
+    ACTIVITY.at("shares")  # a rank done first waits here for as long as the others decode: not a hang
     shares = agree(world, {"tokens": tokens, "logprobs": logprobs, "counters": counters}, error,
                       failed="generation failed: ")
     token_ids: List[List[int]] = [[] for _ in prompts]

@@ -26,7 +26,7 @@ class RoutingRecorder:
     def __init__(self, engine: Engine, path: Union[str, Path], every: Optional[float] = None):
         self.engine, self.path, self.every = engine, Path(path), every
         self.num_experts = {layer: o.num_experts for layer, o in engine.ownership.items()}
-        self.first = min(self.num_experts)
+        self.first_layer = min(self.num_experts)
         self.last = time.monotonic()
         self.writes = 0
         self._hooked = []
@@ -49,7 +49,7 @@ class RoutingRecorder:
 
     def _tick(self, layer: int) -> None:
         """Before each count on rank 0: at the first MoE layer, once ``every`` seconds have passed."""
-        if layer != self.first or time.monotonic() - self.last < self.every:
+        if layer != self.first_layer or time.monotonic() - self.last < self.every:
             return
         self.last = time.monotonic()
         try:

@@ -40,14 +40,14 @@ class DistributedSwitch(nn.Module):
         ownership: LayerOwnership,
         experts: Optional[nn.Module],
         dispatcher: Dispatcher,
-        first: bool = False,
+        opens_forward: bool = False,
         extras: Optional[Dict[str, Any]] = None,
     ):
         super().__init__()
         self.ownership = ownership
         self.experts = experts
         self.dispatcher = dispatcher
-        self.first = first
+        self.opens_forward = opens_forward  # the model's first MoE layer: a forward pass begins here
         self.observer: Optional[Observer] = None
         self.router: Optional[RouterWeights] = None  # set where the block's router weights are read (dp)
         self._tap: Optional[SlotTap] = None  # inside run_block, per token: the slots the block weights
@@ -60,7 +60,7 @@ class DistributedSwitch(nn.Module):
         layer = self.ownership.layer
         if not self.wraps_block:  # else the forward began around the block (run_block)
             self._maybe_begin_forward(x)
-        ACTIVITY.beat("experts", layer)
+        ACTIVITY.at("experts", layer)
         if faults.FAULT is not None:
             faults.at_layer(layer, ACTIVITY.step)
         observer = self.observer
@@ -93,12 +93,12 @@ class DistributedSwitch(nn.Module):
         out = self.dispatcher.combine(y, handle)
         if observer is not None:
             observer(self, "combined", (out,))
-        ACTIVITY.beat(*self.dispatcher.progress_after_combine(layer))
+        ACTIVITY.at(*self.dispatcher.progress_after_combine(layer))
         return out
 
     def _maybe_begin_forward(self, x: mx.array) -> None:
         """At the model's first MoE layer a forward pass begins."""
-        if self.first:
+        if self.opens_forward:
             ACTIVITY.begin_forward(prefill=x.ndim >= 3 and x.shape[-2] > 1)  # [B, L, D]: L tokens each
             self.dispatcher.begin_forward()
 
@@ -146,7 +146,7 @@ class DistributedSwitch(nn.Module):
 
             out = self.dispatcher.exchange_block(self.ownership.layer, observed, x)
             observer(self, "combined", (out,))
-        ACTIVITY.beat(*self.dispatcher.progress_after_combine(self.ownership.layer))
+        ACTIVITY.at(*self.dispatcher.progress_after_combine(self.ownership.layer))
         return out
 
 

@@ -53,7 +53,7 @@ class Activity:
     armed: bool = False  # a generation is running: the deadline applies
     serving_http: bool = False  # the server's loop: any step may be a long prefill (the prefill deadline)
 
-    def beat(self, phase: str, layer: Optional[int] = None, waiting_on: Optional[List[int]] = None) -> None:
+    def at(self, phase: str, layer: Optional[int] = None, waiting_on: Optional[List[int]] = None) -> None:
         """Where this rank is now (for reports); not progress."""
         self.phase, self.layer = phase, layer
         self.waiting_on = waiting_on or []

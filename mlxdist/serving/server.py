@@ -154,7 +154,7 @@ def serve(executor, options: Dict[str, Any]) -> None:
     # shared messages and steps on every rank. One step may be a long prefill,
     # so the deadline is the prefill one (--timeout x PREFILL_FACTOR).
     ACTIVITY.armed, ACTIVITY.serving_http = True, True
-    ACTIVITY.beat("serving-http")
+    ACTIVITY.at("serving-http")
     ACTIVITY.progress()
     generator = generator_class(loop_names, single_names)(provider, prompt_cache, world)
     if engine.data_parallel is not None:  # one request served alone runs on every rank, in no rank's batch
