@@ -97,7 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     distribution_opts = p.add_argument_group("distribution", "how the model is spread over the ranks (docs/modes.md)")
     distribution_opts.add_argument("--mode", "--dispatch", choices=DISPATCH_MODES, default="auto",
-                                   help=f"{modes.help_text()} (default %(default)s; docs/modes.md)")
+                                   help=f"{modes.help_text()} (default %(default)s; docs/modes.md; --dispatch: its "
+                                        f"old name, kept for one release)")
     distribution_opts.add_argument("--backend", choices=BACKENDS, default=None,
                                    help="MLX's transport for arrays: mpi, nccl (CUDA), ring (TCP), jaccl or "
                                         "jaccl-ring (RDMA over Thunderbolt, every pair or neighbours cabled); "

@@ -34,7 +34,8 @@ def main(argv=None) -> int:
                    help="free GB wanted where models are cached (default %(default)s)")
     p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
     fit_opts = p.add_argument_group("the model's fit, as a load with these options reckons it (docs/memory.md)")
-    fit_opts.add_argument("--mode", "--dispatch", choices=DISPATCH_MODES, default="auto", help="the mode (default %(default)s)")
+    fit_opts.add_argument("--mode", "--dispatch", choices=DISPATCH_MODES, default="auto",
+                          help="the mode (default %(default)s; --dispatch: its old name, kept for one release)")
     fit_opts.add_argument("--rank-memory", metavar="HOST=GB,...|A,B,...", type=rank_memory_arg, default=None,
                           help="GB of expert weights each host or rank may keep resident (default: from the memory "
                                "each rank finds)")
