@@ -117,7 +117,7 @@ class ExchangeStats:
 
 def routing_share(dispatchers: Iterable[Any], rank: int) -> Dict[int, np.ndarray]:
     """layer -> [E] int64: this rank's part of the job's routed slots, over
-    every loaded strategy, such that the parts of all ranks add up to each
+    every loaded mode, such that the parts of all ranks add up to each
     routed slot counted once. Where every rank runs the dense model on
     every token, or rank 0 alone does, rank 0's count is the whole; where
     each rank routes its own sequences (``DenseRanks.OWN``), each rank's is

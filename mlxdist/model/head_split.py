@@ -39,7 +39,7 @@ _NAME = "scaled_dot_product_attention"
 
 
 class HeadSplit:
-    """The switch and the count: ``on`` while the strategy in use runs the
+    """The switch and the count: ``on`` while the mode in use runs the
     same rows with every head on every rank (``Engine.use``); ``chunks``:
     attention calls split so far on this rank."""
 

@@ -95,7 +95,7 @@ class RoutingPromptCache(AlignedPromptCache):
 
 class NoPromptCache(LRUPromptCache):
     """Nothing kept: the prompt cache of a request served alone under dp
-    (by the exact strategy on every rank, not in a rank's batch)."""
+    (by the exact mode on every rank, not in a rank's batch)."""
 
     def fetch_nearest_cache(self, model: Any, tokens: List[int]):
         return None, tokens

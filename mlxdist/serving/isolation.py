@@ -82,7 +82,7 @@ def _setup_sequence() -> Optional[Sequence]:
 
 def _guarded_sampler(make: Callable, follow: Callable[[], Any]) -> Callable:
     def make_sampler(args, tokenizer):
-        root = follow()  # the strategy in use: where every rank samples this row, rank 0's token
+        root = follow()  # the mode in use: where every rank samples this row, rank 0's token
         sampler = _guarded(make, args, tokenizer)
         return sampler if root is None else root.sampler(sampler)
 

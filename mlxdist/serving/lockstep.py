@@ -222,7 +222,7 @@ class LockstepResponseGenerator(compat.ResponseGenerator):
         # One request alone (mlx-lm serves seeded ones so), its every token shared (``_SingleQueue``).
         request = (_SingleQueue(request[0], self),) + tuple(request[1:])
         engine = self.model_provider.engine
-        engine.use(engine.mode_for(1))  # one sequence on every rank: the exact strategy, also under dp
+        engine.use(engine.mode_for(1))  # one sequence on every rank: the exact mode, also under dp
         self.model_provider.model = engine.model
         if self.single_prompt_cache is None:
             return super()._serve_single(request, stream)

@@ -137,7 +137,7 @@ def serve(executor, options: Dict[str, Any]) -> None:
     # Per-sequence failures end their sequence alone; where every rank samples a
     # sequence (not dp's batches), every rank takes rank 0's tokens.
     loop_names = guarded_factories(lambda: None if engine.data_parallel is not None else engine.root_tokens())
-    single_names = guarded_factories(engine.root_tokens)  # _serve_single: the exact strategy, every rank
+    single_names = guarded_factories(engine.root_tokens)  # _serve_single: the exact mode, every rank
     if engine.data_parallel is not None:  # each rank its own sequences
         from mlxdist.engine.dp_generator import make_batch_generator
         from mlxdist.serving.dp_prompt_cache import NoPromptCache, RoutingPromptCache
