@@ -380,6 +380,10 @@ def test_metrics_parse(front):
     assert m["mlxdist_time_to_first_token_seconds_count{}"] >= 2
     assert m["mlxdist_ranks_alive{}"] == 2 and m["mlxdist_serving{}"] == 1 and m["mlxdist_recoveries_total{}"] == 0
     assert m["mlxdist_requests_queued{}"] == 0 and m["mlxdist_requests_running{}"] == 0
+    assert m["mlxdist_time_per_output_token_seconds_count{}"] >= 10
+    assert m["mlxdist_requests_held{}"] == 0 and m["mlxdist_requests_replayed_total{}"] == 0
+    sent, received = (m[f'mlxdist_rank0_exchange_bytes_total{{"direction": "{d}"}}'] for d in ("sent", "received"))
+    assert sent > 0 and received > 0, m
 
 
 def test_a_rank_lost_mid_stream(front):
@@ -395,7 +399,9 @@ def test_a_rank_lost_mid_stream(front):
                   + b"\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
         got = b""
         while got.count(b"data: ") < 3:
-            got += s.recv(65536)
+            chunk = s.recv(65536)
+            assert chunk, got[-2000:]  # closed before its third chunk: never spin on it
+            got += chunk
         ranks = front.rank_pids()
         assert len(ranks) == 2, ranks
         os.kill(ranks[1], signal.SIGKILL)
