@@ -8,10 +8,11 @@ back to 3 at a quiet moment (not while a stream is live); then rank 2 killed
 (kill -9). Each time: a new request meanwhile is answered 503 with
 Retry-After at once, the stream under way ends with an error event within
 the heartbeat plus 5 s, the plain request that had no answer yet is held
-and answered by the job on the ranks left (a stream sent while rank 1 was
-stopped too, its text once), a client told 503 is answered once it
-retries, the front serves again on the 2 ranks left within 60 s, and greedy
-answers equal mlx-lm's (the held ones: an undisturbed run's)."""
+and answered by the job on the ranks left (a stream and an Anthropic
+Messages request sent while rank 1 was stopped too, the stream's text
+once), a client told 503 is answered once it retries, the front serves
+again on the 2 ranks left within 60 s, and greedy answers equal mlx-lm's
+(the held ones: an undisturbed run's)."""
 
 import json
 import os
@@ -35,6 +36,7 @@ SERVING_AGAIN_WITHIN = 60.0
 PROMPT = "Request 3: tokens tokens"
 # Sent while a long stream runs, still unanswered when the fault hits, short to answer again.
 HELD = {"prompt": PROMPT, "max_tokens": 160, "logit_bias": {str(EOS): -100}}
+MESSAGE = {"model": "m", "max_tokens": 8, "temperature": 0, "messages": [{"role": "user", "content": PROMPT}]}
 
 
 def wait_for(predicate, timeout: float, what: str) -> float:
@@ -108,13 +110,22 @@ def held_stream(front, got):
     got["at"] = time.monotonic()
 
 
+def held_message(front, got):
+    """An Anthropic Messages request (not streamed): its answer into ``got["answer"]``."""
+    try:
+        got["answer"] = front.post("/v1/messages", MESSAGE, timeout=180)
+    except OSError as e:
+        got["answer"] = (None, None, repr(e))
+
+
 def check_fault(front, victim_rank, sig, expected, undisturbed, queued_stream=False):
     """``sig`` to rank ``victim_rank`` with a plain request and a stream
     live: the stream ends within the heartbeat + 5 s (an error event after
     a chunk whose finish_reason is "error"), the plain one (no answer yet)
     is held and answered by the next job with ``undisturbed``'s text; with
-    ``queued_stream``, a stream sent after the fault (no chunk yet) is held
-    too and streams ``expected`` once; a request meanwhile 503 with
+    ``queued_stream``, a stream and a Messages request sent after the fault
+    (no chunk yet) are held too: the stream streams ``expected`` once, the
+    Messages answer's content is the undisturbed one's; a request meanwhile 503 with
     Retry-After at once and answered once it retries after recovery, the
     front serving again (degraded, one rank fewer) within 60 s of the fault,
     greedy as mlx-lm. The victim's pid."""
@@ -123,9 +134,10 @@ def check_fault(front, victim_rank, sig, expected, undisturbed, queued_stream=Fa
     live = Live(front)
     os.kill(victim, sig)
     hit = time.monotonic()
-    queued = {}
-    if queued_stream:  # the ranks are stopped: it waits in the rank server's queue
+    queued, message = {}, {}
+    if queued_stream:  # the ranks are stopped: these wait in the rank server's queue
         threading.Thread(target=held_stream, args=(front, queued), daemon=True).start()
+        threading.Thread(target=held_message, args=(front, message), daemon=True).start()
     wait_for(lambda: status_of(front) in ("recovering", "starting"), ANSWERED_WITHIN, "recovering")
     asked = time.monotonic()
     status, headers, body = front.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 8})
@@ -143,15 +155,18 @@ def check_fault(front, victim_rank, sig, expected, undisturbed, queued_stream=Fa
             break
         assert time.monotonic() - hit < SERVING_AGAIN_WITHIN, "not serving again within 60 s"
     assert status == 200 and body["choices"][0]["text"] == expected, body
-    wait_for(lambda: "at" in live.plain and (not queued_stream or "at" in queued), 120, "the held requests' answers")
+    wait_for(lambda: "at" in live.plain and (not queued_stream or ("at" in queued and "answer" in message)), 120,
+             "the held requests' answers")
     status, _, body = live.plain["answer"]
-    assert status == 200 and body["choices"][0]["text"] == undisturbed, (status, body)
+    assert status == 200 and body["choices"][0]["text"] == undisturbed["plain"], (status, body)
     if queued_stream:
         events = [json.loads(e) for e in queued["events"] if e.startswith("{")]
         assert queued["status"] == 200 and queued["events"][-1] == "[DONE]", queued
         assert all(e.get("error") is None for e in events), queued
         assert "".join(e["choices"][0]["text"] for e in events if e.get("choices")) == expected, queued
-    assert front.metrics()["mlxdist_requests_replayed_total{}"] - replayed == (2 if queued_stream else 1)
+        status, _, body = message["answer"]
+        assert status == 200 and body["content"] == undisturbed["message"], (status, body)
+    assert front.metrics()["mlxdist_requests_replayed_total{}"] - replayed == (3 if queued_stream else 1)
     status, _, health = front.health()
     assert status == 200 and health["status"] == "degraded" and health["ranks"] == 2, health
     record = health["last_recovery"]
@@ -186,8 +201,9 @@ def test_the_front_serves_through_a_stopped_and_a_killed_rank(checkpoint):
         status, body = front.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 8})[::2]
         assert status == 200 and body["choices"][0]["text"] == expected, body
         status, body = front.post("/v1/completions", HELD)[::2]
-        assert status == 200, body
-        undisturbed = body["choices"][0]["text"]
+        status2, answer = front.post("/v1/messages", MESSAGE)[::2]
+        assert status == 200 and status2 == 200, (body, answer)
+        undisturbed = {"plain": body["choices"][0]["text"], "message": answer["content"]}
 
         # (a) rank 1 stopped: the heartbeat names it
         victim, record = check_fault(front, 1, signal.SIGSTOP, expected, undisturbed, queued_stream=True)
