@@ -460,3 +460,27 @@ def test_hostile_front_options_are_one_line(checkpoint, capfd, monkeypatch):
             assert said in err and len([l for l in err.splitlines() if "error" in l]) == 1, (extra, err)
     finally:
         busy.close()
+
+
+def test_a_request_is_held_only_while_it_said_nothing():
+    """What a stream must have sent before a lost job ends it instead of
+    sending it again (front/upstream.py's _says): a content chunk, a finish,
+    usage, [DONE], another error; not a keep-alive comment, a blank line or a
+    chunk holding a role alone (kept back until content comes); a 503 error
+    event is the lost rank's (None: held)."""
+    from mlxdist.front.upstream import _says
+
+    def data(chunk):
+        return "data: " + json.dumps(chunk)
+
+    role = {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}
+    said = [data({"choices": [{"index": 0, "delta": {"role": "assistant", "content": "Hi"}, "finish_reason": None}]}),
+            data({"choices": [{"index": 0, "text": "4", "finish_reason": None}]}),
+            data({"choices": [{"index": 0, "text": "", "finish_reason": "stop"}]}),
+            data({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 0}}),
+            data({"choices": [{"index": 0, "delta": {"tool_calls": [{"id": "x"}]}, "finish_reason": None}]}),
+            data({"error": {"message": "failed", "code": 500}}), "data: [DONE]"]
+    assert [_says(line) for line in said] == [True] * len(said)
+    assert [_says(line) for line in ("", ": keepalive 4/5", data(role),
+                                     data({"choices": [{"index": 0, "text": "", "finish_reason": None}]}))] == [False] * 4
+    assert _says(data({"error": {"message": "the server lost a rank and is shutting down", "code": 503}})) is None

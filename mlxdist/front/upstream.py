@@ -24,7 +24,7 @@ import asyncio
 import contextlib
 import json
 import time
-from typing import Any, AsyncIterator, Dict, List, Mapping, Optional, Union
+from typing import Any, AsyncIterator, Dict, Mapping, Optional, Union
 
 import httpx
 
@@ -209,18 +209,18 @@ class _Guarded:
         """The answer's SSE lines. Until the first line that says something
         (``_says``), a loss sends the request again: data chunks that say
         nothing (a role alone) are kept back meanwhile, and dropped then."""
-        started, kept = False, []  # type: bool, List[str]
+        started, kept = False, []
         while True:
-            lost: Optional[Exception] = None
+            failure: Optional[Exception] = None
+            loss_event: Optional[str] = None  # the rank server's error event of a lost rank
             try:
                 async for line in self._response.aiter_lines():
                     if started:
                         yield line
                         continue
                     says = _says(line)
-                    if says is None:  # the job lost a rank: its error event
-                        lost = RuntimeError("the rank server's error event")
-                        loss_line = line
+                    if says is None:
+                        loss_event = line
                         break
                     if says:
                         started = True
@@ -239,20 +239,21 @@ class _Guarded:
             except (httpx.TransportError, httpx.StreamError) as e:
                 if started:
                     raise self._upstream._unavailable(e) from None
-                lost = e
+                failure = e
             base = await self._next_job()
             if base is None:
-                if isinstance(lost, RuntimeError):  # the error event ends the answer, as without the hold
-                    for earlier in kept:
-                        yield earlier
-                    yield loss_line
-                    return
-                raise self._upstream._unavailable(lost) from None
+                if loss_event is None:
+                    raise self._upstream._unavailable(failure) from None
+                for earlier in kept:  # the error event ends the answer, as without the hold
+                    yield earlier
+                yield loss_event
+                return
             kept.clear()
             await self.open(base.rstrip("/") + self._path)
             if self._response.status_code != 200:
+                body = await self.aread()
                 raise Unavailable(f"the job started on the ranks left answered {self._response.status_code}: "
-                                  f"{_message(self._response.content)}", self._upstream.retry_after)
+                                  f"{_message(body)}", self._upstream.retry_after)
 
     async def aiter_bytes(self) -> AsyncIterator[bytes]:
         try:
