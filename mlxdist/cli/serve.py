@@ -22,7 +22,7 @@ from mlxdist.serving.connections import (
     DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_BODY, DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_HEADERS,
     DEFAULT_MAX_QUEUED, DEFAULT_MAX_QUEUED_CHARS, DEFAULT_REQUEST_TIMEOUT, HTTPServer,
 )
-from mlxdist.serving.prompt_cache import DEFAULT_PROMPT_CACHE_BYTES, prompt_cache_bytes_arg
+from mlxdist.serving.cache_bytes import DEFAULT_PROMPT_CACHE_BYTES, prompt_cache_bytes_arg
 from mlxdist.serving.schema import DEFAULT_MAX_DRAFT_TOKENS
 from mlxdist.config import MAX_DRAFT_TOKENS
 

@@ -80,11 +80,11 @@ class HeadSplit:
         return every.transpose(1, 0, 2, 3)  # [H, B, L, d] -> [B, H, L, d]
 
 
-def install(model: nn.Module, group: mx.distributed.Group) -> Optional[HeadSplit]:
+def install(model: nn.Module, group: Optional[mx.distributed.Group]) -> Optional[HeadSplit]:
     """Point every module of ``model`` whose ``__call__`` calls mlx-lm's
     ``scaled_dot_product_attention`` at a ``HeadSplit`` (off until turned
     on); None where no module does or there is one rank."""
-    if group.size() == 1:
+    if group is None or group.size() == 1:
         return None
     split = HeadSplit(group)
     subclasses = {}

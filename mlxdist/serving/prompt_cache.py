@@ -29,37 +29,16 @@ takes 188 KiB a token (94 layers x 2 x 4 heads x 128 x 2 bytes), so 8 GiB is
 cent of a 128-512 GB Mac beside its share of the weights. 0 keeps nothing.
 """
 
-import argparse
-import re
 from typing import Any, List, Optional, Tuple
 
 from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
 
+from mlxdist.serving.cache_bytes import DEFAULT_PROMPT_CACHE_BYTES, MAX_PROMPT_CACHE_BYTES, prompt_cache_bytes_arg
+
 __all__ = ["AlignedPromptCache", "held_tokens", "prompt_cache_bytes_arg", "DEFAULT_PROMPT_CACHE_BYTES",
            "MAX_PROMPT_CACHE_BYTES", "PROMPT_CACHE_ENTRIES"]
 
-DEFAULT_PROMPT_CACHE_BYTES = 8 << 30
-MAX_PROMPT_CACHE_BYTES = 1 << 44  # 16 TiB: more than any machine holds
 PROMPT_CACHE_ENTRIES = 10  # mlx-lm's server's --prompt-cache-size
-_BYTES = re.compile(r"([0-9]{1,20})([KMGT]i?B?)?\Z")
-_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-
-
-def prompt_cache_bytes_arg(text: str) -> int:
-    """An argparse type for ``--prompt-cache-bytes``: a number of bytes in
-    ASCII digits, optionally with K, M, G or T (powers of 1,024; ``8G``,
-    ``512MiB``), from 0 (no prompt cache) to ``MAX_PROMPT_CACHE_BYTES``."""
-    found = _BYTES.match(text) if isinstance(text, str) else None
-    if not found:
-        raise argparse.ArgumentTypeError(f"takes bytes in ASCII digits, optionally with K, M, G or T (8G, 512M), "
-                                         f"not {text!r:.40}")
-    value = int(found.group(1)) * (_UNITS[found.group(2)[0]] if found.group(2) else 1)
-    if value > MAX_PROMPT_CACHE_BYTES:
-        raise argparse.ArgumentTypeError(f"the value must be at most {MAX_PROMPT_CACHE_BYTES} (16T), not {text!r:.40}")
-    return value
-
-
-prompt_cache_bytes_arg.__name__ = "bytes"  # argparse names the type in its messages
 
 
 def held_tokens(cache: List[Any]) -> Optional[int]:
