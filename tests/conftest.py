@@ -5,6 +5,7 @@ import functools
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -29,6 +30,14 @@ from mlxdist.runtime.world import retry_launcher  # noqa: E402
 MPIRUN = str(Path(sys.executable).parent / "mpirun")
 if not os.path.exists(MPIRUN):
     MPIRUN = "mpirun"
+
+
+def interruptible() -> None:
+    """A child's ``preexec_fn``: SIGINT back to its default, as at a terminal.
+    A shell's background job (``launch/test &``, some CI runners) starts with
+    SIGINT ignored, which every child inherits, and then Ctrl-C tests would
+    test nothing."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def mpirun_env() -> dict:

@@ -175,12 +175,13 @@ def test_ctrl_c_stops_every_rank_with_status_0(checkpoint, max_tokens, moment):
     import threading
     import time
 
-    from conftest import ROOT, mpirun_env
+    from conftest import ROOT, interruptible, mpirun_env
 
     path = str(checkpoint("qwen3_moe"))
     proc = subprocess.Popen([str(ROOT / "launch" / "mpirun"), "-np", "2", "python", "-m", "mlxdist.run", "--model",
                              path, "-m", str(max_tokens)], cwd=ROOT, env=mpirun_env(), stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                            preexec_fn=interruptible)
     out, err = bytearray(), bytearray()
     readers = [threading.Thread(target=_drain, args=pair, daemon=True) for pair in ((proc.stdout, out),
                                                                                    (proc.stderr, err))]

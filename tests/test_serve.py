@@ -20,7 +20,7 @@ import urllib.request
 
 import pytest
 
-from conftest import MPIRUN, ROOT, mlx_lm_loaded, mpirun_env
+from conftest import MPIRUN, ROOT, interruptible, mlx_lm_loaded, mpirun_env
 from mlxdist.runtime.world import retry_launcher
 
 KEY = "test-key-123"
@@ -115,7 +115,7 @@ class Server:
         self.model = path
         self.proc = subprocess.Popen(self.command(path, nranks, extra), env={**mpirun_env(), **env}, cwd=ROOT,
                                      stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True, start_new_session=True)
+                                     text=True, start_new_session=True, preexec_fn=interruptible)
         deadline = time.time() + 120
         self.port = serving_port(self.proc, deadline)  # --port 0: the server binds a free port and says which
         self.url = f"http://127.0.0.1:{self.port}"
