@@ -98,7 +98,7 @@ SKIP = {
     ("docs/benchmarks.md", "launch/mpirun -np 2 python -m mlxdist.bench mlxlm"): "mlx-lm's tensor, pipeline and replicas contenders: tests/test_bench.py",
     ("docs/placement.md", "# even, balanced"): "three placements side by side: minutes (tests/test_bench.py)",
     ("docs/serving.md", "python -m mlxdist.bench stress"): "10,000 requests: minutes (tests/test_stress.py)",
-    ("docs/serving.md", "python -m mlxdist.bench turns"): "two servers, 3,400-token turns: minutes (the results page's run)",
+    ("docs/serving.md", "python -m mlxdist.bench turns"): "three servers, 3,400-token turns: minutes (the results page's run)",
     ("docs/notes/auto-rows-per-rank.md", "CONTENDERS="): "a GPU",
     ("docs/notes/auto-rows-per-rank.md", "benchmarks/compare"): "many minutes: the note's measurement",
     ("docs/notes/gpu-masked-layout.md", "CONTENDERS="): "a GPU",
