@@ -24,7 +24,7 @@ import pytest
 from conftest import ROOT, mlx_lm_loaded, mpirun_env
 from test_hostile import HOSTILE_BODIES, HOSTILE_RAW, error_shaped, raw_request
 from test_limits import parse_reply, trickle
-from test_serve import KEY, PROMPTS, alone, launcher_rank_of
+from test_serve import KEY, PROMPTS, alone, rank_pids_with
 
 FRONT_LINE = re.compile(r"mlxdist: front on http://127\.0\.0\.1:(\d+) ")
 CAP = 8
@@ -110,17 +110,7 @@ class Front:
     def rank_pids(self):
         """Pids of the job's ranks, in rank order (their command lines name
         this front's checkpoint; the launcher's own processes have no rank)."""
-        pids = []
-        for entry in os.listdir("/proc"):
-            try:
-                with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    args = f.read().split(b"\0")
-            except OSError:
-                continue
-            if b"mlxdist.serve" in args and str(self.model).encode() in args and b"--ranks" not in args \
-                    and launcher_rank_of(int(entry)) >= 0:
-                pids.append(int(entry))
-        return sorted(pids, key=launcher_rank_of)
+        return rank_pids_with(["mlxdist.serve", str(self.model)], excluded=["--ranks"])
 
     def stop(self) -> int:
         """Ctrl-C: the front stops its job, then itself."""

@@ -27,7 +27,7 @@ import pytest
 
 from conftest import ROOT, mpirun_env
 from test_front import EOS, Front
-from test_serve import KEY, alone, launcher_rank_of
+from test_serve import KEY, alone, rank_pids_with
 
 HEARTBEAT = 5.0
 REGROW_EVERY = 8.0
@@ -254,16 +254,7 @@ def test_supervise_restarts_a_job_file_after_a_stopped_rank(checkpoint, tmp_path
 
 def _ranks_of(marker):
     """The rank processes whose command line holds ``marker``, by rank (the launcher's own have none)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                args = f.read().split(b"\0")
-        except OSError:
-            continue
-        if marker.encode() in args and launcher_rank_of(int(entry)) >= 0:
-            found.append(int(entry))
-    return sorted(found, key=launcher_rank_of)
+    return rank_pids_with([marker])
 
 
 def test_hostile_job_options_are_one_line(capsys):

@@ -21,6 +21,7 @@ import urllib.request
 import pytest
 
 from conftest import MPIRUN, ROOT, interruptible, mlx_lm_loaded, mpirun_env
+from mlxdist.bench.recovery import launcher_rank_of
 from mlxdist.runtime.world import retry_launcher
 
 KEY = "test-key-123"
@@ -79,13 +80,21 @@ def serving_port(proc: subprocess.Popen, deadline: float) -> int:
             return int(found.group(1))
 
 
-def launcher_rank_of(pid: int) -> int:
-    """The rank mpirun or mlx.launch gave process ``pid`` (-1 where unknown)."""
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            env = dict(v.split(b"=", 1) for v in f.read().split(b"\0") if b"=" in v)
-    except OSError:
-        return -1
+def rank_pids_with(required, excluded=()):
+    """Pids of the rank processes (the launcher's own have no rank) whose
+    command line holds every argument of ``required`` and none of
+    ``excluded``, in rank order."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                args = f.read().split(b"\0")
+        except OSError:
+            continue
+        if all(a.encode() in args for a in required) and not any(a.encode() in args for a in excluded) \
+                and launcher_rank_of(int(entry)) >= 0:
+            pids.append(int(entry))
+    return sorted(pids, key=launcher_rank_of)
     for name in (b"OMPI_COMM_WORLD_RANK", b"MLX_RANK"):
         if name in env:
             return int(env[name])

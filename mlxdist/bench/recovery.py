@@ -73,10 +73,11 @@ def rank_pids(launcher_pid: int) -> List[int]:
                 pids.append(pid)
         except OSError:
             continue
-    return sorted(pids, key=lambda pid: (_launcher_rank(pid), pid))
+    return sorted(pids, key=lambda pid: (launcher_rank_of(pid), pid))
 
 
-def _launcher_rank(pid: int) -> int:
+def launcher_rank_of(pid: int) -> int:
+    """The rank mpirun or mlx.launch gave process ``pid`` (-1 where unknown)."""
     try:
         with open(f"/proc/{pid}/environ", "rb") as f:
             env = dict(v.split(b"=", 1) for v in f.read().split(b"\0") if b"=" in v)
