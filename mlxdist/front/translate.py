@@ -26,6 +26,7 @@ from pydantic import ValidationError
 
 from mlxdist.errors import AnswerFailed
 from mlxdist.inputs import json_input
+from mlxdist.serving.schema import read_object
 from mlxdist.front.messages_schema import (
     MessagesRequest, RedactedThinkingBlock, TextBlock, ThinkingBlock, ToolResultBlock, ToolUseBlock, Tool,
     parse_blocks, first_error,
@@ -79,15 +80,7 @@ def read_body(raw: bytes) -> Dict[str, Any]:
     UTF-8, nesting at most ``MAX_DEPTH``, numbers Python can hold, no lone
     surrogates; a ValueError (a 400) with the reason. Its size is the
     front's to bound, before it is read."""
-    try:
-        body = json_input.parse(raw, len(raw), json_input.MAX_DEPTH)
-    except ValueError as e:
-        raise ValueError(f"the request body {e}") from None
-    if not isinstance(body, dict):
-        raise ValueError("the request body must be a JSON object")
-    unreadable = json_input.first_unreadable(body)
-    if unreadable is not None:
-        raise ValueError(f"the request body holds {unreadable}, which is no number mlxdist reads")
+    body = read_object(raw, json_input.MAX_DEPTH)  # a RequestError is a ValueError
     try:
         json.dumps(body, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError:

@@ -67,11 +67,12 @@ class RequestLimits:
     max_draft_tokens: int = DEFAULT_MAX_DRAFT_TOKENS  # a request's num_draft_tokens (--max-draft-tokens)
 
 
-def check_request(raw: bytes, limits: RequestLimits) -> Tuple[Dict[str, Any], int]:
-    """Parse and check one request body: the body and its prompt text's
-    characters (counted once, for the prompt limit and the queued-text cap)."""
+def read_object(raw: bytes, max_depth: int) -> Dict[str, Any]:
+    """A request body as a JSON object (``json_input``: strict UTF-8,
+    nesting at most ``max_depth``, numbers Python can hold); a
+    ``RequestError`` (a 400) with the reason."""
     try:
-        body = json_input.parse(raw, len(raw), limits.max_depth)  # its size: --max-body-bytes, at the socket
+        body = json_input.parse(raw, len(raw), max_depth)
     except ValueError as e:
         raise RequestError(f"the request body {e}") from None
     if not isinstance(body, dict):
@@ -79,6 +80,13 @@ def check_request(raw: bytes, limits: RequestLimits) -> Tuple[Dict[str, Any], in
     unreadable = json_input.first_unreadable(body)
     if unreadable is not None:
         raise RequestError(f"the request body holds {unreadable}, which is no number mlxdist reads")
+    return body
+
+
+def check_request(raw: bytes, limits: RequestLimits) -> Tuple[Dict[str, Any], int]:
+    """Parse and check one request body: the body and its prompt text's
+    characters (counted once, for the prompt limit and the queued-text cap)."""
+    body = read_object(raw, limits.max_depth)  # its size: --max-body-bytes, at the socket
     _check_text(body)
     return body, check_fields(body, limits)
 
