@@ -7,7 +7,7 @@
 """
 
 __version__ = "0.1.0"
-__all__ = ["init", "Cluster", "Result", "Piece", "LoadOptions", "Placement", "MlxdistError", "UserError", "LoadError"]
+__all__ = ["init", "Cluster", "Result", "Piece", "LoadOptions", "Placement", "MlxdistError", "UserError", "LoadError", "RankLost"]
 
 
 def __getattr__(name):
@@ -24,7 +24,7 @@ def __getattr__(name):
         from mlxdist.values.placement import Placement
 
         return Placement
-    if name in ("MlxdistError", "UserError", "LoadError"):
+    if name in ("MlxdistError", "UserError", "LoadError", "RankLost"):
         from mlxdist import errors
 
         return getattr(errors, name)

@@ -8,13 +8,17 @@
 
 Launched with ``mpirun -np N python script.py`` or as one plain process.
 Every method runs on rank 0; errors in its arguments raise there and leave
-the cluster usable.
+the cluster usable. A rank lost while a method runs (or before) raises
+``RankLost`` within the heartbeat (``runtime/rank0_thread.py``); the job is
+over then, and ends when the script does.
 """
 
 import random
 import sys
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
+
+import mlx.core as mx
 
 from mlxdist.runtime import control as commands
 from mlxdist.runtime.control import Command
@@ -26,17 +30,18 @@ from mlxdist.config import (
 from mlxdist.engine import Engine
 from mlxdist.engine.speculative import DraftTally, drafter_name
 from mlxdist.engine.verify_width import START, VerifyWidths
-from mlxdist.errors import GenerationFailed, LoadError, UserError, failure_line, say_error
+from mlxdist.errors import GenerationFailed, LoadError, RankLost, UserError, failure_line, say_error
 from mlxdist.commands.executor import PROBES, CommandExecutor
 from mlxdist.runtime.world import World, abort, join, run_or_abort, set_exit_code
 from mlxdist.values.placement import Placement
 from mlxdist.model.routing_file import RoutingStats
 from mlxdist.dispatch.stats import add_shares
 from mlxdist.engine.routing_record import RoutingRecorder
-from mlxdist.runtime.heartbeat import DEFAULT_HEARTBEAT, check_heartbeat, start_heartbeat
+from mlxdist.runtime.heartbeat import DEFAULT_HEARTBEAT, ON_LOST, check_heartbeat, start_heartbeat
+from mlxdist.runtime.rank0_thread import Rank0Thread
 from mlxdist.runtime.watchdog import ACTIVITY, DEFAULT_TIMEOUT, start_watchdog
 
-__all__ = ["Cluster", "LoadError", "Piece", "Result", "UserError", "init"]
+__all__ = ["Cluster", "LoadError", "Piece", "RankLost", "Result", "UserError", "init"]
 
 Messages = List[Dict[str, str]]
 
@@ -71,6 +76,19 @@ class Cluster:
         self._recorder: Optional[RoutingRecorder] = None  # load(record_routing=...)
         self._open_stream: Optional[Iterator[Any]] = None  # the generation a stream reads, while it is open
         self._widths = VerifyWidths()  # speculative decoding's measured widths, this load's (num_draft_tokens="auto")
+        self._rank0 = Rank0Thread()  # where every command runs while the caller waits (and hears of a loss)
+        if world.size > 1:
+            ON_LOST.append(self._rank0.lost)
+
+    def _on_ranks(self, fn, *args):
+        """``fn(*args)``: a command's rank-0 side, run on the rank-0 thread
+        (``RankLost`` if a rank is lost meanwhile); at once with one rank."""
+        return self._rank0.call(fn, *args) if self.world.size > 1 else fn(*args)
+
+    @property
+    def lost(self) -> bool:
+        """Whether a rank was lost: every command raises ``RankLost`` from then on."""
+        return self._rank0.lost_line is not None
 
     # -- lifecycle -------------------------------------------------------
     def __enter__(self) -> "Cluster":
@@ -84,6 +102,10 @@ class Cluster:
             return
         if exc_type is not None:
             set_exit_code(1)
+        if self.lost:  # no rank can hear a shutdown; the exception says why
+            set_exit_code(1)
+            self._closed = True
+            return
         if exc_type is not None and self.world.size > 1 and not issubclass(exc_type, (UserError, GenerationFailed)):
             # Not a refused request nor a generation every rank failed alike:
             # the other ranks may be inside a collective this rank left, and
@@ -96,14 +118,22 @@ class Cluster:
         self.shutdown(1 if exc_type is not None else 0)
 
     def shutdown(self, exit_code: int = 0) -> None:
-        """Tell every other rank to exit (with ``exit_code``)."""
-        if not self._closed:
-            if self._open_stream is not None:  # a stream left open ends at this token on every rank
-                self._end_stream({})
-            self._finish_recording()
+        """Tell every other rank to exit (with ``exit_code``); after a lost
+        rank, nothing (the ranks left end with this process)."""
+        if self._closed:
+            return
+        if self._rank0.lost in ON_LOST:
+            ON_LOST.remove(self._rank0.lost)
+        if self.lost:
             self._closed = True
-            ACTIVITY.at("exiting")
-            self._broadcast(ShutdownCommand(exit_code))
+            set_exit_code(1)
+            return
+        if self._open_stream is not None:  # a stream left open ends at this token on every rank
+            self._end_stream({})
+        self._finish_recording()
+        self._closed = True
+        ACTIVITY.at("exiting")
+        self._on_ranks(self._broadcast, ShutdownCommand(exit_code))
 
     def _broadcast(self, command: Command) -> Command:
         if self._open_stream is not None:
@@ -175,7 +205,7 @@ class Cluster:
         options.record_routing = options.record_routing or record_routing is not None or count_routing
         options.validate()
         self._finish_recording()
-        self.executor.load(self._broadcast(LoadCommand(options)))
+        self._on_ranks(lambda: self.executor.load(self._broadcast(LoadCommand(options))))
         self._widths = VerifyWidths()  # what the last load's generations measured is not this one's
         if record_routing is not None:
             self._recorder = RoutingRecorder(self.engine, record_routing, record_routing_every)
@@ -186,13 +216,13 @@ class Cluster:
         load (needs ``load(record_routing=...)``), gathered on rank 0."""
         if self._recorder is None:
             raise UserError("routing is recorded only after load(record_routing=FILE)")
-        reports = self.executor.stats(self._broadcast(StatsCommand(routing=True)))
+        reports = self._on_ranks(lambda: self.executor.stats(self._broadcast(StatsCommand(routing=True))))
         return self._recorder.record(add_shares(r.get("routing", {}) for r in reports))
 
     def _finish_recording(self) -> None:
         """Write the routing file of the model loaded (if recorded), and stop recording."""
         recorder, self._recorder = self._recorder, None
-        if recorder is None or self.executor.engine is None or self.world.lost:
+        if recorder is None or self.executor.engine is None or self.world.lost or self.lost:
             return
         self._recorder = recorder
         try:
@@ -290,8 +320,8 @@ class Cluster:
         chose it), the peak memory of every rank and the exchange counters
         once the stream ends."""
         stats = {} if stats is None else stats
-        request = self._broadcast(request)
-        responses = self.executor.generate(request)
+        request = self._on_ranks(self._broadcast, request)
+        responses = self.executor.generate(request)  # a generator: its steps run on the rank-0 thread
         self._open_stream = responses
         sampling = request.sampling
         drafter = self._drafter(sampling)  # None: plain decoding
@@ -299,7 +329,10 @@ class Cluster:
         if request.verify_width:
             stats["verify_width"] = request.verify_width
         try:
-            for response in responses:
+            while True:
+                response = self._on_ranks(_next_evaluated, responses)
+                if response is None:
+                    break
                 tally.add(response.from_draft)
                 stats.update(
                     prompt_tokens=response.prompt_tokens,
@@ -328,10 +361,16 @@ class Cluster:
 
     def _end_stream(self, stats: Dict[str, Any]) -> None:
         """End the open stream on every rank (at this token, where its reader stopped early)."""
-        self._open_stream.close()
-        self._open_stream = None
-        stats["peak_memory_gb"] = [a["peak"] / 1e9 for a in self.executor.after_generation()]
-        stats["exchange"] = self.engine.dispatcher.stats.as_dict()
+        responses, self._open_stream = self._open_stream, None
+        if self.lost:
+            return
+
+        def end():
+            responses.close()
+            after = self.executor.after_generation()
+            return [a["peak"] / 1e9 for a in after], self.engine.dispatcher.stats.as_dict()
+
+        stats["peak_memory_gb"], stats["exchange"] = self._on_ranks(end)
 
     def generate(
         self, prompt: Optional[str] = None, *, messages: Optional[Messages] = None, **sampling
@@ -360,11 +399,7 @@ class Cluster:
     def run_batch(self, request: GenerateCommand) -> List[Result]:
         """Run a request of several prompts as one batch on every rank."""
         ids = request.prompts
-        command = self._broadcast(replace(request, batch=True))
-        try:
-            (response,) = list(self.executor.generate(command))
-        finally:  # also after a generation every rank failed alike (the job goes on)
-            after = self.executor.after_generation()
+        response, after = self._on_ranks(self._run_batch, replace(request, batch=True))
         s = response.stats
         stats = {
             "batch_prompt_tokens": s.prompt_tokens,
@@ -383,13 +418,23 @@ class Cluster:
             for text, tokens, prompt, lp in zip(response.texts, response.token_ids, ids, logprobs)
         ]
 
+    def _run_batch(self, request: GenerateCommand):
+        """``run_batch``'s rank-0 side: the response and every rank's memory after it."""
+        command = self._broadcast(request)
+        try:
+            (response,) = list(self.executor.generate(command))
+        finally:  # also after a generation every rank failed alike (the job goes on)
+            after = self.executor.after_generation()
+        mx.eval(response.logprobs or [])  # arrays of the rank-0 thread's streams, read by the caller
+        return response, after
+
     def stats(self, reset: bool = False, collect: Optional[bool] = None) -> List[Dict[str, Any]]:
         """Per rank: slots computed, time in expert compute and waiting on the
         exchange (p2p), bytes moved, memory, and per-expert load counts
         (counted only while switched on: ``load(stats=True)`` or
         ``collect=True`` here; ``collect=False`` stops counting)."""
         command = StatsCommand(reset=bool(reset), collect=None if collect is None else bool(collect))
-        return self.executor.stats(self._broadcast(command))
+        return self._on_ranks(lambda: self.executor.stats(self._broadcast(command)))
 
     def place(self, placement: Union[str, dict, Placement]) -> List[float]:
         """Hold ``placement``'s experts from now on (a JSON file, a placement
@@ -399,19 +444,32 @@ class Cluster:
         seconds. Raises ``UserError`` with one line, the old placement kept."""
         placement = _placement_json(placement)
         Placement.from_json(placement)  # refused here, before any rank hears of it
-        return self.executor.place(self._broadcast(PlaceCommand(placement)))
+        return self._on_ranks(lambda: self.executor.place(self._broadcast(PlaceCommand(placement))))
 
     def serve_http(self, options: Dict[str, Any]) -> None:
         """Serve the loaded model over HTTP on rank 0, every rank batching in
-        lockstep, until interrupted (``python -m mlxdist.serve``)."""
-        self.executor.serve_http(self._broadcast(ServeCommand(options)))
+        lockstep, until interrupted (``python -m mlxdist.serve``). A lost rank
+        ends the process here (the server answers what it holds first), as
+        its own thread runs the batches."""
+        if self._rank0.lost in ON_LOST:
+            ON_LOST.remove(self._rank0.lost)
+        self.executor.serve_http(self._on_ranks(self._broadcast, ServeCommand(options)))
 
     def probe(self, name: str, **args) -> List[Any]:
         """Run the probe registered as ``name`` (``executor.register_probe``)
         on every rank at once; returns each rank's answer."""
         if name not in PROBES:
             raise UserError(f"no probe named {name!r} is registered")
-        return self.executor.probe(self._broadcast(ProbeCommand(name, args)))
+        return self._on_ranks(lambda: self.executor.probe(self._broadcast(ProbeCommand(name, args))))
+
+
+def _next_evaluated(responses: Iterator[Any]) -> Any:
+    """The next response of a stream (None at its end), its log-probabilities
+    evaluated: MLX streams belong to a thread, and the caller reads them on its own."""
+    response = next(responses, None)
+    if response is not None and response.logprobs is not None:
+        mx.eval(response.logprobs)
+    return response
 
 
 def _load_options(model: Optional[str], options: Optional[LoadOptions], overrides: Dict[str, Any]) -> LoadOptions:

@@ -374,6 +374,19 @@ def test_metrics_parse(front):
     assert m["mlxdist_requests_held{}"] == 0 and m["mlxdist_requests_replayed_total{}"] == 0
     sent, received = (m[f'mlxdist_rank0_exchange_bytes_total{{"direction": "{d}"}}'] for d in ("sent", "received"))
     assert sent > 0 and received > 0, m
+    # rank 0's batch steps: as many as the tokens answered at least, each timed
+    steps = m["mlxdist_step_seconds_count{}"]
+    assert steps >= 12 and 0 < m["mlxdist_step_seconds_sum{}"] < 600, m
+    bounds = sorted((float(k.split('"le": "')[1].split('"')[0]), v) for k, v in m.items()
+                    if k.startswith("mlxdist_step_seconds_bucket") and "+Inf" not in k)
+    assert bounds and all(a[1] <= b[1] for a, b in zip(bounds, bounds[1:])) and bounds[-1][1] <= steps, bounds
+    # every rank's link (both on loopback here), from rank 1's heartbeat and rank 0's own counters
+    host = socket.gethostname()
+    for rank in (0, 1):
+        for direction in ("sent", "received"):
+            key = f'mlxdist_link_bytes_total{{"direction": "{direction}", "host": "{host}", "interface": "lo", ' \
+                  f'"rank": "{rank}"}}'
+            assert m.get(key, 0) > 0, (key, sorted(k for k in m if "link" in k))
 
 
 def test_a_rank_lost_mid_stream(front):

@@ -2,8 +2,10 @@
 a rank stopped with SIGSTOP (a Mac asleep) during a generation of
 ``mlxdist.run`` and while ``mlxdist.serve`` answers a request ends the job
 within the heartbeat plus 5 s, with one line naming the rank and its host;
-a rank whose main thread is busy for longer than the heartbeat is not lost;
-hostile ``--heartbeat`` values are one line."""
+under the Python API the script gets ``RankLost`` within the heartbeat,
+may handle it, and the job ends with it; a rank whose main thread is busy
+for longer than the heartbeat is not lost; hostile ``--heartbeat`` values
+are one line."""
 
 import os
 import signal
@@ -16,7 +18,7 @@ import time
 import pytest
 
 from conftest import MPIRUN, ROOT, error_lines, kill_session, launch, mpirun_env
-from test_serve import PROMPTS, Server
+from test_serve import PROMPTS, Server, rank_pids_with
 
 HEARTBEAT = 3.0
 LOST_RANK_1 = f"mlxdist: error: rank 1 (host {socket.gethostname()}) sent no heartbeat for {HEARTBEAT:.1f} s: lost"
@@ -63,6 +65,63 @@ def test_a_stopped_rank_ends_a_generation_within_the_heartbeat(checkpoint):
         assert proc.returncode != 0
         assert error_lines(stderr) == [LOST_RANK_1] * 2, stderr[-3000:]
         assert ended < HEARTBEAT + 5, (ended, stderr[-3000:])
+    finally:
+        if proc.poll() is None:
+            kill_session(proc.pid)
+            proc.wait()
+
+
+API_SCRIPT = """
+import sys, time
+import mlxdist
+
+with mlxdist.init(heartbeat=float(sys.argv[2])) as cluster:
+    cluster.load(sys.argv[1], mode="collective")
+    print("loaded", flush=True)
+    try:
+        cluster.generate("Hello", max_tokens=4000)
+        print("finished", flush=True)
+    except mlxdist.RankLost as e:
+        print("caught", time.monotonic(), e, flush=True)
+        try:
+            cluster.stats()
+        except mlxdist.RankLost as again:
+            print("again", again, flush=True)
+        time.sleep(2)  # the ranks left wait for the script
+        print("saved", flush=True)
+"""
+
+
+def test_a_stopped_rank_raises_rank_lost_in_an_api_script(checkpoint, tmp_path):
+    """SIGSTOP of rank 1 of 3 while a script's ``generate`` runs: the script
+    catches ``mlxdist.RankLost`` naming rank 1 and its host within
+    --heartbeat + 5 s (rank 0's thread is still inside the exchange), every
+    later command raises it too, the script may take its time to save what
+    it has (rank 2 waits for it), and the job then ends non-zero."""
+    script = tmp_path / "job.py"
+    script.write_text(API_SCRIPT)
+    cmd = [MPIRUN, "-np", "3", "--oversubscribe", "--bind-to", "none", "--stdin", "none", sys.executable,
+           str(script), str(checkpoint("qwen3_moe")), str(HEARTBEAT)]
+    proc = subprocess.Popen(cmd, env=mpirun_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        assert proc.stdout.readline().strip() == "loaded", proc.stderr.read()[-3000:]
+        time.sleep(1.5)  # inside the generation
+        ranks = rank_pids_with([str(script)])
+        assert len(ranks) == 3, ranks
+        os.kill(ranks[1], signal.SIGSTOP)
+        stopped = time.monotonic()
+        out, err = proc.communicate(timeout=60)
+        ended = time.monotonic() - stopped
+        lines = out.splitlines()
+        caught = [l for l in lines if l.startswith("caught ")]
+        assert caught, (out, err[-3000:])
+        _, at, message = caught[0].split(" ", 2)
+        lost = LOST_RANK_1.removeprefix("mlxdist: error: ")
+        assert message == lost and float(at) - stopped < HEARTBEAT + 5, (caught, stopped)
+        assert f"again {lost}" in lines and lines[-1] == "saved", out
+        assert proc.returncode != 0 and ended < HEARTBEAT + 5 + 2 + 5, (proc.returncode, ended)
+        assert error_lines(err) == [LOST_RANK_1], err[-3000:]  # rank 2's; the script handled its own
     finally:
         if proc.poll() is None:
             kill_session(proc.pid)
@@ -142,3 +201,52 @@ def test_init_refuses_a_hostile_heartbeat_in_one_line():
         with pytest.raises(UserError) as refused:
             check_heartbeat(value)
         assert "\n" not in str(refused.value) and len(str(refused.value)) < 200, value
+
+
+def test_link_reports_on_the_heartbeat_are_read_and_hostile_ones_ignored():
+    """Rank 0 keeps a rank's newest whole ``L <sent> <received> <interface>``
+    line, split over reads or mixed with plain beats; anything else (letters,
+    huge numbers, long or odd names, an endless line) is a beat and nothing
+    more, and what it keeps of a line stays bounded."""
+    from mlxdist.runtime.heartbeat import MAX_REPORT, Peer, _take_report
+
+    peer = Peer(1, "h", None, 0.0)
+    for data in (b"..L 10 2", b"0 lo\n", b"."):
+        _take_report(peer, data)
+    assert peer.link == (10, 20, "lo")
+    _take_report(peer, b"L 11 21 en0\nL 12 22 en0\n")
+    assert peer.link == (12, 22, "en0")
+    for hostile in (b"L x 1 lo\n", b"L 1 2\n", b"L 1 2 lo extra\n", b"L " + b"9" * 30 + b" 1 lo\n",
+                    b"L 1 2 " + b"n" * 40 + b"\n", b"L 1 2 \xff\xfe\n", b"L -1 2 lo\n", b"\n\n\n", b"L 1 2 l\x07o\n"):
+        _take_report(peer, hostile)
+        assert peer.link == (12, 22, "en0"), hostile
+    _take_report(peer, b"L" * 1_000_000)
+    assert len(peer.partial) <= MAX_REPORT and peer.link == (12, 22, "en0")
+
+
+def test_the_fronts_metrics_skip_malformed_rank_counters():
+    """The rank server's counters reach /metrics only where well formed."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from mlxdist.front.metrics import FrontMetrics
+
+    class Job:
+        state, ranks = "ok", 2
+
+    metrics = FrontMetrics(Job())
+    good_steps = {"buckets": [0.1, 1.0], "counts": [3, 5], "sum": 2.5, "count": 6}
+    for health in (None, [], {"step_seconds": "x", "link_bytes": {"a": 1}, "exchange_bytes": [1]},
+                   {"step_seconds": {**good_steps, "counts": [3]}, "link_bytes": [{"rank": -1}, 5, None]},
+                   {"exchange_bytes": {"sent": True, "received": 1}, "step_seconds": {**good_steps, "sum": "1"}}):
+        metrics.rank_health = health
+        names = {f.name for f in text_string_to_metric_families(metrics.text().decode())}
+        assert not names & {"mlxdist_step_seconds", "mlxdist_rank0_exchange_bytes"}, (health, names)
+    metrics.rank_health = {"step_seconds": good_steps, "exchange_bytes": {"sent": 1, "received": 2},
+                           "link_bytes": [{"rank": 1, "host": "mac-2", "interface": "bridge0", "sent": 7,
+                                           "received": 8}]}
+    samples = {s.name + str(sorted(s.labels.items())): s.value
+               for f in text_string_to_metric_families(metrics.text().decode()) for s in f.samples}
+    assert samples["mlxdist_step_seconds_bucket[('le', '1.0')]"] == 5
+    assert samples["mlxdist_step_seconds_bucket[('le', '+Inf')]"] == 6
+    assert samples["mlxdist_link_bytes_total[('direction', 'received'), ('host', 'mac-2'), "
+                   "('interface', 'bridge0'), ('rank', '1')]"] == 8

@@ -102,7 +102,7 @@ def make_app(settings: Any, job: Any, upstream: Optional[Upstream] = None) -> An
 
     @app.get("/metrics", include_in_schema=False)
     async def prometheus():
-        metrics.exchange_bytes = await _exchange_bytes(upstream)
+        metrics.rank_health = await _rank_health(upstream)
         return Response(metrics.text(), media_type=CONTENT_TYPE)
 
     _agent_routers(app, upstream, settings)
@@ -253,17 +253,15 @@ async def _stream(path: str, raw: bytes, headers, usage_added: bool, upstream: U
     return StreamingResponse(lines(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
-async def _exchange_bytes(upstream: Upstream) -> Optional[Dict[str, int]]:
-    """Rank 0's exchange counters from the rank server's /health (None while
-    the job does not serve, or where it does not answer within a second)."""
+async def _rank_health(upstream: Upstream) -> Optional[Dict[str, Any]]:
+    """The rank server's /health (None while the job does not serve, or
+    where it does not answer within a second), for ``FrontMetrics.rank_health``."""
     try:
         answer = await asyncio.wait_for(upstream.get("/health"), _HEALTH_TIMEOUT)
-        counted = json.loads(answer.content).get("exchange_bytes")
+        body = json.loads(answer.content)
     except (Unavailable, asyncio.TimeoutError, ValueError, AttributeError):
         return None
-    if not isinstance(counted, dict) or not all(type(counted.get(k)) is int for k in ("sent", "received")):
-        return None
-    return {k: counted[k] for k in ("sent", "received")}
+    return body if isinstance(body, dict) else None
 
 
 def _live(job: Any):

@@ -18,14 +18,21 @@ what it answered and the job's state, read at each scrape.
     mlxdist_rank0_exchange_bytes_total{direction}
                                                 rank 0's dispatchers' bytes handed to the exchange
                                                 (sent) and got back (received), as the arrays' sizes,
-                                                since the job started (its /health): not the bytes on
-                                                the link, which no part of mlxdist counts
+                                                since the job started (its /health)
+    mlxdist_step_seconds                        rank 0's batch steps (a prefill chunk, or a decode
+                                                token for every sequence), since the job started
+                                                (histogram; serving/step_times.py)
+    mlxdist_link_bytes_total{rank, host, interface, direction}
+                                                bytes through the interface each rank reaches rank 0
+                                                by, as its OS counts them (all its traffic: on one
+                                                host, loopback's), since the job started; with the
+                                                heartbeat on (runtime/link_bytes.py)
 """
 
 from typing import Any, Dict, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 SERVING_STATES = ("ok", "degraded")
@@ -59,7 +66,7 @@ class FrontMetrics:
                             registry=self.registry)
         self.running = Gauge("mlxdist_requests_running", "Requests forwarded to the job and not finished.",
                              registry=self.registry)
-        self.exchange_bytes: Optional[Dict[str, int]] = None  # rank 0's, read before each scrape
+        self.rank_health: Optional[Dict[str, Any]] = None  # the rank server's /health, read before each scrape
         self.registry.register(_JobCollector(job, upstream, self))
 
     def count_usage(self, usage: Optional[Dict[str, Any]]) -> None:
@@ -101,15 +108,54 @@ class _JobCollector:
                                            "Requests lost before answering anything and sent again to the next job.")
             replayed.add_metric([], float(self.upstream.replayed))
             yield replayed
-        counted = self.metrics.exchange_bytes if self.metrics is not None else None
-        if counted is not None:
-            exchange = CounterMetricFamily("mlxdist_rank0_exchange_bytes",
-                                           "Bytes rank 0's dispatchers handed to the exchange (sent) and got back "
-                                           "(received), as the arrays' sizes, since the job started; not link bytes.",
-                                           labels=["direction"])
-            for direction in ("sent", "received"):
-                exchange.add_metric([direction], float(counted[direction]))
-            yield exchange
+        health = self.metrics.rank_health if self.metrics is not None else None
+        yield from _rank_families(health if isinstance(health, dict) else {})
 
     def describe(self):
         return []
+
+
+def _count(value: Any) -> bool:
+    return type(value) is int and 0 <= value < 2**63
+
+
+def _rank_families(health: Dict[str, Any]):
+    """The rank server's counters (its /health: ``serving/http.py``), each
+    where it is well formed: rank 0's exchange bytes, the step histogram,
+    the ranks' link bytes."""
+    counted = health.get("exchange_bytes")
+    if isinstance(counted, dict) and all(_count(counted.get(k)) for k in ("sent", "received")):
+        exchange = CounterMetricFamily("mlxdist_rank0_exchange_bytes",
+                                       "Bytes rank 0's dispatchers handed to the exchange (sent) and got back "
+                                       "(received), as the arrays' sizes, since the job started.",
+                                       labels=["direction"])
+        for direction in ("sent", "received"):
+            exchange.add_metric([direction], float(counted[direction]))
+        yield exchange
+    steps = health.get("step_seconds")
+    if isinstance(steps, dict):
+        bounds, counts, total, count = (steps.get(k) for k in ("buckets", "counts", "sum", "count"))
+        if isinstance(bounds, list) and isinstance(counts, list) and len(bounds) == len(counts) \
+                and all(isinstance(b, (int, float)) for b in bounds) and all(_count(c) for c in counts) \
+                and _count(count) and isinstance(total, (int, float)):
+            histogram = HistogramMetricFamily("mlxdist_step_seconds",
+                                              "Seconds of rank 0's batch steps (a prefill chunk, or one token "
+                                              "for every sequence), since the job started.")
+            histogram.add_metric([], [(repr(float(b)), float(c)) for b, c in zip(bounds, counts)]
+                                 + [("+Inf", float(count))], float(total))
+            yield histogram
+    links = health.get("link_bytes")
+    if isinstance(links, list):
+        family = CounterMetricFamily("mlxdist_link_bytes",
+                                     "Bytes through the interface each rank reaches rank 0 by, as its OS counts "
+                                     "them (all that interface carries), since the job started.",
+                                     labels=["rank", "host", "interface", "direction"])
+        for row in links[:1024]:
+            if not (isinstance(row, dict) and _count(row.get("rank")) and isinstance(row.get("host"), str)
+                    and isinstance(row.get("interface"), str)):
+                continue
+            for direction in ("sent", "received"):
+                if _count(row.get(direction)):
+                    family.add_metric([str(row["rank"]), row["host"][:256], row["interface"][:64], direction],
+                                      float(row[direction]))
+        yield family

@@ -27,6 +27,17 @@ peers afresh before it judges them, and says nothing when the launcher
 then stops it (``watchdog.HELD_UP``).
 In a fault-tolerant job (``--survive``, ``survival.py``) rank 0 leaves a lost
 rank other than 0 to Open MPI's failure detector and goes on.
+
+Under the Python API (``rank0_thread.py``) rank 0 hands the line to the
+``ON_LOST`` callbacks instead of exiting: its caller raises ``RankLost``.
+It tells the ranks left with ``HOLD``: each says the line and waits, beating,
+until rank 0's process ends (its connection closes), then exits with status
+1, so that the launcher does not stop rank 0 while its script handles the error.
+
+A rank's beat carries its link's byte counters (``link_bytes.py``):
+``L <sent> <received> <interface>\n`` where the interface toward rank 0 is
+known, else ``.``. Rank 0 keeps each rank's latest (``link_bytes()``, which
+the rank server's ``/health`` reports).
 """
 
 import argparse
@@ -38,21 +49,27 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Union
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from mlxdist import envs
 from mlxdist.inputs.digits import parse_number
 from mlxdist.errors import UserError, say_error
 from mlxdist.runtime.addresses import address_toward, describe_host
+from mlxdist.runtime.link_bytes import LinkCounter
 from mlxdist.runtime.watchdog import ACTIVITY, HELD_UP, run_on_fatal
-from mlxdist.runtime.world import World, set_exit_code
+from mlxdist.runtime.world import World, leave_mpi_unfinalized, set_exit_code
 
 DEFAULT_HEARTBEAT = 5.0
 MIN_HEARTBEAT = 1.0  # below this a busy host's scheduler alone could look like a loss
+# Rank 0's takers of a loss line: one that returns True keeps the process alive
+# (the API's Rank0Thread raises RankLost in its caller).
+ON_LOST: List[Callable[[str], bool]] = []
 BEATS_PER_PERIOD = 5
 MAX_INTERVAL = 1.0
 BEAT = b"."
+MAX_REPORT = 96  # bytes of a link report line kept while it is incomplete
 NOTICE = b"!"  # rank 0 to the ranks left: the loss line follows, up to a newline
+HOLD = b"?"  # the same, but rank 0 goes on (its API caller raises RankLost): wait until it ends
 CONNECT_SECONDS = 30.0
 OTHERS_EXIT_AFTER = 3.0  # a start-up failure is said by rank 0; the others give it that long
 
@@ -105,18 +122,25 @@ class Peer:
     sock: socket.socket
     heard: float  # monotonic time of its latest byte
     notice: Optional[bytearray] = None  # a loss line from rank 0, being received
+    hold: bool = False  # the notice is HOLD's: rank 0 goes on
+    link: Optional[Tuple[int, int, str]] = None  # its latest (sent, received, interface), on rank 0
+    partial: bytes = b""  # a report line being received, on rank 0
 
 
 class Heartbeat:
     """This rank's beating and listening thread (``start_heartbeat`` makes it)."""
 
-    def __init__(self, world: World, seconds: float, peers: List[Peer]):
+    def __init__(self, world: World, seconds: float, peers: List[Peer], host: str = "",
+                 links: Sequence[LinkCounter] = ()):
         self.world = world
         self.seconds = seconds
         self.interval = min(seconds / BEATS_PER_PERIOD, MAX_INTERVAL)
         self.peers = peers
+        self.host = host  # this rank's host name
+        self.links = list(links)  # this rank's interfaces toward its peers (a rank's: the one toward rank 0)
         self.last_pass = time.monotonic()  # when the thread last looked
         self.held_up_at = -math.inf  # when it last found itself held up
+        self.holding = False  # told HOLD by rank 0: end when rank 0's process does
 
     def start(self) -> None:
         HELD_UP.append(self.held_up)
@@ -130,8 +154,9 @@ class Heartbeat:
         next_beat = 0.0
         while True:
             if time.monotonic() >= next_beat:
+                beat = self._beat()
                 for peer in self.peers:
-                    _send(peer.sock, BEAT)
+                    _send(peer.sock, beat)
                 next_beat = time.monotonic() + self.interval
             # Read before judging: beats that waited while this thread did not run are news.
             for key, _ in selector.select(timeout=max(0.0, next_beat - time.monotonic())):
@@ -148,6 +173,29 @@ class Heartbeat:
                 if now - peer.heard > self.seconds:
                     self._lost(selector, peer)
 
+    def _beat(self) -> bytes:
+        """One beat: a rank's link counters where it has them, else ``BEAT``."""
+        if self.world.is_root or not self.links:
+            return BEAT
+        sent, received = self.links[0].read()
+        return f"L {sent} {received} {self.links[0].interface}\n".encode()
+
+    def link_bytes(self) -> List[Dict[str, Union[int, str]]]:
+        """Rank 0: the bytes on each rank's link since the job started, as
+        the ranks' latest beats said (rank 0's own read now): one entry per
+        rank and interface, ``rank``, ``host``, ``interface``, ``sent``, ``received``."""
+        rows: List[Dict[str, Union[int, str]]] = []
+        for link in self.links:
+            sent, received = link.read()
+            rows.append({"rank": self.world.rank, "host": self.host, "interface": link.interface,
+                         "sent": sent, "received": received})
+        for peer in list(self.peers):
+            if peer.link is not None:
+                sent, received, interface = peer.link
+                rows.append({"rank": peer.rank, "host": peer.host, "interface": interface,
+                             "sent": sent, "received": received})
+        return rows
+
     def held_up(self) -> bool:
         """Whether this process was held up (stopped, starved) for half the
         heartbeat or more, now or within the last heartbeat."""
@@ -163,12 +211,27 @@ class Heartbeat:
             data = b""
         if not data:  # its process closed the connection: silence from now on
             selector.unregister(peer.sock)
+            if self.holding:  # rank 0's script is done with the loss
+                set_exit_code(1)
+                os._exit(1)
             return
         peer.heard = time.monotonic()
-        if peer.rank == 0 and (peer.notice is not None or NOTICE in data):
-            peer.notice = (peer.notice or bytearray()) + (data if peer.notice is not None else data.split(NOTICE, 1)[1])
+        if self.world.is_root:
+            _take_report(peer, data)
+            return
+        if peer.rank == 0 and peer.notice is None:
+            at = min((data.find(mark) for mark in (NOTICE, HOLD) if mark in data), default=-1)
+            if at >= 0:
+                peer.hold = data[at:at + 1] == HOLD
+                peer.notice, data = bytearray(), data[at + 1:]
+        if peer.rank == 0 and peer.notice is not None:
+            peer.notice += data
             if b"\n" in peer.notice and ACTIVITY.phase != "exiting":
-                self._end(bytes(peer.notice).split(b"\n", 1)[0].decode(errors="replace"))
+                line = bytes(peer.notice).split(b"\n", 1)[0].decode(errors="replace")
+                if peer.hold:
+                    self._hold(line)
+                else:
+                    self._end(line)
 
     def _lost(self, selector: selectors.BaseSelector, peer: Peer) -> None:
         line = f"rank {peer.rank} (host {peer.host}) sent no heartbeat for {self.seconds:.1f} s: lost"
@@ -176,11 +239,25 @@ class Heartbeat:
             selector.unregister(peer.sock)
             self.peers.remove(peer)
             return
+        taken = self.world.is_root and any([take(line) for take in ON_LOST])
         if self.world.is_root:
             for other in self.peers:
                 if other is not peer:
-                    _send(other.sock, NOTICE + line.encode() + b"\n")
+                    _send(other.sock, (HOLD if taken else NOTICE) + line.encode() + b"\n")
+        if taken:  # the API's caller raises it; keep beating to the ranks left
+            selector.unregister(peer.sock)
+            self.peers.remove(peer)
+            ACTIVITY.at("exiting")
+            leave_mpi_unfinalized()
+            return
         self._end(line)
+
+    def _hold(self, line: str) -> None:
+        """Rank 0 goes on after a loss: say ``line``, then wait for its end."""
+        ACTIVITY.at("exiting")
+        say_error(line)
+        leave_mpi_unfinalized()
+        self.holding = True
 
     def _end(self, line: str) -> None:
         """Say ``line`` and end this process (the launcher then ends the job)."""
@@ -190,6 +267,20 @@ class Heartbeat:
             time.sleep(0.5)  # the notices reach the ranks left before the launcher stops them
         set_exit_code(1)
         os._exit(1)
+
+
+def _take_report(peer: Peer, data: bytes) -> None:
+    """Rank 0: the newest whole ``L <sent> <received> <interface>`` line in
+    ``peer``'s bytes as its link counters; anything else is only a beat."""
+    *lines, rest = (peer.partial + data).split(b"\n")
+    peer.partial = rest[-MAX_REPORT:]
+    for line in reversed(lines):
+        words = line.lstrip(BEAT).split()
+        if len(words) == 4 and words[0] == b"L" and words[1].isdigit() and words[2].isdigit() \
+                and len(words[1]) < 20 and len(words[2]) < 20 and len(words[3]) <= 32 \
+                and words[3].isascii() and words[3].decode().isprintable():
+            peer.link = (int(words[1]), int(words[2]), words[3].decode())
+            return
 
 
 def _send(sock: socket.socket, data: bytes) -> None:
@@ -244,9 +335,22 @@ def start_heartbeat(world: World, seconds: Optional[float]) -> Optional[Heartbea
         raise SystemExit(1)
     if not world.is_root:
         peers = [Peer(0, hosts[0]["name"], sock, time.monotonic())]
-    heartbeat = Heartbeat(world, seconds, peers)
+        addresses = [sock.getsockname()[0]]
+    else:
+        addresses = sorted({address for address, _ in plan["at"][1:]})
+    links = {}
+    for address in addresses:
+        link = LinkCounter.of(address)
+        if link is not None:
+            links.setdefault(link.interface, link)
+    heartbeat = Heartbeat(world, seconds, peers, hosts[world.rank]["name"], list(links.values()))
     heartbeat.start()
+    global RUNNING
+    RUNNING = heartbeat
     return heartbeat
+
+
+RUNNING: Optional[Heartbeat] = None  # this process's, once started
 
 
 def _listen(hosts: List[dict], listeners: Dict[str, socket.socket]) -> dict:

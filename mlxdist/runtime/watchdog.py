@@ -145,7 +145,7 @@ class Watchdog:
             time.sleep(min(0.5, self.timeout / 4))
             a = ACTIVITY
             limit = self.timeout * (PREFILL_FACTOR if a.prefill or a.serving_http else 1)
-            if a.armed and a.phase not in WAITING and time.monotonic() - a.done > limit:
+            if a.armed and a.phase not in WAITING and a.phase != "exiting" and time.monotonic() - a.done > limit:
                 self.report(f"no progress for {limit:g} s")
                 # Ranks stalled together pass their deadlines moments apart: let
                 # the others (the one really stuck among them) speak before this

@@ -38,7 +38,7 @@ from typing import Any, Callable, List, Optional, Tuple
 import mlx.core as mx
 
 from mlxdist import envs
-from mlxdist.errors import RankStartError, failure_line, keep_traceback, say_error
+from mlxdist.errors import RankLost, RankStartError, failure_line, keep_traceback, say_error
 from mlxdist.runtime import awake, backends, survival
 from mlxdist.runtime.libmpi import find_libmpi
 from mlxdist.runtime.plane import Control, MlxControl, MpiControl, SoloControl, comm_allgather_json
@@ -248,6 +248,15 @@ def _start(backend: Optional[str]) -> World:
 
 
 _EXIT_CODE = 0
+_MPI_STUCK = False  # leave_mpi_unfinalized
+
+
+def leave_mpi_unfinalized() -> None:
+    """At exit, end the process without ``MPI_Finalize``: a rank was lost
+    and a thread of this one waits in a collective that will never end
+    (``heartbeat.ON_LOST``), where finalizing would wait with it."""
+    global _MPI_STUCK
+    _MPI_STUCK = True
 
 
 def set_exit_code(code: int) -> None:
@@ -326,7 +335,7 @@ def _finalize_and_exit() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     MPI = _mpi()
-    if not MPI.Is_finalized() and not survival.enabled():  # with ULFM it hangs
+    if not MPI.Is_finalized() and not survival.enabled() and not _MPI_STUCK:  # with ULFM it hangs
         MPI.Finalize()
     os._exit(_EXIT_CODE)
 
@@ -349,11 +358,16 @@ def abort(world: Optional[World], code: int = 1) -> None:
 
 def run_or_abort(world: World, fn, *args):
     """``fn(*args)``; an exception it lets out ends the whole job with one
-    line naming this rank, never a rank left waiting in a collective."""
+    line naming this rank, never a rank left waiting in a collective; a
+    lost rank (``RankLost``) is its line and status 1."""
     try:
         return fn(*args)
     except KeyboardInterrupt:
         abort(world, 130)
+    except RankLost as e:  # rank 0's API caller heard the heartbeat's verdict: the job ends with this process
+        say_error(str(e))
+        set_exit_code(1)
+        return 1
     except Exception as e:
         stop_job(world, e)
 

@@ -25,7 +25,9 @@ from mlxdist.serving.connections import (
     DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_HEADERS, DEFAULT_REQUEST_TIMEOUT, RequestReader,
 )
 from mlxdist.serving.lockstep import HANDLER_STATUS
+from mlxdist.runtime import heartbeat
 from mlxdist.serving.schema import RequestLimits, check_request, error_body
+from mlxdist.serving.step_times import STEPS
 from mlxdist.serving.templates import render
 from mlxdist.serving.tokenize import TOKENIZE_PATH, count_tokens
 
@@ -198,7 +200,9 @@ class Handler(compat.APIHandler):
         measured or fixed: ``decide/decision.py``), and rank 0's exchange
         counters (``exchange_bytes``: the bytes its dispatchers handed to the
         exchange and got back since the job started, as the arrays' sizes,
-        ``dispatch/stats.py``; not the bytes on the link)."""
+        ``dispatch/stats.py``), the batch steps' times (``step_seconds``,
+        ``step_times.py``) and every rank's bytes on its link
+        (``link_bytes``, ``runtime/link_bytes.py``: with the heartbeat on)."""
         generator = self.response_generator
         healthy = generator.is_healthy
         engine = generator.model_provider.engine
@@ -211,7 +215,10 @@ class Handler(compat.APIHandler):
                                                   "auto_decision": report,
                                                   "exchange_bytes": {"sent": sum(c.bytes_sent for c in counters),
                                                                      "received": sum(c.bytes_received
-                                                                                     for c in counters)}})
+                                                                                     for c in counters)},
+                                                  "step_seconds": STEPS.as_json(),
+                                                  "link_bytes": heartbeat.RUNNING.link_bytes()
+                                                  if heartbeat.RUNNING is not None else []})
 
     def do_POST(self):
         self.rendered_prompt: Optional[str] = None  # a request's own template, rendered (per request)

@@ -24,6 +24,7 @@ from mlxdist import compat
 from mlxdist.errors import GenerationFailed, MlxdistError, RankLost, RequestError, one_line
 from mlxdist.runtime.agreement import failed_together
 from mlxdist.serving.isolation import Sequence
+from mlxdist.serving.step_times import STEPS
 from mlxdist.runtime.watchdog import ACTIVITY
 from mlxdist.runtime.world import World
 
@@ -123,10 +124,20 @@ class _SingleQueue:
 
 class _ProgressBudget(compat.TimeBudget):
     """mlx-lm's time budget of batch steps between shared messages, telling
-    the watchdog of each step taken (a step that never ends is a hung rank)."""
+    the watchdog of each step taken (a step that never ends is a hung rank)
+    and timing each (``step_times.STEPS``): mlx-lm calls it before every
+    step of a run of steps and once after the last."""
+
+    def __iter__(self):
+        self._step_began = None
+        return super().__iter__()
 
     def __next__(self):
         ACTIVITY.progress()
+        now = time.perf_counter()
+        if self._step_began is not None:
+            STEPS.observe(now - self._step_began)
+        self._step_began = now
         return super().__next__()
 
 
