@@ -32,7 +32,8 @@ from mlxdist.engine.speculative import DraftTally, drafter_name
 from mlxdist.engine.verify_width import START, VerifyWidths
 from mlxdist.errors import GenerationFailed, LoadError, RankLost, UserError, failure_line, say_error
 from mlxdist.commands.executor import PROBES, CommandExecutor
-from mlxdist.runtime.world import World, abort, join, run_or_abort, set_exit_code
+from mlxdist.runtime.world import World, join
+from mlxdist.runtime.exits import abort, run_or_abort, set_exit_code
 from mlxdist.values.placement import Placement
 from mlxdist.model.routing_file import RoutingStats
 from mlxdist.dispatch.stats import add_shares

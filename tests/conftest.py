@@ -25,7 +25,7 @@ import transformers_index  # noqa: E402
 transformers_index.install()
 
 from mlxdist import envs  # noqa: E402
-from mlxdist.runtime.world import retry_launcher  # noqa: E402
+from mlxdist.runtime.launcher import retry_launcher  # noqa: E402
 
 MPIRUN = str(Path(sys.executable).parent / "mpirun")
 if not os.path.exists(MPIRUN):

@@ -24,7 +24,7 @@ from typing import List, Optional, Sequence
 
 from conftest import ROOT, mpirun_env
 
-from mlxdist.runtime.world import retry_launcher
+from mlxdist.runtime.launcher import retry_launcher
 
 SUBNET = "198.18.0"
 NETWORK = f"{SUBNET}.0/24"

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from conftest import MPIRUN, ROOT, error_lines, last_json, launch, mpirun_env
-from mlxdist.runtime.world import retry_launcher
+from mlxdist.runtime.launcher import retry_launcher
 
 
 def run_with_fault(path, fault, dispatch, timeout_flag=None, nranks=3):

@@ -22,7 +22,7 @@ import pytest
 
 from conftest import MPIRUN, ROOT, interruptible, mlx_lm_loaded, mpirun_env
 from mlxdist.bench.recovery import launcher_rank_of
-from mlxdist.runtime.world import retry_launcher
+from mlxdist.runtime.launcher import retry_launcher
 
 KEY = "test-key-123"
 PROMPTS = [f"Request {i}: " + "tokens " * (i % 5) for i in range(8)]

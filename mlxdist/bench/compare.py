@@ -31,7 +31,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from mlxdist import envs
 from mlxdist.config import EXPERT_SPLITS, REPLICATE
-from mlxdist.runtime.world import retry_launcher
+from mlxdist.runtime.launcher import retry_launcher
 from mlxdist.bench import speculative
 from mlxdist.bench.harness import median_row, versions
 from mlxdist.bench.linkemu import PRESETS, EmulatedLink, link_env, measure, parse_link

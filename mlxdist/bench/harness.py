@@ -324,7 +324,7 @@ def run_on_every_rank(run_fn, format_fn, args, backend=None) -> None:
     ``run_fn(cluster, args)`` on rank 0 against ``args.model`` (None: the
     built-in checkpoint), print its report as JSON (``args.json``) or table."""
     from mlxdist.api import init
-    from mlxdist.runtime.world import run_or_abort
+    from mlxdist.runtime.exits import run_or_abort
 
     cluster = init(backend=backend)
     if args.model is None:

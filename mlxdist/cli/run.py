@@ -30,7 +30,9 @@ from mlxdist.values.placement import Placement
 from mlxdist.runtime.heartbeat import DEFAULT_HEARTBEAT, arg_heartbeat
 from mlxdist.runtime.progress import set_quiet
 from mlxdist.runtime.watchdog import DEFAULT_TIMEOUT
-from mlxdist.runtime.world import BACKENDS, join, launcher_rank, run_or_abort, set_exit_code
+from mlxdist.runtime.world import BACKENDS, join
+from mlxdist.runtime.exits import run_or_abort, set_exit_code
+from mlxdist.runtime.launcher import launcher_rank
 
 if TYPE_CHECKING:
     from mlxdist.api import Cluster

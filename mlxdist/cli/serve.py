@@ -17,7 +17,8 @@ from mlxdist.errors import UserError, say_error
 from mlxdist.runtime.heartbeat import DEFAULT_HEARTBEAT, arg_heartbeat
 from mlxdist.runtime.progress import set_quiet
 from mlxdist.runtime.watchdog import DEFAULT_TIMEOUT
-from mlxdist.runtime.world import BACKENDS, join, run_or_abort, set_exit_code
+from mlxdist.runtime.world import BACKENDS, join
+from mlxdist.runtime.exits import run_or_abort, set_exit_code
 from mlxdist.serving.connections import (
     DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_BODY, DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_HEADERS,
     DEFAULT_MAX_QUEUED, DEFAULT_MAX_QUEUED_CHARS, DEFAULT_REQUEST_TIMEOUT, HTTPServer,

@@ -48,7 +48,7 @@ from mlxdist.cli.relaunch import (
 )
 from mlxdist.inputs.digits import arg_int
 from mlxdist.errors import UserError
-from mlxdist.runtime.world import retry_launcher
+from mlxdist.runtime.launcher import retry_launcher
 
 
 def _job_ids(path: str) -> Set[str]:

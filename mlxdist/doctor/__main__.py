@@ -23,7 +23,9 @@ from mlxdist.doctor import facts, links, report
 from mlxdist.doctor.fit import fit_problems
 from mlxdist.doctor.together import gathered
 from mlxdist.errors import StepFailed, say_error
-from mlxdist.runtime.world import BACKENDS, init_world, launcher_rank, run_or_abort, set_exit_code
+from mlxdist.runtime.world import BACKENDS, init_world
+from mlxdist.runtime.exits import run_or_abort, set_exit_code
+from mlxdist.runtime.launcher import launcher_rank
 
 
 def main(argv=None) -> int:

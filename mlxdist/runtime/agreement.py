@@ -29,7 +29,8 @@ from typing import Any, List, Optional
 from mlxdist import envs
 from mlxdist.errors import RankLost, StepFailed, describe_errors, one_line
 from mlxdist.runtime.watchdog import ACTIVITY
-from mlxdist.runtime.world import World, stop_job
+from mlxdist.runtime.world import World
+from mlxdist.runtime.exits import stop_job
 
 
 def failed_together(world: World, error: BaseException) -> str:

@@ -270,3 +270,14 @@ def hostfile_ranks() -> int:
     except OSError:
         return 1
     return len(json.loads(text)) if text else 1
+
+
+def nccl_rendezvous(comm) -> Tuple[str, int]:
+    """Where NCCL's ranks meet, the same on every rank: rank 0's address
+    (``NCCL_HOST_IP`` if set there, else the one rank 1 reaches it at,
+    ``coordinator_address``: 127.0.0.1 when they share a host) and
+    a port free on rank 0 now (``NCCL_PORT`` if set there), so that two jobs
+    on one host do not collide."""
+    address = coordinator_address(comm)
+    host, port = comm_allgather_json(comm, [envs.get("NCCL_HOST_IP"), envs.get("NCCL_PORT") or free_port()])[0]
+    return host or address, int(port)

@@ -57,13 +57,14 @@ from mlxdist.errors import UserError, say_error
 from mlxdist.runtime.addresses import address_toward, describe_host
 from mlxdist.runtime.link_bytes import LinkCounter
 from mlxdist.runtime.watchdog import ACTIVITY, HELD_UP, run_on_fatal
-from mlxdist.runtime.world import World, leave_mpi_unfinalized, set_exit_code
+from mlxdist.runtime.world import World
+from mlxdist.runtime.exits import leave_mpi_unfinalized, set_exit_code
 
 DEFAULT_HEARTBEAT = 5.0
 MIN_HEARTBEAT = 1.0  # below this a busy host's scheduler alone could look like a loss
-# Rank 0's takers of a loss line: one that returns True keeps the process alive
-# (the API's Rank0Thread raises RankLost in its caller).
-ON_LOST: List[Callable[[str], bool]] = []
+# Rank 0's takers of a loss line: while there is one, the process goes on after a
+# loss (the API's Rank0Thread raises RankLost in its caller).
+ON_LOST: List[Callable[[str], None]] = []
 BEATS_PER_PERIOD = 5
 MAX_INTERVAL = 1.0
 BEAT = b"."
@@ -239,16 +240,19 @@ class Heartbeat:
             selector.unregister(peer.sock)
             self.peers.remove(peer)
             return
-        taken = self.world.is_root and any([take(line) for take in ON_LOST])
+        goes_on = self.world.is_root and bool(ON_LOST)
+        if goes_on:  # first: the caller, once woken, may end the process at once
+            ACTIVITY.at("exiting")
+            leave_mpi_unfinalized()
         if self.world.is_root:
             for other in self.peers:
                 if other is not peer:
-                    _send(other.sock, (HOLD if taken else NOTICE) + line.encode() + b"\n")
-        if taken:  # the API's caller raises it; keep beating to the ranks left
+                    _send(other.sock, (HOLD if goes_on else NOTICE) + line.encode() + b"\n")
+        if goes_on:  # the API's caller raises it; keep beating to the ranks left
             selector.unregister(peer.sock)
             self.peers.remove(peer)
-            ACTIVITY.at("exiting")
-            leave_mpi_unfinalized()
+            for take in list(ON_LOST):
+                take(line)
             return
         self._end(line)
 

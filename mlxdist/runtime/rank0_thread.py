@@ -67,14 +67,13 @@ class Rank0Thread:
             raise error
         return call.value
 
-    def lost(self, line: str) -> bool:
+    def lost(self, line: str) -> None:
         """The heartbeat's verdict (``heartbeat.ON_LOST``): every waiting
-        and later caller raises ``RankLost(line)``. True: taken."""
+        and later caller raises ``RankLost(line)``."""
         with self._changed:
             if self.lost_line is None:
                 self.lost_line = line
             self._changed.notify_all()
-        return True
 
     def _raise_if_lost(self) -> None:
         if self.lost_line is not None:

@@ -22,51 +22,27 @@ plain ``MPI_Init`` (single-thread level); Open MPI then takes the level from
 checked. Control messages use a communicator of their own (a duplicate of
 the world), so they never match MLX's messages.
 
-Exit: MPI is finalized once, by us, and the process then ends with
-``os._exit``: MLX's group would otherwise call ``MPI_Finalize`` again from a
-destructor at some point of interpreter teardown (an abort, or a segfault
-after a correct run).
+How a rank's process ends (the exit status, MPI finalized once) is
+``exits.py``'s; what the launcher says before MPI starts, ``launcher.py``'s.
 """
 
 import atexit
-import os
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, List, Optional
 
 import mlx.core as mx
 
 from mlxdist import envs
-from mlxdist.errors import RankLost, RankStartError, failure_line, keep_traceback, say_error
+from mlxdist.errors import RankStartError, say_error
 from mlxdist.runtime import awake, backends, survival
+from mlxdist.runtime.exits import (
+    exit_without_mpi, failing_excepthook, finalize_and_exit, finalize_if_started, set_exit_code,
+)
+from mlxdist.runtime.launcher import MLX_LAUNCH_MPI, launched_by_mlx_launch, launcher_rank, launcher_size
 from mlxdist.runtime.libmpi import find_libmpi
-from mlxdist.runtime.plane import Control, MlxControl, MpiControl, SoloControl, comm_allgather_json
-
-
-def _launched_by_mpirun() -> int:
-    """The job's size as the MPI launcher says (1: not launched by one)."""
-    for var in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE"):
-        if envs.is_set(var):
-            return envs.get(var)
-    return 1
-
-
-def launcher_rank() -> int:
-    """This process's rank as its launcher says, before MPI starts (0 if none says)."""
-    for var in ("OMPI_COMM_WORLD_RANK", "MLX_RANK"):
-        if envs.is_set(var):
-            return envs.get(var)
-    return 0
-
-
-def launched_by_mlx_launch() -> bool:
-    """Whether MLX's own launcher (``mlx.launch``, no MPI) started this process."""
-    return envs.is_set("MLX_RANK") and _launched_by_mpirun() <= 1
-
-
-MLX_LAUNCH_MPI = ("--backend mpi needs MPI, which mlx.launch does not start here: use mlx.launch --backend mpi "
-                  "(it runs mpirun), or --backend ring | jaccl")
+from mlxdist.runtime.plane import Control, MlxControl, MpiControl, SoloControl
 
 
 @dataclass
@@ -102,23 +78,6 @@ class World:
 
 _WORLD: Optional[World] = None
 BACKENDS = ("mpi", "nccl", "ring", "jaccl", "jaccl-ring")
-# NCCL_MAX_NCHANNELS: two unless set (envs.py; docs/notes/nccl-channels.md).
-# Open MPI's launcher sometimes fails before starting any rank, with this on
-# stderr; nothing of ours ran, so the launch may be tried again.
-LAUNCHER_FAILURE = "The PMIx server's listener thread failed to start"
-LAUNCHER_RETRIES = 3
-
-
-def retry_launcher(start: Callable[[], Any]) -> Any:
-    """``start()`` (runs a launch to its end; returns something with
-    ``returncode`` and ``stderr``), again while Open MPI's launcher failed
-    before any rank ran, up to ``LAUNCHER_RETRIES`` times; the last result."""
-    for _ in range(LAUNCHER_RETRIES + 1):
-        proc = start()
-        if proc.returncode == 0 or LAUNCHER_FAILURE not in proc.stderr:
-            break
-        time.sleep(1)
-    return proc
 
 
 def default_backend() -> str:
@@ -175,10 +134,10 @@ def _start(backend: Optional[str]) -> World:
         raise RuntimeError(f"backend must be one of {', '.join(BACKENDS)}, not {backend!r}")
     if launched_by_mlx_launch():
         return _init_mlx_launch(backend)
-    if _launched_by_mpirun() <= 1:
+    if launcher_size() <= 1:
         group = mx.distributed.init(strict=False)
         if envs.is_set("OMPI_COMM_WORLD_SIZE"):  # mpirun -np 1
-            _finalize_if_started()
+            finalize_if_started()
         return World(0, 1, group)
     for name in envs.MPI_START:  # before anything starts MPI: mpi4py below or MLX's MPI backend
         envs.setdefault(name)
@@ -198,7 +157,7 @@ def _start(backend: Optional[str]) -> World:
         comm = MPI.COMM_WORLD
         envs.setdefault("MLX_RANK", comm.Get_rank())
         envs.setdefault("MLX_WORLD_SIZE", comm.Get_size())
-        host, port = nccl_rendezvous(comm)  # rank 0's choice, on every rank
+        host, port = backends.nccl_rendezvous(comm)  # rank 0's choice, on every rank
         envs.put("NCCL_HOST_IP", host)
         envs.put("NCCL_PORT", port)
         envs.setdefault("NCCL_MAX_NCHANNELS")
@@ -229,8 +188,8 @@ def _start(backend: Optional[str]) -> World:
         mpi4py.rc.finalize = False
         from mpi4py import MPI
 
-    sys.excepthook = _failing(sys.excepthook)
-    atexit.register(_finalize_and_exit)  # from here on: also when the rest of the start fails
+    sys.excepthook = failing_excepthook(sys.excepthook)
+    atexit.register(finalize_and_exit)  # from here on: also when the rest of the start fails
     comm = MPI.COMM_WORLD
     if comm.Get_size() != group.size() or comm.Get_rank() != group.rank():
         raise RuntimeError("MLX and mpi4py disagree about the MPI world")
@@ -245,32 +204,6 @@ def _start(backend: Optional[str]) -> World:
     if tolerant:
         survival.tolerate(control)
     return World(group.rank(), group.size(), group, control, backend, tolerant)
-
-
-_EXIT_CODE = 0
-_MPI_STUCK = False  # leave_mpi_unfinalized
-
-
-def leave_mpi_unfinalized() -> None:
-    """At exit, end the process without ``MPI_Finalize``: a rank was lost
-    and a thread of this one waits in a collective that will never end
-    (``heartbeat.ON_LOST``), where finalizing would wait with it."""
-    global _MPI_STUCK
-    _MPI_STUCK = True
-
-
-def set_exit_code(code: int) -> None:
-    """The status this process ends with once Python exits (see ``_finalize_and_exit``)."""
-    global _EXIT_CODE
-    _EXIT_CODE = int(code)
-
-
-def _failing(hook):
-    def excepthook(kind, value, tb):
-        set_exit_code(1)
-        hook(kind, value, tb)
-
-    return excepthook
 
 
 def _init_mlx_launch(backend: str) -> World:
@@ -291,97 +224,8 @@ def _init_mlx_launch(backend: str) -> World:
         group = mx.distributed.init(backend="jaccl" if backend == "jaccl-ring" else backend, strict=True)
     except RuntimeError as e:
         raise RuntimeError(f"MLX's {backend} backend did not start under mlx.launch: {e}") from None
-    sys.excepthook = _failing(sys.excepthook)
-    atexit.register(_exit_without_mpi)
+    sys.excepthook = failing_excepthook(sys.excepthook)
+    atexit.register(exit_without_mpi)
     return World(group.rank(), group.size(), group, None, backend, control=MlxControl(group))
 
 
-def _finalize_if_started() -> None:
-    """Under ``mpirun -np 1``: MLX's first backend that starts is MPI's where
-    it finds the library (``MLX_MPI_LIBNAME``), and mpirun reports a process
-    that started MPI and did not finalize it as exiting improperly (status 1):
-    finalize it at exit, as with more ranks."""
-    import mpi4py
-
-    mpi4py.rc.initialize = False
-    mpi4py.rc.finalize = False
-    from mpi4py import MPI
-
-    if MPI.Is_initialized():
-        sys.excepthook = _failing(sys.excepthook)
-        atexit.register(_finalize_and_exit)
-
-
-def _exit_without_mpi() -> None:
-    """At exit under mlx.launch: end the process before MLX's group is torn
-    down at interpreter exit; status as ``_finalize_and_exit``."""
-    import logging
-
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(_EXIT_CODE)
-
-
-def _finalize_and_exit() -> None:
-    """At exit: finalize MPI once and end the process, before MLX's group can
-    finalize it a second time. Left to itself, MPI is not finalized at all
-    once a daemon thread (the watchdog's) is alive, and mpirun reports an
-    improper exit. Exit status: ``set_exit_code``'s, or 1 after an uncaught
-    exception."""
-    import logging
-
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    MPI = _mpi()
-    if not MPI.Is_finalized() and not survival.enabled() and not _MPI_STUCK:  # with ULFM it hangs
-        MPI.Finalize()
-    os._exit(_EXIT_CODE)
-
-
-def nccl_rendezvous(comm) -> Tuple[str, int]:
-    """Where NCCL's ranks meet, the same on every rank: rank 0's address
-    (``NCCL_HOST_IP`` if set there, else the one rank 1 reaches it at,
-    ``backends.coordinator_address``: 127.0.0.1 when they share a host) and
-    a port free on rank 0 now (``NCCL_PORT`` if set there), so that two jobs
-    on one host do not collide."""
-    address = backends.coordinator_address(comm)
-    host, port = comm_allgather_json(comm, [envs.get("NCCL_HOST_IP"), envs.get("NCCL_PORT") or backends.free_port()])[0]
-    return host or address, int(port)
-
-
-def abort(world: Optional[World], code: int = 1) -> None:
-    """End every rank of the job now (last resort for an unexpected error)."""
-    (world.control if world is not None else SoloControl()).abort(code)
-
-
-def run_or_abort(world: World, fn, *args):
-    """``fn(*args)``; an exception it lets out ends the whole job with one
-    line naming this rank, never a rank left waiting in a collective; a
-    lost rank (``RankLost``) is its line and status 1."""
-    try:
-        return fn(*args)
-    except KeyboardInterrupt:
-        abort(world, 130)
-    except RankLost as e:  # rank 0's API caller heard the heartbeat's verdict: the job ends with this process
-        say_error(str(e))
-        set_exit_code(1)
-        return 1
-    except Exception as e:
-        stop_job(world, e)
-
-
-def stop_job(world: World, error: BaseException) -> None:
-    """End every rank now with one line naming this rank and ``error`` and
-    where its traceback went. Called in ``except``."""
-    path = keep_traceback(world.rank)
-    where = f" (traceback: {path})" if path else ""
-    say_error(f"{failure_line(world.rank, error)}{where}")
-    abort(world, 1)
-
-
-def _mpi():
-    from mpi4py import MPI
-
-    return MPI
