@@ -1,7 +1,7 @@
 """The default dispatch (``auto``) loads and generates wherever ``collective``
 does: every MoE model type the installed mlx-lm ships, as a tiny random
 checkpoint whose config.json holds only the keys its type reads (as a
-published one does), float32 and 4-bit, and shapes that mlx-lm's tensor
+published one does), float32 and 4-bit (float32 alone on 3 ranks), and shapes that mlx-lm's tensor
 parallelism cannot split (a 4-bit gpt_oss of 16 experts; a 4-bit gpt_oss
 whose experts are 6 quantization groups of 32 wide, as gpt-oss-120b's 2,880
 are 90: they divide by 2 and 3, not by 4). One launch per world size loads
@@ -40,9 +40,12 @@ SHAPES["gpt_oss-120b-widths-4bit"] = ("gpt_oss", {"quantize_bits": 4, "group_siz
 FLOAT32 = [n for n in SHAPES if n.endswith("-float32")]
 # name -> the world size at which mlx-lm's shard() cannot split it (auto's one line says why)
 UNSPLIT = {"gpt_oss-16-experts-4bit": 2, "gpt_oss-120b-widths-4bit": 4}
-# world size -> the checkpoints its launch loads: float32 and 4-bit on 2, 3 and 4 ranks, the
-# 16-expert gpt_oss on 2 and 3, gpt-oss-120b's widths on 4 (they divide by 2 and 3)
-RUNS = {2: [n for n in SHAPES if "120b" not in n], 3: [n for n in SHAPES if "120b" not in n],
+# world size -> the checkpoints its launch loads: float32 and 4-bit on 2 and 4 ranks (where
+# tensor parallelism's cuts of quantized groups are tried), float32 on 3 (where auto measures
+# the link at load: the cost model's path, which the bits do not change; half of one of the
+# suite's longest launches), the 16-expert gpt_oss on 2 and 3, gpt-oss-120b's widths on 4
+# (they divide by 2 and 3)
+RUNS = {2: [n for n in SHAPES if "120b" not in n], 3: FLOAT32 + ["gpt_oss-16-experts-4bit"],
         4: [n for n in SHAPES if "16-experts" not in n]}
 _KEEP = {"model_type", "quantization", "quantization_config", "text_config"}
 
