@@ -70,21 +70,23 @@ class Piece:
 class Cluster:
     """Rank 0's handle on every rank of the job."""
 
-    def __init__(self, world: World):
+    def __init__(self, world: World, raise_rank_lost: bool = True):
         self.world = world
+        self._own_thread = raise_rank_lost and world.size > 1  # else commands run in the caller's thread
         self.executor = CommandExecutor(world)
         self._closed = False
         self._recorder: Optional[RoutingRecorder] = None  # load(record_routing=...)
         self._open_stream: Optional[Iterator[Any]] = None  # the generation a stream reads, while it is open
         self._widths = VerifyWidths()  # speculative decoding's measured widths, this load's (num_draft_tokens="auto")
         self._rank0 = Rank0Thread()  # where every command runs while the caller waits (and hears of a loss)
-        if world.size > 1:
+        if self._own_thread:
             ON_LOST.append(self._rank0.lost)
 
     def _on_ranks(self, fn, *args):
         """``fn(*args)``: a command's rank-0 side, run on the rank-0 thread
-        (``RankLost`` if a rank is lost meanwhile); at once with one rank."""
-        return self._rank0.call(fn, *args) if self.world.size > 1 else fn(*args)
+        (``RankLost`` if a rank is lost meanwhile); in the caller's thread
+        with one rank, or where a lost rank ends the process (``init(raise_rank_lost=False)``)."""
+        return self._rank0.call(fn, *args) if self._own_thread else fn(*args)
 
     @property
     def lost(self) -> bool:
@@ -524,7 +526,7 @@ def _gb(value):
 
 
 def init(timeout: float = DEFAULT_TIMEOUT, backend: Optional[str] = None,
-         heartbeat: Union[None, float, str] = DEFAULT_HEARTBEAT) -> Cluster:
+         heartbeat: Union[None, float, str] = DEFAULT_HEARTBEAT, raise_rank_lost: bool = True) -> Cluster:
     """Join the job. On rank 0, returns the ``Cluster`` handle; on every
     other rank, serves rank 0's commands and exits the process at shutdown.
 
@@ -541,13 +543,17 @@ def init(timeout: float = DEFAULT_TIMEOUT, backend: Optional[str] = None,
     where MLX runs on CUDA, else mpi).
     ``heartbeat``: seconds a rank may send no heartbeat before it is lost and
     the job ends with one line naming it (``runtime/heartbeat.py``); None,
-    0 or "off": no heartbeat. Anything else raises ``UserError``."""
+    0 or "off": no heartbeat. Anything else raises ``UserError``.
+    ``raise_rank_lost``: a rank lost then raises ``RankLost`` in the caller
+    (its commands run on a thread of their own on rank 0,
+    ``runtime/rank0_thread.py``); False: they run in the caller's thread and
+    the loss ends the process with the heartbeat's line (the command line's way)."""
     seconds = check_heartbeat(heartbeat)
     world = join(backend)
     start_watchdog(world, timeout)
     start_heartbeat(world, seconds)
     if world.is_root:
-        return Cluster(world)
+        return Cluster(world, raise_rank_lost)
     code = run_or_abort(world, CommandExecutor(world).serve)
     set_exit_code(code)
     sys.stdout.flush()

@@ -461,7 +461,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         return code
     from mlxdist.api import init  # mlx-lm and transformers: seconds, so only once the input is good
 
-    cluster = init(timeout=args.timeout, backend=args.backend, heartbeat=args.heartbeat)
+    # a lost rank ends the job with the heartbeat's line, as supervise reads it
+    cluster = init(timeout=args.timeout, backend=args.backend, heartbeat=args.heartbeat, raise_rank_lost=False)
     code = run_or_abort(cluster.world, command_loop, cluster, args, inputs)
     cluster.shutdown(code)
     set_exit_code(code)  # the status the process ends with (runtime/world.py finalizes and exits)

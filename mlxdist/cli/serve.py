@@ -213,7 +213,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         return code
     from mlxdist.api import init  # mlx-lm and transformers: seconds, so only once the command line is good
 
-    cluster = init(timeout=args.timeout, backend=args.backend, heartbeat=args.heartbeat)  # other ranks serve inside
+    cluster = init(timeout=args.timeout, backend=args.backend, heartbeat=args.heartbeat,  # other ranks serve inside
+                   raise_rank_lost=False)  # the server answers what it holds, then the loss ends the job
     code = 0
     try:
         check_port(args.host, args.port)
