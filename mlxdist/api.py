@@ -88,6 +88,11 @@ class Cluster:
         with one rank, or where a lost rank ends the process (``init(raise_rank_lost=False)``)."""
         return self._rank0.call(fn, *args) if self._own_thread else fn(*args)
 
+    def _stop_hearing_losses(self) -> None:
+        """From now on a lost rank ends the process (the heartbeat's own way)."""
+        if self._rank0.lost in ON_LOST:
+            ON_LOST.remove(self._rank0.lost)
+
     @property
     def lost(self) -> bool:
         """Whether a rank was lost: every command raises ``RankLost`` from then on."""
@@ -125,8 +130,7 @@ class Cluster:
         rank, nothing (the ranks left end with this process)."""
         if self._closed:
             return
-        if self._rank0.lost in ON_LOST:
-            ON_LOST.remove(self._rank0.lost)
+        self._stop_hearing_losses()
         if self.lost:
             self._closed = True
             set_exit_code(1)
@@ -454,8 +458,7 @@ class Cluster:
         lockstep, until interrupted (``python -m mlxdist.serve``). A lost rank
         ends the process here (the server answers what it holds first), as
         its own thread runs the batches."""
-        if self._rank0.lost in ON_LOST:
-            ON_LOST.remove(self._rank0.lost)
+        self._stop_hearing_losses()
         self.executor.serve_http(self._on_ranks(self._broadcast, ServeCommand(options)))
 
     def probe(self, name: str, **args) -> List[Any]:
