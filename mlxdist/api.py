@@ -38,7 +38,7 @@ from mlxdist.values.placement import Placement
 from mlxdist.model.routing_file import RoutingStats
 from mlxdist.dispatch.stats import add_shares
 from mlxdist.engine.routing_record import RoutingRecorder
-from mlxdist.runtime.heartbeat import DEFAULT_HEARTBEAT, ON_LOST, check_heartbeat, start_heartbeat
+from mlxdist.runtime.heartbeat import FROM_ENVIRONMENT, ON_LOST, check_heartbeat, start_heartbeat
 from mlxdist.runtime.rank0_thread import Rank0Thread
 from mlxdist.runtime.watchdog import ACTIVITY, DEFAULT_TIMEOUT, start_watchdog
 
@@ -529,7 +529,7 @@ def _gb(value):
 
 
 def init(timeout: float = DEFAULT_TIMEOUT, backend: Optional[str] = None,
-         heartbeat: Union[None, float, str] = DEFAULT_HEARTBEAT, raise_rank_lost: bool = True) -> Cluster:
+         heartbeat: Union[None, float, str] = FROM_ENVIRONMENT, raise_rank_lost: bool = True) -> Cluster:
     """Join the job. On rank 0, returns the ``Cluster`` handle; on every
     other rank, serves rank 0's commands and exits the process at shutdown.
 
@@ -546,7 +546,8 @@ def init(timeout: float = DEFAULT_TIMEOUT, backend: Optional[str] = None,
     where MLX runs on CUDA, else mpi).
     ``heartbeat``: seconds a rank may send no heartbeat before it is lost and
     the job ends with one line naming it (``runtime/heartbeat.py``); None,
-    0 or "off": no heartbeat. Anything else raises ``UserError``.
+    0 or "off": no heartbeat; "default": ``MLXDIST_HEARTBEAT``, else 5 s.
+    Anything else raises ``UserError``.
     ``raise_rank_lost``: a rank lost then raises ``RankLost`` in the caller
     (its commands run on a thread of their own on rank 0,
     ``runtime/rank0_thread.py``); False: they run in the caller's thread and

@@ -10,7 +10,7 @@ and a test checks that no module reads a variable this table does not list.
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Optional
 
 from mlxdist.inputs.digits import parse_int, parse_number
 from mlxdist.errors import BadVariable
@@ -19,7 +19,7 @@ from mlxdist.errors import BadVariable
 @dataclass(frozen=True)
 class Variable:
     name: str
-    kind: str  # "str", "int", "seconds", "bool", "switch", "gb", "path", "flag": how ``get`` reads it
+    kind: str  # "str", "int", "seconds", "bool", "switch", "gb", "path", "flag", "heartbeat": how ``get`` reads it
     default: Any
     doc: str
     who: str = "read"  # "read": mlxdist reads it; "set": mlxdist sets it (unless set) for a library; "test"
@@ -66,8 +66,19 @@ def _gigabytes(text: str) -> List[float]:
         raise ValueError("must be a positive number of GB, or one per rank separated by commas") from None
 
 
+def _heartbeat(text: str) -> Optional[float]:
+    word = text.strip()
+    if word in ("off", "0"):
+        return None
+    try:
+        return parse_number(word, "it", low=1.0)
+    except ValueError:
+        raise ValueError("must be a number of seconds of at least 1 in ASCII digits, or off") from None
+
+
 _READERS: Dict[str, Callable[[str], Any]] = {"str": str, "int": _int, "seconds": _seconds, "bool": _bool,
-                                             "switch": _switch, "gb": _gigabytes, "path": Path, "flag": str.strip}
+                                             "switch": _switch, "gb": _gigabytes, "path": Path, "flag": str.strip,
+                                             "heartbeat": _heartbeat}
 
 VARIABLES: Dict[str, Variable] = {v.name: v for v in (
     # -- mlxdist's own ---------------------------------------------------------------------------
@@ -104,6 +115,10 @@ VARIABLES: Dict[str, Variable] = {v.name: v for v in (
              "paging read, a batch step of the server) failed waits for the other ranks to say they failed too: "
              "if all did, the step fails everywhere and the job goes on; if not, this rank ends the job "
              "(docs/failures.md)."),
+    Variable("MLXDIST_HEARTBEAT", "heartbeat", 5.0, "The heartbeat's seconds where no --heartbeat (or init's "
+             "heartbeat) is given: a rank silent that long is lost (docs/failures.md); off for none. Raise it on a "
+             "machine that runs more ranks than it has cores beside other work, where the scheduler alone can "
+             "hold a rank's beats for seconds (the test suite sets 30)."),
     Variable("MLXDIST_API_KEY", "str", None, "The server's bearer token where neither --api-key nor "
              "--api-key-file is given (an environment variable does not show in the process list): printable "
              "ASCII without spaces, at most 4096 characters; set but empty or blank, the server refuses to start "

@@ -203,6 +203,35 @@ def test_init_refuses_a_hostile_heartbeat_in_one_line():
         assert "\n" not in str(refused.value) and len(str(refused.value)) < 200, value
 
 
+def test_the_default_heartbeat_is_the_environments(monkeypatch, checkpoint):
+    """Where no heartbeat is given, every command line, ``init`` and the front
+    take ``MLXDIST_HEARTBEAT`` (else 5 s); a hostile value is one line, here
+    and from a launch."""
+    from mlxdist.cli.run import build_parser as run_parser
+    from mlxdist.errors import BadVariable
+    from mlxdist.front.job import JobSpec
+    from mlxdist.runtime.heartbeat import check_heartbeat
+
+    given = run_parser().parse_args([]).heartbeat
+    monkeypatch.delenv("MLXDIST_HEARTBEAT", raising=False)
+    assert check_heartbeat(given) == 5.0
+    for text, seconds in (("12", 12.0), ("2.5", 2.5), ("off", None), ("0", None)):
+        monkeypatch.setenv("MLXDIST_HEARTBEAT", text)
+        assert check_heartbeat(given) == seconds, text
+    monkeypatch.setenv("MLXDIST_HEARTBEAT", "12")
+    settings = type("Settings", (), {"ranks": 2, "rank_argv": ["--model", "M"]})
+    assert JobSpec.from_settings(settings).heartbeat == 12.0
+    for text in ("0.5", "abc", "nan", "５"):
+        monkeypatch.setenv("MLXDIST_HEARTBEAT", text)
+        with pytest.raises(BadVariable) as refused:
+            check_heartbeat(given)
+        assert "MLXDIST_HEARTBEAT" in str(refused.value) and "\n" not in str(refused.value), text
+    proc = launch(2, ["--model", str(checkpoint("qwen3_moe")), "-p", "hi", "-m", "2"], timeout=120,
+                  env={"MLXDIST_HEARTBEAT": "0.5"})
+    errors = [l for l in proc.stderr.splitlines() if "error" in l]
+    assert proc.returncode != 0 and len(errors) == 1 and "MLXDIST_HEARTBEAT" in errors[0], proc.stderr[-2000:]
+
+
 def test_link_reports_on_the_heartbeat_are_read_and_hostile_ones_ignored():
     """Rank 0 keeps a rank's newest whole ``L <sent> <received> <interface>``
     line, split over reads or mixed with plain beats; anything else (letters,

@@ -27,7 +27,7 @@ from mlxdist.dispatch import DISPATCH_MODES, LAYOUTS, modes
 from mlxdist.errors import GenerationFailed, UserError, say_error
 from mlxdist.model.budgets import parse_rank_memory
 from mlxdist.values.placement import Placement
-from mlxdist.runtime.heartbeat import DEFAULT_HEARTBEAT, arg_heartbeat
+from mlxdist.runtime.heartbeat import FROM_ENVIRONMENT, arg_heartbeat
 from mlxdist.runtime.progress import set_quiet
 from mlxdist.runtime.watchdog import DEFAULT_TIMEOUT
 from mlxdist.runtime.world import BACKENDS, join
@@ -164,9 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
     job_opts = p.add_argument_group("job")
     job_opts.add_argument("--timeout", type=arg_duration(), default=DEFAULT_TIMEOUT,
                           help="seconds without progress before a generation is declared hung (default %(default)s)")
-    job_opts.add_argument("--heartbeat", type=arg_heartbeat, default=DEFAULT_HEARTBEAT, metavar="SECONDS",
+    job_opts.add_argument("--heartbeat", type=arg_heartbeat, default=FROM_ENVIRONMENT, metavar="SECONDS",
                           help="seconds a rank may send no heartbeat before it is lost and the job ends with one "
-                               "line naming it and its host (default %(default)s; off: none; docs/failures.md)")
+                               "line naming it and its host (default: MLXDIST_HEARTBEAT, else 5; off: none; docs/failures.md)")
     add_host_flags(job_opts)
     return p
 

@@ -14,7 +14,7 @@ from mlxdist.cli.run import RankZeroParser, add_host_flags, apply_host_flags, ra
 from mlxdist.config import AUTO_SPLIT, EXPERT_SPLITS, KV_RESERVE_TOKENS, kv_reserve_tokens_arg
 from mlxdist.inputs.digits import arg_duration, arg_int, arg_number
 from mlxdist.errors import UserError, say_error
-from mlxdist.runtime.heartbeat import DEFAULT_HEARTBEAT, arg_heartbeat
+from mlxdist.runtime.heartbeat import FROM_ENVIRONMENT, arg_heartbeat
 from mlxdist.runtime.progress import set_quiet
 from mlxdist.runtime.watchdog import DEFAULT_TIMEOUT
 from mlxdist.runtime.world import BACKENDS, join
@@ -121,9 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=arg_duration(), default=DEFAULT_TIMEOUT,
                    help="Seconds without progress before a rank is declared hung; one serving step (it may be a "
                         "long prefill) gets 10 x that (default %(default)s).")
-    p.add_argument("--heartbeat", type=arg_heartbeat, default=DEFAULT_HEARTBEAT, metavar="SECONDS",
+    p.add_argument("--heartbeat", type=arg_heartbeat, default=FROM_ENVIRONMENT, metavar="SECONDS",
                    help="seconds a rank may send no heartbeat before it is lost and the job ends with one line naming "
-                        "it and its host (default %(default)s; off: none; docs/failures.md)")
+                        "it and its host (default: MLXDIST_HEARTBEAT, else 5; off: none; docs/failures.md)")
     p.add_argument("--log-level", default="WARNING", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     return p
 

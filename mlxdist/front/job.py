@@ -51,7 +51,7 @@ from mlxdist.front.recovery import (
     Loss, Plan, host_answers, launch_command, mlx_launch_slots, read_loss, survivors_plan,
 )
 from mlxdist.inputs.digits import arg_duration, arg_int
-from mlxdist.runtime.heartbeat import DEFAULT_HEARTBEAT, parse_heartbeat
+from mlxdist.runtime.heartbeat import DEFAULT_HEARTBEAT, default_heartbeat, parse_heartbeat
 
 SERVING = re.compile(r"mlxdist: serving .* on http://\S+:(\d+) \(")
 STOP_GRACE = 30.0  # seconds a clean stop (SIGINT to rank 0) may take
@@ -103,11 +103,12 @@ class JobSpec:
             args = with_option(args, name, None) if name != "--no-regrow" else [a for a in args if a != name]
         given = option(args, "--heartbeat")
         try:
-            heartbeat = parse_heartbeat(given) if given is not None else DEFAULT_HEARTBEAT
+            heartbeat = parse_heartbeat(given) if given is not None else default_heartbeat()
         except ValueError as e:
             raise UserError(str(e)) from None
         if heartbeat is None:
-            raise UserError("the front needs the heartbeat to notice a lost rank: not --heartbeat off")
+            raise UserError("the front needs the heartbeat to notice a lost rank: not --heartbeat off "
+                            "(nor MLXDIST_HEARTBEAT=off)")
         return cls(settings.ranks, with_option(args, "--heartbeat", None), getattr(settings, "hostfile", None),
                    getattr(settings, "launcher", "mpirun"), heartbeat, getattr(settings, "min_ranks", 1),
                    not getattr(settings, "no_regrow", False),

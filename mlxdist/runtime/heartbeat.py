@@ -60,7 +60,8 @@ from mlxdist.runtime.watchdog import ACTIVITY, HELD_UP, run_on_fatal
 from mlxdist.runtime.world import World
 from mlxdist.runtime.exits import leave_mpi_unfinalized, set_exit_code
 
-DEFAULT_HEARTBEAT = 5.0
+DEFAULT_HEARTBEAT = 5.0  # MLXDIST_HEARTBEAT's default
+FROM_ENVIRONMENT = "default"  # init's and the command lines' default: MLXDIST_HEARTBEAT, else DEFAULT_HEARTBEAT
 MIN_HEARTBEAT = 1.0  # below this a busy host's scheduler alone could look like a loss
 # Rank 0's takers of a loss line: while there is one, the process goes on after a
 # loss (the API's Rank0Thread raises RankLost in its caller).
@@ -75,6 +76,12 @@ CONNECT_SECONDS = 30.0
 OTHERS_EXIT_AFTER = 3.0  # a start-up failure is said by rank 0; the others give it that long
 
 
+def default_heartbeat() -> Optional[float]:
+    """The heartbeat where none is given: ``MLXDIST_HEARTBEAT`` (None: off),
+    else ``DEFAULT_HEARTBEAT``; ``BadVariable`` where it does not read."""
+    return envs.get("MLXDIST_HEARTBEAT")
+
+
 def parse_heartbeat(text: str, field: str = "--heartbeat") -> Optional[float]:
     """``text`` as heartbeat seconds: ``off`` (or ``0``) is None, else a
     finite ASCII number of at least ``MIN_HEARTBEAT``; ValueError otherwise."""
@@ -87,8 +94,11 @@ def parse_heartbeat(text: str, field: str = "--heartbeat") -> Optional[float]:
                          f"or off, not {text!r:.40}") from None
 
 
-def arg_heartbeat(text: str) -> Optional[float]:
-    """An argparse type: ``parse_heartbeat``."""
+def arg_heartbeat(text: str) -> Union[None, float, str]:
+    """An argparse type: ``parse_heartbeat``, but ``FROM_ENVIRONMENT`` (the
+    options' default) kept for ``check_heartbeat``."""
+    if text == FROM_ENVIRONMENT:
+        return text
     try:
         return parse_heartbeat(text, "the value")
     except ValueError as e:
@@ -96,8 +106,11 @@ def arg_heartbeat(text: str) -> Optional[float]:
 
 
 def check_heartbeat(value: Union[None, int, float, str]) -> Optional[float]:
-    """``init(heartbeat=)``: seconds (a number or its text), or None / ``"off"`` /
-    0 for none; ``UserError`` with one line otherwise."""
+    """``init(heartbeat=)``: seconds (a number or its text), None / ``"off"`` /
+    0 for none, or ``FROM_ENVIRONMENT`` for ``default_heartbeat()``;
+    ``UserError`` with one line otherwise."""
+    if value == FROM_ENVIRONMENT:
+        return default_heartbeat()
     if value is None:
         return None
     if isinstance(value, (int, float)) and not isinstance(value, bool):
