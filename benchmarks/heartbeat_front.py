@@ -5,7 +5,12 @@
    interleaved pairs (the order alternates, so the machine's drift hits both
    alike); each launch generates ``-g`` tokens for 3 prompts and keeps the
    median of the last 2 (the first warms up);
-2. the front's overhead per request: one front (``python -m mlxdist.serve
+2. the API's command thread (``runtime/rank0_thread.py``): steady-state
+   decode tok/s of a script's ``stream_generate`` with ``init(raise_rank_lost=True)``
+   (every step handed to rank 0's command thread, so that ``RankLost`` can
+   wake the caller) and ``False`` (the caller's thread), one launch each,
+   in interleaved pairs, 3 prompts a launch, the median of the last 2;
+3. the front's overhead per request: one front (``python -m mlxdist.serve
    --ranks N``, in this process) and its rank server, the same greedy
    request (``-m`` tokens, not streamed) sent to each in interleaved pairs;
    the overhead is the median of the per-pair differences (front - direct).
@@ -13,6 +18,7 @@
 Prints one JSON line per pair and one summary line per part.
 
     python benchmarks/heartbeat_front.py --model DIR [--ranks 2] [--pairs 4] [-g 128] [--requests 20] [-m 16]
+        [--skip-heartbeat] [--skip-api] [--skip-front]
 
 Without ``--model`` it writes the synthetic 4-bit 2-layer ``bench-small`` checkpoint first.
 """
@@ -63,6 +69,50 @@ def heartbeat_pairs(model: str, ranks: int, pairs: int, tokens: int) -> dict:
     return {"heartbeat": {"off_tok_s": statistics.median(r["off"] for r in rows),
                           "on_5s_tok_s": statistics.median(r["5"] for r in rows),
                           "median_ratio_on_off": statistics.median(ratios), "ratios": ratios}}
+
+
+API_SCRIPT = """
+import json, sys
+import mlxdist
+model, tokens, thread, prompts = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "thread", sys.argv[4:]
+with mlxdist.init(raise_rank_lost=thread) as cluster:
+    cluster.load(model)
+    rates = []
+    for prompt in prompts:
+        stats = {}
+        request = cluster.request([cluster.encode(prompt)], max_tokens=tokens)
+        for _ in cluster.stream(request, stats):
+            pass
+        rates.append(stats["generation_tps"])
+    print(json.dumps(rates))
+"""
+
+
+def api_tps(model: str, ranks: int, thread: bool, tokens: int) -> float:
+    """Median decode tok/s of the measured prompts of one API script's launch."""
+    with tempfile.TemporaryDirectory() as tmp:
+        script = Path(tmp) / "api_decode.py"
+        script.write_text(API_SCRIPT)
+        cmd = [str(ROOT / "launch/mpirun"), "-np", str(ranks), sys.executable, str(script), model, str(tokens),
+               "thread" if thread else "caller", *PROMPTS]
+        done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=900)
+    if done.returncode != 0:
+        raise SystemExit(f"error: {' '.join(cmd)} exited {done.returncode}: {done.stderr[-2000:]}")
+    return statistics.median(json.loads(done.stdout.strip().splitlines()[-1])[1:])
+
+
+def api_pairs(model: str, ranks: int, pairs: int, tokens: int) -> dict:
+    rows = []
+    for i in range(pairs):
+        row = {}
+        for thread in ((True, False) if i % 2 == 0 else (False, True)):
+            row["thread" if thread else "caller"] = api_tps(model, ranks, thread, tokens)
+        rows.append(row)
+        print(json.dumps({"api_pair": row}), flush=True)
+    ratios = [r["thread"] / r["caller"] for r in rows]
+    return {"api_thread": {"caller_tok_s": statistics.median(r["caller"] for r in rows),
+                           "thread_tok_s": statistics.median(r["thread"] for r in rows),
+                           "median_ratio_thread_caller": statistics.median(ratios), "ratios": ratios}}
 
 
 def front_pairs(model: str, ranks: int, requests: int, tokens: int) -> dict:
@@ -131,6 +181,8 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=20, help="request pairs (front / direct)")
     p.add_argument("-m", "--max-tokens", type=int, default=16, help="tokens of each front/direct request")
     p.add_argument("--skip-heartbeat", action="store_true")
+    p.add_argument("--skip-api", action="store_true")
+    p.add_argument("--skip-front", action="store_true")
     args = p.parse_args()
     for name in ("ranks", "pairs", "generation_tokens", "requests", "max_tokens"):
         if not 1 <= getattr(args, name) <= 100_000:
@@ -142,7 +194,10 @@ def main() -> None:
                         model], check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
     if not args.skip_heartbeat:
         print(json.dumps(heartbeat_pairs(model, args.ranks, args.pairs, args.generation_tokens)), flush=True)
-    print(json.dumps(front_pairs(model, args.ranks, args.requests, args.max_tokens)), flush=True)
+    if not args.skip_api:
+        print(json.dumps(api_pairs(model, args.ranks, args.pairs, args.generation_tokens)), flush=True)
+    if not args.skip_front:
+        print(json.dumps(front_pairs(model, args.ranks, args.requests, args.max_tokens)), flush=True)
 
 
 if __name__ == "__main__":

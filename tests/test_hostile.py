@@ -119,16 +119,29 @@ def test_hostile_requests_leave_the_server_serving(hostile_server, checkpoint):
 
 
 def test_connections_past_the_cap_are_closed_and_the_server_goes_on(hostile_server):
+    """80 connections at --max-connections 64: 16 are closed at once, and
+    the server answers again once the rest time out. Where more are closed,
+    the connections of the tests before (their requests' generations) or the
+    idle timeout (a loaded box slow to open 80) took places: tried again,
+    three times at most, once those are gone."""
     s = hostile_server
-    held = [socket.create_connection(("127.0.0.1", s.port)) for _ in range(80)]  # past --max-connections 64
-    try:
-        time.sleep(0.5)  # well before the idle timeout (2 s) closes the ones the server holds
-        readable, _, _ = select.select(held, [], [], 0)
-        closed = sum(c.recv(1) == b"" for c in readable)
-        assert 80 - 64 <= closed <= 80 - 64 + 4, closed
-    finally:
-        for c in held:
-            c.close()
+    for attempt in range(3):
+        time.sleep(3)  # past the idle timeout: the connections before are gone
+        opened = time.monotonic()
+        held = [socket.create_connection(("127.0.0.1", s.port)) for _ in range(80)]  # past --max-connections 64
+        try:
+            time.sleep(0.5)  # well before the idle timeout (2 s) closes the ones the server holds
+            readable, _, _ = select.select(held, [], [], 0)
+            closed = sum(c.recv(1) == b"" for c in readable)
+            in_time = time.monotonic() - opened < 1.8
+        finally:
+            for c in held:
+                c.close()
+        assert 80 - 64 <= closed, closed
+        if closed <= 80 - 64 + 4 and in_time:
+            break
+    else:
+        raise AssertionError(f"{closed} of 80 closed at --max-connections 64, three times")
     time.sleep(3)  # the held ones time out
     assert s.get("/health")[0] == 200
 

@@ -95,10 +95,6 @@ def rank_pids_with(required, excluded=()):
                 and launcher_rank_of(int(entry)) >= 0:
             pids.append(int(entry))
     return sorted(pids, key=launcher_rank_of)
-    for name in (b"OMPI_COMM_WORLD_RANK", b"MLX_RANK"):
-        if name in env:
-            return int(env[name])
-    return -1
 
 
 class Server:
