@@ -138,6 +138,10 @@ def check_fault(front, victim_rank, sig, expected, undisturbed, queued_stream=Fa
     if queued_stream:  # the ranks are stopped: these wait in the rank server's queue
         threading.Thread(target=held_stream, args=(front, queued), daemon=True).start()
         threading.Thread(target=held_message, args=(front, message), daemon=True).start()
+        # forwarded to the stopped job before the front hears of the loss (the live plain one and these
+        # two wait for their first byte): only then are they the job's lost requests, sent again
+        wait_for(lambda: front.metrics()["mlxdist_requests_queued{}"] >= 3, HEARTBEAT - 1,
+                 "the queued requests forwarded before the loss is heard")
     wait_for(lambda: status_of(front) in ("recovering", "starting"), ANSWERED_WITHIN, "recovering")
     asked = time.monotonic()
     status, headers, body = front.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 8})

@@ -24,7 +24,7 @@ from pydantic import ValidationError
 
 from mlxdist.front.errors import Unavailable
 from mlxdist.front.messages_schema import CountTokensRequest, MessagesRequest, first_error
-from mlxdist.front.observe import observed
+from mlxdist.front.observe import Queued, observed
 from mlxdist.front.translate import (
     CHAT_PATH, TOKENIZE_PATH, AnswerFailed, Event, Finish, Keepalive, Reasoning, Text, ToolCall, UpstreamError,
     Usage, anthropic_to_chat, arguments_object, chat_events, close, live_request, read_request,
@@ -206,11 +206,14 @@ def router(upstream: Any, max_body: int = DEFAULT_MAX_BODY) -> APIRouter:
             answer = AnthropicAnswer(parsed.model, silent=parsed.max_tokens == 0,
                                      thinking=parsed.thinking is not None and parsed.thinking.type != "disabled")
             stack.enter_context(live_request(upstream))
+            metrics = getattr(request.app.state, "metrics", None)
+            queued = Queued(metrics)
+            stack.callback(queued.done)
             response = await stack.enter_async_context(upstream.stream(CHAT_PATH, chat, request.headers))
             if response.status_code != 200:
                 raise await upstream_refusal(response)
-            events = observed(chat_events(response.aiter_lines(), parsed.stop_sequences or ()),
-                              getattr(request.app.state, "metrics", None), started)
+            events = observed(chat_events(response.aiter_lines(), parsed.stop_sequences or ()), metrics, started,
+                              queued)
             stack.push_async_callback(events.aclose)  # first: the metrics' finally, then the stream
             if not parsed.stream:
                 async for event in events:

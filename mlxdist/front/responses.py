@@ -30,7 +30,7 @@ from mlxdist.front.errors import Unavailable, refusal
 from mlxdist.front.messages_schema import first_error
 from mlxdist.front.responses_schema import ResponsesRequest
 from mlxdist.front.store import ResponseStore
-from mlxdist.front.observe import observed
+from mlxdist.front.observe import Queued, observed
 from mlxdist.front.translate import (
     CHAT_PATH, AnswerFailed, Event, Finish, Keepalive, Reasoning, Text, ToolCall, UpstreamError, Usage, chat_events,
     close, live_request, read_request, responses_to_chat, upstream_refusal,
@@ -243,11 +243,13 @@ def router(upstream: Any, store: ResponseStore, max_body: int = DEFAULT_MAX_BODY
             conversation, chat = responses_to_chat(parsed, history)
             answer = ResponsesAnswer(parsed)
             stack.enter_context(live_request(upstream))
+            metrics = getattr(request.app.state, "metrics", None)
+            queued = Queued(metrics)
+            stack.callback(queued.done)
             response = await stack.enter_async_context(upstream.stream(CHAT_PATH, chat, request.headers))
             if response.status_code != 200:
                 raise await upstream_refusal(response)
-            events = observed(chat_events(response.aiter_lines()), getattr(request.app.state, "metrics", None),
-                              started)
+            events = observed(chat_events(response.aiter_lines()), metrics, started, queued)
             stack.push_async_callback(events.aclose)  # first: the metrics' finally, then the stream
             if not parsed.stream:
                 async for event in events:
