@@ -38,7 +38,11 @@ from mlxdist.model.budgets import budgets_for_ranks, parse_rank_memory
 # runtime/heartbeat.py's line: "rank R (host H) sent no heartbeat for S s: lost"
 HEARTBEAT_LOST = re.compile(r"rank (\d+) \(host ([^)]*)\) sent no heartbeat for ([0-9.]+) s: lost")
 # a rank's end as the launcher or the heartbeat reports it, before the job has ended
-LOSS_SIGNS = re.compile(r"sent no heartbeat for|exited on signal|lost communication|stopped \(process gone\)")
+LOSS_SIGNS = re.compile(r"sent no heartbeat for|exited on signal|lost communication|stopped \(process gone\)|"
+                        r"peer process has unexpectedly disconnected")
+# Open MPI's report where a rank's process on another host ended (killed) and a peer's connection
+# to it broke before the launcher reported the end: the peer aborts the job first.
+PEER_GONE = re.compile(r"peer process has unexpectedly disconnected\..*? Local host: (\S+) .*? Peer host: (\S+)")
 END_GRACE = 5.0  # seconds the launcher has to end a job that lost a rank before its session is killed
 KEPT_LINES = 4000  # lines of a start's standard error kept to read the loss from
 
@@ -155,6 +159,8 @@ def lost_ranks(stderr: str, slots: List[RankSlot]) -> List[int]:
     killed = {int(m.group(1)) for m in signalled}
     lost_nodes = set(re.findall(r"Remote daemon: \S+ on node (\S+)", text)) if "lost communication" in text else set()
     killed |= {rank for rank, slot in enumerate(slots) if slot.host in lost_nodes}
+    gone_hosts = {m.group(2) for m in PEER_GONE.finditer(text) if m.group(1) != m.group(2)}
+    killed |= {rank for rank, slot in enumerate(slots) if slot.host in gone_hosts}
     killed |= set(heartbeat_losses(stderr))
     if killed:
         return sorted(r for r in killed if r < len(slots))

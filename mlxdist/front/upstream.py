@@ -213,8 +213,10 @@ class _Guarded:
         while True:
             failure: Optional[Exception] = None
             loss_event: Optional[str] = None  # the rank server's error event of a lost rank
+            ended = False  # the answer's end as the rank server writes it ([DONE], or an error event)
             try:
                 async for line in self._response.aiter_lines():
+                    ended = ended or _ends(line)
                     if started:
                         yield line
                         continue
@@ -233,9 +235,15 @@ class _Guarded:
                     else:  # a comment (keep-alive) or a blank line before any chunk
                         yield line
                 else:
-                    for earlier in kept:
-                        yield earlier
-                    return
+                    if ended:
+                        for earlier in kept:
+                            yield earlier
+                        return
+                    # closed without its end: the rank server's process ended mid-answer (a rank
+                    # killed on another host can end the job before the launcher reports it)
+                    failure = httpx.RemoteProtocolError("the answer stopped before its end")
+                    if started:
+                        raise self._upstream._unavailable(failure)
             except (httpx.TransportError, httpx.StreamError) as e:
                 if started:
                     raise self._upstream._unavailable(e) from None
@@ -270,6 +278,23 @@ class _Guarded:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._response, name)
+
+
+def _ends(line: str) -> bool:
+    """Whether an SSE line of the rank server's ends its answer: ``[DONE]``,
+    or an error event (after which it writes nothing more)."""
+    if not line.startswith("data:"):
+        return False
+    data = line[5:].strip()
+    if data == "[DONE]":
+        return True
+    if '"error"' not in data:
+        return False
+    try:
+        chunk = json.loads(data)
+    except ValueError:
+        return False
+    return isinstance(chunk, dict) and chunk.get("error") is not None
 
 
 def _says(line: str) -> Optional[bool]:

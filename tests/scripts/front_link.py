@@ -1,15 +1,22 @@
 """Run on host0 of tests/netns.py's hosts (test_recovery.py): the front at
---ranks 3 over host0, host1 and host2; host2's cable pulled while a stream
-and a plain request are live (the stream ends with an error event, the
-plain one, unanswered, is held and answered by the job on the ranks left
-with an undisturbed run's text), then plugged back in. Raises AssertionError
-on the first thing that is not as it should be; prints one JSON line of
-the times measured (seconds from the pull).
+--ranks 3 over host0, host1 and host2, and three faults of host2 in turn,
+each while a stream and a plain request are live (the stream ends with an
+error event, the plain one, unanswered, is held and answered by the job on
+the ranks left with an undisturbed run's text):
 
-    python front_link.py MODEL HOSTFILE SWITCH_NS VETH EXPECTED_TEXT KEY
+1. its rank stopped (SIGSTOP: a Mac asleep), then continued: grown back;
+2. its cable pulled: no growing back while it is out; plugged back in: grown back;
+3. its rank killed (``kill -9``).
+
+Raises AssertionError on the first thing that is not as it should be;
+prints one JSON line of the times measured (seconds from each fault, and
+from the plug for growing back).
+
+    python front_link.py MODEL HOSTFILE SWITCH_NS VETH EXPECTED_TEXT KEY HOST2_NS
 """
 
 import json
+import os
 import re
 import signal
 import subprocess
@@ -25,7 +32,7 @@ EOS = 2
 
 
 def main() -> None:
-    model, hostfile, switch, veth, expected, key = sys.argv[1:7]
+    model, hostfile, switch, veth, expected, key, host2 = sys.argv[1:8]
     front = subprocess.Popen([sys.executable, "-m", "mlxdist.serve", "--ranks", "3", "--hostfile", hostfile,
                               "--model", model, "--port", "0", "--api-key", key, "--heartbeat", str(HEARTBEAT),
                               "--regrow-every", str(REGROW_EVERY)], stdin=subprocess.DEVNULL,
@@ -41,7 +48,7 @@ def main() -> None:
 
     threading.Thread(target=read, daemon=True).start()
     try:
-        times = run(port, key, expected, switch, veth)
+        times = run(port, key, expected, switch, veth, host2)
     except BaseException:
         sys.stderr.write("".join(said)[-6000:])
         front.kill()
@@ -80,7 +87,22 @@ def wait(predicate, timeout, what):
     return time.monotonic()
 
 
-def run(port, key, expected, switch, veth):
+def rank_on(namespace: str) -> int:
+    """The pid of the rank process running in network namespace ``namespace``
+    (its launcher's daemon there is not one)."""
+    pids = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True).stdout.split()
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                args = f.read().split(b"\0")
+        except OSError:
+            continue
+        if b"mlxdist.serve" in args and b"--ranks" not in args:
+            return int(pid)
+    raise AssertionError(f"no rank in {namespace}: {pids}")
+
+
+def run(port, key, expected, switch, veth, host2):
     wait(lambda: port, 120, "front line")
     url = f"http://127.0.0.1:{port[0]}"
     state = lambda: (call(url, key, "/health", timeout=10)[2] or {}).get("status")  # noqa: E731
@@ -89,6 +111,38 @@ def run(port, key, expected, switch, veth):
     assert call(url, key, "/v1/completions", greedy)[2]["choices"][0]["text"] == expected
     held = {**greedy, "max_tokens": 160, "logit_bias": {str(EOS): -100}}
     undisturbed = call(url, key, "/v1/completions", held)[2]["choices"][0]["text"]
+    times = {}
+
+    victim = rank_on(host2)
+    times.update(fault(url, key, state, greedy, held, expected, undisturbed, "stop",
+                       lambda: os.kill(victim, signal.SIGSTOP)))
+    try:
+        os.kill(victim, signal.SIGCONT)  # the launcher ended it; a stopped Mac wakes up
+    except ProcessLookupError:
+        pass
+    continued = time.monotonic()
+    times["stop_grown_back"] = wait(lambda: state() == "ok", REGROW_EVERY + 120, "growing back") - continued
+
+    times.update(fault(url, key, state, greedy, held, expected, undisturbed, "cable",
+                       lambda: subprocess.run(["ip", "-n", switch, "link", "set", veth, "down"], check=True)))
+    time.sleep(REGROW_EVERY + 25)  # host2 does not answer: no growing back
+    assert state() == "degraded"
+    subprocess.run(["ip", "-n", switch, "link", "set", veth, "up"], check=True)
+    plugged = time.monotonic()
+    times["cable_grown_back_after_plug"] = wait(lambda: state() == "ok", REGROW_EVERY + 120, "growing back") - plugged
+    assert call(url, key, "/health")[2]["ranks"] == 3
+    assert call(url, key, "/v1/completions", greedy)[2]["choices"][0]["text"] == expected
+
+    victim = rank_on(host2)
+    times.update(fault(url, key, state, greedy, held, expected, undisturbed, "kill",
+                       lambda: os.kill(victim, signal.SIGKILL)))
+    return {k: round(v, 2) for k, v in times.items()}
+
+
+def fault(url, key, state, greedy, held, expected, undisturbed, name, inflict) -> dict:
+    """``inflict`` (a fault of host2) while a stream and a plain request are
+    live; the checks of the module's docstring until serving on host0 and
+    host1 again. The times from the fault, as ``<name>_<what>``."""
     live, events = {}, []
 
     def plain():
@@ -113,29 +167,22 @@ def run(port, key, expected, switch, veth):
     threading.Thread(target=plain, daemon=True).start()
     wait(lambda: queued(url, key) >= 1 or "plain_at" in live, 30, "the plain request forwarded")
     assert "plain_at" not in live, live
-    subprocess.run(["ip", "-n", switch, "link", "set", veth, "down"], check=True)
-    pulled = time.monotonic()
-    times = {"recovering": wait(lambda: state() in ("recovering", "starting"), HEARTBEAT + 5, "recovering") - pulled}
+    inflict()
+    hit = time.monotonic()
+    times = {"recovering": wait(lambda: state() in ("recovering", "starting"), HEARTBEAT + 5, "recovering") - hit}
     status, headers, body = call(url, key, "/v1/completions", greedy, timeout=10)
-    assert status == 503 and headers["Retry-After"], (status, body)
-    times["answered"] = wait(lambda: "stream_at" in live, HEARTBEAT + 7, "the stream's end") - pulled
-    assert live["stream_at"] - pulled < HEARTBEAT + 5, times
-    assert events[-1].startswith("{") and json.loads(events[-1]).get("error"), events[-3:]
-    times["serving_again"] = wait(lambda: state() == "degraded", 60, "serving on 2 ranks") - pulled
+    assert status == 503 and headers["Retry-After"], (name, status, body)
+    times["answered"] = wait(lambda: "stream_at" in live, HEARTBEAT + 7, "the stream's end") - hit
+    assert live["stream_at"] - hit < HEARTBEAT + 5, (name, times)
+    assert events[-1].startswith("{") and json.loads(events[-1]).get("error"), (name, events[-3:])
+    times["serving_again"] = wait(lambda: state() == "degraded", 60, "serving on 2 ranks") - hit
     status, _, health = call(url, key, "/health")
-    assert health["ranks"] == 2 and health["hosts"] == ["host0", "host1"], health
-    assert health["last_recovery"]["lost_rank"] == 2 and health["last_recovery"]["host"] == "host2", health
-    assert call(url, key, "/v1/completions", greedy)[2]["choices"][0]["text"] == expected
-    times["held_answered"] = wait(lambda: "plain_at" in live, 120, "the held request's answer") - pulled
-    assert live["plain"][0] == 200 and live["plain"][2]["choices"][0]["text"] == undisturbed, live["plain"]
-    time.sleep(REGROW_EVERY + 25)  # host2 does not answer: no growing back
-    assert state() == "degraded"
-    subprocess.run(["ip", "-n", switch, "link", "set", veth, "up"], check=True)
-    plugged = time.monotonic()
-    times["grown_back_after_plug"] = wait(lambda: state() == "ok", REGROW_EVERY + 120, "growing back") - plugged
-    assert call(url, key, "/health")[2]["ranks"] == 3
-    assert call(url, key, "/v1/completions", greedy)[2]["choices"][0]["text"] == expected
-    return {k: round(v, 2) for k, v in times.items()}
+    assert health["ranks"] == 2 and health["hosts"] == ["host0", "host1"], (name, health)
+    assert health["last_recovery"]["lost_rank"] == 2 and health["last_recovery"]["host"] == "host2", (name, health)
+    assert call(url, key, "/v1/completions", greedy)[2]["choices"][0]["text"] == expected, name
+    times["held_answered"] = wait(lambda: "plain_at" in live, 120, "the held request's answer") - hit
+    assert live["plain"][0] == 200 and live["plain"][2]["choices"][0]["text"] == undisturbed, (name, live["plain"])
+    return {f"{name}_{k}": v for k, v in times.items()}
 
 
 if __name__ == "__main__":
