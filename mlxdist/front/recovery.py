@@ -67,7 +67,9 @@ def read_loss(said: str, slots: List[RankSlot], seen_at: float) -> Optional[Loss
         return None
     silences = heartbeat_losses(said)  # {rank: (its host as the rank named it, seconds)}
     silent = max((silences[r][1] for r in ranks if r in silences), default=0.0)
-    return Loss(ranks, [silences[r][0] if r in silences else slots[r].host for r in ranks], seen_at, silent)
+    # the slot's name (the hostfile's, as /health's hosts), whatever the fault: the heartbeat's
+    # line names a host by its own hostname, the launcher by the hostfile's
+    return Loss(ranks, [slots[r].host for r in ranks], seen_at, silent)
 
 
 @dataclass
