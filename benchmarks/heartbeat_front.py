@@ -35,6 +35,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Dict, List
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = ["the weather today is", "a story about the sea", "the weather today is"]
@@ -57,14 +58,23 @@ def decode_tps(model: str, ranks: int, heartbeat: str, tokens: int) -> float:
     return statistics.median(rates[1:])
 
 
-def heartbeat_pairs(model: str, ranks: int, pairs: int, tokens: int) -> dict:
+def interleaved_pairs(measure, first: str, second: str, pairs: int, label: str) -> List[Dict[str, float]]:
+    """``pairs`` rows {first: measure(first), second: measure(second)}, the
+    order alternating (the machine's drift hits both alike); each printed
+    as one JSON line under ``label``."""
     rows = []
     for i in range(pairs):
         row = {}
-        for heartbeat in (("off", "5") if i % 2 == 0 else ("5", "off")):
-            row[heartbeat] = decode_tps(model, ranks, heartbeat, tokens)
+        for name in ((first, second) if i % 2 == 0 else (second, first)):
+            row[name] = measure(name)
         rows.append(row)
-        print(json.dumps({"heartbeat_pair": row}), flush=True)
+        print(json.dumps({label: row}), flush=True)
+    return rows
+
+
+def heartbeat_pairs(model: str, ranks: int, pairs: int, tokens: int) -> dict:
+    rows = interleaved_pairs(lambda heartbeat: decode_tps(model, ranks, heartbeat, tokens), "off", "5", pairs,
+                             "heartbeat_pair")
     ratios = [r["5"] / r["off"] for r in rows]
     return {"heartbeat": {"off_tok_s": statistics.median(r["off"] for r in rows),
                           "on_5s_tok_s": statistics.median(r["5"] for r in rows),
@@ -102,13 +112,8 @@ def api_tps(model: str, ranks: int, thread: bool, tokens: int) -> float:
 
 
 def api_pairs(model: str, ranks: int, pairs: int, tokens: int) -> dict:
-    rows = []
-    for i in range(pairs):
-        row = {}
-        for thread in ((True, False) if i % 2 == 0 else (False, True)):
-            row["thread" if thread else "caller"] = api_tps(model, ranks, thread, tokens)
-        rows.append(row)
-        print(json.dumps({"api_pair": row}), flush=True)
+    rows = interleaved_pairs(lambda way: api_tps(model, ranks, way == "thread", tokens), "thread", "caller", pairs,
+                             "api_pair")
     ratios = [r["thread"] / r["caller"] for r in rows]
     return {"api_thread": {"caller_tok_s": statistics.median(r["caller"] for r in rows),
                            "thread_tok_s": statistics.median(r["thread"] for r in rows),
@@ -145,16 +150,13 @@ def front_pairs(model: str, ranks: int, requests: int, tokens: int) -> dict:
             with httpx.Client(timeout=300, trust_env=False) as client:
                 for url, headers in urls.values():  # warm-up, and both answer alike
                     client.post(url + "/v1/completions", json=body, headers=headers).raise_for_status()
-                rows = []
-                for i in range(requests):
-                    row = {}
-                    for name in (("front", "direct") if i % 2 == 0 else ("direct", "front")):
-                        url, headers = urls[name]
-                        start = time.perf_counter()
-                        client.post(url + "/v1/completions", json=body, headers=headers).raise_for_status()
-                        row[name] = time.perf_counter() - start
-                    rows.append(row)
-                    print(json.dumps({"front_pair_s": row}), flush=True)
+                def seconds(name: str) -> float:
+                    url, headers = urls[name]
+                    start = time.perf_counter()
+                    client.post(url + "/v1/completions", json=body, headers=headers).raise_for_status()
+                    return time.perf_counter() - start
+
+                rows = interleaved_pairs(seconds, "front", "direct", requests, "front_pair_s")
             overheads = [r["front"] - r["direct"] for r in rows]
             result["front"] = {"requests": requests, "max_tokens": tokens,
                                "front_s": statistics.median(r["front"] for r in rows),

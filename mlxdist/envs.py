@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
-from mlxdist.inputs.digits import parse_int, parse_number
+from mlxdist.inputs.digits import parse_int, parse_number, parse_seconds_or_off
 from mlxdist.errors import BadVariable
 
 
@@ -67,11 +67,8 @@ def _gigabytes(text: str) -> List[float]:
 
 
 def _heartbeat(text: str) -> Optional[float]:
-    word = text.strip()
-    if word in ("off", "0"):
-        return None
     try:
-        return parse_number(word, "it", low=1.0)
+        return parse_seconds_or_off(text.strip(), "it", low=1.0)  # runtime/heartbeat.py's MIN_HEARTBEAT
     except ValueError:
         raise ValueError("must be a number of seconds of at least 1 in ASCII digits, or off") from None
 

@@ -34,6 +34,7 @@ from mlxdist.errors import RequestError
 from mlxdist.front.errors import DEFAULT_RETRY_AFTER, Unavailable, refusal, unavailable_body
 from mlxdist.front.limits import Guard
 from mlxdist.front.metrics import CONTENT_TYPE, SERVING_STATES, FrontMetrics
+from mlxdist.front.observe import Queued
 from mlxdist.front.upstream import DEFAULT_HOLD, DEFAULT_MAX_HELD, Upstream
 from mlxdist.inputs import json_input
 from mlxdist.inputs.digits import parse_int
@@ -69,12 +70,12 @@ def make_app(settings: Any, job: Any, upstream: Optional[Upstream] = None) -> An
         raw, streaming, usage_added = await _read_request(request, settings.max_body)
         started = time.monotonic()
         if not streaming:
-            metrics.queued.inc()
+            queued = Queued(metrics)
             try:
                 with _live(job):
                     answer = await upstream.post(request.url.path, raw, request.headers)
             finally:
-                metrics.queued.dec()
+                queued.done()
             metrics.latency.observe(time.monotonic() - started)
             if answer.status_code == 200:
                 try:
@@ -187,8 +188,7 @@ async def _stream(path: str, raw: bytes, headers, usage_added: bool, upstream: U
                   started: float, job: Any) -> Response:
     """The rank server's stream, passed on line by line once it answers 200
     (any other status: its answer whole)."""
-    metrics.queued.inc()
-    queued = True
+    queued = Queued(metrics)  # until the first chunk with choices
     live = _live(job)
     live.__enter__()
     context = upstream.stream(path, raw, headers)
@@ -198,15 +198,14 @@ async def _stream(path: str, raw: bytes, headers, usage_added: bool, upstream: U
             body = await answer.aread()
             await context.__aexit__(None, None, None)
             live.__exit__(None, None, None)
-            metrics.queued.dec()
+            queued.done()
             return _passed_on(answer, body, upstream.retry_after)
     except BaseException:
         live.__exit__(None, None, None)
-        metrics.queued.dec()
+        queued.done()
         raise
 
     async def lines() -> AsyncIterator[bytes]:
-        nonlocal queued
         metrics.running.inc()
         last: Dict[str, Any] = {}
         skip_blank = False
@@ -225,9 +224,8 @@ async def _stream(path: str, raw: bytes, headers, usage_added: bool, upstream: U
                             return
                         if chunk.get("choices"):
                             last, now = chunk, time.monotonic()
-                            if queued:
-                                queued = False
-                                metrics.queued.dec()
+                            if queued.counted:
+                                queued.done()
                                 metrics.first_token.observe(now - started)
                             else:
                                 metrics.per_token.observe(now - chunk_at)
@@ -242,8 +240,7 @@ async def _stream(path: str, raw: bytes, headers, usage_added: bool, upstream: U
                 yield _finish_chunk(last, path)
                 yield f"data: {json.dumps(unavailable_body(e))}\n\n".encode()
         finally:
-            if queued:
-                metrics.queued.dec()
+            queued.done()
             metrics.running.dec()
             metrics.latency.observe(time.monotonic() - started)
             live.__exit__(None, None, None)

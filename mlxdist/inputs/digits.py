@@ -70,6 +70,18 @@ def parse_number(text: str, field: str, low: Optional[float] = None, high: Optio
     return value
 
 
+def parse_seconds_or_off(text: str, field: str, low: float) -> Optional[float]:
+    """``text`` as seconds: ``off`` (or ``0``) is None, else a finite ASCII
+    number of at least ``low``; ValueError naming ``field`` otherwise."""
+    if text in ("off", "0"):
+        return None
+    try:
+        return parse_number(text, field, low=low)
+    except ValueError:
+        raise ValueError(f"{field} must be a number of seconds of at least {low:g} in ASCII digits, "
+                         f"or off, not {text!r:.40}") from None
+
+
 def _range(low: Optional[float], high: Optional[float], above: Optional[float]) -> str:
     if low is not None and high is not None:
         return f"a number from {low:g} to {high:g}"

@@ -52,7 +52,7 @@ from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from mlxdist import envs
-from mlxdist.inputs.digits import parse_number
+from mlxdist.inputs.digits import parse_seconds_or_off
 from mlxdist.errors import UserError, say_error
 from mlxdist.runtime.addresses import address_toward, describe_host
 from mlxdist.runtime.link_bytes import LinkCounter
@@ -85,13 +85,7 @@ def default_heartbeat() -> Optional[float]:
 def parse_heartbeat(text: str, field: str = "--heartbeat") -> Optional[float]:
     """``text`` as heartbeat seconds: ``off`` (or ``0``) is None, else a
     finite ASCII number of at least ``MIN_HEARTBEAT``; ValueError otherwise."""
-    if text in ("off", "0"):
-        return None
-    try:
-        return parse_number(text, field, low=MIN_HEARTBEAT)
-    except ValueError:
-        raise ValueError(f"{field} must be a number of seconds of at least {MIN_HEARTBEAT:g} in ASCII digits, "
-                         f"or off, not {text!r:.40}") from None
+    return parse_seconds_or_off(text, field, MIN_HEARTBEAT)
 
 
 def arg_heartbeat(text: str) -> Union[None, float, str]:
