@@ -44,6 +44,12 @@ SERVER: Dict[str, str] = {
     "ResponseGenerator": "ResponseGenerator",
     "GenerationContext": "GenerationContext",
     "GenerationArguments": "GenerationArguments",
+    "ModelDescription": "ModelDescription",
+    "SamplingArguments": "SamplingArguments",
+    "LogitsProcessorArguments": "LogitsProcessorArguments",
+    "TextStateMachine": "TextStateMachine",  # the answer's text split into normal, reasoning and tool
+    "make_text_state_machine": "make_text_state_machine",
+    "ToolCallFormatter": "ToolCallFormatter",
     "CompletionRequest": "CompletionRequest",
     "Response": "Response",
     "TimeBudget": "TimeBudget",

@@ -7,7 +7,7 @@ request is whole (a deadline, header bounds, the connection cap) is
 ``connections.py``'s.
 """
 
-import copy
+import dataclasses
 import hmac
 import io
 import json
@@ -28,7 +28,9 @@ from mlxdist.serving.lockstep import HANDLER_STATUS
 from mlxdist.runtime import heartbeat
 from mlxdist.serving.schema import RequestLimits, check_request, error_body
 from mlxdist.serving.step_times import STEPS
-from mlxdist.serving.templates import render
+from mlxdist.serving.arguments import Defaults
+from mlxdist.serving.templates import render_request_template
+from mlxdist.serving.token_channel import TOKENS_PATH, read_token_request, stream_tokens
 from mlxdist.serving.tokenize import TOKENIZE_PATH, count_tokens
 
 
@@ -67,6 +69,7 @@ class _OpenAIErrors:
 
 
 COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions", "/chat/completions")
+MODEL_FACTS_PATH = "/mlxdist/model"  # what the front reads to serve as this server does (front/model.py)
 
 
 @dataclass(frozen=True)
@@ -190,8 +193,29 @@ class Handler(compat.APIHandler):
         return False
 
     def do_GET(self):
-        if self._allowed():
-            super().do_GET()
+        if not self._allowed():
+            return
+        if self.path == MODEL_FACTS_PATH:
+            self._model_facts()
+            return
+        super().do_GET()
+
+    def _model_facts(self) -> None:
+        """What the front needs to tokenise, check and answer as this server
+        does (``front/model.py``): the model's name and folder, the chat
+        template served (empty: the tokenizer's), the request schema's
+        limits and the defaults of a request's missing fields."""
+        cli = self.response_generator.cli_args
+        engine = self.response_generator.model_provider.engine
+        self._send_json(200, {"name": cli.model, "path": str(engine.model_path or ""),
+                              "chat_template": cli.chat_template or "",
+                              "limits": dataclasses.asdict(self.settings.limits),
+                              "defaults": dataclasses.asdict(self._defaults())})
+
+    def _defaults(self) -> Defaults:
+        """A request's missing fields, as this server's options set them."""
+        cli = self.response_generator.cli_args
+        return Defaults(cli.model, cli.max_tokens, cli.temp, cli.top_p, cli.num_draft_tokens)
 
     def handle_health_check(self):
         """mlx-lm's status, the port served (the one the system gave for
@@ -254,6 +278,9 @@ class Handler(compat.APIHandler):
         if self.path == TOKENIZE_PATH:
             self._tokenize(raw)
             return
+        if self.path == TOKENS_PATH:
+            self._tokens(raw)
+            return
         if self.path in COMPLETION_PATHS:
             try:
                 body, chars = check_request(raw, self.settings.limits)
@@ -278,35 +305,37 @@ class Handler(compat.APIHandler):
 
     def _tokenize(self, raw: bytes) -> None:
         """``/tokenize`` (``tokenize.py``): a body the schema passes, counted; nothing generated."""
+        provider = self.response_generator.model_provider
         try:
             body, _ = check_request(raw, self.settings.limits)
-            answer = count_tokens(self.response_generator, body)
+            answer = count_tokens(provider.tokenizer, body, provider.engine.context_length)
         except RequestError as e:
             self._refuse(e.status, str(e), "invalid_request_error" if e.status < 500 else "server_error", e.param)
             return
         self._send_json(200, answer)
 
-    def _render_own_template(self, body: Dict[str, Any]) -> Optional[str]:
-        """The prompt text of a request that brings its own chat template
-        (only past the schema under --allow-request-templates), rendered
-        here, bounded; the template itself never reaches a rank."""
-        kwargs = body.get("chat_template_kwargs") or {}
-        if "chat_template" not in kwargs:
-            return None
-        template = kwargs.pop("chat_template")
-        messages = copy.deepcopy(body["messages"])
+    def _tokens(self, raw: bytes) -> None:
+        """The front's token channel (``token_channel.py``): token ids in, token ids out."""
+        generator = self.response_generator
         try:
-            compat.process_message_content(messages)
-        except (ValueError, KeyError, TypeError) as e:
-            raise RequestError(f"messages: {e}", "messages") from None
-        tokenizer = self.response_generator.model_provider.engine.tokenizer
-        special = {k: v for k, v in getattr(tokenizer, "special_tokens_map", {}).items() if isinstance(v, str)}
-        variables = {**special, **kwargs, "messages": messages, "tools": body.get("tools"),
-                     "add_generation_prompt": True}
-        text = render(template, variables, self.settings.limits.max_prompt_chars)
-        if not text:
-            raise RequestError("the request's chat template renders no text", "chat_template_kwargs")
-        return text
+            request, args, chars = read_token_request(raw, self.settings.limits, self._defaults())
+        except RequestError as e:
+            self._refuse(e.status, str(e), "invalid_request_error", e.param)
+            return
+        queued = generator.requests.chars
+        if queued and queued + chars > self.settings.max_queued_chars:
+            self._refuse(429, f"{queued} characters of prompts are queued already: try again later",
+                         "rate_limit_error")
+            return
+        try:
+            stream_tokens(self, request, args)
+        finally:
+            HANDLER_STATUS.status = None  # set by a refusal in generate(), read by the completion paths only
+
+    def _render_own_template(self, body: Dict[str, Any]) -> Optional[str]:
+        """A request's own chat template, rendered here (``templates.py``); the template never reaches a rank."""
+        return render_request_template(self.response_generator.model_provider.engine.tokenizer, body,
+                                       self.settings.limits.max_prompt_chars)
 
     def handle_chat_completions(self):
         request = super().handle_chat_completions()

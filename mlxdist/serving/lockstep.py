@@ -18,13 +18,14 @@ import weakref
 from queue import Queue
 from typing import Any, Optional
 
-from jinja2 import TemplateError
-
 from mlxdist import compat
 from mlxdist.errors import GenerationFailed, MlxdistError, RankLost, RequestError, one_line
 from mlxdist.runtime.agreement import failed_together
 from mlxdist.serving.isolation import Sequence
 from mlxdist.serving.step_times import STEPS
+from mlxdist.serving.token_channel import TokenRequest
+from mlxdist.serving.token_channel import tokenized as token_request_tokens
+from mlxdist.serving.tokenize import check_context, rendered_tokens, tokenizing_errors
 from mlxdist.runtime.watchdog import ACTIVITY
 from mlxdist.runtime.world import World
 
@@ -76,7 +77,10 @@ class TrackingQueue(Queue):
 
 
 def _request_chars(request) -> int:
-    """The prompt text of an mlx-lm ``CompletionRequest``, in characters."""
+    """The prompt text of an mlx-lm ``CompletionRequest``, in characters
+    (a token request's as the front counted it)."""
+    if isinstance(request, TokenRequest):
+        return request.chars
     return len(request.prompt or "") + sum(len(str(m.get("content") or "")) for m in request.messages or [])
 
 
@@ -187,32 +191,28 @@ class LockstepResponseGenerator(compat.ResponseGenerator):
             return None
         queue = request[0] if request is not None else Queue()
         args = _from_json(compat.GenerationArguments, shared["args"])
-        return Sequence(queue, args.max_tokens), _from_json(compat.CompletionRequest, shared["request"]), args
+        kind = TokenRequest if shared["request"]["request_type"] == "tokens" else compat.CompletionRequest
+        return Sequence(queue, args.max_tokens), _from_json(kind, shared["request"]), args
 
     def _tokenize(self, tokenizer, request, args):
         """mlx-lm's tokenisation, plus this request's stop matcher (so its
         failure too is this request's: the loop reports a failure here to the
-        request alone), the context check, and a chat request's prompt text
-        when rank 0 rendered the request's own template (``templates.py``)."""
+        request alone), the context check, a chat request's prompt text
+        when rank 0 rendered the request's own template (``templates.py``),
+        and a token request's ids as the front tokenised them
+        (``token_channel.py``)."""
         if args.top_logprobs > 0 and self.model_provider.engine.data_parallel is not None:
             raise RequestError("top_logprobs is not available with --mode dp (each rank gathers only the "
                                "sampled token's log-probability)")
-        try:
-            if request.request_type == "chat" and request.prompt:
-                tokenized = _rendered(tokenizer, request.prompt)
+        with tokenizing_errors():
+            if isinstance(request, TokenRequest):
+                tokenized = token_request_tokens(request)
+            elif request.request_type == "chat" and request.prompt:
+                tokenized = rendered_tokens(tokenizer, request.prompt)
             else:
                 tokenized = super()._tokenize(tokenizer, request, args)
             self._make_state_machine(self.model_provider.model_key, tokenizer, args.stop_words)  # cached for the loop
-        except (RequestError, GenerationFailed):
-            raise
-        except TemplateError as e:
-            raise RequestError(f"the chat template cannot render these messages: {one_line(e)}", "messages") from None
-        except Exception as e:  # noqa: BLE001 - this request fails, the server goes on
-            raise GenerationFailed(f"cannot tokenise this request: {one_line(e)}") from None
-        limit = self.model_provider.engine.context_length
-        if limit is not None and len(tokenized[0]) + args.max_tokens > limit:
-            raise RequestError(f"prompt of {len(tokenized[0])} tokens plus max_tokens {args.max_tokens} "
-                               f"exceeds the model's context of {limit}")
+        check_context(len(tokenized[0]), args.max_tokens, self.model_provider.engine.context_length)
         return tokenized
 
     def generate(self, request, generation_args, progress_callback=None):
@@ -284,12 +284,3 @@ class LockstepResponseGenerator(compat.ResponseGenerator):
     def generation_available(self):
         return not self._failed and super().generation_available()
 
-
-def _rendered(tokenizer, text: str):
-    """mlx-lm's ``_tokenize`` result for a chat prompt already rendered to
-    ``text`` (as apply_chat_template encodes it: no special tokens added)."""
-    prompt = tokenizer.encode(text, add_special_tokens=False)
-    state = "normal"
-    if tokenizer.has_thinking and tokenizer.rfind_think_start(prompt) > tokenizer.rfind_think_end(prompt):
-        state = "reasoning"
-    return prompt, [prompt], ["assistant"], tokenizer.response_initial_state or state, None

@@ -9,13 +9,15 @@ about its outcome; a bound exceeded is the request's 400.
     render(template, variables, max_chars) -> the prompt text, or RequestError
 """
 
+import copy
 import json
 import subprocess
 import sys
 import threading
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
+from mlxdist import compat
 from mlxdist.errors import RequestError
 
 RENDER_SECONDS = 2.0  # wall-clock bound of one render
@@ -50,3 +52,26 @@ def render(template: str, variables: Dict[str, Any], max_chars: int, seconds: fl
     if "error" in result:
         raise RequestError(f"the request's chat template failed: {result['error']}"[:500], _PARAM)
     return result["text"]
+
+
+def render_request_template(tokenizer: Any, body: Dict[str, Any], max_chars: int) -> Optional[str]:
+    """The prompt text of a chat request that brings its own template
+    (``chat_template_kwargs.chat_template``, only past the schema under
+    ``--allow-request-templates``), rendered with its messages, tools,
+    other template variables and ``tokenizer``'s special tokens; None for
+    a request without one. The template is taken out of ``body``."""
+    kwargs = body.get("chat_template_kwargs") or {}
+    if "chat_template" not in kwargs:
+        return None
+    template = kwargs.pop("chat_template")
+    messages = copy.deepcopy(body["messages"])
+    try:
+        compat.process_message_content(messages)
+    except (ValueError, KeyError, TypeError) as e:
+        raise RequestError(f"messages: {e}", "messages") from None
+    special = {k: v for k, v in getattr(tokenizer, "special_tokens_map", {}).items() if isinstance(v, str)}
+    variables = {**special, **kwargs, "messages": messages, "tools": body.get("tools"), "add_generation_prompt": True}
+    text = render(template, variables, max_chars)
+    if not text:
+        raise RequestError("the request's chat template renders no text", _PARAM)
+    return text
