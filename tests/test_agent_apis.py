@@ -707,12 +707,12 @@ def test_keys_and_hostile_bodies(front):
     assert after["mlxdist_requests_running"] == 0
 
 
-def test_the_rank_servers_count_is_its_template_and_tokenizer(checkpoint):
+def test_the_count_is_the_template_and_tokenizer(checkpoint):
     """serving/tokenize.py counts what mlx-lm's server would prompt with
     (the chat template, the tools, no special tokens added to a text), and
     never renders a request's own template (that is templates.py's, in its
     sandbox)."""
-    import types
+    from functools import partial
 
     from mlx_lm.utils import load_tokenizer
 
@@ -722,20 +722,18 @@ def test_the_rank_servers_count_is_its_template_and_tokenizer(checkpoint):
 
     path = checkpoint("qwen3_moe", tool_call=True)
     tokenizer = load_tokenizer(path)
-    provider = types.SimpleNamespace(tokenizer=tokenizer, engine=types.SimpleNamespace(context_length=4096),
-                                     cli_args=types.SimpleNamespace(chat_template_args={}), processor=None)
-    generator = types.SimpleNamespace(model_provider=provider)
-    counted = count_tokens(generator, {"messages": TOOL_CALL_MESSAGES, "tools": [WEATHER_TOOL]})
+    count = partial(count_tokens, tokenizer, context_length=4096)
+    counted = count({"messages": TOOL_CALL_MESSAGES, "tools": [WEATHER_TOOL]})
     prompt = tokenizer.apply_chat_template(TOOL_CALL_MESSAGES, tools=[WEATHER_TOOL], add_generation_prompt=True)
     assert counted == {"count": len(prompt), "max_model_len": 4096}
-    assert count_tokens(generator, {"messages": TOOL_CALL_MESSAGES})["count"] < len(prompt)  # the tools count
-    assert count_tokens(generator, {"prompt": "Hello there"})["count"] == len(
+    assert count({"messages": TOOL_CALL_MESSAGES})["count"] < len(prompt)  # the tools count
+    assert count({"prompt": "Hello there"})["count"] == len(
         tokenizer.encode("Hello there", add_special_tokens=False))
     with pytest.raises(RequestError, match="own chat template"):
-        count_tokens(generator, {"messages": TOOL_CALL_MESSAGES, "chat_template_kwargs": {"chat_template": "{{ 1 }}"}})
+        count({"messages": TOOL_CALL_MESSAGES, "chat_template_kwargs": {"chat_template": "{{ 1 }}"}})
     provider.tokenizer = None
     with pytest.raises(RequestError, match="still loading"):
-        count_tokens(generator, {"prompt": "Hello"})
+        count_tokens(None, {"prompt": "Hello"}, 4096)
 
 
 def test_not_serving_is_a_503_in_each_apis_shape():

@@ -1,12 +1,16 @@
 """The front: an HTTP process of its own (FastAPI on uvicorn, no MPI in it)
-that holds the port, starts the rank job and forwards to its rank server on
-loopback, answering 503 with ``Retry-After`` while the job is not serving.
+that holds the port and the requests, starts the rank job, tokenises and
+templates each request, has rank 0 generate from token ids over the token
+channel on loopback, and detokenises and shapes the answer; 503 with
+``Retry-After`` while the job is not serving.
 
     python -m mlxdist.serve --ranks N --model M [--port P] [run/serve options]
 
 settings.py (the command line), serve.py (the process), app.py (routes),
-limits.py (what one connection may cost), upstream.py (the rank server's
-client), metrics.py (/metrics), interim_job.py (the job until job.py's RankJob).
+completions.py (the completion paths' text side), model.py (the served
+tokenizer), limits.py (what one connection may cost), upstream.py (the rank
+server's client), job.py and recovery.py (the job, started again after a
+loss), metrics.py (/metrics), messages.py and responses.py (the agents' APIs).
 """
 
 from typing import List, Optional
