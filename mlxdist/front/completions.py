@@ -95,6 +95,8 @@ class Completions:
         except GenerationFailed as e:
             yield httpx.Response(500, json=error_body(str(e), "server_error", None, 500))
             return
+        if whole:
+            prepared.stream = False  # one answer, whatever the body asked
         async with self.upstream.stream(TOKENS_PATH, prepared.channel_body, headers) as channel:
             if channel.status_code != 200:
                 yield httpx.Response(channel.status_code, content=await channel.aread(),
@@ -102,7 +104,7 @@ class Completions:
                                               if k in ("content-type", "retry-after")})
                 return
             shaped = _shape(prepared, channel, self.fingerprint)
-            if whole or not prepared.stream:
+            if not prepared.stream:
                 yield await _read_whole(shaped)
             else:
                 yield httpx.Response(200, content=_encoded(shaped), headers=_SSE)
