@@ -35,6 +35,8 @@ REQUESTS = {
                                               "chat_template_kwargs": {"chat_template": OWN_TEMPLATE}}),
     "past the context": ("/v1/completions", {"prompt": "tokens " * 5000, "max_tokens": 8}),
     "refused field": ("/v1/chat/completions", {"messages": CHAT, "top_p": 2}),
+    "no messages": ("/v1/chat/completions", {"prompt": "Hi"}),
+    "no prompt": ("/v1/completions", {"messages": CHAT}),
 }
 
 

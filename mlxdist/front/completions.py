@@ -89,8 +89,7 @@ class Completions:
         try:
             prepared = await self._prepare(path, body)
         except RequestError as e:
-            kind = "invalid_request_error" if e.status < 500 else "server_error"
-            yield httpx.Response(e.status, json=error_body(str(e), kind, e.param, e.status))
+            yield _refusal(e)
             return
         except GenerationFailed as e:
             yield httpx.Response(500, json=error_body(str(e), "server_error", None, 500))
@@ -114,9 +113,8 @@ class Completions:
         raw = body if isinstance(body, (bytes, bytearray)) else json.dumps(body).encode()
         checked, chars = check_request(bytes(raw), model.limits)
         chat = path in CHAT_PATHS
-        if chat != ("messages" in checked):
-            raise RequestError("give messages (chat completions)" if chat else "give prompt (completions)",
-                               "messages" if chat else "prompt")
+        if ("messages" if chat else "prompt") not in checked:  # as mlx-lm's handler says it
+            raise RequestError("Request did not contain messages" if chat else "Request did not contain a prompt")
         args = generation_arguments(checked, model.defaults)
         tools = checked.get("tools") or None
         if chat:
@@ -138,9 +136,13 @@ class Completions:
             checked, _ = check_request(bytes(raw), model.limits)
             answer = await anyio.to_thread.run_sync(count_tokens, model.tokenizer, checked, model.context_length)
         except RequestError as e:
-            kind = "invalid_request_error" if e.status < 500 else "server_error"
-            return httpx.Response(e.status, json=error_body(str(e), kind, e.param, e.status))
+            return _refusal(e)
         return httpx.Response(200, json=answer)
+
+
+def _refusal(e: RequestError) -> httpx.Response:
+    kind = "invalid_request_error" if e.status < 500 else "server_error"
+    return httpx.Response(e.status, json=error_body(str(e), kind, e.param, e.status))
 
 
 def _tokenize(model: ServedModel, request: Any, args: Any, body: Dict[str, Any]):
