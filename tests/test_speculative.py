@@ -43,14 +43,55 @@ def test_greedy_with_prompt_lookup_is_plain_greedy(checkpoint, plain, nranks, di
     assert last_json(proc.stdout)["tokens"] == plain
 
 
+def seen(tokens, ngram=3):
+    from mlxdist.engine.speculative import TokenHistory
+
+    history = TokenHistory(ngram)
+    history.extend(tokens)
+    return history
+
+
+def scanned(tokens, ngram):
+    """The lookup by a scan of the whole context (what the index replaces)."""
+    for n in range(min(ngram, len(tokens) - 1), 0, -1):
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if tokens[start:start + n] == tokens[-n:]:
+                return tokens[start + n]
+    return tokens[-1]
+
+
 def test_prompt_lookup_drafts_what_followed_the_last_ngram():
     from mlxdist.engine.speculative import PromptLookup
 
     lookup = PromptLookup(3, 100)
-    assert lookup.predict([1, 2, 3, 9, 1, 2, 3]) == 9  # the 3-gram seen before
-    assert lookup.predict([5, 2, 3, 7, 4, 2, 3]) == 7  # no 3-gram: the 2-gram
-    assert lookup.predict([1, 2, 3, 4]) == 4  # nothing seen before: the last token
-    assert lookup.predict([8, 1, 8, 2, 8]) == 2  # the latest occurrence wins
+    assert lookup.predict(seen([1, 2, 3, 9, 1, 2, 3])) == 9  # the 3-gram seen before
+    assert lookup.predict(seen([5, 2, 3, 7, 4, 2, 3])) == 7  # no 3-gram: the 2-gram
+    assert lookup.predict(seen([1, 2, 3, 4])) == 4  # nothing seen before: the last token
+    assert lookup.predict(seen([8, 1, 8, 2, 8])) == 2  # the latest occurrence wins
+
+
+def test_the_ngram_index_answers_as_a_scan_through_trims():
+    """Random contexts grown and trimmed as mlx-lm rewinds a draft's cache:
+    every lookup equals the scan's."""
+    import random
+
+    from mlxdist.engine.speculative import PromptLookup
+
+    rng = random.Random(0)
+    for ngram in (1, 2, 3, 5):
+        lookup, history, tokens = PromptLookup(ngram, 8), seen([], ngram), []
+        for _ in range(400):
+            if tokens and rng.random() < 0.3:
+                n = rng.randint(1, min(4, len(tokens)))
+                assert history.trim(n) == n
+                del tokens[len(tokens) - n:]
+            else:
+                grown = [rng.randrange(6) for _ in range(rng.randint(1, 4))]
+                history.extend(grown)
+                tokens += grown
+            assert history.tokens == tokens
+            if tokens:  # mlx-lm looks up after at least one token
+                assert lookup.predict(history) == scanned(tokens, ngram), (ngram, tokens)
 
 
 def test_draft_settings_are_checked(checkpoint):

@@ -20,7 +20,7 @@ model's sample given the tokens before it.
 """
 
 from dataclasses import dataclass
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -31,16 +31,39 @@ __all__ = ["DraftTally", "PromptLookup", "drafter", "drafter_name", "load_draft"
 
 
 class TokenHistory:
-    """The tokens a ``PromptLookup`` has seen: its KV cache, trimmable as mlx-lm rewinds caches."""
+    """The tokens a ``PromptLookup`` has seen: its KV cache, trimmable as
+    mlx-lm rewinds caches, with an index of every n-gram of up to ``ngram``
+    tokens to the positions of the tokens that followed it (ascending), so
+    that a lookup costs ``ngram`` dictionary reads, not a scan of the context."""
 
-    def __init__(self):
+    def __init__(self, ngram: int = 1):
+        self.ngram = ngram
         self.tokens: List[int] = []
+        self._followers: Dict[Tuple[int, ...], List[int]] = {}
+
+    def extend(self, tokens: List[int]) -> None:
+        for token in tokens:
+            position = len(self.tokens)
+            self.tokens.append(token)
+            for n in range(1, min(self.ngram, position) + 1):
+                self._followers.setdefault(tuple(self.tokens[position - n:position]), []).append(position)
+
+    def follower(self, tail: Tuple[int, ...]) -> Optional[int]:
+        """The token after the latest earlier occurrence of ``tail``, or None."""
+        positions = self._followers.get(tail)
+        return self.tokens[positions[-1]] if positions else None
 
     def is_trimmable(self) -> bool:
         return True
 
     def trim(self, n: int) -> int:
         n = min(n, len(self.tokens))
+        for position in range(len(self.tokens) - 1, len(self.tokens) - n - 1, -1):  # the latest first
+            for k in range(1, min(self.ngram, position) + 1):
+                key = tuple(self.tokens[position - k:position])
+                self._followers[key].pop()
+                if not self._followers[key]:
+                    del self._followers[key]
         del self.tokens[len(self.tokens) - n:]
         return n
 
@@ -66,21 +89,23 @@ class PromptLookup(nn.Module):
         self.layers: List[Any] = []
 
     def make_cache(self) -> List[TokenHistory]:
-        return [TokenHistory()]
+        return [TokenHistory(self.ngram)]
 
-    def predict(self, tokens: List[int]) -> int:
+    def predict(self, history: TokenHistory) -> int:
+        """The drafted token after ``history``: what followed the latest earlier
+        occurrence of its last ``ngram`` tokens, longest match first."""
+        tokens = history.tokens
         for n in range(min(self.ngram, len(tokens) - 1), 0, -1):
-            tail = tokens[-n:]
-            for start in range(len(tokens) - n - 1, -1, -1):
-                if tokens[start:start + n] == tail:
-                    return tokens[start + n]
+            follower = history.follower(tuple(tokens[-n:]))
+            if follower is not None:
+                return follower
         return tokens[-1]
 
     def __call__(self, inputs: mx.array, cache: Optional[List[TokenHistory]] = None) -> mx.array:
         history = cache[0]
-        history.tokens.extend(inputs.reshape(-1).tolist())
+        history.extend(inputs.reshape(-1).tolist())
         logits = mx.full((1, inputs.shape[-1], self.vocab_size), -1e9, dtype=mx.float32)
-        logits[0, -1, self.predict(history.tokens)] = 0.0
+        logits[0, -1, self.predict(history)] = 0.0
         return logits
 
 

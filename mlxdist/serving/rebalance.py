@@ -20,10 +20,11 @@ new experts) travels on that stage's message: every rank keeps the old
 placement and serving goes on.
 """
 
+import collections
 import json
 import logging
 import time
-from typing import Dict, List, Optional
+from typing import Deque, Dict, List, Optional
 
 import mlx.core as mx
 import numpy as np
@@ -39,6 +40,7 @@ from mlxdist.runtime.agreement import agree
 from mlxdist.runtime.watchdog import ACTIVITY
 from mlxdist.runtime.world import World
 
+KEPT = 100  # rebalances remembered, and failures
 MIN_SLOTS_PER_EXPERT = 4  # routed slots since the last placement, on average, before re-placing on them
 
 
@@ -54,8 +56,10 @@ class Rebalancer:
         self.budgets = budgets
         self.last = time.monotonic()
         self.baseline: Dict[int, np.ndarray] = {}  # counts at the last placement
-        self.history: List[Dict[str, float]] = []  # one entry per rebalance: seconds, imbalance before / after
-        self.failures: List[str] = []  # one line per rebalance that failed on some rank (the old placement kept)
+        # The latest rebalances (a server runs for days): seconds, imbalance before / after; and one
+        # line per rebalance that failed on some rank (the old placement kept).
+        self.history: Deque[Dict[str, float]] = collections.deque(maxlen=KEPT)
+        self.failures: Deque[str] = collections.deque(maxlen=KEPT)
 
     def due(self) -> bool:
         """On rank 0, at each shared message: whether to re-place now."""

@@ -36,7 +36,7 @@ def rebalance(executor, args):
     rebalance_module.MIN_SLOTS_PER_EXPERT = 0  # place on whatever was routed
     rebalancer = Rebalancer(executor.world, executor.engine, every=0.0, duplicates=1)
     placed = rebalancer.run()
-    return {"placed": placed is not None, "failures": rebalancer.failures}
+    return {"placed": placed is not None, "failures": list(rebalancer.failures)}
 
 
 def refused(call):
