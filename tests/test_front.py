@@ -470,8 +470,9 @@ def test_a_request_is_held_only_while_it_said_nothing():
     sending it again (front/upstream.py's _says): a content chunk, a finish,
     usage, [DONE], another error; not a keep-alive comment, a blank line or a
     chunk holding a role alone (kept back until content comes); a 503 error
-    event is the lost rank's (None: held)."""
-    from mlxdist.front.upstream import _says
+    event is the lost rank's (None: held). A request that does not stream
+    (``_said_nothing``) is held through a loss at any point of its answer."""
+    from mlxdist.front.upstream import _said_nothing, _says
 
     def data(chunk):
         return "data: " + json.dumps(chunk)
@@ -486,4 +487,9 @@ def test_a_request_is_held_only_while_it_said_nothing():
     assert [_says(line) for line in said] == [True] * len(said)
     assert [_says(line) for line in ("", ": keepalive 4/5", data(role),
                                      data({"choices": [{"index": 0, "text": "", "finish_reason": None}]}))] == [False] * 4
-    assert _says(data({"error": {"message": "the server lost a rank and is shutting down", "code": 503}})) is None
+    lost = data({"error": {"message": "the server lost a rank and is shutting down", "code": 503}})
+    assert _says(lost) is None
+    # a request that does not stream is answered at its end: until then no line says anything but a loss
+    token = data({"token": 7, "logprob": -0.5, "finish_reason": None, "prompt_tokens": 3, "cached_tokens": 0})
+    assert [_said_nothing(line) for line in (*said, token)] == [False] * (len(said) + 1)
+    assert _says(token) is True and _said_nothing(lost) is None

@@ -96,7 +96,8 @@ class Completions:
             return
         if whole:
             prepared.stream = False  # one answer, whatever the body asked
-        async with self.upstream.stream(TOKENS_PATH, prepared.channel_body, headers) as channel:
+        async with self.upstream.stream(TOKENS_PATH, prepared.channel_body, headers,
+                                        whole=not prepared.stream) as channel:
             if channel.status_code != 200:
                 yield httpx.Response(channel.status_code, content=await channel.aread(),
                                      headers={k: v for k, v in channel.headers.items()

@@ -24,7 +24,7 @@ import asyncio
 import contextlib
 import json
 import time
-from typing import Any, AsyncIterator, Dict, Mapping, Optional, Union
+from typing import Any, AsyncIterator, Callable, Dict, Mapping, Optional, Union
 
 import httpx
 
@@ -142,15 +142,18 @@ class Upstream:
             self.held -= 1
 
     @contextlib.asynccontextmanager
-    async def stream(self, path: str, body: Body, headers: Optional[Mapping[str, str]] = None
-                     ) -> AsyncIterator[httpx.Response]:
+    async def stream(self, path: str, body: Body, headers: Optional[Mapping[str, str]] = None,
+                     whole: bool = False) -> AsyncIterator[httpx.Response]:
         """The rank server's answer to ``POST path``, its body not read yet:
         ``aiter_lines()`` gives the SSE lines. Raises ``Unavailable`` on
         entry (not serving, no connection) and from the iteration (the
         connection dropped mid-answer). Lost before its first content chunk
         (a 503, a dropped connection, a 503 error event), it is sent again
-        to the next job (``next_job``) and its lines are that job's alone."""
-        guarded = _Guarded(self, path, body, headers)
+        to the next job (``next_job``) and its lines are that job's alone.
+        ``whole``: the lines make one answer the client gets at their end
+        (a request that does not stream), so a loss anywhere before that end
+        sends it again, and the lines come once the answer is whole."""
+        guarded = _Guarded(self, path, body, headers, _said_nothing if whole else _says)
         try:
             await guarded.open(self._url(path))
             yield guarded
@@ -167,8 +170,10 @@ class _Guarded:
     where it was lost before it said anything (other attributes are the
     current response's)."""
 
-    def __init__(self, upstream: Upstream, path: str, body: Body, headers: Optional[Mapping[str, str]]):
+    def __init__(self, upstream: Upstream, path: str, body: Body, headers: Optional[Mapping[str, str]],
+                 says: Callable[[str], Optional[bool]]):
         self._upstream, self._path, self._body, self._headers = upstream, path, body, headers
+        self._says = says
         self._response: Optional[httpx.Response] = None
         self._url = ""
         self._held_since: Optional[float] = None
@@ -220,7 +225,7 @@ class _Guarded:
                     if started:
                         yield line
                         continue
-                    says = _says(line)
+                    says = self._says(line)
                     if says is None:
                         loss_event = line
                         break
@@ -317,6 +322,12 @@ def _says(line: str) -> Optional[bool]:
     if chunk.get("usage") is not None or not isinstance(choices, list) or not choices:
         return True
     return not all(_empty_choice(c) for c in choices)
+
+
+def _said_nothing(line: str) -> Optional[bool]:
+    """``_says`` for an answer the client gets whole at its end: no line says
+    anything before it, but a lost rank's error event is still one (None)."""
+    return None if _says(line) is None else False
 
 
 def _empty_choice(choice: Any) -> bool:
