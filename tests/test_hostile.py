@@ -294,6 +294,7 @@ def test_any_model_name_serves_the_loaded_model(hostile_server, checkpoint):
 
 FAILING = 13  # the max_tokens of the requests MLXDIST_FAULT fails at their 3rd token
 NORMAL = 800  # the normal requests decode for seconds: a starved test client still sends the failing ones in time
+WATCHED = 3000  # the watched stream's tokens (~10 s here): the failing ones end long before it, however starved
 NESTED_LOOPS = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
 
 
@@ -313,7 +314,8 @@ def test_a_failing_sequence_fails_alone(isolating_server, checkpoint):
     streaming), the normal ones mlx-lm's own answers, /health stays 200."""
     s = isolating_server
     path = checkpoint("qwen3_moe")
-    expected = {p: alone(path, p, NORMAL) for p in PROMPTS[:4]}
+    lengths = [WATCHED if i == 1 else NORMAL for i in range(4)]  # normal1 is watched event by event
+    expected = {p: alone(path, p, n) for p, n in zip(PROMPTS[:4], lengths)}
     got, sent, done, events_at = {}, {}, {}, []
     decoding = threading.Event()
 
@@ -339,7 +341,8 @@ def test_a_failing_sequence_fails_alone(isolating_server, checkpoint):
         done[name] = time.time()
         conn.close()
 
-    normal = [(f"normal{i}", {"prompt": p, "max_tokens": NORMAL, "stream": i % 2 == 1}) for i, p in enumerate(PROMPTS[:4])]
+    normal = [(f"normal{i}", {"prompt": p, "max_tokens": n, "stream": i % 2 == 1})
+              for i, (p, n) in enumerate(zip(PROMPTS[:4], lengths))]
     failing = [("greedy", {"prompt": PROMPTS[5], "max_tokens": FAILING}),
                ("greedy-stream", {"prompt": PROMPTS[6], "max_tokens": FAILING, "stream": True}),
                ("sampled", {"prompt": PROMPTS[7], "max_tokens": FAILING, "temperature": 0.8})]
