@@ -34,8 +34,9 @@ REGROW_EVERY = 8.0
 ANSWERED_WITHIN = HEARTBEAT + 5
 SERVING_AGAIN_WITHIN = 60.0
 PROMPT = "Request 3: tokens tokens"
-# Sent while a long stream runs, still unanswered when the fault hits, short to answer again.
-HELD = {"prompt": PROMPT, "max_tokens": 160, "logit_bias": {str(EOS): -100}}
+# Sent while a long stream runs, still unanswered when the fault hits, short to answer again; long
+# enough that the front's /metrics, polled for it under load (a second a poll), sees it unanswered.
+HELD = {"prompt": PROMPT, "max_tokens": 400, "logit_bias": {str(EOS): -100}}
 MESSAGE = {"model": "m", "max_tokens": 8, "temperature": 0, "messages": [{"role": "user", "content": PROMPT}]}
 
 
