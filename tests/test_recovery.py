@@ -37,6 +37,9 @@ PROMPT = "Request 3: tokens tokens"
 # Sent while a long stream runs, still unanswered when the fault hits, short to answer again; long
 # enough that the front's /metrics, polled for it under load (a second a poll), sees it unanswered.
 HELD = {"prompt": PROMPT, "max_tokens": 400, "logit_bias": {str(EOS): -100}}
+# The live stream: as long as the checkpoint's context (4,096) allows, so that it still decodes
+# when a fault comes after a slow set-up (3,000 tokens were all sent once before it, under load).
+LIVE_TOKENS = 4000
 MESSAGE = {"model": "m", "max_tokens": 8, "temperature": 0, "messages": [{"role": "user", "content": PROMPT}]}
 
 
@@ -81,7 +84,7 @@ class Live:
     def _stream(self, front):
         import httpx
 
-        body = {"prompt": PROMPT, "max_tokens": 3000, "stream": True, "logit_bias": {str(EOS): -100}}
+        body = {"prompt": PROMPT, "max_tokens": LIVE_TOKENS, "stream": True, "logit_bias": {str(EOS): -100}}
         try:
             with httpx.stream("POST", front.url + "/v1/completions", json=body, timeout=120,
                               headers={"Authorization": f"Bearer {KEY}"}) as r:
@@ -187,7 +190,7 @@ def hold_growth_with_a_live_stream(front):
     --regrow-every, the front stays degraded."""
     import httpx
 
-    body = {"prompt": PROMPT, "max_tokens": 3000, "stream": True, "logit_bias": {str(EOS): -100}}
+    body = {"prompt": PROMPT, "max_tokens": LIVE_TOKENS, "stream": True, "logit_bias": {str(EOS): -100}}
     with httpx.stream("POST", front.url + "/v1/completions", json=body, timeout=120,
                       headers={"Authorization": f"Bearer {KEY}"}) as r:
         lines = r.iter_lines()
