@@ -23,7 +23,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Dict, List, Mapping, Optional
+from typing import Any, AsyncIterator, Dict, List, Mapping, Optional, Tuple
 
 import anyio
 import httpx
@@ -111,8 +111,7 @@ class Completions:
 
     async def _prepare(self, path: str, body: Any) -> Prepared:
         model = await self.models.current()
-        raw = body if isinstance(body, (bytes, bytearray)) else json.dumps(body).encode()
-        checked, chars = check_request(bytes(raw), model.limits)
+        checked, chars = _checked(body, model)
         chat = path in CHAT_PATHS
         if ("messages" if chat else "prompt") not in checked:  # as mlx-lm's handler says it
             raise RequestError("Request did not contain messages" if chat else "Request did not contain a prompt")
@@ -123,7 +122,7 @@ class Completions:
         else:
             request = compat.CompletionRequest("text", checked["prompt"], [], None, None)
         tokenized = await anyio.to_thread.run_sync(_tokenize, model, request, args, checked)
-        check_context(len(tokenized[0]), args.max_tokens, model.context_length)
+        check_context(len(tokenized[0]), args.max_tokens, model.limits.context_length)
         options = checked.get("stream_options") or {}
         return Prepared(chat=chat, stream=bool(checked.get("stream")), include_usage=bool(options.get("include_usage")),
                         args=args, tools=tools, prompt_tokens=len(tokenized[0]), initial_state=tokenized[3],
@@ -133,12 +132,19 @@ class Completions:
         """``/tokenize`` (``serving/tokenize.py``), counted here."""
         try:
             model = await self.models.current()
-            raw = body if isinstance(body, (bytes, bytearray)) else json.dumps(body).encode()
-            checked, _ = check_request(bytes(raw), model.limits)
-            answer = await anyio.to_thread.run_sync(count_tokens, model.tokenizer, checked, model.context_length)
+            checked, _ = _checked(body, model)
+            answer = await anyio.to_thread.run_sync(count_tokens, model.tokenizer, checked,
+                                                    model.limits.context_length)
         except RequestError as e:
             return _refusal(e)
         return httpx.Response(200, json=answer)
+
+
+def _checked(body: Any, model: ServedModel) -> Tuple[Dict[str, Any], int]:
+    """A body (the client's bytes, or a JSON object built here) through the
+    rank server's schema: the body and its prompt's characters."""
+    raw = body if isinstance(body, (bytes, bytearray)) else json.dumps(body).encode()
+    return check_request(bytes(raw), model.limits)
 
 
 def _refusal(e: RequestError) -> httpx.Response:

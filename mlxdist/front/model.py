@@ -10,7 +10,7 @@ ranks left serves the same folder).
 import asyncio
 import json
 from dataclasses import dataclass, fields
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Optional
 
 from mlxdist import envs
 from mlxdist.errors import GenerationFailed, one_line
@@ -28,9 +28,8 @@ class ServedModel:
     the name every answer carries)."""
 
     tokenizer: Any
-    limits: RequestLimits
+    limits: RequestLimits  # context_length among them
     defaults: Defaults
-    context_length: Optional[int]
 
 
 def load_served_model(facts: Dict[str, Any]) -> ServedModel:
@@ -43,7 +42,7 @@ def load_served_model(facts: Dict[str, Any]) -> ServedModel:
         tokenizer.chat_template = facts["chat_template"]
     known = {f.name for f in fields(RequestLimits)}
     limits = RequestLimits(**{k: v for k, v in facts["limits"].items() if k in known})
-    return ServedModel(tokenizer, limits, Defaults(**facts["defaults"]), limits.context_length)
+    return ServedModel(tokenizer, limits, Defaults(**facts["defaults"]))
 
 
 class ModelFacts:
@@ -52,7 +51,7 @@ class ModelFacts:
 
     def __init__(self, upstream: Any):
         self.upstream = upstream
-        self._key: Optional[Tuple[str, str]] = None
+        self._key: Optional[str] = None  # the facts the model was loaded from
         self._model: Optional[ServedModel] = None
         self._base: Optional[str] = None  # the job whose facts were read last
         self._lock = asyncio.Lock()
@@ -66,7 +65,7 @@ class ModelFacts:
             raise Unavailable(f"the rank server did not say what it serves ({answer.status_code})",
                               self.upstream.retry_after)
         facts = json.loads(answer.content)
-        key = (facts["path"], json.dumps(facts, sort_keys=True))
+        key = json.dumps(facts, sort_keys=True)
         async with self._lock:
             if key != self._key:
                 try:

@@ -289,10 +289,7 @@ class Handler(compat.APIHandler):
                 logging.info("refused a request: %s", e)
                 self._refuse(e.status, str(e), "invalid_request_error", e.param)
                 return
-            queued = self.response_generator.requests.chars
-            if queued and queued + chars > self.settings.max_queued_chars:
-                self._refuse(429, f"{queued} characters of prompts are queued already: try again later",
-                             "rate_limit_error")
+            if self._too_much_queued(chars):
                 return
             body["model"] = self.response_generator.cli_args.model  # any name serves the loaded model
             raw = json.dumps(body).encode()  # what mlx-lm reads: the checked body
@@ -314,18 +311,24 @@ class Handler(compat.APIHandler):
             return
         self._send_json(200, answer)
 
+    def _too_much_queued(self, chars: int) -> bool:
+        """Whether a prompt of ``chars`` characters would take the queued
+        prompts past ``--max-queued-chars`` (then refused here with 429)."""
+        queued = self.response_generator.requests.chars
+        if queued and queued + chars > self.settings.max_queued_chars:
+            self._refuse(429, f"{queued} characters of prompts are queued already: try again later",
+                         "rate_limit_error")
+            return True
+        return False
+
     def _tokens(self, raw: bytes) -> None:
         """The front's token channel (``token_channel.py``): token ids in, token ids out."""
-        generator = self.response_generator
         try:
             request, args, chars = read_token_request(raw, self.settings.limits, self._defaults())
         except RequestError as e:
             self._refuse(e.status, str(e), "invalid_request_error", e.param)
             return
-        queued = generator.requests.chars
-        if queued and queued + chars > self.settings.max_queued_chars:
-            self._refuse(429, f"{queued} characters of prompts are queued already: try again later",
-                         "rate_limit_error")
+        if self._too_much_queued(chars):
             return
         try:
             stream_tokens(self, request, args)
