@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT
+from mlxdist.runtime.launcher import retry_launcher
 
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "docs/notes").glob("*.md")),
          *sorted((ROOT / "examples").glob("*.py")), *sorted((ROOT / "hostfiles").glob("*.txt"))]
@@ -228,8 +229,10 @@ def test_block_runs_as_written(key, docs_model):
     assert len(blocks) == 1, f"{key}: {len(blocks)} blocks"
     script = _bind(blocks[0], model, work, extra)
     if script not in _RAN:  # pages that repeat a command run it once
-        _RAN[script] = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=work, env=_env(work),
-                                      capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+        # a block whose mpirun failed before any rank ran is run again from its start
+        _RAN[script] = retry_launcher(lambda: subprocess.run(
+            ["bash", "-euo", "pipefail", "-c", script], cwd=work, env=_env(work),
+            capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL))
     proc = _RAN[script]
     assert proc.returncode == 0, f"{script}\nexit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
     if claim:
