@@ -161,7 +161,10 @@ def test_a_stopped_rank_ends_the_server_within_the_heartbeat(checkpoint):
         ended = time.monotonic() - stopped
         stderr = s.proc.stderr.read()
         status, body = got["answer"]
-        assert status == 503 and body["error"]["code"] == 503, got
+        assert status == 503 and body["error"]["code"] == 503, (
+            f"answered {got['at'] - stopped:+.1f} s from the stop: {status} "
+            f"{body.get('usage') if isinstance(body, dict) else body}"
+            f" {body['choices'][0]['finish_reason'] if status == 200 else ''}\n{stderr[-3000:]}")
         assert got["at"] - stopped < HEARTBEAT + 5 and ended < HEARTBEAT + 5, (got["at"] - stopped, ended)
         assert s.proc.returncode != 0
         assert error_lines(stderr) == [LOST_RANK_1], stderr[-3000:]
