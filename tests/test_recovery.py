@@ -332,3 +332,62 @@ def test_the_survivors_are_planned_as_supervise_plans_them(tmp_path):
     with pytest.raises(UserError, match=r"only 1 rank would remain \(--min-ranks 2\)"):
         survivors_plan(Plan(slots[:2], []), read_loss(killed.replace("rank 2", "rank 1"), slots[:2], 1.0), 2, None,
                        str(tmp_path))
+
+
+def _failing_launcher(tmp_path, fails: int) -> str:
+    """An mpirun that fails as Open MPI's launcher sometimes does before any
+    rank runs (status 213, its lines on standard error) for its first
+    ``fails`` starts, then is the real one; its starts are counted in ``starts``."""
+    from mlxdist.cli.relaunch import find_mpirun
+    from mlxdist.runtime.launcher import LAUNCHER_FAILURE
+
+    script = tmp_path / "mpirun"
+    script.write_text(f"""#!/usr/bin/env bash
+echo start >> {tmp_path}/starts
+if [ "$(wc -l < {tmp_path}/starts)" -le {fails} ]; then
+  cat >&2 <<'SAID'
+-----
+{LAUNCHER_FAILURE}. We cannot
+continue.
+-----
+SAID
+  exit 213
+fi
+exec {find_mpirun()} "$@"
+""")
+    script.chmod(0o755)
+    return str(script)
+
+
+def test_a_start_the_launcher_failed_is_tried_again(checkpoint, tmp_path, capfd):
+    """Open MPI's launcher failing before any rank ran (CI meets it now and
+    then) does not stop the front: the same plan is started again, up to
+    LAUNCHER_RETRIES times, and serves; a launcher that always fails so
+    stops the front after those tries, with the launcher's status. Failed
+    before: the front stopped at the first ('the rank job did not start')."""
+    import asyncio
+
+    from mlxdist.front.job import JobSpec, RankJob
+    from mlxdist.runtime.launcher import LAUNCHER_RETRIES
+
+    serve_args = ["--model", str(checkpoint("qwen3_moe"))]
+    job = RankJob(JobSpec(2, serve_args, heartbeat=30.0, program=_failing_launcher(tmp_path, 2)))
+    try:
+        job.start()
+        assert asyncio.run(job.wait_serving(180)), job.error
+        assert job.state == "ok" and job.recoveries == 0, (job.state, job.recoveries)
+    finally:
+        job.stop_blocking()
+    assert len((tmp_path / "starts").read_text().splitlines()) == 3
+    assert capfd.readouterr().err.count("launcher failed before any rank ran: starting again") == 2
+
+    always = tmp_path / "always"
+    always.mkdir()
+    job = RankJob(JobSpec(2, serve_args, heartbeat=30.0, program=_failing_launcher(always, 99)))
+    try:
+        job.start()
+        assert not asyncio.run(job.wait_serving(60))
+        assert job.state == "stopped" and job.error == "the rank job exited with status 213", job.error
+    finally:
+        job.stop_blocking()
+    assert len((always / "starts").read_text().splitlines()) == LAUNCHER_RETRIES + 1
