@@ -7,6 +7,7 @@ may handle it, and the job ends with it; a rank whose main thread is busy
 for longer than the heartbeat is not lost; hostile ``--heartbeat`` values
 are one line."""
 
+import json
 import os
 import signal
 import socket
@@ -153,7 +154,10 @@ def test_a_stopped_rank_ends_the_server_within_the_heartbeat(checkpoint):
 
         asking = threading.Thread(target=ask, daemon=True)
         asking.start()
-        time.sleep(3)
+        deadline = time.monotonic() + 60  # the request decodes (its steps counted), then rank 1 stops
+        while json.loads(s.get("/health")[1])["step_seconds"]["count"] < 10 and time.monotonic() < deadline \
+                and "at" not in got:
+            time.sleep(0.05)
         os.kill(victim, signal.SIGSTOP)
         stopped = time.monotonic()
         asking.join(60)
