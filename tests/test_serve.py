@@ -396,9 +396,10 @@ def test_a_client_leaving_mid_stream(server):
 
 
 def test_binding_beyond_loopback_needs_a_key(checkpoint):
-    proc = subprocess.run([MPIRUN, "-np", "2", "--oversubscribe", sys.executable, "-m", "mlxdist.serve", "--model",
-                           str(checkpoint("qwen3_moe")), "--host", "0.0.0.0"], env=mpirun_env(), cwd=ROOT,
-                          capture_output=True, text=True, timeout=60)
+    proc = retry_launcher(lambda: subprocess.run(
+        [MPIRUN, "-np", "2", "--oversubscribe", sys.executable, "-m", "mlxdist.serve", "--model",
+         str(checkpoint("qwen3_moe")), "--host", "0.0.0.0"], env=mpirun_env(), cwd=ROOT,
+        capture_output=True, text=True, timeout=60))
     assert proc.returncode != 0
     assert "mlxdist: error: binding 0.0.0.0 exposes the model beyond this machine: give --api-key" in proc.stderr
 
