@@ -1,16 +1,19 @@
 """A host lost on network-namespace hosts (tests/netns.py): the front at
 --ranks 3 on host0 over host0-2 through host2's rank stopped, its cable
-pulled and its rank killed, and supervise through a pulled cable. Their
-bounds are times (the heartbeat plus 5 s): launch/test runs this module
-after the rest, with no test beside it."""
+pulled and its rank killed, supervise and a plain launch/mpirun job through
+a pulled cable. Their bounds are times (the heartbeat plus 5 s): launch/test
+runs this module after the rest, with no test beside it."""
 
 import json
 import os
 import signal
 import subprocess
 import sys
+import time
 
-from conftest import ROOT
+import pytest
+
+from conftest import ROOT, error_lines
 from test_recovery import HEARTBEAT, SERVING_AGAIN_WITHIN, wait_for
 from test_serve import KEY, alone
 
@@ -68,3 +71,37 @@ def test_supervise_goes_on_after_a_pulled_cable(hosts, checkpoint, tmp_path):
     ids = [json.loads(line)["id"] for line in out.read_text().splitlines()]
     assert sorted(ids) == sorted(f"j{i}" for i in range(40)), ids
 
+
+
+@pytest.mark.skipif(not (ROOT / ".venv/bin/python").exists(), reason="launch/mpirun uses the project's .venv")
+def test_launch_mpirun_ends_a_job_that_lost_a_host(hosts, checkpoint):
+    """launch/mpirun -np 3 --hostfile H python -m mlxdist.run (no front, no
+    supervise) over host0-2, host2's cable pulled mid-generation: the ranks
+    left name rank 2 and host2 within the heartbeat, and the command ends
+    with status 1 within the heartbeat plus 5 s (and a few for the start of
+    the next poll). Failed before: mpirun waited for host2's daemon until
+    TCP keepalive gave it up (some 8 minutes; still running 120 s on)."""
+    run = [sys.executable, "-m", "mlxdist.run", "--model", checkpoint("qwen3_moe"), "-p", "Hello", "-m", "4000",
+           "--heartbeat", HEARTBEAT]
+    args = hosts.mpirun_command([0, 1, 2], run)[1:]
+    for flag in ("--bind-to", "--stdin"):  # launch/mpirun gives these itself
+        at = args.index(flag)
+        del args[at:at + 2]
+    proc = hosts.start(0, [ROOT / "launch/mpirun", *args])
+    try:
+        assert proc.stdout.read(1), proc.stderr.read()[-3000:]  # the generation has begun
+        hosts.link(2, up=False)
+        pulled = time.monotonic()
+        try:
+            proc.wait(HEARTBEAT + 30)
+        except subprocess.TimeoutExpired:
+            pass
+        ended = time.monotonic() - pulled
+    finally:
+        hosts.stop(proc, [0, 1, 2], grace=0)
+        hosts.link(2, up=True)
+    stderr = proc.stderr.read()
+    assert ended < HEARTBEAT + 5 + 3 and proc.returncode == 1, (ended, proc.returncode, stderr[-3000:])
+    lost = f"mlxdist: error: rank 2 (host host2) sent no heartbeat for {HEARTBEAT:.1f} s: lost"
+    assert set(error_lines(stderr)) == {lost}, stderr[-3000:]
+    assert "launch/mpirun: mpirun still runs 5 s after the job lost a rank" in stderr

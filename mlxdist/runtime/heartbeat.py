@@ -274,10 +274,33 @@ class Heartbeat:
         """Say ``line`` and end this process (the launcher then ends the job)."""
         ACTIVITY.phase = "exiting"  # the launcher's stop that follows needs no report of its own
         say_error(line)
+        tell_the_launch(line)
         if not run_on_fatal():
             time.sleep(0.5)  # the notices reach the ranks left before the launcher stops them
         set_exit_code(1)
         os._exit(1)
+
+
+def tell_the_launch(line: str) -> None:
+    """Write ``line`` to ``MLXDIST_LAUNCH_ENDED`` (launch/mpirun's FIFO, where
+    it is on this host), without waiting: mpirun waits minutes for a host it
+    cannot reach after the job ended, and launch/mpirun then ends it."""
+    path = envs.get("MLXDIST_LAUNCH_ENDED")
+    if not path:
+        return
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)  # ENXIO where nothing reads: not launch/mpirun's host
+    except OSError:
+        return
+    try:
+        os.write(fd, line.encode()[:PIPE_ATOMIC - 1] + b"\n")
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+PIPE_ATOMIC = 512  # bytes a FIFO takes in one write on every POSIX system
 
 
 def _take_report(peer: Peer, data: bytes) -> None:
