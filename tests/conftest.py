@@ -2,6 +2,7 @@
 runs mlxdist for real under mpirun on localhost."""
 
 import functools
+import io
 import json
 import os
 import re
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -25,7 +27,8 @@ import transformers_index  # noqa: E402
 transformers_index.install()
 
 from mlxdist import envs  # noqa: E402
-from mlxdist.runtime.launcher import retry_launcher  # noqa: E402
+from mlxdist.bench.recovery import launcher_rank_of  # noqa: E402
+from mlxdist.runtime.launcher import LAUNCHER_FAILURE, LAUNCHER_RETRIES, retry_launcher  # noqa: E402
 
 MPIRUN = str(Path(sys.executable).parent / "mpirun")
 if not os.path.exists(MPIRUN):
@@ -105,6 +108,43 @@ def _launch(np_: int, args, timeout: float, input: str, module: str, env: dict, 
             if feeder.is_alive():  # rank 0 never opened it: unblock the writer
                 with open(fifo, "r"):
                     pass
+
+
+def popen_launch(cmd, **popen) -> subprocess.Popen:
+    """``subprocess.Popen(cmd, **popen)`` of an mpirun launch, returned once
+    one of its ranks runs (or it ended): started again, up to
+    LAUNCHER_RETRIES times, where Open MPI's launcher failed before any rank
+    ran (as ``launch`` does for a launch run to its end). The failure is read
+    from a piped standard error, which it fills before its end."""
+    for attempt in range(LAUNCHER_RETRIES + 1):
+        proc = subprocess.Popen(cmd, **popen)
+        while proc.poll() is None and not _runs_a_rank(proc.pid):
+            time.sleep(0.02)
+        if proc.poll() is None or proc.returncode == 0 or popen.get("stderr") != subprocess.PIPE \
+                or attempt == LAUNCHER_RETRIES:
+            return proc
+        said = proc.stderr.read()
+        if LAUNCHER_FAILURE not in (said if isinstance(said, str) else said.decode(errors="replace")):
+            proc.stderr = io.StringIO(said) if isinstance(said, str) else io.BytesIO(said)  # for the test to read
+            return proc
+        time.sleep(1)
+    return proc
+
+
+_SEES_CHILDREN = os.path.exists(f"/proc/{os.getpid()}/task/{os.getpid()}/children")
+
+
+def _runs_a_rank(launcher: int) -> bool:
+    """Whether a child of process ``launcher`` is a rank (its launcher gave it
+    one); where /proc cannot say, as if one were."""
+    if not _SEES_CHILDREN:
+        return True
+    try:
+        with open(f"/proc/{launcher}/task/{launcher}/children") as f:
+            children = [int(pid) for pid in f.read().split()]
+    except OSError:  # it has ended
+        return False
+    return any(launcher_rank_of(pid) >= 0 for pid in children)
 
 
 @functools.lru_cache(maxsize=None)
