@@ -274,9 +274,9 @@ class Heartbeat:
         """Say ``line`` and end this process (the launcher then ends the job)."""
         ACTIVITY.phase = "exiting"  # the launcher's stop that follows needs no report of its own
         say_error(line)
-        tell_the_launch(line)
         if not run_on_fatal():
             time.sleep(0.5)  # the notices reach the ranks left before the launcher stops them
+        tell_the_launch(line)
         set_exit_code(1)
         os._exit(1)
 
