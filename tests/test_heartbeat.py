@@ -41,17 +41,38 @@ def rank_pids(session: int, module: str) -> list:
     return [ranks[r] for r in sorted(ranks)]
 
 
-def test_a_stopped_rank_ends_a_generation_within_the_heartbeat(checkpoint):
+def launch_fifo(tmp_path) -> tuple:
+    """A FIFO standing in for launch/mpirun's (``MLXDIST_LAUNCH_ENDED``),
+    open for reading without waiting, so that a rank's write is taken: its
+    path and the reading end."""
+    path = tmp_path / "ended"
+    os.mkfifo(path)
+    return str(path), os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+
+
+def told_the_launch(fd: int) -> list:
+    """The lines the ranks wrote to ``launch_fifo``'s FIFO (its reading end closed)."""
+    try:
+        data = os.read(fd, 65536)
+    except BlockingIOError:  # a writer still holds it open, having written nothing
+        data = b""
+    os.close(fd)
+    return data.decode().splitlines()
+
+
+def test_a_stopped_rank_ends_a_generation_within_the_heartbeat(checkpoint, tmp_path):
     """SIGSTOP of rank 1 of 3 while ``run`` generates 4,000 tokens: the job
     ends non-zero within --heartbeat + 5 s (the watchdog would wait
     --timeout, 120 s), with the one line naming rank 1 and its host from
     each surviving rank (rank 0 hears it, rank 2 is told) and nothing from
-    rank 1 when the launcher continues it to stop it."""
+    rank 1 when the launcher continues it to stop it; each surviving rank
+    writes the line to launch/mpirun's FIFO as it ends."""
+    fifo, told = launch_fifo(tmp_path)
     cmd = [MPIRUN, "-np", "3", "--oversubscribe", "--bind-to", "none", "--stdin", "none", sys.executable, "-m",
            "mlxdist.run", "--model", str(checkpoint("qwen3_moe")), "-p", "Hello", "-m", "4000",
            "--heartbeat", str(HEARTBEAT)]
-    proc = popen_launch(cmd, env=mpirun_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                        start_new_session=True)
+    proc = popen_launch(cmd, env={**mpirun_env(), "MLXDIST_LAUNCH_ENDED": fifo}, cwd=ROOT, stdout=subprocess.PIPE,
+                        stderr=subprocess.PIPE, start_new_session=True)
     try:
         first = proc.stdout.read1(64)  # the first generated text: rank 1 is generating
         assert first, proc.stderr.read().decode()[-3000:]
@@ -66,6 +87,7 @@ def test_a_stopped_rank_ends_a_generation_within_the_heartbeat(checkpoint):
         assert proc.returncode != 0
         assert error_lines(stderr) == [LOST_RANK_1] * 2, stderr[-3000:]
         assert ended < HEARTBEAT + 5, (ended, stderr[-3000:])
+        assert told_the_launch(told) == [LOST_RANK_1.removeprefix("mlxdist: error: ")] * 2
     finally:
         if proc.poll() is None:
             kill_session(proc.pid)
@@ -98,13 +120,15 @@ def test_a_stopped_rank_raises_rank_lost_in_an_api_script(checkpoint, tmp_path):
     catches ``mlxdist.RankLost`` naming rank 1 and its host within
     --heartbeat + 5 s (rank 0's thread is still inside the exchange), every
     later command raises it too, the script may take its time to save what
-    it has (rank 2 waits for it), and the job then ends non-zero."""
+    it has (rank 2 waits for it), and the job then ends non-zero; rank 0
+    writes the line to launch/mpirun's FIFO as its process ends."""
     script = tmp_path / "job.py"
     script.write_text(API_SCRIPT)
+    fifo, told = launch_fifo(tmp_path)
     cmd = [MPIRUN, "-np", "3", "--oversubscribe", "--bind-to", "none", "--stdin", "none", sys.executable,
            str(script), str(checkpoint("qwen3_moe")), str(HEARTBEAT)]
-    proc = popen_launch(cmd, env=mpirun_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                        text=True, start_new_session=True)
+    proc = popen_launch(cmd, env={**mpirun_env(), "MLXDIST_LAUNCH_ENDED": fifo}, cwd=ROOT, stdout=subprocess.PIPE,
+                        stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         assert proc.stdout.readline().strip() == "loaded", proc.stderr.read()[-3000:]
         time.sleep(1.5)  # inside the generation
@@ -123,6 +147,7 @@ def test_a_stopped_rank_raises_rank_lost_in_an_api_script(checkpoint, tmp_path):
         assert f"again {lost}" in lines and lines[-1] == "saved", out
         assert proc.returncode != 0 and ended < HEARTBEAT + 5 + 2 + 5, (proc.returncode, ended)
         assert error_lines(err) == [LOST_RANK_1], err[-3000:]  # rank 2's; the script handled its own
+        assert told_the_launch(told) == [lost]
     finally:
         if proc.poll() is None:
             kill_session(proc.pid)

@@ -2,7 +2,8 @@
 finalized once at exit and the process then ended with ``os._exit`` (MLX's
 group would otherwise call ``MPI_Finalize`` again from a destructor during
 interpreter teardown), or not finalized where a thread waits in a collective
-that will never end (``leave_mpi_unfinalized``); the whole job ended at once
+that will never end (``leave_mpi_unfinalized``); ``launch/mpirun`` told when
+a job that lost a rank ends (``tell_the_launch``); the whole job ended at once
 (``abort``), and a function run so that an exception it lets out ends every
 rank with one line (``run_or_abort``).
 """
@@ -14,6 +15,7 @@ import os
 import sys
 from typing import TYPE_CHECKING, Optional
 
+from mlxdist import envs
 from mlxdist.errors import RankLost, failure_line, keep_traceback, say_error
 from mlxdist.runtime import survival
 from mlxdist.runtime.plane import SoloControl
@@ -23,15 +25,49 @@ if TYPE_CHECKING:
 
 
 _EXIT_CODE = 0
-_MPI_STUCK = False  # leave_mpi_unfinalized
+_LOST: Optional[str] = None  # leave_mpi_unfinalized's line: a rank was lost, MPI is stuck
+PIPE_ATOMIC = 512  # bytes a FIFO takes in one write on every POSIX system
 
 
-def leave_mpi_unfinalized() -> None:
+def leave_mpi_unfinalized(lost: str) -> None:
     """At exit, end the process without ``MPI_Finalize``: a rank was lost
-    and a thread of this one waits in a collective that will never end
-    (``heartbeat.ON_LOST``), where finalizing would wait with it."""
-    global _MPI_STUCK
-    _MPI_STUCK = True
+    (``lost``: the heartbeat's line) and a thread of this one waits in a
+    collective that will never end (``heartbeat.ON_LOST``), where finalizing
+    would wait with it; and tell the launch then (``tell_the_launch``)."""
+    global _LOST
+    _LOST = lost
+
+
+def tell_the_launch(line: str) -> None:
+    """Write ``line`` to ``MLXDIST_LAUNCH_ENDED`` (launch/mpirun's FIFO,
+    where it is on this host) without waiting, as this process ends a job
+    that lost a rank: mpirun would wait minutes for a host it cannot reach,
+    and launch/mpirun ends it 5 s later."""
+    path = envs.get("MLXDIST_LAUNCH_ENDED")
+    if not path:
+        return
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)  # ENXIO where nothing reads: not launch/mpirun's host
+    except OSError:
+        return
+    try:
+        os.write(fd, line.encode()[:PIPE_ATOMIC - 1] + b"\n")
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _end_process() -> None:
+    """Flush, tell the launch where a rank was lost, and end with the status set."""
+    import logging
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if _LOST is not None:
+        tell_the_launch(_LOST)
+    os._exit(_EXIT_CODE)
 
 
 def set_exit_code(code: int) -> None:
@@ -67,12 +103,7 @@ def finalize_if_started() -> None:
 def exit_without_mpi() -> None:
     """At exit under mlx.launch: end the process before MLX's group is torn
     down at interpreter exit; status as ``finalize_and_exit``."""
-    import logging
-
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(_EXIT_CODE)
+    _end_process()
 
 
 def finalize_and_exit() -> None:
@@ -81,15 +112,10 @@ def finalize_and_exit() -> None:
     once a daemon thread (the watchdog's) is alive, and mpirun reports an
     improper exit. Exit status: ``set_exit_code``'s, or 1 after an uncaught
     exception."""
-    import logging
-
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
     MPI = _mpi()
-    if not MPI.Is_finalized() and not survival.enabled() and not _MPI_STUCK:  # with ULFM it hangs
+    if not MPI.Is_finalized() and not survival.enabled() and _LOST is None:  # with ULFM it hangs
         MPI.Finalize()
-    os._exit(_EXIT_CODE)
+    _end_process()
 
 
 def abort(world: Optional[World], code: int = 1) -> None:

@@ -58,7 +58,7 @@ from mlxdist.runtime.addresses import address_toward, describe_host
 from mlxdist.runtime.link_bytes import LinkCounter
 from mlxdist.runtime.watchdog import ACTIVITY, HELD_UP, run_on_fatal
 from mlxdist.runtime.world import World
-from mlxdist.runtime.exits import leave_mpi_unfinalized, set_exit_code
+from mlxdist.runtime.exits import leave_mpi_unfinalized, set_exit_code, tell_the_launch
 
 DEFAULT_HEARTBEAT = 5.0  # MLXDIST_HEARTBEAT's default
 FROM_ENVIRONMENT = "default"  # init's and the command lines' default: MLXDIST_HEARTBEAT, else DEFAULT_HEARTBEAT
@@ -250,7 +250,7 @@ class Heartbeat:
         goes_on = self.world.is_root and bool(ON_LOST)
         if goes_on:  # first: the caller, once woken, may end the process at once
             ACTIVITY.at("exiting")
-            leave_mpi_unfinalized()
+            leave_mpi_unfinalized(line)
         if self.world.is_root:
             for other in self.peers:
                 if other is not peer:
@@ -267,7 +267,7 @@ class Heartbeat:
         """Rank 0 goes on after a loss: say ``line``, then wait for its end."""
         ACTIVITY.at("exiting")
         say_error(line)
-        leave_mpi_unfinalized()
+        leave_mpi_unfinalized(line)
         self.holding = True
 
     def _end(self, line: str) -> None:
@@ -279,28 +279,6 @@ class Heartbeat:
         tell_the_launch(line)
         set_exit_code(1)
         os._exit(1)
-
-
-def tell_the_launch(line: str) -> None:
-    """Write ``line`` to ``MLXDIST_LAUNCH_ENDED`` (launch/mpirun's FIFO, where
-    it is on this host), without waiting: mpirun waits minutes for a host it
-    cannot reach after the job ended, and launch/mpirun then ends it."""
-    path = envs.get("MLXDIST_LAUNCH_ENDED")
-    if not path:
-        return
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)  # ENXIO where nothing reads: not launch/mpirun's host
-    except OSError:
-        return
-    try:
-        os.write(fd, line.encode()[:PIPE_ATOMIC - 1] + b"\n")
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-PIPE_ATOMIC = 512  # bytes a FIFO takes in one write on every POSIX system
 
 
 def _take_report(peer: Peer, data: bytes) -> None:
