@@ -89,8 +89,9 @@ VARIABLES: Dict[str, Variable] = {v.name: v for v in (
     Variable("MLXDIST_STDIN", "path", None, "Rank 0's standard input (a FIFO): set by launch/mpirun, because "
              "Open MPI 5 forwards stdin lines but not their end."),
     Variable("MLXDIST_LAUNCH_ENDED", "path", None, "A FIFO on launch/mpirun's host, set by launch/mpirun: a rank "
-             "there that ends the job for a lost rank (rank 0 of an API script: as its script ends) writes its line to it, and launch/mpirun ends mpirun if it "
-             "still runs 5 s later (it waits minutes for a host it cannot reach) and exits with status 1."),
+             "there that ends the job for a lost rank (rank 0 of an API script: as its script ends) writes its "
+             "line to it, and launch/mpirun ends mpirun if it still runs 5 s later (it waits minutes for a host it "
+             "cannot reach) and exits with status 1."),
     Variable("MLXDIST_GROUPED_EXPERTS", "switch", "", "Expert calls grouped by expert: 0 never, 1 always (any "
              "device), unset: on GPUs from two slots per expert (docs/notes/grouped-experts.md). Read at import; "
              "any other value stops the job at start."),

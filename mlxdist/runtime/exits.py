@@ -33,7 +33,7 @@ def leave_mpi_unfinalized(lost: str) -> None:
     """At exit, end the process without ``MPI_Finalize``: a rank was lost
     (``lost``: the heartbeat's line) and a thread of this one waits in a
     collective that will never end (``heartbeat.ON_LOST``), where finalizing
-    would wait with it; and tell the launch then (``tell_the_launch``)."""
+    would wait with it; and tell the launch as it ends there (``tell_the_launch``)."""
     global _LOST
     _LOST = lost
 
