@@ -1,17 +1,17 @@
 """Shared fixtures: checkpoints written by mlxdist.synth, and a launcher that
 runs mlxdist for real under mpirun on localhost."""
 
+import atexit
 import functools
-import io
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -27,8 +27,7 @@ import transformers_index  # noqa: E402
 transformers_index.install()
 
 from mlxdist import envs  # noqa: E402
-from mlxdist.bench.recovery import launcher_rank_of  # noqa: E402
-from mlxdist.runtime.launcher import LAUNCHER_FAILURE, LAUNCHER_RETRIES, retry_launcher  # noqa: E402
+from mlxdist.runtime.launcher import SESSION_BASE, new_session_base  # noqa: E402
 
 MPIRUN = str(Path(sys.executable).parent / "mpirun")
 if not os.path.exists(MPIRUN):
@@ -43,9 +42,18 @@ def interruptible() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
+# The Open MPI session folders of this process's launches (runtime/launcher.py: a killed
+# mpirun's leftovers fail a later mpirun of the same pid), removed as it ends.
+_SESSIONS = tempfile.mkdtemp(prefix="mlxdist-tests.")
+atexit.register(shutil.rmtree, _SESSIONS, True)
+
+
 def mpirun_env() -> dict:
+    """This environment with what a test's launch needs, a session folder of
+    its own among them (a new one each call: one launch's)."""
     env = dict(os.environ)
     env.update(
+        **{SESSION_BASE: new_session_base(_SESSIONS)},
         OMPI_ALLOW_RUN_AS_ROOT="1",
         OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
         OMPI_MCA_rmaps_base_oversubscribe="1",
@@ -73,13 +81,7 @@ def launch(np_: int, args, timeout: float = 120, input: str = None, module: str 
            mpirun_args=()):
     """Run ``python -m module args`` (a script where module is None) on
     ``np_`` ranks (no mpirun for np_ = 0), with ``env`` over ``mpirun_env()``
-    (a value None unsets the variable). A launch that Open MPI's launcher
-    failed before any rank ran (LAUNCHER_FAILURE, which can come several in
-    a row) is tried again, up to LAUNCHER_RETRIES times."""
-    return retry_launcher(lambda: _launch(np_, args, timeout, input, module, env, mpirun_args))
-
-
-def _launch(np_: int, args, timeout: float, input: str, module: str, env: dict, mpirun_args):
+    (a value None unsets the variable)."""
     cmd = [sys.executable, *(["-m", module] if module else []), *map(str, args)]
     env = {k: v for k, v in {**mpirun_env(), **(env or {})}.items() if v is not None}  # None: unset
     if np_ > 0:
@@ -110,44 +112,6 @@ def _launch(np_: int, args, timeout: float, input: str, module: str, env: dict, 
                     pass
 
 
-def popen_launch(cmd, **popen) -> subprocess.Popen:
-    """``subprocess.Popen(cmd, **popen)`` of an mpirun launch, returned once
-    one of its ranks runs (or it ended): started again, up to
-    LAUNCHER_RETRIES times, where Open MPI's launcher failed before any rank
-    ran (as ``launch`` does for a launch run to its end). The failure is read
-    from a piped standard error, which it fills before its end."""
-    for attempt in range(LAUNCHER_RETRIES + 1):
-        proc = subprocess.Popen(cmd, **popen)
-        while proc.poll() is None and not _runs_a_rank(proc.pid):
-            time.sleep(0.02)
-        if proc.poll() is None or proc.returncode == 0 or popen.get("stderr") != subprocess.PIPE \
-                or attempt == LAUNCHER_RETRIES:
-            return proc
-        said = proc.stderr.read()
-        if LAUNCHER_FAILURE not in (said if isinstance(said, str) else said.decode(errors="replace")):
-            proc.stderr = io.StringIO(said) if isinstance(said, str) else io.BytesIO(said)  # for the test to read
-            return proc
-        time.sleep(1)
-    return proc
-
-
-_SEES_CHILDREN = os.path.exists(f"/proc/{os.getpid()}/task/{os.getpid()}/children")
-
-
-def _runs_a_rank(launcher: int) -> bool:
-    """Whether a child of process ``launcher`` is a rank (its launcher gave it
-    one); where /proc cannot say, as if one were."""
-    if not _SEES_CHILDREN:
-        return True
-    try:
-        with open(f"/proc/{launcher}/task/{launcher}/children") as f:
-            children = [int(pid) for pid in f.read().split()]
-    except OSError:  # it has ended
-        return False
-    return any(launcher_rank_of(pid) >= 0 for pid in children)
-
-
-@functools.lru_cache(maxsize=None)
 def mlx_lm_loaded(path: str):
     """mlx-lm's ``load(path)`` in this process, once per session: the
     references the tests compare with only generate from it."""

@@ -24,7 +24,6 @@ from typing import List, Optional, Sequence
 
 from conftest import ROOT, mpirun_env
 
-from mlxdist.runtime.launcher import retry_launcher
 
 SUBNET = "198.18.0"
 NETWORK = f"{SUBNET}.0/24"
@@ -176,8 +175,7 @@ exec {self.agent} "$@"
         """``python -m module args`` (a script where module is None), one rank
         on each host of ``order`` in that order, mpirun on the first."""
         cmd = [sys.executable, *(["-m", module] if module else []), *args]
-        return retry_launcher(lambda: self.on(order[0], self.mpirun_command(order, cmd, mpirun_args),
-                                              timeout=timeout, env=env))
+        return self.on(order[0], self.mpirun_command(order, cmd, mpirun_args), timeout=timeout, env=env)
 
     def mlx_launch(self, order: Sequence[int], args: Sequence, module: Optional[str] = "mlxdist.run",
                    env: Optional[dict] = None, timeout: float = 120, backend: str = "ring", script=None):

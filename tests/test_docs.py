@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT
-from mlxdist.runtime.launcher import retry_launcher
+from mlxdist.runtime.launcher import SESSION_BASE, new_session_base
 
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "docs/notes").glob("*.md")),
          *sorted((ROOT / "examples").glob("*.py")), *sorted((ROOT / "hostfiles").glob("*.txt"))]
@@ -211,10 +211,11 @@ def docs_model(tmp_path_factory):
 
 def _env(work: Path) -> dict:
     """The user's shell: the environment's python first on PATH; no root permissions of
-    the tests' own (launch/mpirun adds them)."""
+    the tests' own (launch/mpirun adds them); a bare mpirun's session folder of the
+    block's own (conftest.mpirun_env says why)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_ALLOW_RUN_AS_ROOT", "OMPI_MCA_rmaps"))}
     env.update(PATH=f"{ROOT / '.venv/bin'}{os.pathsep}{env.get('PATH', '')}", HF_HUB_OFFLINE="1",
-               MLXDIST_CACHE=str(work / "cache"))
+               MLXDIST_CACHE=str(work / "cache"), **{SESSION_BASE: new_session_base(str(work))})
     return env
 
 
@@ -229,10 +230,8 @@ def test_block_runs_as_written(key, docs_model):
     assert len(blocks) == 1, f"{key}: {len(blocks)} blocks"
     script = _bind(blocks[0], model, work, extra)
     if script not in _RAN:  # pages that repeat a command run it once
-        # a block whose mpirun failed before any rank ran is run again from its start
-        _RAN[script] = retry_launcher(lambda: subprocess.run(
-            ["bash", "-euo", "pipefail", "-c", script], cwd=work, env=_env(work),
-            capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL))
+        _RAN[script] = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=work, env=_env(work),
+                                      capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
     proc = _RAN[script]
     assert proc.returncode == 0, f"{script}\nexit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
     if claim:

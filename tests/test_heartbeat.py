@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from conftest import MPIRUN, ROOT, error_lines, kill_session, launch, mpirun_env, popen_launch
+from conftest import MPIRUN, ROOT, error_lines, kill_session, launch, mpirun_env
 from test_serve import PROMPTS, Server, rank_pids_with
 
 HEARTBEAT = 3.0
@@ -71,8 +71,8 @@ def test_a_stopped_rank_ends_a_generation_within_the_heartbeat(checkpoint, tmp_p
     cmd = [MPIRUN, "-np", "3", "--oversubscribe", "--bind-to", "none", "--stdin", "none", sys.executable, "-m",
            "mlxdist.run", "--model", str(checkpoint("qwen3_moe")), "-p", "Hello", "-m", "4000",
            "--heartbeat", str(HEARTBEAT)]
-    proc = popen_launch(cmd, env={**mpirun_env(), "MLXDIST_LAUNCH_ENDED": fifo}, cwd=ROOT, stdout=subprocess.PIPE,
-                        stderr=subprocess.PIPE, start_new_session=True)
+    proc = subprocess.Popen(cmd, env={**mpirun_env(), "MLXDIST_LAUNCH_ENDED": fifo}, cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     try:
         first = proc.stdout.read1(64)  # the first generated text: rank 1 is generating
         assert first, proc.stderr.read().decode()[-3000:]
@@ -127,8 +127,8 @@ def test_a_stopped_rank_raises_rank_lost_in_an_api_script(checkpoint, tmp_path):
     fifo, told = launch_fifo(tmp_path)
     cmd = [MPIRUN, "-np", "3", "--oversubscribe", "--bind-to", "none", "--stdin", "none", sys.executable,
            str(script), str(checkpoint("qwen3_moe")), str(HEARTBEAT)]
-    proc = popen_launch(cmd, env={**mpirun_env(), "MLXDIST_LAUNCH_ENDED": fifo}, cwd=ROOT, stdout=subprocess.PIPE,
-                        stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(cmd, env={**mpirun_env(), "MLXDIST_LAUNCH_ENDED": fifo}, cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         assert proc.stdout.readline().strip() == "loaded", proc.stderr.read()[-3000:]
         time.sleep(1.5)  # inside the generation

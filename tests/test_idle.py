@@ -8,7 +8,7 @@ import sys
 import tempfile
 import time
 
-from conftest import MPIRUN, ROOT, mpirun_env, popen_launch
+from conftest import MPIRUN, ROOT, mpirun_env
 from test_serve import PROMPTS, Server
 
 IDLE_SHARE = 0.05  # of one core
@@ -42,8 +42,8 @@ def test_the_cli_waiting_for_a_prompt_is_at_rest(checkpoint):
         env = {**mpirun_env(), "MLXDIST_STDIN": fifo}
         cmd = [MPIRUN, "-np", "2", "--oversubscribe", "--bind-to", "none", "--stdin", "none", "-x", "MLXDIST_STDIN",
                sys.executable, "-m", "mlxdist.run", "--model", str(checkpoint("qwen3_moe")), "-m", "4", "--json"]
-        proc = popen_launch(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+        proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
         try:
             with open(fifo, "w") as feed:  # opens once rank 0 reads: the model is loaded by then
                 feed.write(PROMPTS[0] + "\n")

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from conftest import MPIRUN, ROOT, error_lines, kill_session, launch, mlx_lm_loaded, mpirun_env, popen_launch
+from conftest import MPIRUN, ROOT, error_lines, kill_session, launch, mlx_lm_loaded, mpirun_env
 
 
 def write_jobs(path, n, extra=()):
@@ -55,8 +55,8 @@ def _run_until_killed(args, out, min_records):
     test fault), so the job cannot finish before the kill on a busy machine."""
     cmd = [MPIRUN, "-np", "2", "--oversubscribe", "--bind-to", "none", sys.executable, "-m", "mlxdist.run", *map(str, args)]
     env = {**mpirun_env(), "MLXDIST_FAULT": f"sleep:rank=0,layer=1,step=1,skip={min_records},seconds=600"}
-    proc = popen_launch(cmd, env=env, cwd=ROOT, start_new_session=True,  # stderr read for a launcher's failure
-                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 120
     while time.time() < deadline and proc.poll() is None:
         if out.exists() and out.read_text().count("\n") >= min_records:

@@ -11,7 +11,6 @@ import time
 import pytest
 
 from conftest import MPIRUN, ROOT, error_lines, last_json, launch, mpirun_env
-from mlxdist.runtime.launcher import retry_launcher
 
 
 def run_with_fault(path, fault, dispatch, timeout_flag=None, nranks=3):
@@ -93,8 +92,7 @@ def _mpmd(contexts, timeout=90):
         if i:
             cmd.append(":")
         cmd += ["-np", "1", "--wdir", str(wdir), sys.executable, *map(str, argv)]
-    return retry_launcher(lambda: subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                                                 env=mpirun_env()))
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=mpirun_env())
 
 
 def _one_error(proc) -> str:

@@ -31,7 +31,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from mlxdist import envs
 from mlxdist.config import EXPERT_SPLITS, REPLICATE
-from mlxdist.runtime.launcher import retry_launcher
+from mlxdist.runtime.launcher import own_session
 from mlxdist.bench import speculative
 from mlxdist.bench.harness import median_row, versions
 from mlxdist.bench.linkemu import PRESETS, EmulatedLink, link_env, measure, parse_link
@@ -116,13 +116,10 @@ def launch(contender: Dict[str, Any], common: List[str], timeout: float, log,
     print(" ".join(cmd), file=log, flush=True)
     tic = time.perf_counter()
 
-    def run():
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env(link), cwd=ROOT)
-        log.write(proc.stderr)
-        return proc
-
     try:
-        proc = retry_launcher(run)
+        with own_session(_env(link)) as env:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+        log.write(proc.stderr)
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout:.0f} s"}
     lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]

@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -28,6 +29,7 @@ from typing import Any, Dict, List, Optional
 
 from mlxdist.inputs.digits import arg_int, arg_number
 from mlxdist.runtime.backends import free_port
+from mlxdist.runtime.launcher import SESSION_BASE, new_session_base
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -38,13 +40,15 @@ def _mpirun() -> str:
 
 
 class Launched:
-    """A server process (group) answering on a free loopback port."""
+    """A server process (group) answering on a free loopback port, its Open
+    MPI session in a folder of its own (``launcher.new_session_base``)."""
 
     def __init__(self, name: str, cmd: List[str]):
         self.name = name
         env = dict(os.environ)  # the server's: this one's, able to run as root, offline, this checkout first
         env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", HF_HUB_OFFLINE="1",
                    PYTHONPATH=f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}")
+        self.session_base = env[SESSION_BASE] = new_session_base()
         self.proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                      text=True, start_new_session=True)
 
@@ -65,6 +69,7 @@ class Launched:
         if self.proc.poll() is None:
             os.killpg(os.getpgid(self.proc.pid), signal.SIGKILL)
             self.proc.wait()
+        shutil.rmtree(self.session_base, ignore_errors=True)
         return self.proc.stderr.read()
 
 

@@ -34,6 +34,7 @@ from mlxdist import envs
 from mlxdist.inputs.digits import parse_int
 from mlxdist.errors import UserError
 from mlxdist.model.budgets import budgets_for_ranks, parse_rank_memory
+from mlxdist.runtime.launcher import SESSION_BASE, new_session_base
 
 # runtime/heartbeat.py's line: "rank R (host H) sent no heartbeat for S s: lost"
 HEARTBEAT_LOST = re.compile(r"rank (\d+) \(host ([^)]*)\) sent no heartbeat for ([0-9.]+) s: lost")
@@ -247,11 +248,12 @@ def replanned_args(run_args: List[str], slots: List[RankSlot], routing: Optional
 
 
 class Launch:
-    """One start of a rank job, in a session of its own: its process, and
-    what its standard error said (each line passed to ``echo`` as it
-    comes): ``ready``'s first match (the job is up), and when the first sign
-    of a lost rank (``LOSS_SIGNS``) came. ``changed`` is set on each of
-    those and at the end."""
+    """One start of a rank job, in a session of its own (and an Open MPI
+    session folder of its own, ``launcher.new_session_base``, removed at its
+    end): its process, and what its standard error said (each line passed
+    to ``echo`` as it comes): ``ready``'s first match (the job is up), and
+    when the first sign of a lost rank (``LOSS_SIGNS``) came. ``changed`` is
+    set on each of those and at the end."""
 
     def __init__(self, cmd: List[str], env: Dict[str, str], echo: Callable[[str], None],
                  ready: Optional[Pattern] = None, stdout: Optional[int] = subprocess.DEVNULL):
@@ -260,8 +262,10 @@ class Launch:
         self.said: Deque[str] = deque(maxlen=KEPT_LINES)
         self.loss_seen_at: Optional[float] = None  # time.time() of the first sign of a lost rank
         self.changed = threading.Event()
+        self.session_base = new_session_base()
         self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=stdout, stderr=subprocess.PIPE,
-                                     env=env, text=True, errors="replace", start_new_session=True)
+                                     env={**env, SESSION_BASE: self.session_base}, text=True, errors="replace",
+                                     start_new_session=True)
         self._echo = echo
         self._reader = threading.Thread(target=self._read, name="mlxdist-front-job", daemon=True)
         self._reader.start()
@@ -277,6 +281,7 @@ class Launch:
                 self.loss_seen_at = time.time()
                 self.changed.set()
         self.proc.wait()
+        shutil.rmtree(self.session_base, ignore_errors=True)
         if self.loss_seen_at is None and self.ready is not None:
             self.loss_seen_at = time.time()  # ended while up without a word of why
         self.changed.set()

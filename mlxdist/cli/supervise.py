@@ -48,7 +48,6 @@ from mlxdist.cli.relaunch import (
 )
 from mlxdist.inputs.digits import arg_int
 from mlxdist.errors import UserError
-from mlxdist.runtime.launcher import retry_launcher
 
 
 def _job_ids(path: str) -> Set[str]:
@@ -119,8 +118,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             note("")  # once more after the end
             return subprocess.CompletedProcess(cmd, code, stderr=launch.text())
 
-        # Open MPI's launcher failing before any rank ran is not a lost rank: started again.
-        finished = retry_launcher(start)
+        finished = start()
         code, stderr = finished.returncode, finished.stderr
         left = wanted - recorded_ids(out, retry_errors)
         if code == 0 or not left:

@@ -23,8 +23,7 @@ On a loss the job is ended (its launcher, then its session, within
 ``END_GRACE`` seconds), planned again on the ranks left and started again
 (``recovery.py``). While it is ``degraded``, it grows back to N when the lost
 hosts answer, at most once every ``regrow_every`` seconds, between requests.
-A start that Open MPI's launcher failed before any rank ran is tried again
-(``runtime/launcher.py``), whether first or after a loss.
+Each start keeps Open MPI's session in a folder of its own (``relaunch.Launch``).
 """
 
 import argparse
@@ -54,7 +53,6 @@ from mlxdist.front.recovery import (
 )
 from mlxdist.inputs.digits import arg_duration, arg_int
 from mlxdist.runtime.heartbeat import DEFAULT_HEARTBEAT, default_heartbeat, parse_heartbeat
-from mlxdist.runtime.launcher import LAUNCHER_FAILURE, LAUNCHER_RETRIES
 
 SERVING = re.compile(r"mlxdist: serving .* on http://\S+:(\d+) \(")
 STOP_GRACE = 30.0  # seconds a clean stop (SIGINT to rank 0) may take
@@ -265,7 +263,6 @@ class RankJob:
         plan = self._plan
         loss: Optional[Loss] = None
         degraded: Optional[Plan] = None  # while growing back: the plan that served before
-        launcher_failures = 0  # Open MPI's launcher failed before any rank ran, this many times in a row
         while not self._stopping.is_set():
             try:
                 launch = self._launch = self._start(plan)
@@ -286,12 +283,6 @@ class RankJob:
             launch.end(END_GRACE)
             if self._stopping.is_set():
                 return
-            if not served and LAUNCHER_FAILURE in launch.text() and launcher_failures < LAUNCHER_RETRIES:
-                launcher_failures += 1  # nothing of ours ran: the same plan, again
-                _say("Open MPI's launcher failed before any rank ran: starting again")
-                time.sleep(1)
-                continue
-            launcher_failures = 0
             seen_at = launch.loss_seen_at or time.time()
             loss = read_loss(launch.text(), plan.slots, seen_at)
             if loss is None and degraded is not None and not served:  # growing back failed: serve as before

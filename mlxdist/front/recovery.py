@@ -34,6 +34,7 @@ from mlxdist.cli.relaunch import (
     RankSlot, heartbeat_losses, is_local, lost_ranks, mpirun_command, mpirun_env, open_mpi_prefix, replanned_args,
 )
 from mlxdist.errors import UserError
+from mlxdist.runtime.launcher import own_session
 
 PROBE_SECONDS = 20.0  # a host that has not run `true` by then does not answer
 
@@ -168,7 +169,8 @@ def host_answers(host: str, launcher: str, program: str) -> bool:
     else:
         cmd = ["ssh", "-o", "BatchMode=yes", "-o", f"ConnectTimeout={int(PROBE_SECONDS)}", host, "true"]
     try:
-        return subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                              env=mpirun_env(), timeout=PROBE_SECONDS).returncode == 0
+        with own_session(mpirun_env()) as env:  # a probe cut short is killed: its session is ours to remove
+            return subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                  env=env, timeout=PROBE_SECONDS).returncode == 0
     except (OSError, subprocess.TimeoutExpired):
         return False

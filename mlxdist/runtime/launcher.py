@@ -1,11 +1,12 @@
 """Which launcher started this process, and what it says before MPI starts
 (the job's size, this rank), from its variables: Open MPI's ``mpirun``, or
-MLX's ``mlx.launch``; and a launch tried again where Open MPI's launcher
-failed before any rank ran.
+MLX's ``mlx.launch``; and the folder an mpirun launch keeps its session in.
 """
 
-import time
-from typing import Any, Callable
+import contextlib
+import shutil
+import tempfile
+from typing import Dict, Iterator, Optional
 
 from mlxdist import envs
 
@@ -35,19 +36,26 @@ MLX_LAUNCH_MPI = ("--backend mpi needs MPI, which mlx.launch does not start here
                   "(it runs mpirun), or --backend ring | jaccl")
 
 
-# Open MPI's launcher sometimes fails before starting any rank, with this on
-# stderr; nothing of ours ran, so the launch may be tried again.
-LAUNCHER_FAILURE = "The PMIx server's listener thread failed to start"
-LAUNCHER_RETRIES = 3
+# Open MPI 5.0's mpirun keeps its session's rendezvous files in <base>/ompi.<its pid>/, and a
+# start fails ("The PMIx server's listener thread failed to start", status 213, before any rank
+# runs) where an mpirun of the same pid and host was killed and left its own: PMIx 5.0 will not
+# write over one. Pids come round (32768 on Linux by default), so a launch that followed some
+# SIGKILLed ones failed at random. Each launch of ours takes a base of its own, removed after it.
+SESSION_BASE = "PRTE_MCA_prte_local_tmpdir_base"
 
 
-def retry_launcher(start: Callable[[], Any]) -> Any:
-    """``start()`` (runs a launch to its end; returns something with
-    ``returncode`` and ``stderr``), again while Open MPI's launcher failed
-    before any rank ran, up to ``LAUNCHER_RETRIES`` times; the last result."""
-    for _ in range(LAUNCHER_RETRIES + 1):
-        proc = start()
-        if proc.returncode == 0 or LAUNCHER_FAILURE not in proc.stderr:
-            break
-        time.sleep(1)
-    return proc
+def new_session_base(parent: Optional[str] = None) -> str:
+    """A new, empty folder for one launch's Open MPI session (``SESSION_BASE``
+    in mpirun's environment); the launch removes it once mpirun has ended."""
+    return tempfile.mkdtemp(prefix="mlxdist-launch.", dir=parent)
+
+
+@contextlib.contextmanager
+def own_session(env: Dict[str, str]) -> Iterator[Dict[str, str]]:
+    """``env`` for one mpirun launch run inside the block, with a session base
+    of its own (``new_session_base``), removed as the block ends."""
+    base = new_session_base()
+    try:
+        yield {**env, SESSION_BASE: base}
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
