@@ -65,8 +65,8 @@ def mpirun_env() -> dict:
         # Tests that measure the link measure it at every load, whatever an earlier test stored
         # (test_decision.py, which tests the stored decision, sets 0).
         MLXDIST_REMEASURE=env.get("MLXDIST_REMEASURE", "1"),
-        # Up to eight ranks of two tests share two cores here: the scheduler alone has held a rank's
-        # heartbeat thread past 5 s (a launch's every test then failed with "rank 0 ... lost").
+        # Up to eight ranks of two tests share two cores: the scheduler alone can hold a rank's
+        # heartbeat thread past the default 5 s, which ends the launch ("rank 0 ... lost").
         # Tests of the heartbeat give --heartbeat (or init's) themselves.
         MLXDIST_HEARTBEAT=env.get("MLXDIST_HEARTBEAT", "30"),
         PRTE_MCA_rmaps_default_mapping_policy=":oversubscribe",

@@ -27,16 +27,12 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+from mlxdist.cli.relaunch import find_mpirun
 from mlxdist.inputs.digits import arg_int, arg_number
 from mlxdist.runtime.backends import free_port
 from mlxdist.runtime.launcher import SESSION_BASE, new_session_base
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _mpirun() -> str:
-    local = Path(sys.executable).parent / "mpirun"
-    return str(local) if local.exists() else "mpirun"
 
 
 class Launched:
@@ -85,7 +81,7 @@ def server_command(contender: str, args: argparse.Namespace, port: int, max_conc
         cmd = [sys.executable, "-m", "mlx_lm", "server", "--model", args.model, "--port", str(port),
                "--decode-concurrency", str(max_concurrent), "--log-level", "WARNING"]
     else:
-        cmd = [args.mpirun or _mpirun(), "-np", str(args.ranks), "--oversubscribe", "--bind-to", "none",
+        cmd = [args.mpirun or find_mpirun(), "-np", str(args.ranks), "--oversubscribe", "--bind-to", "none",
                "--stdin", "none", *(args.wrapper.split() if args.wrapper else []),
                sys.executable, "-m", "mlxdist.serve", "--model", args.model, "--port", str(port),
                "--max-concurrent", str(max_concurrent), "--mode", contender.split(" ")[3]]

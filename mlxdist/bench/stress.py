@@ -36,7 +36,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-from mlxdist.bench.serve import Launched, _mpirun
+from mlxdist.bench.serve import Launched
+from mlxdist.cli.relaunch import find_mpirun
 from mlxdist.inputs.digits import arg_int, arg_number
 from mlxdist.runtime.backends import free_port
 
@@ -240,7 +241,7 @@ class Sampler(threading.Thread):
 def run(args: argparse.Namespace) -> Dict[str, Any]:
     expected = reference_texts(args.model, args.max_tokens)
     port, key = free_port(), "stress-key"
-    cmd = [args.mpirun or _mpirun(), "-np", str(args.ranks), "--oversubscribe", "--bind-to", "none", "--stdin", "none",
+    cmd = [args.mpirun or find_mpirun(), "-np", str(args.ranks), "--oversubscribe", "--bind-to", "none", "--stdin", "none",
            sys.executable, "-m", "mlxdist.serve", "--model", args.model, "--port", str(port), "--api-key", key,
            "--max-concurrent", str(args.max_concurrent), "--request-timeout", str(REQUEST_TIMEOUT),
            "--max-body-bytes", str(MAX_BODY), "--max-header-bytes", str(16 << 10)]
