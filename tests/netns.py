@@ -132,10 +132,11 @@ exec {self.agent} "$@"
     # -- running things on the hosts --------------------------------------------------------------------
 
     def env(self, extra: Optional[dict] = None) -> dict:
+        """The tests' environment on the hosts, with ``extra`` over it (a value None unsets the variable)."""
         env = mpirun_env()
         env["PATH"] = os.pathsep.join([self.bin, VENV_BIN, env.get("PATH", "")])
         env.pop("OMPI_MCA_rmaps_base_oversubscribe", None)
-        return {**env, **(extra or {})}
+        return {k: v for k, v in {**env, **(extra or {})}.items() if v is not None}
 
     def on(self, host: int, cmd: Sequence[str], timeout: float = 60, env: Optional[dict] = None,
            **kw) -> subprocess.CompletedProcess:

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT
-from mlxdist.runtime.launcher import SESSION_BASE, new_session_base
+from mlxdist.runtime.launcher import new_session_base, session_env
 
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "docs/notes").glob("*.md")),
          *sorted((ROOT / "examples").glob("*.py")), *sorted((ROOT / "hostfiles").glob("*.txt"))]
@@ -215,7 +215,7 @@ def _env(work: Path) -> dict:
     block's own (conftest.mpirun_env says why)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_ALLOW_RUN_AS_ROOT", "OMPI_MCA_rmaps"))}
     env.update(PATH=f"{ROOT / '.venv/bin'}{os.pathsep}{env.get('PATH', '')}", HF_HUB_OFFLINE="1",
-               MLXDIST_CACHE=str(work / "cache"), **{SESSION_BASE: new_session_base(str(work))})
+               MLXDIST_CACHE=str(work / "cache"), **session_env(new_session_base(str(work))))
     return env
 
 

@@ -30,7 +30,7 @@ from typing import Any, Dict, List, Optional
 from mlxdist.cli.relaunch import find_mpirun
 from mlxdist.inputs.digits import arg_int, arg_number
 from mlxdist.runtime.backends import free_port
-from mlxdist.runtime.launcher import SESSION_BASE, new_session_base
+from mlxdist.runtime.launcher import new_session_base, session_env
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -44,7 +44,8 @@ class Launched:
         env = dict(os.environ)  # the server's: this one's, able to run as root, offline, this checkout first
         env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", HF_HUB_OFFLINE="1",
                    PYTHONPATH=f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}")
-        self.session_base = env[SESSION_BASE] = new_session_base()
+        self.session_base = new_session_base()
+        env.update(session_env(self.session_base))
         self.proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                      text=True, start_new_session=True)
 

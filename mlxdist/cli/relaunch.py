@@ -34,7 +34,7 @@ from mlxdist import envs
 from mlxdist.inputs.digits import parse_int
 from mlxdist.errors import UserError
 from mlxdist.model.budgets import budgets_for_ranks, parse_rank_memory
-from mlxdist.runtime.launcher import SESSION_BASE, new_session_base
+from mlxdist.runtime.launcher import new_session_base, session_env
 
 # runtime/heartbeat.py's line: "rank R (host H) sent no heartbeat for S s: lost"
 HEARTBEAT_LOST = re.compile(r"rank (\d+) \(host ([^)]*)\) sent no heartbeat for ([0-9.]+) s: lost")
@@ -264,7 +264,7 @@ class Launch:
         self.changed = threading.Event()
         self.session_base = new_session_base()
         self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=stdout, stderr=subprocess.PIPE,
-                                     env={**env, SESSION_BASE: self.session_base}, text=True, errors="replace",
+                                     env={**env, **session_env(self.session_base)}, text=True, errors="replace",
                                      start_new_session=True)
         self._echo = echo
         self._reader = threading.Thread(target=self._read, name="mlxdist-front-job", daemon=True)

@@ -6,7 +6,7 @@ MLX's ``mlx.launch``; and the folder an mpirun launch keeps its session in.
 import contextlib
 import shutil
 import tempfile
-from typing import Dict, Iterator, Optional
+from typing import Dict, Iterator
 
 from mlxdist import envs
 
@@ -36,18 +36,27 @@ MLX_LAUNCH_MPI = ("--backend mpi needs MPI, which mlx.launch does not start here
                   "(it runs mpirun), or --backend ring | jaccl")
 
 
-# Open MPI 5.0's mpirun keeps its session's rendezvous files in <base>/ompi.<its pid>/, and a
-# start fails ("The PMIx server's listener thread failed to start", status 213, before any rank
-# runs) where an mpirun of the same pid and host was killed and left its own: PMIx 5.0 will not
-# write over one. Pids come round (32768 on Linux by default), so a launch that followed some
-# SIGKILLed ones failed at random. Each launch of ours takes a base of its own, removed after it.
-SESSION_BASE = "PRTE_MCA_prte_local_tmpdir_base"
+# Open MPI 5.0's launcher (mpirun) and its daemons (prted, on the other hosts) keep their session's
+# rendezvous files in <base>/ompi.<pid>/ and <base>/prted.<pid>/, and one fails to start ("The
+# PMIx server's listener thread failed to start", status 213, before any rank runs) where a
+# process of the same pid and host was killed and left its own: PMIx 5.0 will not write over
+# them. Pids come round (32768 on Linux by default), so after some killed jobs a launch failed at
+# random. Each launch of ours gives both a base of its own in /tmp, a path every host has
+# (mpirun and prted create it), and removes it on its own host once mpirun has ended; on the other
+# hosts the daemons leave it empty, to the system's /tmp cleaning.
+SESSION_VARIABLES = ("PRTE_MCA_prte_local_tmpdir_base", "PRTE_MCA_prte_remote_tmpdir_base")
+SESSIONS_PARENT = "/tmp"
 
 
-def new_session_base(parent: Optional[str] = None) -> str:
-    """A new, empty folder for one launch's Open MPI session (``SESSION_BASE``
-    in mpirun's environment); the launch removes it once mpirun has ended."""
+def new_session_base(parent: str = SESSIONS_PARENT) -> str:
+    """A new, empty folder for one launch's Open MPI sessions, in ``parent``."""
     return tempfile.mkdtemp(prefix="mlxdist-launch.", dir=parent)
+
+
+def session_env(base: str) -> Dict[str, str]:
+    """The variables that put a launch's Open MPI sessions in ``base`` (mpirun's
+    here, the daemons' on the other hosts)."""
+    return {name: base for name in SESSION_VARIABLES}
 
 
 @contextlib.contextmanager
@@ -56,6 +65,6 @@ def own_session(env: Dict[str, str]) -> Iterator[Dict[str, str]]:
     of its own (``new_session_base``), removed as the block ends."""
     base = new_session_base()
     try:
-        yield {**env, SESSION_BASE: base}
+        yield {**env, **session_env(base)}
     finally:
         shutil.rmtree(base, ignore_errors=True)
