@@ -88,6 +88,9 @@ VARIABLES: Dict[str, Variable] = {v.name: v for v in (
              "under hashes/ (default: ~/.cache/mlxdist)."),
     Variable("MLXDIST_STDIN", "path", None, "Rank 0's standard input (a FIFO): set by launch/mpirun, because "
              "Open MPI 5 forwards stdin lines but not their end."),
+    Variable("MLXDIST_STDOUT", "path", None, "Rank 0's standard output in python -m mlxdist.run (a FIFO that "
+             "launch/mpirun passes on as it comes): set by launch/mpirun, because Open MPI 5 forwards a rank's "
+             "output a line at a time, and an answer streamed through it shows only as each line ends."),
     Variable("MLXDIST_LAUNCH_ENDED", "path", None, "A FIFO on launch/mpirun's host, set by launch/mpirun: a rank "
              "there that ends the job for a lost rank (rank 0 of an API script: as its script ends) writes its "
              "line to it, and launch/mpirun ends mpirun if it still runs 5 s later (it waits minutes for a host it "

@@ -224,6 +224,31 @@ def test_ctrl_c_stops_every_rank_with_status_0(checkpoint, max_tokens, moment):
     assert not left, f"ranks left running: {left}"
 
 
+def test_launch_mpirun_streams_rank_0s_text_as_it_comes(checkpoint):
+    """Rank 0's answer leaves launch/mpirun as it is generated, not a line at a
+    time as Open MPI 5 forwards a rank's output: with rank 1 held 20 s at step
+    100 (a test fault), the text of the steps before it arrives while rank 1
+    is held, long before the job ends. (Through Open MPI, the test model's
+    text showed nothing until after the hold.)"""
+    import subprocess
+    import time
+
+    from conftest import ROOT, mpirun_env
+
+    env = {**mpirun_env(), "MLXDIST_FAULT": "sleep:rank=1,layer=1,step=100,seconds=20"}
+    proc = subprocess.Popen([str(ROOT / "launch" / "mpirun"), "-np", "2", "python", "-m", "mlxdist.run", "--model",
+                             str(checkpoint("qwen3_moe")), "-p", PROMPT, "-m", "200"], cwd=ROOT, env=env,
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    first = proc.stdout.read1(64)
+    first_at = time.time()
+    rest = proc.stdout.read()
+    said = proc.stderr.read().decode(errors="replace")
+    proc.wait(120)
+    ended_at = time.time()
+    assert proc.returncode == 0 and first and rest, said[-2000:]
+    assert ended_at - first_at > 10, f"the first text came {ended_at - first_at:.1f} s before the end"
+
+
 @pytest.mark.parametrize("module", ["mlxdist.run", "mlxdist.doctor"])
 def test_one_rank_under_mpirun_exits_0_without_open_mpis_banner(module):
     """``mpirun -np 1`` (docs/api.md): with MLX_MPI_LIBNAME set, MLX's first

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator, List, Optional, Tuple
+from typing import TYPE_CHECKING, Iterator, List, Optional, TextIO, Tuple
 
 import mlx.core as mx
 
@@ -266,6 +267,21 @@ def _stdin():
     return open(path) if path else sys.stdin
 
 
+def _stdout() -> TextIO:
+    """Rank 0's standard output: the FIFO ``launch/mpirun`` passes on as it
+    comes, where set and read on this host, since Open MPI 5 forwards a rank's
+    output a line at a time (a streamed answer would show as its lines end)."""
+    path = envs.get("MLXDIST_STDOUT")
+    if not path:
+        return sys.stdout
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)  # ENXIO where nothing reads it here
+    except OSError:
+        return sys.stdout
+    os.set_blocking(fd, True)
+    return open(fd, "w", buffering=1, encoding=sys.stdout.encoding, errors=sys.stdout.errors)
+
+
 def _prompts(args) -> Iterator[str]:
     """--prompt, or one prompt per line of stdin until EOF or /exit."""
     if args.prompt == "-":  # mlx_lm.generate's habit: the prompt is all of stdin
@@ -406,6 +422,7 @@ def check_inputs(args, num_ranks: int) -> Tuple[int, Inputs]:
 
 def command_loop(cluster: Cluster, args, inputs: Inputs) -> int:
     """Rank 0: LOAD, then GENERATE each prompt (or the job file)."""
+    sys.stdout = _stdout()
     jobs = inputs.jobs
     try:
         cluster.load(args.model, mode=args.mode, placement=inputs.placement,
