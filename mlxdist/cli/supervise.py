@@ -36,10 +36,9 @@ collectives cannot continue past a dead peer). A p2p job launched with
 
 import argparse
 import signal
-import subprocess
 import sys
 import time
-from typing import Any, Dict, List, Optional, Set
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 from mlxdist.cli.job_file import INPUT_ERROR, load_job_file
 from mlxdist.cli.job_results import recorded_ids
@@ -94,10 +93,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         ranks = len(slots)
         cmd = mpirun_command(mpirun, slots, args.hostfile is not None, run_args)
 
-        def start() -> subprocess.CompletedProcess:
+        def start() -> Tuple[int, str]:
             """One launch to its end (ended for it ``END_GRACE`` s after a
             rank is lost: relaunch.Launch), its stderr passed on as it comes;
-            the first result after a restart notes how long since the failure."""
+            the first result after a restart notes how long since the failure.
+            Its status and what its stderr said."""
             _say(f"starting {ranks} rank{'s' if ranks > 1 else ''}")
             done_before = len(recorded_ids(out, retry_errors) & wanted)
 
@@ -116,10 +116,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                 launch.end(30)
                 raise
             note("")  # once more after the end
-            return subprocess.CompletedProcess(cmd, code, stderr=launch.text())
+            return code, launch.text()
 
-        finished = start()
-        code, stderr = finished.returncode, finished.stderr
+        code, stderr = start()
         left = wanted - recorded_ids(out, retry_errors)
         if code == 0 or not left:
             for r in restarts:
