@@ -33,7 +33,7 @@ from mlxdist.runtime.progress import set_quiet
 from mlxdist.runtime.watchdog import DEFAULT_TIMEOUT
 from mlxdist.runtime.world import BACKENDS, join
 from mlxdist.runtime.exits import run_or_abort, set_exit_code
-from mlxdist.runtime.launcher import launcher_rank
+from mlxdist.runtime.launcher import launch_fifo, launcher_rank
 
 if TYPE_CHECKING:
     from mlxdist.api import Cluster
@@ -271,12 +271,8 @@ def _stdout() -> TextIO:
     """Rank 0's standard output: the FIFO ``launch/mpirun`` passes on as it
     comes, where set and read on this host, since Open MPI 5 forwards a rank's
     output a line at a time (a streamed answer would show as its lines end)."""
-    path = envs.get("MLXDIST_STDOUT")
-    if not path:
-        return sys.stdout
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)  # ENXIO where nothing reads it here
-    except OSError:
+    fd = launch_fifo("MLXDIST_STDOUT")
+    if fd is None:
         return sys.stdout
     os.set_blocking(fd, True)
     return open(fd, "w", buffering=1, encoding=sys.stdout.encoding, errors=sys.stdout.errors)

@@ -15,9 +15,9 @@ import os
 import sys
 from typing import TYPE_CHECKING, Optional
 
-from mlxdist import envs
 from mlxdist.errors import RankLost, failure_line, keep_traceback, say_error
 from mlxdist.runtime import survival
+from mlxdist.runtime.launcher import launch_fifo
 from mlxdist.runtime.plane import SoloControl
 
 if TYPE_CHECKING:
@@ -43,12 +43,8 @@ def tell_the_launch(line: str) -> None:
     where it is on this host) without waiting, as this process ends a job
     that lost a rank: mpirun would wait minutes for a host it cannot reach,
     and launch/mpirun ends it 5 s later."""
-    path = envs.get("MLXDIST_LAUNCH_ENDED")
-    if not path:
-        return
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)  # ENXIO where nothing reads: not launch/mpirun's host
-    except OSError:
+    fd = launch_fifo("MLXDIST_LAUNCH_ENDED")
+    if fd is None:
         return
     try:
         os.write(fd, line.encode()[:PIPE_ATOMIC - 1] + b"\n")

@@ -1,12 +1,14 @@
 """Which launcher started this process, and what it says before MPI starts
 (the job's size, this rank), from its variables: Open MPI's ``mpirun``, or
-MLX's ``mlx.launch``; and the folder an mpirun launch keeps its session in.
+MLX's ``mlx.launch``; the FIFOs ``launch/mpirun`` hands the ranks; and the
+folder an mpirun launch keeps its sessions in.
 """
 
 import contextlib
+import os
 import shutil
 import tempfile
-from typing import Dict, Iterator
+from typing import Dict, Iterator, Optional
 
 from mlxdist import envs
 
@@ -34,6 +36,19 @@ def launched_by_mlx_launch() -> bool:
 
 MLX_LAUNCH_MPI = ("--backend mpi needs MPI, which mlx.launch does not start here: use mlx.launch --backend mpi "
                   "(it runs mpirun), or --backend ring | jaccl")
+
+
+def launch_fifo(variable: str) -> Optional[int]:
+    """A non-blocking write end of the FIFO ``launch/mpirun`` names in
+    ``variable`` (``MLXDIST_STDOUT``, ``MLXDIST_LAUNCH_ENDED``), where that
+    is set and launch/mpirun reads it on this host; else None."""
+    path = envs.get(variable)
+    if not path:
+        return None
+    try:
+        return os.open(path, os.O_WRONLY | os.O_NONBLOCK)  # ENXIO where nothing reads it here
+    except OSError:
+        return None
 
 
 # Open MPI 5.0's launcher (mpirun) and its daemons (prted, on the other hosts) keep their session's
