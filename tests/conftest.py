@@ -113,6 +113,7 @@ def launch(np_: int, args, timeout: float = 120, input: str = None, module: str 
                     pass
 
 
+@functools.lru_cache(maxsize=None)
 def mlx_lm_loaded(path: str):
     """mlx-lm's ``load(path)`` in this process, once per session: the
     references the tests compare with only generate from it."""

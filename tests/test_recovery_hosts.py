@@ -72,7 +72,6 @@ def test_supervise_goes_on_after_a_pulled_cable(hosts, checkpoint, tmp_path):
     assert sorted(ids) == sorted(f"j{i}" for i in range(40)), ids
 
 
-
 @pytest.mark.skipif(not (ROOT / ".venv/bin/python").exists(), reason="launch/mpirun uses the project's .venv")
 def test_launch_mpirun_ends_a_job_that_lost_a_host(hosts, checkpoint):
     """launch/mpirun -np 3 --hostfile H python -m mlxdist.run (no front, no
