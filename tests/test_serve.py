@@ -98,18 +98,9 @@ def rank_pids_with(required, excluded=()):
 
 class Server:
     def __init__(self, path, nranks=2, extra=(), env=None):
-        self._start(path, nranks, extra, env or {})
-
-    def command(self, path, nranks, extra):
-        """The launch: mpirun, ``nranks`` ranks of ``mlxdist.serve``."""
-        return [MPIRUN, "-np", str(nranks), "--oversubscribe", "--bind-to", "none", "--stdin", "none",
-                sys.executable, "-m", "mlxdist.serve", "--model", str(path), "--port", "0",
-                "--api-key", KEY, "--max-concurrent", "16", *map(str, extra)]
-
-    def _start(self, path, nranks, extra, env):
         self.model = path
-        self.proc = subprocess.Popen(self.command(path, nranks, extra), env={**mpirun_env(), **env}, cwd=ROOT,
-                                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        self.proc = subprocess.Popen(self.command(path, nranks, extra), env={**mpirun_env(), **(env or {})},
+                                     cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      text=True, start_new_session=True, preexec_fn=interruptible)
         deadline = time.time() + 120
         self.port = serving_port(self.proc, deadline)  # --port 0: the server binds a free port and says which
@@ -124,6 +115,12 @@ class Server:
                 pass
             time.sleep(0.1)  # a refused connection costs nothing: ask often, to start serving sooner
         raise RuntimeError("server did not come up")
+
+    def command(self, path, nranks, extra):
+        """The launch: mpirun, ``nranks`` ranks of ``mlxdist.serve``."""
+        return [MPIRUN, "-np", str(nranks), "--oversubscribe", "--bind-to", "none", "--stdin", "none",
+                sys.executable, "-m", "mlxdist.serve", "--model", str(path), "--port", "0",
+                "--api-key", KEY, "--max-concurrent", "16", *map(str, extra)]
 
     def request(self, method, path, body=None, key=KEY, timeout=120):
         data = None if body is None else (body if isinstance(body, bytes) else json.dumps(body).encode())
