@@ -7,6 +7,7 @@ folder an mpirun launch keeps its sessions in.
 import contextlib
 import os
 import shutil
+import stat
 import tempfile
 from typing import Dict, Iterator, Optional
 
@@ -46,9 +47,13 @@ def launch_fifo(variable: str) -> Optional[int]:
     if not path:
         return None
     try:
-        return os.open(path, os.O_WRONLY | os.O_NONBLOCK)  # ENXIO where nothing reads it here
+        fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)  # ENXIO where nothing reads it here
     except OSError:
         return None
+    if not stat.S_ISFIFO(os.fstat(fd).st_mode):  # a file of that name is not the wrapper's: leave it be
+        os.close(fd)
+        return None
+    return fd
 
 
 # Open MPI 5.0's launcher (mpirun) and its daemons (prted, on the other hosts) keep their session's
