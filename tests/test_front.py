@@ -299,6 +299,63 @@ def test_a_request_trickled_in_is_cut_off_at_its_deadline(front, part):
     assert REQUEST_TIMEOUT - 0.5 < seconds < REQUEST_TIMEOUT + 3, seconds
 
 
+def test_a_whole_request_waits_past_the_deadline_for_its_answer():
+    """--request-timeout bounds the sending of a request, not its answer: a
+    whole request whose answer takes longer is answered, whether the client
+    keeps its connection or says ``Connection: close`` (as urllib does); the
+    next request on a kept connection has a deadline of its own. uvicorn
+    with the front's protocol, on an app that answers after 2.5 deadlines."""
+    import asyncio
+
+    import uvicorn
+
+    from mlxdist.front.limits import front_protocol
+    from mlxdist.front.settings import FrontSettings
+
+    deadline = 1.5
+    settings = FrontSettings(host="127.0.0.1", port=0, api_key=None, allowed_hosts=("*",), allow_origins=(),
+                             max_connections=CAP, max_body=1 << 20, max_header_bytes=8192, max_headers=64,
+                             request_timeout=deadline, idle_timeout=60, write_timeout=10, retry_after=5,
+                             ranks=1, hostfile=None, launcher="mpirun")
+
+    async def slow(scope, receive, send):
+        while (await receive()).get("more_body"):
+            pass
+        await asyncio.sleep(deadline * 2.5)
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(slow, http=front_protocol(settings), lifespan="off", log_level="error"))
+    thread = threading.Thread(target=asyncio.run, args=(server.serve(sockets=[listener]),), daemon=True)
+    thread.start()
+    try:
+        started = time.monotonic()
+        while not server.started:
+            assert thread.is_alive() and time.monotonic() - started < 30, "uvicorn did not start"
+            time.sleep(0.05)
+        port = listener.getsockname()[1]
+        for connection in (b"close", b"keep-alive"):
+            with socket.create_connection(("127.0.0.1", port), timeout=30) as c:
+                c.sendall(b"POST / HTTP/1.1\r\nHost: x\r\nConnection: " + connection +
+                          b"\r\nContent-Length: 2\r\n\r\n{}")
+                reply = b""
+                while not reply.endswith(b"ok"):
+                    chunk = c.recv(4096)
+                    assert chunk, (connection, reply)
+                    reply += chunk
+                assert reply.startswith(b"HTTP/1.1 200"), (connection, reply)
+                if connection == b"keep-alive":
+                    c.sendall(b"POST / HTTP/1.1\r\nHost: x\r\n")  # and no more: its own deadline
+                    status, answer = parse_reply(c.recv(4096))
+                    assert status == 408 and error_shaped(status, answer), answer
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        listener.close()
+
+
 def test_slow_and_half_open_clients_at_the_cap_do_not_lock_out_a_complete_request(front, checkpoint):
     held = []
     try:

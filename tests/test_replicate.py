@@ -87,7 +87,7 @@ def test_no_room_for_two_models_on_the_host_spreads_the_experts(checkpoint):
     experts; told 0.2 GB, it replicates. --verbose says which."""
     tight = _load(checkpoint, ["--verbose"], env={"MLXDIST_TEST_MEMORY_GB": "0.1"})
     roomy = _load(checkpoint, ["--verbose"], env={"MLXDIST_TEST_MEMORY_GB": "0.2"})
-    assert tight.returncode == 0 and roomy.returncode == 0, (tight.stderr[-2000:], roomy.stderr[-2000:])
+    assert tight.returncode == 0 and roomy.returncode == 0, tight.stderr[-2000:] + roomy.stderr[-2000:]
     assert "every rank holds every expert" not in tight.stderr
     assert "every rank holds every expert (--replicate auto)" in roomy.stderr
 

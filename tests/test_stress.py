@@ -19,7 +19,8 @@ def test_a_short_stress_run(checkpoint, tmp_path):
                            "--out", str(out)], env=mpirun_env(), cwd=ROOT, capture_output=True, text=True, timeout=400)
     assert out.exists(), proc.stderr[-3000:]
     report = json.loads(out.read_text())
-    assert report["passed"] and proc.returncode == 0, (report["checks"], report["failures"][:5],
-                                                       report["stderr_tail"][-2000:])
+    assert report["passed"] and proc.returncode == 0, "\n".join([json.dumps(report["checks"]),
+                                                                 json.dumps(report["failures"][:5]),
+                                                                 report["stderr_tail"][-2000:]])
     assert report["requests"] == 300 and all(report["kinds"].get(k) for k in
                                              ("normal", "stream", "dropped", "malformed", "slow", "oversized"))

@@ -36,6 +36,10 @@ from mlxdist.front.settings import host_name
 WRITE_BUFFER = 64 << 10
 SEND_BUFFER = 64 << 10
 _FLOOD = 4  # connections past max_connections x this are closed at once, unread
+# h11's states of a client whose request has arrived whole: DONE, or MUST_CLOSE where it
+# sent "Connection: close" (as urllib does), CLOSED once it shut its side after that.
+_WHOLE = (h11.DONE, h11.MUST_CLOSE, h11.CLOSED)
+_ANSWERED = (h11.SEND_BODY, h11.DONE, h11.MUST_CLOSE, h11.CLOSED)  # the answer's head is sent
 
 log = logging.getLogger("mlxdist.front")
 
@@ -119,9 +123,7 @@ class FrontProtocol(H11Protocol):
 
     def _request_late(self) -> None:
         self._request_deadline = None
-        if self.transport.is_closing() or self.conn.their_state is h11.DONE:  # the request is whole
-            return
-        if self.cycle is not None and self.cycle.response_started:
+        if self.transport.is_closing() or self.conn.their_state in _WHOLE or self.conn.our_state in _ANSWERED:
             return
         if self.received:
             self.refuse(408, f"the request did not arrive whole within {self.settings.request_timeout:g} s")

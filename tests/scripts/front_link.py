@@ -15,6 +15,7 @@ from the plug for growing back).
     python front_link.py MODEL HOSTFILE SWITCH_NS VETH EXPECTED_TEXT KEY HOST2_NS
 """
 
+import collections
 import json
 import os
 import re
@@ -29,6 +30,7 @@ import urllib.request
 HEARTBEAT, REGROW_EVERY = 5.0, 8.0
 PROMPT = "Request 3: tokens tokens"
 EOS = 2
+HEALTH_SAID = collections.deque(maxlen=6)  # the last statuses /health gave, for a failure's message
 
 
 def main() -> None:
@@ -80,11 +82,18 @@ def queued(url, key) -> float:
 
 
 def wait(predicate, timeout, what):
-    start = time.monotonic()
-    while not predicate():
-        assert time.monotonic() - start < timeout, f"no {what} within {timeout} s"
+    """When ``predicate()`` first held (time.monotonic()); AssertionError
+    past ``timeout`` s, saying how long the slowest check took (a starved
+    machine, not the front, where that is most of it)."""
+    start, slowest = time.monotonic(), 0.0
+    while True:
+        asked = time.monotonic()
+        if predicate():
+            return time.monotonic()
+        slowest = max(slowest, time.monotonic() - asked)
+        assert time.monotonic() - start < timeout, (f"no {what} within {timeout} s (the slowest check took "
+                                                    f"{slowest:.1f} s; /health said {list(HEALTH_SAID)})")
         time.sleep(0.1)
-    return time.monotonic()
 
 
 def rank_on(namespace: str) -> int:
@@ -105,7 +114,12 @@ def rank_on(namespace: str) -> int:
 def run(port, key, expected, switch, veth, host2):
     wait(lambda: port, 120, "front line")
     url = f"http://127.0.0.1:{port[0]}"
-    state = lambda: (call(url, key, "/health", timeout=10)[2] or {}).get("status")  # noqa: E731
+
+    def state():
+        got = call(url, key, "/health", timeout=10)[2]
+        HEALTH_SAID.append(got.get("status") if isinstance(got, dict) else got)
+        return HEALTH_SAID[-1]
+
     wait(lambda: state() == "ok", 300, "serving on 3 ranks")
     greedy = {"prompt": PROMPT, "max_tokens": 8}
     assert call(url, key, "/v1/completions", greedy)[2]["choices"][0]["text"] == expected
