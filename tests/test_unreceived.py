@@ -91,6 +91,26 @@ def test_mlx_lm_never_reads_a_hole(share_with_a_hole):
     model, _, _ = load_lazy(share.folder, read_safetensors_index(share.folder))  # a second load is refused alike
     with pytest.raises(RuntimeError):
         mx.eval(dict(tree_flatten(model.parameters()))[name])
+    assert not (share.folder / "unreceived").exists()  # open in MLX, no longer named
+
+
+def test_a_share_that_cannot_be_written_beside_leaves_nothing_in_the_temporary_folder(share_with_a_hole):
+    """Where the share's own folder takes no file (here: ``unreceived`` is a
+    file, as a read-only disk refuses the folder), the refusing file is made
+    in the temporary folder, and gone once loaded; the hole still fails."""
+    import os
+    import tempfile
+    from pathlib import Path
+
+    from mlxdist.model.sources import load_lazy
+    from mlxdist.ship.locate import read_safetensors_index
+
+    share, name, _ = share_with_a_hole
+    (share.folder / "unreceived").write_text("in the way")
+    model, _, _ = load_lazy(share.folder, read_safetensors_index(share.folder))
+    assert not (Path(tempfile.gettempdir()) / f"mlxdist-unreceived-{os.getpid()}").exists()
+    with pytest.raises(RuntimeError, match=r"\[read\] Unable to read"):
+        mx.eval(dict(tree_flatten(model.parameters()))[name])
 
 
 def test_a_folder_that_is_no_share_reads_as_before(checkpoint, tmp_path):

@@ -10,11 +10,13 @@ silently be zeros. So every tensor of a share file that the share does not
 hold whole is given to mlx-lm as an array that fails when evaluated: MLX
 loads it lazily from a file of that tensor's header (``<share>/unreceived/
 <file name>``; in the temporary folder where the share is on a read-only
-disk), which is then cut short, so evaluating it raises MLX's
-``[read] Unable to read from file``; ``explain`` turns that into one line.
+disk), which is then cut short and removed (MLX holds it open), so
+evaluating it raises MLX's ``[read] Unable to read from file``; ``explain``
+turns that into one line.
 A tensor the share holds whole reads from the share as before.
 """
 
+import contextlib
 import json
 import os
 import struct
@@ -67,6 +69,11 @@ def _failing_arrays(poison: Path, unheld: Dict[str, Dict], load: Callable) -> Di
         _write_poison(poison, prefix, at)
     arrays = load(str(poison))
     os.truncate(poison, len(prefix))
+    # MLX keeps the file it loaded open until the arrays are evaluated: the name can go now,
+    # so a read-only share's loads leave nothing in the temporary folder
+    poison.unlink()
+    with contextlib.suppress(OSError):  # other files of this load may still be there
+        poison.parent.rmdir()
     return arrays
 
 
