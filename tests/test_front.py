@@ -550,3 +550,67 @@ def test_a_request_is_held_only_while_it_said_nothing():
     token = data({"token": 7, "logprob": -0.5, "finish_reason": None, "prompt_tokens": 3, "cached_tokens": 0})
     assert [_said_nothing(line) for line in (*said, token)] == [False] * (len(said) + 1)
     assert _says(token) is True and _said_nothing(lost) is None
+
+
+def test_a_request_that_came_while_serving_is_held_through_a_loss_before_it_was_sent():
+    """A request that came while the job served (its address then: ``arrived``)
+    and finds it recovering when it is sent (a loss noticed while the front
+    tokenised it) is held and sent to the next job once it serves, not
+    answered 503; one that came while the job recovered is answered 503 at
+    once. Upstream over two HTTP servers, the job's first address and the
+    next one's. Before, the first was answered 503 as well (1 run in 3 of
+    front_link.py beside four busy processes)."""
+    import asyncio
+    import types
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from mlxdist.front.errors import Unavailable
+    from mlxdist.front.upstream import Upstream
+
+    def server(name):
+        class Answer(BaseHTTPRequestHandler):
+            def do_POST(self):
+                self.rfile.read(int(self.headers["Content-Length"]))
+                body = json.dumps({"from": name}).encode()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        s = ThreadingHTTPServer(("127.0.0.1", 0), Answer)
+        threading.Thread(target=s.serve_forever, daemon=True).start()
+        return s, f"http://127.0.0.1:{s.server_address[1]}"
+
+    (first, first_url), (second, second_url) = server("first"), server("second")
+    job = types.SimpleNamespace(base_url=None, state="recovering")  # the first job lost a rank
+    upstream = Upstream(job, retry_after=7, hold=30)
+
+    async def send(arrived):
+        async with upstream.stream("/mlxdist/tokens", {"x": 1}, whole=True, arrived=arrived) as answer:
+            return json.loads(await answer.aread())
+
+    async def scene():
+        came_meanwhile = None
+        try:
+            await send(None)
+        except Unavailable as e:
+            came_meanwhile = e
+        held = asyncio.ensure_future(send(first_url))
+        await asyncio.sleep(0.5)
+        assert not held.done() and upstream.held == 1
+        job.base_url, job.state = second_url, "degraded"  # the job on the ranks left serves
+        try:
+            return came_meanwhile, await asyncio.wait_for(held, 10)
+        finally:
+            await upstream.aclose()
+
+    try:
+        came_meanwhile, answer = asyncio.run(scene())
+    finally:
+        first.shutdown()
+        second.shutdown()
+    assert isinstance(came_meanwhile, Unavailable) and "starting again" in str(came_meanwhile)
+    assert answer == {"from": "second"} and upstream.replayed == 1 and upstream.held == 0

@@ -85,9 +85,12 @@ class Completions:
                      whole: bool = False) -> AsyncIterator[httpx.Response]:
         """The answer to ``POST path`` as an ``httpx.Response`` whose body is
         not read yet: a stream's SSE lines (``aiter_lines``), or (``whole``,
-        or a request that does not stream) its JSON, read whole first."""
+        or a request that does not stream) its JSON, read whole first. A
+        request that came while the job served is held where the job loses a
+        rank before it is sent (``Upstream.stream``'s ``arrived``)."""
+        arrived = getattr(self.upstream.job, "base_url", None)
         try:
-            prepared = await self._prepare(path, body)
+            prepared = await self._prepare(path, body, arrived)
         except RequestError as e:
             yield _refusal(e)
             return
@@ -97,7 +100,7 @@ class Completions:
         if whole:
             prepared.stream = False  # one answer, whatever the body asked
         async with self.upstream.stream(TOKENS_PATH, prepared.channel_body, headers,
-                                        whole=not prepared.stream) as channel:
+                                        whole=not prepared.stream, arrived=arrived) as channel:
             if channel.status_code != 200:
                 yield httpx.Response(channel.status_code, content=await channel.aread(),
                                      headers={k: v for k, v in channel.headers.items()
@@ -109,8 +112,8 @@ class Completions:
             else:
                 yield httpx.Response(200, content=_encoded(shaped), headers=_SSE)
 
-    async def _prepare(self, path: str, body: Any) -> Prepared:
-        model = await self.models.current()
+    async def _prepare(self, path: str, body: Any, arrived: Optional[str]) -> Prepared:
+        model = await self.models.current(arrived)
         checked, chars = _checked(body, model)
         chat = path in CHAT_PATHS
         if ("messages" if chat else "prompt") not in checked:  # as mlx-lm's handler says it

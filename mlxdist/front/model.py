@@ -56,9 +56,11 @@ class ModelFacts:
         self._base: Optional[str] = None  # the job whose facts were read last
         self._lock = asyncio.Lock()
 
-    async def current(self) -> ServedModel:
+    async def current(self, arrived: Optional[str] = None) -> ServedModel:
+        """The served model; for a request that came while the job at
+        ``arrived`` served, that job's, even where it has stopped serving."""
         base = getattr(self.upstream.job, "base_url", None)
-        if self._model is not None and base is not None and base == self._base:
+        if self._model is not None and self._base is not None and self._base in (base, arrived):
             return self._model
         answer = await self.upstream.get(MODEL_PATH)
         if answer.status_code != 200:

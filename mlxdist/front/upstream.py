@@ -13,7 +13,8 @@ not serving, when the connection to it fails, or when it drops mid-answer.
 Any answer the rank server gives (its 4xx included) is returned as it is.
 
 A request the job loses before it said anything (no answer yet; a stream
-with no content chunk yet) is held (``hold`` seconds at most, ``max_held``
+with no content chunk yet; one that came while the job served, not sent
+before it stopped serving) is held (``hold`` seconds at most, ``max_held``
 requests at most) and sent again to the job started on the ranks left, once
 it serves: its client sees the new job's answer alone. A request that
 arrives while the job does not serve is answered 503 at once; one lost
@@ -110,6 +111,13 @@ class Upstream:
                 raise self._unavailable(failure) from None
             url = base.rstrip("/") + path
 
+    async def _first_url(self, path: str, arrived: Optional[str]) -> str:
+        if self.job.base_url is None and arrived:
+            base = await self.next_job(arrived.rstrip("/") + path, time.monotonic())
+            if base is not None:
+                return base.rstrip("/") + path
+        return self._url(path)
+
     async def next_job(self, failed_url: str, held_since: float) -> Optional[str]:
         """The base URL of the job that serves after the one at ``failed_url``
         lost a request (each wait counted in ``held``; ``replayed`` where it
@@ -143,7 +151,7 @@ class Upstream:
 
     @contextlib.asynccontextmanager
     async def stream(self, path: str, body: Body, headers: Optional[Mapping[str, str]] = None,
-                     whole: bool = False) -> AsyncIterator[httpx.Response]:
+                     whole: bool = False, arrived: Optional[str] = None) -> AsyncIterator[httpx.Response]:
         """The rank server's answer to ``POST path``, its body not read yet:
         ``aiter_lines()`` gives the SSE lines. Raises ``Unavailable`` on
         entry (not serving, no connection) and from the iteration (the
@@ -152,10 +160,13 @@ class Upstream:
         to the next job (``next_job``) and its lines are that job's alone.
         ``whole``: the lines make one answer the client gets at their end
         (a request that does not stream), so a loss anywhere before that end
-        sends it again, and the lines come once the answer is whole."""
+        sends it again, and the lines come once the answer is whole.
+        ``arrived``: the job's base URL when the request came; where the job
+        has stopped serving since, the request is held for the next job as
+        one it lost (not answered 503, as a request that came meanwhile is)."""
         guarded = _Guarded(self, path, body, headers, _said_nothing if whole else _says)
         try:
-            await guarded.open(self._url(path))
+            await guarded.open(await self._first_url(path, arrived))
             yield guarded
         finally:
             await guarded.aclose()
