@@ -112,6 +112,8 @@ class Upstream:
             url = base.rstrip("/") + path
 
     async def _first_url(self, path: str, arrived: Optional[str]) -> str:
+        """Where to send a request first: the serving job's ``path``, or
+        the next job's where the one at ``arrived`` has stopped serving."""
         if self.job.base_url is None and arrived:
             base = await self.next_job(arrived.rstrip("/") + path, time.monotonic())
             if base is not None:
