@@ -132,7 +132,8 @@ VARIABLES: Dict[str, Variable] = {v.name: v for v in (
              "in GB: one figure for every rank, or one per rank separated by commas (16,8).", who="test"),
     Variable("MLXDIST_FAULT", "str", None, "Test-only fault injection, e.g. kill:rank=1,layer=2,step=3 "
              "(also sleep:...,seconds=S and raise:...; layer=-1 every layer; skip=K the (K+1)-th time; "
-             "sequence:max_tokens=N,step=S fails the served requests of max_tokens N at their S-th token; "
+             "sequence:max_tokens=N,step=S fails the served requests of max_tokens N at their S-th token, "
+             "stall:...,seconds=T sleeps there once; "
              "fail:at=place|balance|split|command,rank=R fails a shared step once; rank=all every rank; several "
              "separated by ;). "
              "Unset, it costs nothing (mlxdist/runtime/faults.py).", who="test"),

@@ -37,11 +37,11 @@ EOS = 2  # the synthetic tokenizer's <|im_end|>: kept from ending the long strea
 class Front:
     """``python -m mlxdist.serve --ranks 2`` (or ``ranks``) on ``path``, its stderr collected."""
 
-    def __init__(self, path, extra=(), ranks=2):
+    def __init__(self, path, extra=(), ranks=2, env=None):
         self.model = path
         cmd = [sys.executable, "-m", "mlxdist.serve", "--ranks", str(ranks), "--model", str(path), "--port", "0",
                "--api-key", KEY, "--max-concurrent", "16", *map(str, extra)]
-        self.proc = subprocess.Popen(cmd, env=mpirun_env(), cwd=ROOT, stdin=subprocess.DEVNULL,
+        self.proc = subprocess.Popen(cmd, env={**mpirun_env(), **(env or {})}, cwd=ROOT, stdin=subprocess.DEVNULL,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                                      start_new_session=True)
         self.lines = []

@@ -2,18 +2,23 @@
 front, front/job.py's RankJob, front/recovery.py) and a job file through
 one (python -m mlxdist.supervise), under real mpirun on this machine.
 
-One front of 3 ranks takes its faults in sequence: rank 1 stopped (SIGSTOP,
-a sleeping Mac) while a plain request and a stream are live; the front grows
-back to 3 at a quiet moment (not while a stream is live); then rank 2 killed
-(kill -9). Each time: a new request meanwhile is answered 503 with
-Retry-After at once (unless the job on the ranks left serves it already: a
-kill's recovery can be over within a second; one of the two must be 503), the stream under way ends with an error event within
-the heartbeat plus 5 s, the plain request that had no answer yet is held
-and answered by the job on the ranks left (a stream and an Anthropic
-Messages request sent while rank 1 was stopped too, the stream's text
-once), a client told 503 is answered once it retries, the front serves
-again on the 2 ranks left within 60 s, and greedy answers equal mlx-lm's
-(the held ones: an undisturbed run's)."""
+One front of 3 ranks (one sequence at a time: --max-concurrent 1; the live
+stream held at its 20th token by a test fault, so that the fault comes
+while it is live however slow the machine) takes its faults in sequence:
+rank 1 stopped (SIGSTOP, a sleeping Mac) while a stream is live and a plain
+request waits behind it; the front grows back to
+3 at a quiet moment (not while a stream is live); then rank 2 killed (kill
+-9). Each time: a new request meanwhile is answered 503 with Retry-After at
+once (unless the job on the ranks left serves it already: a kill's recovery
+can be over within a second; one of the two must be 503), the stream under
+way ends with an error event within the heartbeat plus 5 s, the plain
+request that had no answer yet is held and answered by the job on the
+ranks left (a stream and an Anthropic Messages request waiting too at
+rank 1's stop, the stream's text once), a client told 503 is answered once
+it retries, the front serves again on the 2 ranks left within 60 s, and
+greedy answers equal mlx-lm's (the held ones: an undisturbed run's). A
+plain request caught mid-decode is held too: front_link.py's, on the
+namespace hosts (test_recovery_hosts.py)."""
 
 import json
 import os
@@ -35,12 +40,13 @@ REGROW_EVERY = 8.0
 ANSWERED_WITHIN = HEARTBEAT + 5
 SERVING_AGAIN_WITHIN = 60.0
 PROMPT = "Request 3: tokens tokens"
-# Sent while a long stream runs, still unanswered when the fault hits, short to answer again; long
-# enough that the front's /metrics, polled for it under load (a second a poll), sees it unanswered.
+# Waits behind the live stream, unanswered when the fault hits; answered again by the next job.
 HELD = {"prompt": PROMPT, "max_tokens": 400, "logit_bias": {str(EOS): -100}}
-# The live stream: as long as the checkpoint's context (4,096) allows, so that it still decodes
-# when a fault comes after a slow set-up (3,000 tokens were all sent once before it, under load).
+# The live stream (held at its HELD_AT-th token by a test fault), and a stream that outlasts the wait
+# for growing back (not held).
 LIVE_TOKENS = 4000
+LONG_TOKENS = 3999
+HELD_AT = 20
 MESSAGE = {"model": "m", "max_tokens": 8, "temperature": 0, "messages": [{"role": "user", "content": PROMPT}]}
 
 
@@ -64,7 +70,7 @@ def status_of(front):
 class Live:
     """A long stream and then a plain request through the front, each in a
     thread of its own, with when each got its answer or its end; ready once
-    the stream has chunks and the plain one is forwarded, unanswered."""
+    the stream has chunks and the plain one has come, unanswered."""
 
     def __init__(self, front):
         self.plain, self.stream, self.events = {}, {}, []
@@ -124,12 +130,12 @@ def held_message(front, got):
 
 
 def check_fault(front, victim_rank, sig, expected, undisturbed, queued_stream=False):
-    """``sig`` to rank ``victim_rank`` with a plain request and a stream
-    live: the stream ends within the heartbeat + 5 s (an error event after
-    a chunk whose finish_reason is "error"), the plain one (no answer yet)
-    is held and answered by the next job with ``undisturbed``'s text; with
-    ``queued_stream``, a stream and a Messages request sent after the fault
-    (no chunk yet) are held too: the stream streams ``expected`` once, the
+    """``sig`` to rank ``victim_rank`` with a stream live and a plain
+    request queued behind it: the stream ends within the heartbeat + 5 s (an
+    error event after a chunk whose finish_reason is "error"), the plain one
+    (no answer yet) is held and answered by the next job with
+    ``undisturbed``'s text; with ``queued_stream``, a stream and a Messages
+    request queued too (no chunk yet) are held as well: the stream streams ``expected`` once, the
     Messages answer's content is the undisturbed one's; a request meanwhile 503 with
     Retry-After at once and answered once it retries after recovery (or
     answered by the next job, where it serves already), the front serving
@@ -140,23 +146,24 @@ def check_fault(front, victim_rank, sig, expected, undisturbed, queued_stream=Fa
     replayed = front.metrics()["mlxdist_requests_replayed_total{}"]
     before = front.health()[2]["last_recovery"]
     live = Live(front)
-    os.kill(victim, sig)
-    hit = time.monotonic()
     queued, message = {}, {}
-    if queued_stream:  # the ranks are stopped: these wait in the rank server's queue
+    if queued_stream:  # behind the live stream (--max-concurrent 1), unanswered when the fault comes
         threading.Thread(target=held_stream, args=(front, queued), daemon=True).start()
         threading.Thread(target=held_message, args=(front, message), daemon=True).start()
-        # forwarded to the stopped job before the front hears of the loss (the live plain one and these
-        # two wait for their first byte): only then are they the job's lost requests, sent again
-        wait_for(lambda: front.metrics()["mlxdist_requests_queued{}"] >= 3, HEARTBEAT - 1,
-                 "the queued requests forwarded before the loss is heard")
+        seen = []
+        try:
+            wait_for(lambda: seen.append(front.metrics()["mlxdist_requests_queued{}"]) or seen[-1] >= 3, 60,
+                     "the queued requests")
+        except AssertionError as e:
+            raise AssertionError(f"{e}: queued {seen[-5:]}, stream {queued}, message {message}, "
+                                 f"live {live.plain} {live.events[-2:]}") from None
+    assert len(live.events) <= HELD_AT + 1, "the live stream was not held: the fault comes at another moment"
+    os.kill(victim, sig)
+    hit = time.monotonic()
     # recovering, or already serving again: a kill's recovery can be over before the next poll
     wait_for(lambda: status_of(front) in ("recovering", "starting") or recovered(front, before), ANSWERED_WITHIN,
              "recovering")
     asked = time.monotonic()
-    # a plain request that ended before the front saw the loss (the job ends 0.1-0.3 s after a kill)
-    # was answered by the old job, not held
-    plain_held = "at" not in live.plain
     status, headers, body = front.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 8})
     told_503 = status == 503
     if told_503:
@@ -185,7 +192,7 @@ def check_fault(front, victim_rank, sig, expected, undisturbed, queued_stream=Fa
         assert "".join(e["choices"][0]["text"] for e in events if e.get("choices")) == expected, queued
         status, _, body = message["answer"]
         assert status == 200 and body["content"] == undisturbed["message"], (status, body)
-    assert front.metrics()["mlxdist_requests_replayed_total{}"] - replayed == plain_held + (2 if queued_stream else 0)
+    assert front.metrics()["mlxdist_requests_replayed_total{}"] - replayed == 1 + (2 if queued_stream else 0)
     status, _, health = front.health()
     assert status == 200 and health["status"] == "degraded" and health["ranks"] == 2, health
     record = health["last_recovery"]
@@ -206,7 +213,7 @@ def hold_growth_with_a_live_stream(front):
     --regrow-every, the front stays degraded."""
     import httpx
 
-    body = {"prompt": PROMPT, "max_tokens": LIVE_TOKENS, "stream": True, "logit_bias": {str(EOS): -100}}
+    body = {"prompt": PROMPT, "max_tokens": LONG_TOKENS, "stream": True, "logit_bias": {str(EOS): -100}}
     with httpx.stream("POST", front.url + "/v1/completions", json=body, timeout=120,
                       headers={"Authorization": f"Bearer {KEY}"}) as r:
         lines = r.iter_lines()
@@ -222,7 +229,12 @@ def test_the_front_serves_through_a_stopped_and_a_killed_rank(checkpoint):
     before: no front; the rank server that loses a rank ends for good."""
     path = checkpoint("qwen3_moe")
     expected = alone(path, PROMPT, 8)
-    front = Front(path, ["--heartbeat", HEARTBEAT, "--regrow-every", REGROW_EVERY], ranks=3)
+    # one sequence at a time (mlx-lm decodes at least --prompt-concurrency together), and the live
+    # stream held at its HELD_AT-th token (once a job): the requests sent after it wait, unanswered, until
+    # the fault, however long a loaded machine takes to send them
+    front = Front(path, ["--heartbeat", HEARTBEAT, "--regrow-every", REGROW_EVERY, "--max-concurrent", 1,
+                         "--prompt-concurrency", 1], ranks=3,
+                  env={"MLXDIST_FAULT": f"stall:max_tokens={LIVE_TOKENS},step={HELD_AT},seconds=300"})
     try:
         front.wait_for(("ok",))
         status, body = front.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 8})[::2]

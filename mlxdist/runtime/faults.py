@@ -8,7 +8,9 @@ separated by ``;``.
 - ``sequence:max_tokens=13,step=3``: on every rank (or ``rank=R`` alone), the
   server's per-sequence code (sampler, logits processors, detokenizer) of
   each request whose ``max_tokens`` is 13 raises once it has 3 tokens
-  (``serving/isolation.py``).
+  (``serving/isolation.py``); ``stall:max_tokens=13,step=3,seconds=60``
+  sleeps there instead, once a process: the job holds that request (and
+  the requests queued behind it) unfinished, its heartbeat beating.
 - ``fail:at=POINT,rank=R``: an unexpected exception at a shared step that is
   not a forward pass (``point``): ``at=place`` while a rank prepares a new
   placement (``layer=L``: at that layer), ``at=page`` in a paging read
@@ -42,7 +44,7 @@ class Fault:
         action, _, params = spec.strip().partition(":")
         values = dict(p.partition("=")[::2] for p in params.split(",") if p)
         self.action = action
-        target = values.get("rank", str(rank) if action == "sequence" else "-1")
+        target = values.get("rank", str(rank) if action in _SEQUENCE else "-1")
         try:
             self.armed = target == "all" or parse_int(target, "rank", signed=True) == rank
             self.max_tokens = parse_int(values.get("max_tokens", "-1"), "max_tokens", signed=True)
@@ -56,7 +58,7 @@ class Fault:
         self.op = values.get("op")  # fail at=command: the command
 
     def maybe_fire(self, layer: int, step: int) -> None:
-        if not self.armed or self.action in ("sequence", "fail") or self.layer not in (layer, -1) or step != self.step:
+        if not self.armed or self.action in (*_SEQUENCE, "fail") or self.layer not in (layer, -1) or step != self.step:
             return
         if self.skip > 0:
             self.skip -= 1
@@ -70,9 +72,14 @@ class Fault:
             time.sleep(self.seconds)
 
     def maybe_fire_sequence(self, max_tokens: int, tokens: int, where: str) -> None:
-        """The ``sequence`` fault, in the per-sequence code ``where`` of a served request."""
-        if self.action == "sequence" and max_tokens == self.max_tokens and tokens >= self.step:
+        """The ``sequence`` or ``stall`` fault, in the per-sequence code ``where`` of a served request."""
+        if self.action not in _SEQUENCE or max_tokens != self.max_tokens or tokens < self.step:
+            return
+        if self.action == "sequence":
             raise RuntimeError(f"injected fault in a sequence's {where} at token {tokens}")
+        if self.armed:
+            self.armed = False  # once
+            time.sleep(self.seconds)
 
     def maybe_fail(self, at: str, layer: Optional[int], op: Optional[str]) -> None:
         """The ``fail`` fault, at the shared step ``at``."""
@@ -87,6 +94,7 @@ class Fault:
         raise RuntimeError(f"injected fault at {at}{where}")
 
 
+_SEQUENCE = ("sequence", "stall")  # the faults of a served request's per-sequence code
 FAULT: Optional[Fault] = None  # this rank's first armed fault at expert steps or sequences; None in real runs
 _ARMED: List[Fault] = []  # all of them, each fired at its own moment
 _POINTS: Dict[Tuple[int, str], List[Fault]] = {}  # (rank, MLXDIST_FAULT) -> its ``fail`` faults: each fires once a process
