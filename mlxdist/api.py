@@ -38,6 +38,7 @@ from mlxdist.values.placement import Placement
 from mlxdist.model.routing_file import RoutingStats
 from mlxdist.dispatch.stats import add_shares
 from mlxdist.engine.routing_record import RoutingRecorder
+from mlxdist.runtime.gil import hold_no_lock_while_waiting
 from mlxdist.runtime.heartbeat import FROM_ENVIRONMENT, ON_LOST, check_heartbeat, start_heartbeat
 from mlxdist.runtime.rank0_thread import Rank0Thread
 from mlxdist.runtime.watchdog import ACTIVITY, DEFAULT_TIMEOUT, start_watchdog
@@ -554,6 +555,7 @@ def init(timeout: float = DEFAULT_TIMEOUT, backend: Optional[str] = None,
     the loss ends the process with the heartbeat's line (the command line's way)."""
     seconds = check_heartbeat(heartbeat)
     world = join(backend)
+    hold_no_lock_while_waiting()  # else a lost rank can leave the threads below without the GIL
     start_watchdog(world, timeout)
     start_heartbeat(world, seconds)
     if world.is_root:

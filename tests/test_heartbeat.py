@@ -311,3 +311,41 @@ def test_the_fronts_metrics_skip_malformed_rank_counters():
     assert samples["mlxdist_step_seconds_bucket[('le', '+Inf')]"] == 6
     assert samples["mlxdist_link_bytes_total[('direction', 'received'), ('host', 'mac-2'), "
                    "('interface', 'bridge0'), ('rank', '1')]"] == 8
+
+
+def test_clear_cache_waits_without_the_gil():
+    """mlx-lm calls mx.clear_cache() with the next token's work (and its
+    exchange) in flight; MLX's waits for that work holding the GIL, so a
+    rank lost then left the heartbeat thread unable to run (the job never
+    ended). As ranks start it (runtime/gil.py) it waits without: another
+    thread runs meanwhile. Failed before: 1 tick of that thread in 2.7 s."""
+    import threading
+
+    import mlx.core as mx
+
+    from mlxdist.runtime.gil import hold_no_lock_while_waiting
+
+    original = mx.clear_cache
+    hold_no_lock_while_waiting()
+    ticks, stop = [0], threading.Event()
+
+    def tick():
+        while not stop.wait(0.01):
+            ticks[0] += 1
+
+    try:
+        threading.Thread(target=tick, daemon=True).start()
+        a = mx.random.normal((800, 800))
+        mx.eval(a)
+        work = a
+        for _ in range(15):
+            work = work @ a / 800
+        mx.async_eval(work)
+        before, started = ticks[0], time.monotonic()
+        mx.clear_cache()
+        waited = time.monotonic() - started
+        assert waited > 0.3, f"the work was done before clear_cache was called ({waited:.2f} s): make it longer"
+        assert ticks[0] - before >= 5, (ticks[0] - before, waited)
+    finally:
+        stop.set()
+        mx.clear_cache = original
