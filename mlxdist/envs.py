@@ -95,6 +95,9 @@ VARIABLES: Dict[str, Variable] = {v.name: v for v in (
              "there that ends the job for a lost rank (rank 0 of an API script: as its script ends) writes its "
              "line to it, and launch/mpirun ends mpirun if it still runs 5 s later (it waits minutes for a host it "
              "cannot reach) and exits with status 1."),
+    Variable("MLXDIST_LAUNCH_HOST", "str", None, "launch/mpirun's host name, set by launch/mpirun: only a rank "
+             "on that host writes to its FIFOs (MLXDIST_STDOUT, MLXDIST_LAUNCH_ENDED), where another host sees "
+             "the same path (a shared /tmp)."),
     Variable("MLXDIST_GROUPED_EXPERTS", "switch", "", "Expert calls grouped by expert: 0 never, 1 always (any "
              "device), unset: on GPUs from two slots per expert (docs/notes/grouped-experts.md). Read at import; "
              "any other value stops the job at start."),

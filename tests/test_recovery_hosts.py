@@ -104,6 +104,8 @@ def test_launch_mpirun_ends_a_job_that_lost_a_host(hosts, checkpoint):
         hosts.link(2, up=True)
     stderr = proc.stderr.read()
     assert ended < HEARTBEAT + 5 + 3 and proc.returncode == 1, (ended, proc.returncode, stderr[-3000:])
-    lost = f"mlxdist: error: rank 2 (host host2) sent no heartbeat for {HEARTBEAT:.1f} s: lost"
-    assert set(error_lines(stderr)) == {lost}, stderr[-3000:]
-    assert "launch/mpirun: mpirun still runs 5 s after the job lost a rank" in stderr
+    lost = f"rank 2 (host host2) sent no heartbeat for {HEARTBEAT:.1f} s: lost"
+    # the ranks' own lines, where mpirun passed them on before it was ended (in about 1 run of 10
+    # it had not), and the wrapper's, which names the rank and host either way
+    assert set(error_lines(stderr)) <= {f"mlxdist: error: {lost}"}, stderr[-3000:]
+    assert f"launch/mpirun: mpirun still runs 5 s after the job lost a rank ({lost}); it waits" in stderr, stderr

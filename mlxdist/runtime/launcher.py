@@ -7,6 +7,7 @@ folder an mpirun launch keeps its sessions in.
 import contextlib
 import os
 import shutil
+import socket
 import stat
 import tempfile
 from typing import Dict, Iterator, Optional
@@ -42,9 +43,13 @@ MLX_LAUNCH_MPI = ("--backend mpi needs MPI, which mlx.launch does not start here
 def launch_fifo(variable: str) -> Optional[int]:
     """A non-blocking write end of the FIFO ``launch/mpirun`` names in
     ``variable`` (``MLXDIST_STDOUT``, ``MLXDIST_LAUNCH_ENDED``), where that
-    is set and launch/mpirun reads it on this host; else None."""
+    is set, this is launch/mpirun's host (``MLXDIST_LAUNCH_HOST``) and it
+    reads the FIFO; else None."""
     path = envs.get(variable)
     if not path:
+        return None
+    host = envs.get("MLXDIST_LAUNCH_HOST")
+    if host and host != socket.gethostname():  # the same path on another host (a shared /tmp) is not ours
         return None
     try:
         fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)  # ENXIO where nothing reads it here
