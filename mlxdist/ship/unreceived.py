@@ -71,7 +71,7 @@ def _failing_arrays(poison: Path, unheld: Dict[str, Dict], load: Callable) -> Di
     os.truncate(poison, len(prefix))
     # MLX keeps the file it loaded open until the arrays are evaluated: the name can go now,
     # so a read-only share's loads leave nothing in the temporary folder
-    poison.unlink()
+    poison.unlink(missing_ok=True)  # another load of the same share may have taken it first
     with contextlib.suppress(OSError):  # other files of this load may still be there
         poison.parent.rmdir()
     return arrays
