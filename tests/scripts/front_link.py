@@ -32,6 +32,9 @@ import urllib.request
 HEARTBEAT, REGROW_EVERY = 5.0, 8.0
 PROMPT = "Request 3: tokens tokens"
 EOS = 2
+# Each fault's stream is held at its HELD_AT-th token (a test fault, once a job), the plain request
+# beside it with it: both are live when the fault comes, however slow the machine.
+LIVE_TOKENS, HELD_AT = 3000, 20
 HEALTH_SAID = collections.deque(maxlen=6)  # the last statuses /health gave, for a failure's message
 
 
@@ -40,6 +43,8 @@ def main() -> None:
     front = subprocess.Popen([sys.executable, "-m", "mlxdist.serve", "--ranks", "3", "--hostfile", hostfile,
                               "--model", model, "--port", "0", "--api-key", key, "--heartbeat", str(HEARTBEAT),
                               "--regrow-every", str(REGROW_EVERY)], stdin=subprocess.DEVNULL,
+                             env={**os.environ, "MLXDIST_FAULT": f"stall:max_tokens={LIVE_TOKENS},step={HELD_AT},"
+                                                                 f"seconds=300"},
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     said, port = [], []
 
@@ -176,7 +181,7 @@ def fault(url, key, health, greedy, held, expected, undisturbed, name, inflict) 
 
     def stream():
         req = urllib.request.Request(url + "/v1/completions", data=json.dumps(
-            {**greedy, "max_tokens": 3000, "stream": True, "logit_bias": {str(EOS): -100}}).encode(),
+            {**greedy, "max_tokens": LIVE_TOKENS, "stream": True, "logit_bias": {str(EOS): -100}}).encode(),
             headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}"})
         try:
             with urllib.request.urlopen(req, timeout=120) as r:
@@ -192,6 +197,7 @@ def fault(url, key, health, greedy, held, expected, undisturbed, name, inflict) 
     threading.Thread(target=plain, daemon=True).start()
     wait(lambda: queued(url, key) >= 1 or "plain_at" in live, 30, "the plain request forwarded")
     assert "plain_at" not in live, live
+    assert len(events) <= HELD_AT + 1, (name, "the stream was not held: the fault comes at another moment")
     inflict()
     hit = time.monotonic()
 
