@@ -207,5 +207,19 @@ exec {self.agent} "$@"
                     pass
 
     def link(self, host: int, up: bool) -> None:
-        """Host ``host``'s cable to the bridge plugged in or pulled out."""
+        """Host ``host``'s cable to the bridge plugged in or pulled out; plugged
+        in, it returns once that host reaches every other one (a launch made
+        at once failed "No route to host" while the link was still coming up)."""
         _ip("-n", self.switch, "link", "set", f"{self.prefix}v{host}", "up" if up else "down")
+        if up:
+            others = [a for i, a in enumerate(self.addresses) if i != host]
+            reach = ("import socket, sys, time\n"
+                     "for address in sys.argv[1:]:\n"
+                     "    for _ in range(100):\n"
+                     "        try:\n"
+                     "            socket.create_connection((address, 9), timeout=1).close(); break\n"
+                     "        except ConnectionRefusedError: break  # a host that answers\n"
+                     "        except OSError: time.sleep(0.1)\n"
+                     "    else: sys.exit(f'{address} unreachable')\n")
+            subprocess.run(["ip", "netns", "exec", self.namespaces[host], sys.executable, "-c", reach, *others],
+                           check=True, timeout=60)
